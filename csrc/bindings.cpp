@@ -1,0 +1,188 @@
+// Thin pybind11 layer: take arrays, check only what would crash, release the
+// GIL, call one entry point. Argument checking with user-facing messages,
+// shapes and dispatch live in python/attn_fast/functional.py.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "attn_fast/attention.h"
+
+namespace py = pybind11;
+using namespace attn_fast;
+
+namespace {
+
+Strides4 strides4(const py::array& x, const char* name) {
+  if (x.ndim() != 4) throw py::value_error(std::string(name) + " must be 4-D (B, H, L, d)");
+  const auto item = static_cast<int64_t>(x.itemsize());
+  int64_t s[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t b = static_cast<int64_t>(x.strides(i));
+    if (b % item != 0) throw py::value_error(std::string(name) + " has strides that are not a multiple of its itemsize");
+    s[i] = b / item;
+  }
+  if (reinterpret_cast<uintptr_t>(x.data()) % static_cast<uintptr_t>(item) != 0)
+    throw py::value_error(std::string(name) + " is not aligned to its itemsize");
+  return {s[0], s[1], s[2], s[3]};
+}
+
+template <typename T>
+const T* data_of(const py::object& obj, const char* name, int64_t n) {
+  if (obj.is_none()) return nullptr;
+  auto arr = py::cast<py::array>(obj);
+  if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style))
+    throw py::type_error(std::string(name) + ": expected a C-contiguous array of the right dtype");
+  if (n >= 0 && arr.size() != n)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements");
+  return static_cast<const T*>(arr.data());
+}
+
+template <typename T>
+py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
+                    double scale, bool causal, bool top_left, int64_t window_left,
+                    int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
+                    py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
+                    py::object mask, py::object bias, py::object alibi, double softcap,
+                    py::object sinks, int block_q, int block_k, bool reference) {
+  AttnArgs<T> a;
+  for (auto* arr : {&q, &k, &v, &o})
+    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  a.sq = strides4(q, "q");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.so = strides4(o, "o");
+  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
+  a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
+  if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
+      o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  const bool varlen = !cu_q.is_none();
+  if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
+  a.q = static_cast<const T*>(q.data());
+  a.k = static_cast<const T*>(k.data());
+  a.v = static_cast<const T*>(v.data());
+  a.o = static_cast<T*>(o.mutable_data());
+  a.scale = scale;
+  a.causal = causal;
+  a.top_left = top_left;
+  a.window_left = window_left;
+  a.window_right = window_right;
+  a.softcap = softcap;
+  a.block_q = block_q;
+  a.block_k = block_k;
+  a.num_threads = get_num_threads();
+  if (varlen) {
+    auto cq = py::cast<py::array>(cu_q);
+    const int64_t nseq = static_cast<int64_t>(cq.size()) - 1;
+    if (nseq < 0) throw py::value_error("cu_seqlens_q is empty");
+    a.cu_q = data_of<int64_t>(cu_q, "cu_seqlens_q", -1);
+    a.cu_k = data_of<int64_t>(cu_k, "cu_seqlens_k", nseq + 1);
+    if (a.B != 1) throw py::value_error("varlen q must have batch 1");
+    a.B = nseq;
+  }
+  a.q_lens = data_of<int64_t>(q_lens, "q_lens", varlen ? -1 : a.B);
+  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", varlen ? -1 : a.B);
+  a.alibi = data_of<T>(alibi, "alibi_slopes", a.Hq);
+  a.sinks = data_of<T>(sinks, "sinks", a.Hq);
+  const int64_t lse_rows = varlen ? a.Lq : a.B * a.Lq;
+  if (!lse.is_none()) {
+    auto arr = py::cast<py::array>(lse);
+    if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
+        arr.size() != a.Hq * lse_rows)
+      throw py::value_error("lse must be a writeable C-contiguous array of Hq * rows elements");
+    a.lse = static_cast<T*>(arr.mutable_data());
+  }
+  py::array layout_arr, mask_arr, bias_arr;
+  if (!layout.is_none()) {
+    layout_arr = py::cast<py::array>(layout);
+    if (!py::isinstance<py::array_t<uint8_t>>(layout_arr)) throw py::type_error("layout must be uint8");
+    a.slayout = strides4(layout_arr, "layout");
+    a.layout = static_cast<const uint8_t*>(layout_arr.data());
+    a.layout_bq = layout_bq;
+    a.layout_bk = layout_bk;
+    a.layout_nq = layout_arr.shape(2);
+    a.layout_nk = layout_arr.shape(3);
+    if (layout_bq < 1 || layout_bk < 1 || a.layout_nq * layout_bq < a.Lq || a.layout_nk * layout_bk < a.Lk)
+      throw py::value_error("layout does not cover the sequence");
+  }
+  if (!mask.is_none()) {
+    mask_arr = py::cast<py::array>(mask);
+    if (!py::isinstance<py::array_t<uint8_t>>(mask_arr)) throw py::type_error("mask must be uint8");
+    a.smask = strides4(mask_arr, "mask");
+    a.mask = static_cast<const uint8_t*>(mask_arr.data());
+  }
+  if (!bias.is_none()) {
+    bias_arr = py::cast<py::array>(bias);
+    if (!py::isinstance<py::array_t<T>>(bias_arr)) throw py::type_error("bias must have q's dtype");
+    a.sbias = strides4(bias_arr, "bias");
+    a.bias = static_cast<const T*>(bias_arr.data());
+  }
+  AttnStats st;
+  {
+    py::gil_scoped_release release;
+    if (reference)
+      reference_forward(a);
+    else
+      st = flash_forward(a);
+  }
+  return py::make_tuple(st.tiles_computed, st.tiles_skipped);
+}
+
+py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+                  bool causal, bool top_left, int64_t window_left, int64_t window_right,
+                  py::object q_lens, py::object kv_lens, py::object cu_q, py::object cu_k,
+                  py::object layout, int64_t layout_bq, int64_t layout_bk, py::object mask,
+                  py::object bias, py::object alibi, double softcap, py::object sinks, int block_q,
+                  int block_k, bool reference) {
+  if (py::isinstance<py::array_t<float>>(q))
+    return forward_t<float>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                            q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                            alibi, softcap, sinks, block_q, block_k, reference);
+  if (py::isinstance<py::array_t<double>>(q))
+    return forward_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                             q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                             alibi, softcap, sinks, block_q, block_k, reference);
+  throw py::type_error("q must be float32 or float64");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "attn_fast C++ core: fused flash-attention forward kernels (internal; use attn_fast)";
+  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(),
+        py::arg("layout") = py::none(), py::arg("layout_bq") = 1, py::arg("layout_bk") = 1,
+        py::arg("mask") = py::none(), py::arg("bias") = py::none(),
+        py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("reference") = false,
+        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped).");
+  m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
+  m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); });
+  m.def("available_isas", [] {
+    py::list out;
+    for (Isa i : available_isas()) out.append(isa_name(i));
+    return out;
+  });
+  m.def("compiled_isas", [] {
+    py::list out;
+    for (Isa i : compiled_isas()) out.append(isa_name(i));
+    return out;
+  });
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("get_num_threads", &get_num_threads);
+  m.def("openmp_enabled", &openmp_enabled);
+  m.def("openmp_runtime", &openmp_runtime);
+  m.def("fma_peak_gflops", [](int threads, double seconds) {
+    py::gil_scoped_release release;
+    return fma_peak_gflops(threads, seconds);
+  }, py::arg("threads"), py::arg("seconds") = 0.3);
+}

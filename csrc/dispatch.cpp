@@ -1,0 +1,241 @@
+// CPU detection (once, cached), ISA choice and thread count; compiled at the
+// baseline ISA. Forwards each entry point to the chosen per-ISA kernel.
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#define ATTN_X86 1
+#include <cpuid.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#endif
+
+#include "attn_fast/attention.h"
+
+namespace attn_fast {
+
+#define ATTN_DECLARE_ISA(ns)                                      \
+  namespace ns {                                                  \
+  AttnStats flash_forward_f32(const AttnArgs<float>& a);          \
+  AttnStats flash_forward_f64(const AttnArgs<double>& a);         \
+  double fma_loop(int64_t iters);                                 \
+  }
+ATTN_DECLARE_ISA(isa_scalar)
+#ifdef ATTN_HAVE_AVX2
+ATTN_DECLARE_ISA(isa_avx2)
+#endif
+#ifdef ATTN_HAVE_AVX512
+ATTN_DECLARE_ISA(isa_avx512)
+#endif
+
+namespace {
+
+struct CpuFeatures {
+  bool avx2 = false, avx512 = false;
+};
+
+#ifdef ATTN_X86
+uint64_t read_xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+#endif
+
+CpuFeatures detect() {
+  CpuFeatures f;
+#ifdef ATTN_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12);
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr0 = read_xcr0();
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;
+  const bool os_zmm = (xcr0 & 0xE6) == 0xE6;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool avx2 = b & (1u << 5);
+  const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  f.avx2 = os_ymm && avx2 && fma;
+  f.avx512 = f.avx2 && os_zmm && f512 && dq && bw && vl;
+#endif
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+bool supported(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return true;
+    case Isa::avx2: return features().avx2;
+    case Isa::avx512: return features().avx512;
+  }
+  return false;
+}
+
+bool compiled(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return true;
+#ifdef ATTN_HAVE_AVX2
+    case Isa::avx2: return true;
+#endif
+#ifdef ATTN_HAVE_AVX512
+    case Isa::avx512: return true;
+#endif
+    default: return false;
+  }
+}
+
+Isa best_isa() {
+  Isa best = Isa::scalar;
+  for (Isa i : {Isa::avx2, Isa::avx512})
+    if (compiled(i) && supported(i)) best = i;
+  return best;
+}
+
+std::atomic<int> g_isa{-1};
+std::atomic<int> g_threads{0};
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "scalar") return Isa::scalar;
+  if (name == "avx2") return Isa::avx2;
+  if (name == "avx512") return Isa::avx512;
+  throw std::invalid_argument("unknown ISA '" + name + "' (expected scalar, avx2 or avx512)");
+}
+
+std::vector<Isa> compiled_isas() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (compiled(i)) out.push_back(i);
+  return out;
+}
+
+std::vector<Isa> available_isas() {
+  std::vector<Isa> out;
+  for (Isa i : compiled_isas())
+    if (supported(i)) out.push_back(i);
+  return out;
+}
+
+Isa active_isa() {
+  int v = g_isa.load();
+  if (v < 0) {
+    v = static_cast<int>(best_isa());
+    g_isa.store(v);
+  }
+  return static_cast<Isa>(v);
+}
+
+void set_active_isa(Isa isa) {
+  if (!compiled(isa))
+    throw std::runtime_error(std::string("ISA '") + isa_name(isa) +
+                             "' is not compiled into this build of attn_fast");
+  if (!supported(isa))
+    throw std::runtime_error(std::string("ISA '") + isa_name(isa) +
+                             "' is not supported by this CPU/OS (CPUID/XCR0)");
+  g_isa.store(static_cast<int>(isa));
+}
+
+void set_num_threads(int n) {
+  if (n < 1) throw std::invalid_argument("num_threads must be >= 1");
+  g_threads.store(n);
+}
+
+int get_num_threads() {
+  int n = g_threads.load();
+  if (n > 0) return n;
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+bool openmp_enabled() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string openmp_runtime() {
+#ifdef _OPENMP
+  std::string s = "OpenMP " + std::to_string(_OPENMP);
+#if defined(__unix__) || defined(__APPLE__)
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname)
+    s += std::string(" (") + info.dli_fname + ")";
+#endif
+  return s;
+#else
+  return "none (built without OpenMP: single-threaded)";
+#endif
+}
+
+#define ATTN_DISPATCH(fn, ...)                                          \
+  switch (active_isa()) {                                               \
+    AVX512_CASE(fn, __VA_ARGS__)                                        \
+    AVX2_CASE(fn, __VA_ARGS__)                                          \
+    default: return isa_scalar::fn(__VA_ARGS__);                        \
+  }
+#ifdef ATTN_HAVE_AVX512
+#define AVX512_CASE(fn, ...) case Isa::avx512: return isa_avx512::fn(__VA_ARGS__);
+#else
+#define AVX512_CASE(fn, ...)
+#endif
+#ifdef ATTN_HAVE_AVX2
+#define AVX2_CASE(fn, ...) case Isa::avx2: return isa_avx2::fn(__VA_ARGS__);
+#else
+#define AVX2_CASE(fn, ...)
+#endif
+
+AttnStats flash_forward(const AttnArgs<float>& a) { ATTN_DISPATCH(flash_forward_f32, a) }
+AttnStats flash_forward(const AttnArgs<double>& a) { ATTN_DISPATCH(flash_forward_f64, a) }
+
+static double fma_loop_active(int64_t iters) { ATTN_DISPATCH(fma_loop, iters) }
+
+double fma_peak_gflops(int threads, double seconds) {
+  if (threads < 1) threads = 1;
+  // Calibrate on one thread, then run the same count on every thread.
+  int64_t iters = 1 << 20;
+  double el = 0;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fma_loop_active(iters);
+    el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (el > 0.02 || iters > (int64_t(1) << 40)) break;
+    iters *= 4;
+  }
+  iters = static_cast<int64_t>(iters * (seconds / (el > 0 ? el : 1e-3)));
+  if (iters < 1) iters = 1;
+  double flops = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+  { flops += fma_loop_active(iters); }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return flops / dt * 1e-9;
+}
+
+}  // namespace attn_fast

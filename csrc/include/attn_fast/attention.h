@@ -1,0 +1,123 @@
+// attn_fast public C++ interface: argument structs and entry points.
+//
+// Shape legend (used in every file of csrc/):
+//   B      batch (or number of packed sequences for varlen)
+//   Hq     query heads          Hkv  key/value heads (Hq % Hkv == 0; GQA)
+//   Lq     query length         Lk   key/value length
+//   d      query/key head dim   dv   value head dim
+//
+// Every tensor is read through element strides (not bytes), so (B, H, L, d),
+// (B, L, H, d) and any other view needs no copy. Strides may be zero
+// (broadcast) for masks. All index arithmetic is 64-bit.
+//
+// No SIMD types appear here: this header is included by the baseline-compiled
+// dispatch and bindings as well as by every per-ISA kernel.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace attn_fast {
+
+struct Strides4 {
+  int64_t b = 0, h = 0, l = 0, d = 0;
+};
+
+// Everything one call of the fused forward kernel needs. T is float or double.
+//
+// Visibility of key j for query i of sequence s (all must hold):
+//   j < k_len(s)                                   (padding / varlen)
+//   causal:        j <= i + off(s)
+//   window_left:   j >= i + off(s) - window_left   (if window_left  >= 0)
+//   window_right:  j <= i + off(s) + window_right  (if window_right >= 0)
+//   layout[b][h][i / layout_bq][j / layout_bk] != 0  (block-sparse, if given)
+//   mask[b][h][i][j] != 0                            (dense boolean, if given)
+// where off(s) = k_len(s) - q_len(s) for bottom-right alignment (FlashAttention,
+// KV caches) and 0 for top-left alignment (torch's is_causal).
+// Score of a visible pair:
+//   s = scale * <q_i, k_j>;  if softcap > 0: s = softcap * tanh(s / softcap)
+//   s += -alibi[h] * |i + off(s) - j|   (if alibi given)
+//   s += bias[b][h][i][j]               (if bias given; -inf masks the pair)
+// Rows of sequence s at i >= q_len(s) (padding) and rows with no visible key
+// get O = 0 and lse = -inf. A per-head sink logit (sinks[h]) joins the
+// softmax denominator only.
+template <typename T>
+struct AttnArgs {
+  const T* q = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  T* o = nullptr;
+  T* lse = nullptr;  // optional, contiguous (B, Hq, Lq) / (Hq, total_q) for varlen
+
+  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, d = 0, dv = 0;
+  Strides4 sq, sk, sv, so;
+  double scale = 1.0;
+
+  bool causal = false;
+  bool top_left = false;  // causal/window alignment: false = bottom-right
+  int64_t window_left = -1, window_right = -1;
+
+  const int64_t* q_lens = nullptr;  // (B,) valid query rows per batch; rest -> 0
+  const int64_t* kv_lens = nullptr; // (B,) valid keys per batch
+
+  // varlen packing: sequences s = 0..B-1 occupy rows cu_q[s]..cu_q[s+1] of the
+  // (single) batch entry 0. When set, Lq / Lk are the packed totals.
+  const int64_t* cu_q = nullptr;
+  const int64_t* cu_k = nullptr;
+
+  const uint8_t* layout = nullptr;
+  int64_t layout_bq = 1, layout_bk = 1, layout_nq = 0, layout_nk = 0;
+  Strides4 slayout;  // b, h, query block, key block
+
+  const uint8_t* mask = nullptr;  // dense boolean, 1 = attend
+  Strides4 smask;
+  const T* bias = nullptr;        // dense additive
+  Strides4 sbias;
+
+  const T* alibi = nullptr;  // (Hq,) slopes
+  double softcap = 0.0;
+  const T* sinks = nullptr;  // (Hq,) logits
+
+  int num_threads = 1;
+  // Tiling override for tests (0 = kernel default). Results do not depend on it
+  // beyond float rounding.
+  int block_q = 0, block_k = 0;
+};
+
+// Statistics reported by the kernel (for tests and benchmarks).
+struct AttnStats {
+  int64_t tiles_computed = 0;  // (Br x Bc) tiles whose scores were computed
+  int64_t tiles_skipped = 0;   // tiles inside the key range skipped by a mask
+};
+
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+
+const char* isa_name(Isa isa);
+// ISAs compiled into this build AND supported by this CPU/OS, in ascending order.
+std::vector<Isa> available_isas();
+std::vector<Isa> compiled_isas();
+Isa active_isa();
+// Throws std::runtime_error if the ISA is not compiled in or not supported.
+void set_active_isa(Isa isa);
+Isa parse_isa(const std::string& name);  // throws std::invalid_argument
+
+void set_num_threads(int n);
+int get_num_threads();
+bool openmp_enabled();
+std::string openmp_runtime();
+
+// Entry points: dispatch to the active ISA's fused kernel.
+AttnStats flash_forward(const AttnArgs<float>& a);
+AttnStats flash_forward(const AttnArgs<double>& a);
+
+// Plain-loop reference kernel (two-pass softmax in double): the slow readable
+// fallback and second oracle. Same arguments and semantics.
+void reference_forward(const AttnArgs<float>& a);
+void reference_forward(const AttnArgs<double>& a);
+
+// Register-only FMA loop used by the benchmark to measure the machine's peak.
+// Returns FLOPs performed; runs on `threads` threads for about `seconds`.
+double fma_peak_gflops(int threads, double seconds);
+
+}  // namespace attn_fast

@@ -1,0 +1,67 @@
+// Per-sequence geometry and structural visibility, shared by the fused
+// kernels (compiled once per ISA) and the reference kernel.
+//
+// Everything here lives in an anonymous namespace on purpose: each translation
+// unit, compiled with its own ISA flags, gets its own copy, so the linker can
+// never pick an AVX-512 compiled body for the baseline path (see PyTorch's
+// aten/src/ATen/native/cpu/README.md on per-ISA objects).
+#pragma once
+
+#include <cstdint>
+
+#include "attn_fast/attention.h"
+
+namespace attn_fast {
+namespace {
+
+// One sequence's view of the packed/padded batch.
+struct SeqInfo {
+  int64_t b = 0;      // batch index used to address q/k/v/o and masks
+  int64_t q0 = 0;     // first query row in the tensor (varlen offset)
+  int64_t q_len = 0;  // valid query rows
+  int64_t q_rows = 0; // rows to write (valid + padding rows that get zeros)
+  int64_t k0 = 0;     // first key row in the tensor (varlen offset)
+  int64_t k_len = 0;  // valid keys
+  int64_t off = 0;    // causal diagonal: query i aligns with key i + off
+};
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+template <typename T>
+inline SeqInfo seq_info(const AttnArgs<T>& a, int64_t s) {
+  SeqInfo si;
+  if (a.cu_q) {
+    si.b = 0;
+    si.q0 = a.cu_q[s];
+    si.q_len = a.cu_q[s + 1] - a.cu_q[s];
+    si.q_rows = si.q_len;
+    si.k0 = a.cu_k[s];
+    si.k_len = a.cu_k[s + 1] - a.cu_k[s];
+  } else {
+    si.b = s;
+    si.q_rows = a.Lq;
+    si.q_len = a.q_lens ? imax(0, imin(a.Lq, a.q_lens[s])) : a.Lq;
+    si.k_len = a.kv_lens ? imax(0, imin(a.Lk, a.kv_lens[s])) : a.Lk;
+  }
+  si.off = a.top_left ? 0 : si.k_len - si.q_len;
+  return si;
+}
+
+// Half-open range [lo, hi) of keys that the structural masks (lengths, causal,
+// window) leave visible to local query row i. Empty when hi <= lo.
+template <typename T>
+inline void row_range(const AttnArgs<T>& a, const SeqInfo& si, int64_t i, int64_t* lo,
+                      int64_t* hi) {
+  int64_t l = 0, h = si.k_len;
+  const int64_t diag = i + si.off;
+  if (a.causal) h = imin(h, diag + 1);
+  if (a.window_left >= 0) l = imax(l, diag - a.window_left);
+  if (a.window_right >= 0) h = imin(h, diag + a.window_right + 1);
+  if (i >= si.q_len) h = l;  // padding row: nothing visible
+  *lo = l;
+  *hi = h;
+}
+
+}  // namespace
+}  // namespace attn_fast

@@ -1,0 +1,105 @@
+// AVX2 + FMA vectors: 8 floats / 4 doubles per register, 16 registers.
+#pragma once
+#include <immintrin.h>
+
+template <typename T>
+struct Vec;
+
+// exp(x) for the softmax: x * log2(e) = n + f with n integer (round to nearest
+// via the 1.5 * 2^23 magic constant) and |f| <= 0.5; 2^f by its Taylor series
+// to degree 6 (relative error < 1.2e-7, about 1 ulp); 2^n by building the
+// exponent bits. Inputs below -87.3 (t < -126) give exactly 0, -inf gives 0,
+// +inf and overflow give +inf, NaN stays NaN.
+template <>
+struct Vec<float> {
+  static constexpr int W = 8;
+  using R = __m256;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static float hmax(R a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+  static float hsum(R a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+  static R exp(R x) {
+    const R t0 = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const R t = _mm256_min_ps(_mm256_max_ps(t0, _mm256_set1_ps(-127.f)), _mm256_set1_ps(128.f));
+    const R magic = _mm256_set1_ps(12582912.f);  // 1.5 * 2^23
+    const R r = _mm256_add_ps(t, magic);
+    const R n = _mm256_sub_ps(r, magic);
+    const R f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+    R p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_castps_si256(r), _mm256_set1_epi32(127 - 0x4B400000)), 23);
+    R y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(t0, _mm256_set1_ps(-126.f), _CMP_LT_OQ));
+    // t0 NaN: keep NaN (the clamp above turned it into a number).
+    return _mm256_blendv_ps(y, t0, _mm256_cmp_ps(t0, t0, _CMP_UNORD_Q));
+  }
+};
+
+// Same scheme in double: magic 1.5 * 2^52, Taylor series of 2^f to degree 12
+// (relative error < 2e-16).
+template <>
+struct Vec<double> {
+  static constexpr int W = 4;
+  using R = __m256d;
+  static R zero() { return _mm256_setzero_pd(); }
+  static R set1(double x) { return _mm256_set1_pd(x); }
+  static R load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, R x) { _mm256_storeu_pd(p, x); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_pd(a, b, c); }
+  static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
+  static R add(R a, R b) { return _mm256_add_pd(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_pd(a, b); }
+  static R max(R a, R b) { return _mm256_max_pd(a, b); }
+  static double hmax(R a) {
+    __m128d x = _mm_max_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    x = _mm_max_sd(x, _mm_unpackhi_pd(x, x));
+    return _mm_cvtsd_f64(x);
+  }
+  static double hsum(R a) {
+    __m128d x = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    x = _mm_add_sd(x, _mm_unpackhi_pd(x, x));
+    return _mm_cvtsd_f64(x);
+  }
+  static R exp(R x) {
+    const R t0 = _mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634074));
+    const R t = _mm256_min_pd(_mm256_max_pd(t0, _mm256_set1_pd(-1023.)), _mm256_set1_pd(1024.));
+    const R magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
+    const R r = _mm256_add_pd(t, magic);
+    const R n = _mm256_sub_pd(r, magic);
+    const R f = _mm256_mul_pd(_mm256_sub_pd(t, n), _mm256_set1_pd(0.69314718055994530942));
+    R p = _mm256_set1_pd(1.0 / 479001600);
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
+                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
+    const __m256i e = _mm256_slli_epi64(
+        _mm256_add_epi64(_mm256_castpd_si256(r),
+                         _mm256_set1_epi64x(1023 - 0x4338000000000000LL)),
+        52);
+    R y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+    y = _mm256_blendv_pd(y, _mm256_setzero_pd(), _mm256_cmp_pd(t0, _mm256_set1_pd(-1022.), _CMP_LT_OQ));
+    return _mm256_blendv_pd(y, t0, _mm256_cmp_pd(t0, t0, _CMP_UNORD_Q));
+  }
+};

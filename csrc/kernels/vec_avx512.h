@@ -1,0 +1,90 @@
+// AVX-512 F/BW/VL/DQ vectors: 16 floats / 8 doubles per register, 32 registers.
+// exp() follows the same scheme as vec_avx2.h (see there for the accuracy).
+#pragma once
+#include <immintrin.h>
+
+template <typename T>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  static constexpr int W = 16;
+  using R = __m512;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static float hmax(R a) { return _mm512_reduce_max_ps(a); }
+  static float hsum(R a) { return _mm512_reduce_add_ps(a); }
+  static R exp(R x) {
+    const R t0 = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const R t = _mm512_min_ps(_mm512_max_ps(t0, _mm512_set1_ps(-127.f)), _mm512_set1_ps(128.f));
+    const R magic = _mm512_set1_ps(12582912.f);
+    const R r = _mm512_add_ps(t, magic);
+    const R n = _mm512_sub_ps(r, magic);
+    const R f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    R p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_castps_si512(r), _mm512_set1_epi32(127 - 0x4B400000)), 23);
+    R y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t0, _mm512_set1_ps(-126.f), _CMP_LT_OQ), y,
+                             _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t0, t0, _CMP_UNORD_Q), y, t0);
+  }
+};
+
+template <>
+struct Vec<double> {
+  static constexpr int W = 8;
+  using R = __m512d;
+  static R zero() { return _mm512_setzero_pd(); }
+  static R set1(double x) { return _mm512_set1_pd(x); }
+  static R load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, R x) { _mm512_storeu_pd(p, x); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_pd(a, b, c); }
+  static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
+  static R add(R a, R b) { return _mm512_add_pd(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_pd(a, b); }
+  static R max(R a, R b) { return _mm512_max_pd(a, b); }
+  static double hmax(R a) { return _mm512_reduce_max_pd(a); }
+  static double hsum(R a) { return _mm512_reduce_add_pd(a); }
+  static R exp(R x) {
+    const R t0 = _mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634074));
+    const R t = _mm512_min_pd(_mm512_max_pd(t0, _mm512_set1_pd(-1023.)), _mm512_set1_pd(1024.));
+    const R magic = _mm512_set1_pd(6755399441055744.0);
+    const R r = _mm512_add_pd(t, magic);
+    const R n = _mm512_sub_pd(r, magic);
+    const R f = _mm512_mul_pd(_mm512_sub_pd(t, n), _mm512_set1_pd(0.69314718055994530942));
+    R p = _mm512_set1_pd(1.0 / 479001600);
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 39916800));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 3628800));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 362880));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 40320));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 5040));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 720));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 120));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 24));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0 / 6));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(0.5));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0));
+    p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(1.0));
+    const __m512i e = _mm512_slli_epi64(
+        _mm512_add_epi64(_mm512_castpd_si512(r), _mm512_set1_epi64(1023 - 0x4338000000000000LL)),
+        52);
+    R y = _mm512_mul_pd(p, _mm512_castsi512_pd(e));
+    y = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(t0, _mm512_set1_pd(-1022.), _CMP_LT_OQ), y,
+                             _mm512_setzero_pd());
+    return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(t0, t0, _CMP_UNORD_Q), y, t0);
+  }
+};

@@ -1,0 +1,22 @@
+// Portable "vector" of one lane: the baseline path for any CPU. Same interface
+// as vec_avx2.h / vec_avx512.h so the kernel source is shared.
+#pragma once
+#include <cmath>
+
+template <typename T>
+struct Vec {
+  static constexpr int W = 1;
+  using R = T;
+  static R zero() { return T(0); }
+  static R set1(T x) { return x; }
+  static R load(const T* p) { return *p; }
+  static void store(T* p, R x) { *p = x; }
+  static R fma(R a, R b, R c) { return a * b + c; }
+  static R mul(R a, R b) { return a * b; }
+  static R add(R a, R b) { return a + b; }
+  static R sub(R a, R b) { return a - b; }
+  static R max(R a, R b) { return a > b ? a : b; }
+  static T hmax(R a) { return a; }
+  static T hsum(R a) { return a; }
+  static R exp(R x) { return std::exp(x); }
+};

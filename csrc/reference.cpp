@@ -1,0 +1,85 @@
+// The slow readable kernel: plain loops, two-pass softmax in double.
+//
+// Same arguments and semantics as the fused kernel (see attention.h); it is
+// the fallback users can select and the second oracle the tests compare the
+// fused kernel against. Scratch: one row of Lk scores per thread.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attn_fast/attention.h"
+#include "attn_fast/seq.h"
+
+namespace attn_fast {
+namespace {
+
+template <typename T>
+void reference_impl(const AttnArgs<T>& a) {
+  const double NEG_INF = -std::numeric_limits<double>::infinity();
+  for (int64_t s = 0; s < a.B; ++s) {
+    const SeqInfo si = seq_info(a, s);
+#pragma omp parallel for num_threads(a.num_threads > 0 ? a.num_threads : 1) schedule(dynamic)
+    for (int64_t h = 0; h < a.Hq; ++h) {
+      const int64_t hk = h / (a.Hq / a.Hkv);
+      std::vector<double> score(static_cast<size_t>(si.k_len > 0 ? si.k_len : 1));
+      std::vector<double> out(static_cast<size_t>(a.dv > 0 ? a.dv : 1));
+      for (int64_t i = 0; i < si.q_rows; ++i) {
+        const T* q = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i) * a.sq.l;
+        T* o = a.o + si.b * a.so.b + h * a.so.h + (si.q0 + i) * a.so.l;
+        int64_t lo, hi;
+        row_range(a, si, i, &lo, &hi);
+        // Pass 1: scores of visible keys (masked ones are -inf).
+        double m = NEG_INF;
+        for (int64_t j = 0; j < si.k_len; ++j) {
+          bool vis = j >= lo && j < hi;
+          if (vis && a.layout)
+            vis = a.layout[si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l +
+                           (j / a.layout_bk) * a.slayout.d] != 0;
+          if (vis && a.mask)
+            vis = a.mask[si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j * a.smask.d] != 0;
+          if (!vis) {
+            score[j] = NEG_INF;
+            continue;
+          }
+          const T* k = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j) * a.sk.l;
+          double dot = 0;
+          for (int64_t e = 0; e < a.d; ++e) dot += double(q[e * a.sq.d]) * double(k[e * a.sk.d]);
+          double sc = a.scale * dot;
+          if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
+          if (a.alibi) sc -= double(a.alibi[h]) * std::fabs(double(i + si.off - j));
+          if (a.bias) sc += double(a.bias[si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j * a.sbias.d]);
+          score[j] = sc;
+          if (sc > m) m = sc;
+        }
+        if (a.sinks && double(a.sinks[h]) > m) m = double(a.sinks[h]);
+        // Pass 2: weights and output, skipping invisible keys entirely.
+        double l = 0;
+        for (int64_t e = 0; e < a.dv; ++e) out[e] = 0;
+        if (m != NEG_INF) {
+          for (int64_t j = 0; j < si.k_len; ++j) {
+            if (score[j] == NEG_INF) continue;
+            const double p = std::exp(score[j] - m);
+            l += p;
+            const T* v = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j) * a.sv.l;
+            for (int64_t e = 0; e < a.dv; ++e) out[e] += p * double(v[e * a.sv.d]);
+          }
+        }
+        const double visible_l = l;
+        if (a.sinks && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
+        for (int64_t e = 0; e < a.dv; ++e)
+          o[e * a.so.d] = (visible_l == 0) ? T(0) : T(out[e] / l);
+        if (a.lse) {
+          T* lse = a.cu_q ? a.lse + h * a.Lq + si.q0 + i : a.lse + (si.b * a.Hq + h) * a.Lq + i;
+          *lse = (l > 0 || l != l) ? T(m + std::log(l)) : T(NEG_INF);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void reference_forward(const AttnArgs<float>& a) { reference_impl<float>(a); }
+void reference_forward(const AttnArgs<double>& a) { reference_impl<double>(a); }
+
+}  // namespace attn_fast

@@ -1,0 +1,37 @@
+"""attn_fast: exact softmax attention for NumPy, with a fused C++ core.
+
+    import attn_fast as af
+    O = af.attention(X, Wq, Wk, Wv, causal=True)          # the textbook's API
+    O = af.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's names
+
+The kernel is chosen once at import for the best instruction set the CPU
+supports (AVX-512, AVX2+FMA or portable scalar); ``ATTN_FAST_ISA`` forces one.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from . import _core
+from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config
+from .functional import attention, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "attention",
+    "scaled_dot_product_attention",
+    "set_num_threads",
+    "get_num_threads",
+    "set_isa",
+    "get_isa",
+    "show_config",
+    "reference",
+]
+
+_forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
+if _forced:
+    set_isa(_forced)  # raises a clear error if the CPU lacks it
+
+from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)

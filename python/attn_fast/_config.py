@@ -1,0 +1,85 @@
+"""Runtime configuration: instruction set, threads, and show_config()."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from . import _core
+
+__all__ = ["set_isa", "get_isa", "set_num_threads", "get_num_threads", "show_config", "config"]
+
+
+def set_isa(name):
+    """Force the kernel instruction set: "scalar", "avx2" or "avx512".
+
+    Raises ValueError for an unknown name and RuntimeError when this CPU/OS
+    (CPUID and XCR0) or this build does not support it. Affects the whole
+    process; the environment variable ATTN_FAST_ISA does the same at import.
+    """
+    name = str(name).strip().lower()
+    if name not in ("scalar", "avx2", "avx512"):
+        raise ValueError(f"ISA must be one of 'scalar', 'avx2', 'avx512', got {name!r}")
+    try:
+        _core.set_isa(name)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"attn_fast: cannot use ISA {name!r}: {e}. Available here: {', '.join(_core.available_isas())}"
+        ) from None
+
+
+def get_isa():
+    """The instruction set the kernels run with now."""
+    return _core.active_isa()
+
+
+def set_num_threads(n):
+    """Set the number of OpenMP threads attn_fast's kernels use (per process)."""
+    if isinstance(n, bool) or not isinstance(n, int) and not hasattr(n, "__index__"):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    _core.set_num_threads(n)
+
+
+def get_num_threads():
+    """Threads the kernels will use: set_num_threads(), else OMP_NUM_THREADS, else all cores."""
+    return _core.get_num_threads()
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def config():
+    """The configuration as a dict (what show_config prints)."""
+    from . import __version__
+
+    return {
+        "version": __version__,
+        "isa": _core.active_isa(),
+        "available_isas": list(_core.available_isas()),
+        "compiled_isas": list(_core.compiled_isas()),
+        "openmp": _core.openmp_runtime(),
+        "num_threads": _core.get_num_threads(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "ATTN_FAST_ISA": os.environ.get("ATTN_FAST_ISA", ""),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
+    }
+
+
+def show_config():
+    """Print version, chosen ISA, available ISAs, OpenMP runtime and thread count."""
+    for key, val in config().items():
+        if isinstance(val, list):
+            val = ", ".join(val)
+        print(f"{key:>16}: {val}")

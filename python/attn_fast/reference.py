@@ -1,0 +1,109 @@
+"""The oracle: attention written as plainly as the textbook, in float64.
+
+Every test compares attn_fast against these functions. They materialise the
+full (Lq, Lk) score matrix on purpose: they are meant to be read, not to be
+fast. Masks are dense boolean arrays here (True = attend).
+
+    S = Q Kᵀ / √d        scores, (…, Lq, Lk)
+    P = softmax(S)       row by row
+    O = P V              (…, Lq, dv)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "softmax",
+    "attention",
+    "sdpa",
+    "causal_mask",
+    "window_mask",
+]
+
+
+def softmax(x, axis=-1):
+    """The textbook softmax: subtract the row max, exponentiate, normalise."""
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(X, Wq, Wk, Wv, causal=False):
+    """The chapter's ten lines, in float64. X (L, D), each W (d, D) -> (L, dv)."""
+    X, Wq, Wk, Wv = (np.asarray(a, dtype=np.float64) for a in (X, Wq, Wk, Wv))
+    Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (L,D) -> (L,d): three personas
+    S = Q @ K.T / np.sqrt(Q.shape[-1])  # (L,L): first matrix product
+    if causal:
+        S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # lower-triangular pass
+    return softmax(S) @ V  # second and third steps
+
+
+def causal_mask(Lq, Lk, align="bottom_right"):
+    """Boolean (Lq, Lk): query i sees key j iff j <= i + offset.
+
+    offset = Lk - Lq for bottom-right alignment (KV caches, FlashAttention),
+    0 for top-left (torch's is_causal)."""
+    off = Lk - Lq if align == "bottom_right" else 0
+    i = np.arange(Lq)[:, None]
+    j = np.arange(Lk)[None, :]
+    return j <= i + off
+
+
+def window_mask(Lq, Lk, left, right=0, align="bottom_right"):
+    """Boolean (Lq, Lk): query i sees keys in [i+off-left, i+off+right]."""
+    off = Lk - Lq if align == "bottom_right" else 0
+    i = np.arange(Lq)[:, None] + off
+    j = np.arange(Lk)[None, :]
+    vis = np.ones((Lq, Lk), dtype=bool)
+    if left is not None:
+        vis &= j >= i - left
+    if right is not None:
+        vis &= j <= i + right
+    return vis
+
+
+def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, return_lse=False):
+    """Dense float64 attention for (…, Lq, d) / (…, Lk, d) / (…, Lk, dv).
+
+    mask: boolean, broadcastable to (…, Lq, Lk), True = attend.
+    bias: additive, broadcastable to (…, Lq, Lk) (-inf masks a pair).
+    k and v may have fewer heads than q (axis -3): they are repeated (GQA).
+    sinks: per-head logits (axis -3 of q) joining the softmax denominator.
+    Rows that see nothing return 0 and lse = -inf.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k = np.repeat(k, rep, axis=-3)
+        v = np.repeat(v, rep, axis=-3)
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    S = (q @ np.swapaxes(k, -1, -2)) * scale
+    if softcap:
+        S = softcap * np.tanh(S / softcap)
+    if bias is not None:
+        S = S + np.asarray(bias, dtype=np.float64)
+    if mask is not None:
+        S = np.where(np.asarray(mask, dtype=bool), S, -np.inf)
+    m = S.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sk = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
+        m = np.maximum(m, np.broadcast_to(sk, m.shape))
+    dead = ~np.isfinite(m) & (m < 0)  # rows with nothing visible (and no sink)
+    m_safe = np.where(dead, 0.0, m)
+    E = np.exp(S - m_safe)
+    l = E.sum(axis=-1, keepdims=True)
+    visible_l = l
+    if sinks is not None:
+        l = l + np.exp(sk - m_safe)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        P = np.where(visible_l > 0, E / l, 0.0)
+        O = P @ v
+        lse = np.where(l > 0, m_safe + np.log(l), -np.inf)[..., 0]
+    if return_lse:
+        return O, lse
+    return O
