@@ -331,3 +331,58 @@ def test_all_isas_agree(rng):
         af.set_isa(old)
     for a, b in itertools.combinations(outs.values(), 2):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- score options
+
+
+def test_window_softcap_alibi_sinks(isa, rng):
+    B, H, Lq, Lk, d = 2, 3, 70, 90, 16
+    q, k, v = randn(rng, (B, H, Lq, d), np.float64), randn(rng, (B, H, Lk, d), np.float64), randn(rng, (B, H, Lk, 12), np.float64)
+    win = ref.window_mask(Lq, Lk, 10, 3)
+    o = af.scaled_dot_product_attention(q, k, v, window_size=(10, 3))
+    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=win), atol=1e-11)
+    o = af.scaled_dot_product_attention(q, k, v, window_size=(10, None), is_causal=True)
+    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=ref.window_mask(Lq, Lk, 10, 0)), atol=1e-11)
+    o = af.scaled_dot_product_attention(q * 10, k, v, softcap=5.0)
+    np.testing.assert_allclose(o, ref.sdpa(q * 10, k, v, softcap=5.0), atol=1e-11)
+    slopes = rng.uniform(0.01, 0.5, H)
+    i = np.arange(Lq)[:, None] + (Lk - Lq)
+    j = np.arange(Lk)[None, :]
+    bias = -slopes[:, None, None] * np.abs(i - j)
+    o = af.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, is_causal=True)
+    np.testing.assert_allclose(o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), atol=1e-11)
+    sinks = rng.standard_normal(H) * 3
+    o, lse = af.scaled_dot_product_attention(q, k, v, sinks=sinks, is_causal=True, return_lse=True)
+    O, LSE = ref.sdpa(q, k, v, sinks=sinks, mask=ref.causal_mask(Lq, Lk), return_lse=True)
+    np.testing.assert_allclose(o, O, atol=1e-11)
+    np.testing.assert_allclose(lse, LSE, atol=1e-11)
+
+
+def test_dense_masks(isa, rng):
+    B, H, Lq, Lk, d = 2, 2, 40, 50, 8
+    q, k, v = randn(rng, (B, H, Lq, d), np.float32), randn(rng, (B, H, Lk, d), np.float32), randn(rng, (B, H, Lk, d), np.float32)
+    mask = rng.random((B, 1, Lq, Lk)) < 0.3
+    mask[0, 0, 5] = False  # a fully masked row
+    o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=mask), **tol(np.float32))
+    assert np.all(o[0, :, 5] == 0)
+    bias = rng.standard_normal((Lq, Lk)).astype(np.float32)
+    o = af.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
+    np.testing.assert_allclose(o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), **tol(np.float32))
+    with pytest.raises(ValueError, match="not broadcastable"):
+        af.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :3])
+    with pytest.raises(TypeError, match="boolean"):
+        af.scaled_dot_product_attention(q, k, v, attn_mask=mask.astype(np.int32))
+
+
+def test_score_option_errors():
+    q = np.ones((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="window_size"):
+        af.scaled_dot_product_attention(q, q, q, window_size=(-3, 0))
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        af.scaled_dot_product_attention(q, q, q, window_size=5)
+    with pytest.raises(ValueError, match="softcap"):
+        af.scaled_dot_product_attention(q, q, q, softcap=-1)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have one value per query head \(2,\)"):
+        af.scaled_dot_product_attention(q, q, q, alibi_slopes=[1.0, 2.0, 3.0])

@@ -59,6 +59,10 @@ def scaled_dot_product_attention(
     *,
     return_lse=False,
     out=None,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
     backend="fused",
     block_q=0,
     block_k=0,
@@ -79,6 +83,17 @@ def scaled_dot_product_attention(
     scale : float, default 1/sqrt(d).
     enable_gqa : allow H_kv < H (H % H_kv == 0); head h reads kv head
         h // (H // H_kv). K and V are not copied or repeated.
+    window_size : (left, right) or None. Sliding window: query i sees keys
+        j with i' - left <= j <= i' + right, where i' = i + Lk - Lq is the
+        query's aligned position; None or -1 on a side means unbounded
+        (FlashAttention's convention). Combine with is_causal for Mistral's
+        local attention, e.g. window_size=(255, 0).
+    softcap : float > 0 or None. Scores become softcap · tanh(score / softcap)
+        (after scaling, before masks and biases), as Gemma 2 does.
+    alibi_slopes : (H,) array or None. Adds -slope_h · |i' - j| to the scores.
+    sinks : (H,) array or None. Per-head "attention sink" logits that join the
+        softmax denominator only (gpt-oss style): rows are scaled by
+        Σ exp(s) / (Σ exp(s) + exp(sink)).
     return_lse : also return lse = log Σ_j exp(scores), shape q.shape[:-1].
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
         write the result into.
@@ -153,6 +168,27 @@ def scaled_dot_product_attention(
             kw.update(to_kernel(B=B, H=Hq, Lq=Lq, Lk=Lk, dtype=q.dtype))
         else:
             kw.update(_dense_mask_kwargs(attn_mask, B, Hq, Lq, Lk, q.dtype))
+    if window_size is not None:
+        try:
+            left, right = window_size
+        except (TypeError, ValueError):
+            raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+        left = -1 if left is None else int(left)
+        right = -1 if right is None else int(right)
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+        kw["window_left"], kw["window_right"] = left, right
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap must be a positive finite number, got {softcap}")
+        kw["softcap"] = softcap
+    for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if val is not None:
+            arr = np.ascontiguousarray(np.asarray(val, dtype=q.dtype).reshape(-1))
+            if arr.shape != (Hq,):
+                raise ValueError(f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}")
+            kw["alibi" if name == "alibi_slopes" else "sinks"] = arr
     if is_causal:
         if kw.get("causal") and kw.get("top_left"):
             raise ValueError("is_causal=True (bottom-right) conflicts with a top-left Causal mask")
