@@ -47,7 +47,14 @@ void reference_impl(const AttnArgs<T>& a) {
           double sc = a.scale * dot;
           if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
           if (a.alibi) sc -= double(a.alibi[h]) * std::fabs(double(i + si.off - j));
-          if (a.bias) sc += double(a.bias[si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j * a.sbias.d]);
+          if (a.bias) {
+            const double bj = double(a.bias[si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j * a.sbias.d]);
+            if (bj == NEG_INF) {  // masked by the bias: never read, even if the score is NaN
+              score[j] = NEG_INF;
+              continue;
+            }
+            sc += bj;
+          }
           score[j] = sc;
           if (sc > m) m = sc;
         }

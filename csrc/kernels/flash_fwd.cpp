@@ -332,7 +332,12 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
         }
         if (a.bias) {
           const T* brow = a.bias + si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j0 * a.sbias.d;
-          for (int64_t j = 0; j < cols; ++j) s[j] += brow[j * a.sbias.d];
+          // A -inf bias masks the pair even when the score is NaN (a NaN in a
+          // masked-out K row must not leak): assign, do not add.
+          for (int64_t j = 0; j < cols; ++j) {
+            const T bj = brow[j * a.sbias.d];
+            s[j] = bj == NEG_INF ? NEG_INF : s[j] + bj;
+          }
         }
       }
       if (partial) {

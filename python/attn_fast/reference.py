@@ -86,7 +86,8 @@ def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, re
     if softcap:
         S = softcap * np.tanh(S / softcap)
     if bias is not None:
-        S = S + np.asarray(bias, dtype=np.float64)
+        bias = np.asarray(bias, dtype=np.float64)
+        S = np.where(np.isneginf(bias), -np.inf, S + bias)  # -inf masks the pair, even a NaN score
     if mask is not None:
         S = np.where(np.asarray(mask, dtype=bool), S, -np.inf)
     m = S.max(axis=-1, keepdims=True)
