@@ -39,16 +39,16 @@ def dense_causal(B, Lq, Lk, q_len=None, k_len=None, align="bottom_right", left=N
     out = np.zeros((B, 1, Lq, Lk), bool)
     for b in range(B):
         off = k_len[b] - q_len[b] if align == "bottom_right" else 0
-        for i in range(q_len[b]):
-            for j in range(k_len[b]):
-                ok = True
-                if causal:
-                    ok &= j <= i + off
-                if left is not None:
-                    ok &= j >= i + off - left
-                if right is not None:
-                    ok &= j <= i + off + right
-                out[b, 0, i, j] = ok
+        i = np.arange(q_len[b])[:, None] + off  # aligned query position
+        j = np.arange(k_len[b])[None, :]
+        ok = np.ones((q_len[b], k_len[b]), bool)
+        if causal:
+            ok &= j <= i
+        if left is not None:
+            ok &= j >= i - left
+        if right is not None:
+            ok &= j <= i + right
+        out[b, 0, : q_len[b], : k_len[b]] = ok
     return out
 
 
