@@ -567,3 +567,35 @@ def test_torch_enable_gqa(rng, ratio):
     expect = F(tq, tk, tv, attn_mask=torch.from_numpy(bias), enable_gqa=True, scale=0.3).numpy()
     np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True, scale=0.3),
                                expect, atol=1e-12)
+
+
+if given is not None:
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        Lq=st.integers(1, 70), Lk=st.integers(1, 70), causal=st.sampled_from([None, "bottom_right", "top_left"]),
+        left=st.one_of(st.none(), st.integers(0, 20)), right=st.one_of(st.none(), st.integers(0, 20)),
+        pad=st.booleans(), blk=st.one_of(st.none(), st.integers(1, 20)), seed=st.integers(0, 2**31 - 1),
+    )
+    def test_property_random_combinations(Lq, Lk, causal, left, right, pad, blk, seed):
+        """Any combination of mask kinds equals the oracle with the dense equivalent."""
+        r = np.random.default_rng(seed)
+        B, H = 2, 2
+        q, k, v = qkv(r, B, H, H, Lq, Lk, 4, 3)
+        align = causal or "bottom_right"
+        q_len = r.integers(0, Lq + 1, B) if pad else np.array([Lq] * B)
+        k_len = r.integers(0, Lk + 1, B) if pad else np.array([Lk] * B)
+        parts, dense = [], np.ones((B, 1, Lq, Lk), bool)
+        if causal:
+            parts.append(M.Causal(causal))
+        if left is not None or right is not None:
+            parts.append(M.SlidingWindow(left, right, align=align))
+        dense &= dense_causal(B, Lq, Lk, q_len, k_len, align, left, right, causal=causal is not None)
+        if pad:
+            parts.append(M.Padding(k_len, q_len))
+        if blk:
+            lay = r.random((H, -(-Lq // blk), -(-Lk // blk))) < 0.6
+            parts.append(M.BlockSparse(lay, blk))
+            dense = dense & dense_layout(lay, blk, blk, Lq, Lk)[None]
+        valid = np.broadcast_to(np.arange(Lq) < q_len.reshape(B, 1, 1), (B, H, Lq))
+        run_and_check(q, k, v, parts or None, dense, row_valid=valid)
