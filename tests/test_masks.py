@@ -599,3 +599,24 @@ if given is not None:
             dense = dense & dense_layout(lay, blk, blk, Lq, Lk)[None]
         valid = np.broadcast_to(np.arange(Lq) < q_len.reshape(B, 1, 1), (B, H, Lq))
         run_and_check(q, k, v, parts or None, dense, row_valid=valid)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 200), (1, 1, 150, 1), (1, 3, 150, 200), (150, 200)], ids=str)
+def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
+    """The block summary of a dense boolean mask only lets the kernel skip
+    empty tiles sooner: same result bit for bit, same tile counts, and the
+    broadcast axes of the mask (key-padding (B,1,1,Lk), per-query (Lq,1)) stay broadcast."""
+    B, H, Lq, Lk, d = 2, 3, 150, 200, 16
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float32)
+    mask = rng.random(shape) < 0.5
+    if len(shape) == 4 and shape[-1] > 1:
+        mask[..., 64:160] = False  # whole empty tiles
+    kw = af.functional._mask_kwargs(mask, False, None, B, H, Lq, Lk, np.float32)
+    assert kw["layout_bq"] == M.SUMMARY_BLOCK and kw["layout"].shape == (B, H, 10, 13)
+    o1, s1 = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
+    monkeypatch.setattr(M, "add_block_summary", lambda kw: kw)
+    o2, s2 = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
+    np.testing.assert_array_equal(o1, o2)
+    assert s1 == s2
+    dense = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, Lq, Lk))
+    np.testing.assert_allclose(o1, ref.sdpa(q, k, v, mask=dense), **tol(np.float32))

@@ -118,7 +118,7 @@ def _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, dtype):
         parts.append(_window_kwargs(window_size))
     if is_causal:
         parts.append({"causal": True, "_align": "bottom_right"})
-    return masks.merge_kwargs(parts, B, Lq, Lk)
+    return masks.add_block_summary(masks.merge_kwargs(parts, B, Lq, Lk))
 
 
 def _check_qkv(q, k, v, enable_gqa):

@@ -402,7 +402,10 @@ class Dense(Mask):
         - bool: True = attend (torch's convention); False masks the pair;
         - float: an additive bias on the scores; -inf masks the pair.
     A float array of another precision than q is cast once at its own
-    (broadcast) shape. Tiles where a boolean mask is all False are skipped.
+    (broadcast) shape. Tiles where a boolean mask is all False are skipped:
+    a 16 x 16 block summary of the mask ("anything visible here?") is built
+    once per call at the mask's own shape (see ``add_block_summary``), so the
+    kernel finds empty tiles without scanning them once per head.
     """
 
     def __init__(self, array):
@@ -558,3 +561,39 @@ def visibility(kw, B, H, Lq, Lk):
     if kw.get("bias") is not None:
         vis = vis & (kw["bias"] > -np.inf)
     return vis
+
+
+# ---------------------------------------------------------------- block summary
+
+SUMMARY_BLOCK = 16
+
+
+def add_block_summary(kw, block=SUMMARY_BLOCK):
+    """Give a dense boolean mask a block layout summarising it, so the kernel
+    skips its all-False tiles by looking at a few layout bytes instead of
+    scanning Br x Bc mask bytes once per (batch, head, tile).
+
+    The layout is "any visible in this block x block square": AND-ing it with
+    the mask changes nothing, so results are identical. It is computed once, at
+    the mask's own (un-broadcast) shape. Added only when the call has no
+    layout of its own (so no re-blocking at a gcd is ever needed) and the mask
+    is at least 4 x 4 blocks.
+    """
+    m = kw.get("mask")
+    if m is None or kw.get("layout") is not None:
+        return kw
+    B, H, Lq, Lk = m.shape
+    if Lq < 4 * block or Lk < 4 * block:
+        return kw
+    c = _compact(m)
+    cb, ch, lq, lk = c.shape
+    nq, nk = -(-lq // block), -(-lk // block)
+    padded = np.zeros((cb, ch, nq * block, nk * block), bool)
+    padded[:, :, :lq, :lk] = c
+    summary = padded.reshape(cb, ch, nq, block, nk, block).any(axis=(3, 5))
+    # A broadcast row (column) axis of the mask stays one summary row (column),
+    # broadcast again (stride 0) over the whole sequence.
+    layout = np.broadcast_to(summary, (B, H, -(-Lq // block), -(-Lk // block)))
+    out = dict(kw)
+    out.update(layout=layout.view(np.uint8), layout_bq=block, layout_bk=block)
+    return out
