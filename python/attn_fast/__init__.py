@@ -35,3 +35,4 @@ if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
+from . import variants  # noqa: E402  (Linformer, linear attention: attn_fast.variants)
