@@ -15,6 +15,7 @@ import os as _os
 from . import _core
 from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config
 from .functional import attention, scaled_dot_product_attention
+from .functional import KernelStats, attention_weights, varlen_attention
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,10 @@ __all__ = [
     "get_isa",
     "show_config",
     "reference",
+    "masks",
+    "attention_weights",
+    "varlen_attention",
+    "KernelStats",
 ]
 
 _forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
@@ -35,4 +40,5 @@ if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
+from . import masks  # noqa: E402  (mask objects: Causal, SlidingWindow, Padding, BlockSparse, Dense)
 from . import variants  # noqa: E402  (Linformer, linear attention: attn_fast.variants)

@@ -9,13 +9,20 @@ C-contiguous array of q's dtype, or is written into `out`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from . import _core
+from . import _core, masks
 from ._checks import as_float_array, check_same_dtype, shape_str
 
-__all__ = ["scaled_dot_product_attention", "attention"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention",
+    "attention_weights",
+    "varlen_attention",
+    "KernelStats",
+]
 
 _BACKENDS = ("fused", "reference")
 
@@ -30,22 +37,133 @@ def _to4(x, name):
     raise ValueError(f"{name} must have 2, 3 or 4 dimensions ((L, d), (H, L, d) or (B, H, L, d)), got shape {shape_str(x)}")
 
 
-def _dense_mask_kwargs(attn_mask, B, Hq, Lq, Lk, dtype):
-    """Kernel arguments for a dense boolean or additive attn_mask array."""
-    m = np.asarray(attn_mask)
-    if m.ndim > 4 or m.ndim < 1:
-        raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk) = {(B, Hq, Lq, Lk)}, got shape {shape_str(m)}")
+class KernelStats(NamedTuple):
+    """What the fused kernel did, for FLOP accounting and tests.
+
+    tiles_computed : (Br x Bc) query-by-key tiles whose scores were computed.
+    tiles_skipped : tiles inside the structural key range that a block-sparse
+        layout or a dense boolean mask left empty, skipped without computing.
+    Tiles outside the causal / window / length range are never visited and are
+    counted in neither. FLOPs ~= tiles_computed * Br * Bc * 2 * (d + dv).
+    The reference backend reports (0, 0).
+    """
+
+    tiles_computed: int
+    tiles_skipped: int
+
+
+def _check_out(out, shape, dtype):
+    o = out if isinstance(out, np.ndarray) else np.asarray(out)
+    if o.shape != shape:
+        raise ValueError(f"out has shape {shape_str(o)}, expected {shape}")
+    if o.dtype != dtype:
+        raise TypeError(f"out has dtype {o.dtype}, expected {dtype}")
+    if not o.flags.writeable:
+        raise ValueError("out is read-only")
+    if not o.flags.aligned or not o.dtype.isnative:
+        raise ValueError("out must be aligned and in native byte order")
+    return o
+
+
+def _check_scale(scale, d):
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _window_kwargs(window_size):
+    """FlashAttention's window_size=(left, right) as kernel arguments (bottom-right)."""
     try:
-        view = np.broadcast_to(m.reshape((1,) * (4 - m.ndim) + m.shape), (B, Hq, Lq, Lk))
-    except ValueError:
-        raise ValueError(
-            f"attn_mask has shape {shape_str(m)}, not broadcastable to (B, H, Lq, Lk) = {(B, Hq, Lq, Lk)}"
-        ) from None
-    if m.dtype == np.bool_:
-        return {"mask": view.view(np.uint8)}
-    if m.dtype.kind == "f":
-        return {"bias": view.astype(dtype, copy=False) if view.dtype != dtype else view}
-    raise TypeError(f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {m.dtype}")
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    left = -1 if left is None else int(left)
+    right = -1 if right is None else int(right)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+    return {"window_left": left, "window_right": right, "_align": "bottom_right"}
+
+
+def _score_kwargs(Hq, dtype, softcap, alibi_slopes, sinks):
+    """softcap, ALiBi slopes and sinks, checked, as kernel arguments."""
+    kw = {}
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap must be a positive finite number, got {softcap}")
+        kw["softcap"] = softcap
+    for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if val is not None:
+            arr = np.ascontiguousarray(np.asarray(val, dtype=dtype).reshape(-1))
+            if arr.shape != (Hq,):
+                raise ValueError(f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}")
+            kw["alibi" if name == "alibi_slopes" else "sinks"] = arr
+    return kw
+
+
+def _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, dtype):
+    """attn_mask (array, Mask object or list of them), is_causal and
+    window_size combined into one set of kernel arguments (their intersection)."""
+    parts = []
+    if attn_mask is not None:
+        m = attn_mask if hasattr(attn_mask, "_kernel_kwargs") else masks.as_mask(attn_mask)
+        kw = dict(m._kernel_kwargs(B=B, H=Hq, Lq=Lq, Lk=Lk, dtype=dtype))
+        if "top_left" in kw:
+            kw["_align"] = "top_left" if kw.pop("top_left") else "bottom_right"
+        parts.append(kw)
+    if window_size is not None:
+        parts.append(_window_kwargs(window_size))
+    if is_causal:
+        parts.append({"causal": True, "_align": "bottom_right"})
+    return masks.merge_kwargs(parts, B, Lq, Lk)
+
+
+def _check_qkv(q, k, v, enable_gqa):
+    """Common shape checks; returns 4-D views and (B, Hq, Hkv, Lq, Lk, d, dv)."""
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    if v is not None:
+        v = as_float_array(v, "v")
+    check_same_dtype(q=q, k=k, v=v)
+    if not (q.ndim == k.ndim and (v is None or v.ndim == q.ndim)):
+        vs = "" if v is None else f", v {shape_str(v)}"
+        raise ValueError(f"q, k and v must have the same number of dimensions, got q {shape_str(q)}, k {shape_str(k)}{vs}")
+    q4, k4 = _to4(q, "q"), _to4(k, "k")
+    B, Hq, Lq, d = q4.shape
+    Bk, Hkv, Lk, dk = k4.shape
+    if dk != d:
+        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
+    if d == 0:
+        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
+    dv = d
+    v4 = None
+    if v is not None:
+        v4 = _to4(v, "v")
+        Bv, Hv, Lv, dv = v4.shape
+        if (Bk, Hkv, Lk) != (Bv, Hv, Lv):
+            raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match")
+    if Bk != B:
+        raise ValueError(f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ")
+    _check_heads(Hq, Hkv, enable_gqa)
+    return q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv)
+
+
+def _check_heads(Hq, Hkv, enable_gqa):
+    if Hkv != Hq:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {Hq} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
+            )
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"q has {Hq} heads, not a multiple of k/v's {Hkv} heads")
+
+
+def _check_backend(backend):
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
 def scaled_dot_product_attention(
@@ -58,6 +176,8 @@ def scaled_dot_product_attention(
     enable_gqa=False,
     *,
     return_lse=False,
+    return_weights=False,
+    return_stats=False,
     out=None,
     window_size=None,
     softcap=None,
@@ -73,28 +193,41 @@ def scaled_dot_product_attention(
     ----------
     q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array.
     k : (Lk, d), (H_kv, Lk, d) or (B, H_kv, Lk, d), same dtype and ndim as q.
-    v : (Lk, dv), (H_kv, Lk, dv) or (B, H_kv, Lk, dv).
-    attn_mask : None, a boolean array (True = attend, torch's convention) or
-        an additive float array, broadcastable to (B, H, Lq, Lk); or a mask
-        object from ``attn_fast.masks``. Combines with ``is_causal``.
+        Lk may differ from Lq either way (cross-attention).
+    v : (Lk, dv), (H_kv, Lk, dv) or (B, H_kv, Lk, dv); dv may differ from d.
+    attn_mask : None; a boolean array (True = attend, torch's convention) or
+        an additive float array, broadcastable to (B, H, Lq, Lk) and read tile
+        by tile (tiles that are all False are skipped); a mask object from
+        ``attn_fast.masks`` (``Causal``, ``SlidingWindow``, ``Padding``,
+        ``BlockSparse``, ``Dense``, combined with ``&``); or a list of these
+        and arrays, meaning their intersection. Combines with ``is_causal``
+        and ``window_size`` (torch refuses attn_mask with is_causal; here they
+        intersect, which is what a padded decoder batch needs).
     is_causal : bool. Causal mask aligned bottom-right: query i sees keys
         j <= i + Lk - Lq (FlashAttention and KV-cache convention). torch's
-        ``is_causal`` is aligned top-left instead; the two agree when Lq == Lk.
+        ``is_causal`` is aligned top-left instead (``masks.Causal("top_left")``);
+        the two agree when Lq == Lk.
     scale : float, default 1/sqrt(d).
     enable_gqa : allow H_kv < H (H % H_kv == 0); head h reads kv head
-        h // (H // H_kv). K and V are not copied or repeated.
+        h // (H // H_kv), torch's order. K and V are not copied or repeated.
     window_size : (left, right) or None. Sliding window: query i sees keys
         j with i' - left <= j <= i' + right, where i' = i + Lk - Lq is the
         query's aligned position; None or -1 on a side means unbounded
         (FlashAttention's convention). Combine with is_causal for Mistral's
-        local attention, e.g. window_size=(255, 0).
+        local attention, e.g. window_size=(255, 0). Same as
+        ``masks.SlidingWindow(left, right)``.
     softcap : float > 0 or None. Scores become softcap · tanh(score / softcap)
         (after scaling, before masks and biases), as Gemma 2 does.
     alibi_slopes : (H,) array or None. Adds -slope_h · |i' - j| to the scores.
     sinks : (H,) array or None. Per-head "attention sink" logits that join the
         softmax denominator only (gpt-oss style): rows are scaled by
-        Σ exp(s) / (Σ exp(s) + exp(sink)).
+        Σ exp(s) / (Σ exp(s) + exp(sink)). A row that sees no key then puts
+        all its weight on the sink: O = 0 and lse = sink.
     return_lse : also return lse = log Σ_j exp(scores), shape q.shape[:-1].
+    return_weights : also return the attention weights P, shape
+        q.shape[:-1] + (Lk,), computed by ``attention_weights`` (float64
+        NumPy; raises above its size limit).
+    return_stats : also return a ``KernelStats`` (tiles computed / skipped).
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
         write the result into.
     backend : "fused" (the SIMD kernel) or "reference" (the plain-loop C++
@@ -104,101 +237,240 @@ def scaled_dot_product_attention(
 
     Returns
     -------
-    out : (…, Lq, dv) array of q's dtype (a new array unless ``out`` given);
-        with ``return_lse``, the pair (out, lse). Query rows that see no key
-        get zeros and lse = -inf, never NaN.
+    out : (…, Lq, dv) array of q's dtype (a new array unless ``out`` given).
+        With any of return_lse / return_weights / return_stats, a tuple
+        (out, lse, weights, stats) holding only the ones asked for, in that
+        order. Query rows that see no key (for any mask kind) get zeros and
+        lse = -inf, never NaN; a NaN or inf in a masked-out K/V row never
+        reaches the output.
+    """
+    q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
+    scale = _check_scale(scale, d)
+    _check_backend(backend)
+
+    out_shape = q.shape[:-1] + (dv,)
+    o = np.empty(out_shape, dtype=q.dtype) if out is None else _check_out(out, out_shape, q.dtype)
+    lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
+
+    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
+    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    stats = KernelStats(0, 0)
+    if o.size or (lse is not None and lse.size):
+        stats = KernelStats(*_core.forward(
+            q4, k4, v4, _to4(o, "out"), lse,
+            scale=scale, block_q=int(block_q), block_k=int(block_k),
+            reference=(backend == "reference"), **kw,
+        ))
+    extra = []
+    if return_lse:
+        extra.append(lse)
+    if return_weights:
+        w = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements=_MAX_WEIGHTS, force=False)
+        extra.append(w.astype(q.dtype).reshape(q.shape[:-1] + (Lk,)))
+    if return_stats:
+        extra.append(stats)
+    return (o, *extra) if extra else o
+
+
+# ---------------------------------------------------------------- weights
+
+_MAX_WEIGHTS = 1 << 22
+
+
+def _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements, force):
+    """P in float64 (B, Hq, Lq, Lk), following attention.h's rules."""
+    n = B * Hq * Lq * Lk
+    if n > max_elements and not force:
+        raise ValueError(
+            f"the attention weights would have B*H*Lq*Lk = {B}*{Hq}*{Lq}*{Lk} = {n} elements, above "
+            f"max_elements = {max_elements}; pass force=True (or a larger max_elements) to build them anyway"
+        )
+    Hkv = k4.shape[1]
+    g = Hq // Hkv
+    d = q4.shape[-1]
+    qf = q4.astype(np.float64).reshape(B, Hkv, g, Lq, d)
+    kf = k4.astype(np.float64)
+    S = np.einsum("bhgid,bhjd->bhgij", qf, kf).reshape(B, Hq, Lq, Lk) * scale
+    if kw.get("softcap"):
+        c = kw["softcap"]
+        S = c * np.tanh(S / c)
+    if kw.get("alibi") is not None:
+        q_len = np.asarray(kw.get("q_lens", np.full(B, Lq))).reshape(B, 1, 1, 1)
+        k_len = np.asarray(kw.get("kv_lens", np.full(B, Lk))).reshape(B, 1, 1, 1)
+        off = 0 if kw.get("top_left") else k_len - q_len
+        dist = np.abs(np.arange(Lq).reshape(1, 1, Lq, 1) + off - np.arange(Lk).reshape(1, 1, 1, Lk))
+        S = S - kw["alibi"].astype(np.float64).reshape(1, Hq, 1, 1) * dist
+    if kw.get("bias") is not None:
+        S = S + kw["bias"].astype(np.float64)
+    vis = masks.visibility(kw, B, Hq, Lq, Lk)
+    S = np.where(vis, S, -np.inf)
+    m = S.max(axis=-1, keepdims=True) if Lk else np.full((B, Hq, Lq, 1), -np.inf)
+    sink = None
+    if kw.get("sinks") is not None:
+        sink = np.broadcast_to(kw["sinks"].astype(np.float64).reshape(1, Hq, 1, 1), m.shape)
+        m = np.maximum(m, np.where(np.any(vis, axis=-1, keepdims=True), sink, -np.inf))
+    dead = np.isneginf(m)
+    m = np.where(dead, 0.0, m)
+    E = np.exp(S - m)
+    den = E.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        den = den + np.where(dead, 0.0, np.exp(sink - m))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, E / den, 0.0)
+
+
+def attention_weights(
+    q,
+    k,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    max_elements=_MAX_WEIGHTS,
+    force=False,
+):
+    """The attention weights P = softmax(scale · q kᵀ + mask), materialised.
+
+    For teaching, plots and debugging on small inputs: this builds the whole
+    (…, Lq, Lk) matrix (in float64 NumPy, not the fused kernel), which the
+    fused kernel never does. Arguments mean exactly what they mean in
+    ``scaled_dot_product_attention`` (q, k shapes, attn_mask objects and
+    arrays, is_causal bottom-right, GQA, window, softcap, ALiBi, sinks), so
+    ``attention_weights(q, k, ...) @ v`` equals ``sdpa(q, k, v, ...)`` up to
+    rounding (for GQA, with v's heads repeated).
+
+    Returns (…, Lq, Lk) of q's dtype (q.shape[:-1] + (Lk,)). Rows that see no
+    key are all zeros; with sinks, rows sum to less than 1 (the sink's share).
+    Raises ValueError if B·H·Lq·Lk > max_elements (default 2**22) unless
+    force=True.
+    """
+    q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
+    scale = _check_scale(scale, d)
+    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
+    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, int(max_elements), bool(force))
+    return P.astype(q.dtype).reshape(q.shape[:-1] + (Lk,))
+
+
+# ---------------------------------------------------------------- varlen
+
+
+def _cu_seqlens(cu, name, total):
+    a = np.asarray(cu)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.ndim != 1 or a.size < 1:
+        raise ValueError(f"{name} must be 1-D (num_seqs + 1,), got shape {shape_str(a)}")
+    if a[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {a[0]}")
+    if np.any(np.diff(a) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {a.tolist() if a.size <= 20 else a}")
+    if a[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {a[-1]}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    *,
+    causal=False,
+    window_size=None,
+    scale=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    return_lse=False,
+    return_stats=False,
+    out=None,
+    backend="fused",
+    block_q=0,
+    block_k=0,
+):
+    """Attention over a packed batch of variable-length sequences (no padding).
+
+    FlashAttention's ``flash_attn_varlen_func`` convention: the sequences are
+    concatenated along the length axis, and sequence s occupies query rows
+    cu_seqlens_q[s]:cu_seqlens_q[s+1] and key rows cu_seqlens_k[s]:cu_seqlens_k[s+1].
+    Each sequence attends only within itself; ``causal`` and ``window_size``
+    apply per sequence, aligned bottom-right (its last query sees its last key).
+
+    q : (total_q, H, d) float32/float64;  k : (total_k, H_kv, d);  v : (total_k, H_kv, dv).
+        H % H_kv == 0 (grouped-query heads are always allowed here). Any strides.
+    cu_seqlens_q, cu_seqlens_k : (num_seqs + 1,) integers, starting at 0,
+        non-decreasing (empty sequences allowed), ending at total_q / total_k.
+    max_seqlen_q, max_seqlen_k : accepted for FlashAttention compatibility;
+        if given, must be >= the longest sequence.
+    causal, window_size, scale, softcap, alibi_slopes, sinks, backend,
+    block_q, block_k : as in ``scaled_dot_product_attention`` (per sequence).
+
+    Returns out (total_q, H, dv) in q's dtype (or ``out``); with return_lse /
+    return_stats a tuple (out, lse, stats) of those asked for, lse of shape
+    (H, total_q) as in FlashAttention. Rows that see no key: zeros, lse -inf.
     """
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
     check_same_dtype(q=q, k=k, v=v)
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"q, k and v must have the same number of dimensions, got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
-        )
-    q4, k4, v4 = _to4(q, "q"), _to4(k, "k"), _to4(v, "v")
-    B, Hq, Lq, d = q4.shape
-    Bk, Hkv, Lk, dk = k4.shape
-    Bv, Hv, Lv, dv = v4.shape
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
+    Tq, Hq, d = q.shape
+    Tk, Hkv, dk = k.shape
     if dk != d:
         raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
     if d == 0:
         raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    if (Bk, Hkv, Lk) != (Bv, Hv, Lv):
-        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match")
-    if Bk != B:
-        raise ValueError(f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ")
-    if Hkv != Hq:
-        if not enable_gqa:
-            raise ValueError(
-                f"q has {Hq} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
-            )
-        if Hkv == 0 or Hq % Hkv != 0:
-            raise ValueError(f"q has {Hq} heads, not a multiple of k/v's {Hkv} heads")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if v.shape[:2] != (Tk, Hkv):
+        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
+    dv = v.shape[2]
+    _check_heads(Hq, Hkv, True)
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
+        )
+    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        if mx is not None and cu.size > 1 and int(mx) < int(np.diff(cu).max()):
+            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+    scale = _check_scale(scale, d)
+    _check_backend(backend)
 
-    out_shape = q.shape[:-1] + (dv,)
-    if out is None:
-        o = np.empty(out_shape, dtype=q.dtype)
-    else:
-        o = out if isinstance(out, np.ndarray) else np.asarray(out)
-        if o.shape != out_shape:
-            raise ValueError(f"out has shape {shape_str(o)}, expected {out_shape}")
-        if o.dtype != q.dtype:
-            raise TypeError(f"out has dtype {o.dtype}, expected {q.dtype}")
-        if not o.flags.writeable:
-            raise ValueError("out is read-only")
-        if not o.flags.aligned or not o.dtype.isnative:
-            raise ValueError("out must be aligned and in native byte order")
-    lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
-    if o.size == 0 and (lse is None or lse.size == 0):
-        return (o, lse) if return_lse else o
-
+    o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else _check_out(out, (Tq, Hq, dv), q.dtype)
+    lse = np.empty((Hq, Tq), dtype=q.dtype) if return_lse else None
     kw = {}
-    if attn_mask is not None:
-        to_kernel = getattr(attn_mask, "_kernel_kwargs", None)
-        if to_kernel is not None:
-            kw.update(to_kernel(B=B, H=Hq, Lq=Lq, Lk=Lk, dtype=q.dtype))
-        else:
-            kw.update(_dense_mask_kwargs(attn_mask, B, Hq, Lq, Lk, q.dtype))
     if window_size is not None:
-        try:
-            left, right = window_size
-        except (TypeError, ValueError):
-            raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-        left = -1 if left is None else int(left)
-        right = -1 if right is None else int(right)
-        if left < -1 or right < -1:
-            raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
-        kw["window_left"], kw["window_right"] = left, right
-    if softcap is not None:
-        softcap = float(softcap)
-        if not (softcap > 0 and math.isfinite(softcap)):
-            raise ValueError(f"softcap must be a positive finite number, got {softcap}")
-        kw["softcap"] = softcap
-    for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if val is not None:
-            arr = np.ascontiguousarray(np.asarray(val, dtype=q.dtype).reshape(-1))
-            if arr.shape != (Hq,):
-                raise ValueError(f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}")
-            kw["alibi" if name == "alibi_slopes" else "sinks"] = arr
-    if is_causal:
-        if kw.get("causal") and kw.get("top_left"):
-            raise ValueError("is_causal=True (bottom-right) conflicts with a top-left Causal mask")
+        kw.update(_window_kwargs(window_size))
+        del kw["_align"]
+    if causal:
         kw["causal"] = True
-    _core.forward(
-        q4, k4, v4, _to4(o, "out"), lse,
-        scale=scale, block_q=int(block_q), block_k=int(block_k),
-        reference=(backend == "reference"), **kw,
-    )
-    return (o, lse) if return_lse else o
+    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    stats = KernelStats(0, 0)
+    if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
+        # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
+        stats = KernelStats(*_core.forward(
+            q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None],
+            o.transpose(1, 0, 2)[None], lse, cu_q=cu_q, cu_k=cu_k,
+            scale=scale, block_q=int(block_q), block_k=int(block_k),
+            reference=(backend == "reference"), **kw,
+        ))
+    elif o.size:
+        o[...] = 0
+        if lse is not None:
+            lse[...] = -np.inf
+    extra = [x for x, want in ((lse, return_lse), (stats, return_stats)) if want]
+    return (o, *extra) if extra else o
 
 
 def attention(X, Wq, Wk, Wv, causal=False):

@@ -1,0 +1,560 @@
+"""Mask objects the fused kernel reads block by block.
+
+A mask says which keys each query may see. Passing one as ``attn_mask`` to
+``scaled_dot_product_attention`` never builds the (Lq, Lk) matrix (except
+``Dense``, which *is* a matrix): the kernel asks each object, for every tile of
+Br queries x Bc keys, "is anything visible here?" and skips the tile when the
+answer is no, so a masked-out block costs nothing.
+
+    Causal(align="bottom_right")     query i sees keys j <= i + off
+    SlidingWindow(left, right=0)     keys in [i + off - left, i + off + right]
+    Padding(kv_lens, q_lens=None)    per-batch valid lengths (B,)
+    BlockSparse(layout, bq, bk)      a boolean (Lq/bq, Lk/bk) block layout,
+                                     with constructors local / strided / global_tokens
+    Dense(array)                     a boolean (True = attend) or additive float
+                                     array broadcastable to (B, H, Lq, Lk)
+
+Objects combine with ``&`` (the intersection: a pair is visible if every part
+lets it through); a NumPy array on either side of ``&`` becomes ``Dense``.
+``BlockSparse`` layouts also combine with ``|`` (the union of their blocks).
+
+Alignment. ``off`` is the causal diagonal: ``off = k_len - q_len`` for
+bottom-right alignment (FlashAttention, KV caches: the last query sees the last
+key), ``0`` for top-left (torch's ``is_causal``). With ``Padding`` the lengths
+are per batch entry, so each sequence gets its own diagonal. Every part of a
+combination that depends on the alignment (``Causal``, ``SlidingWindow``) must
+use the same one, unless the two coincide (``off = 0`` for every sequence).
+ALiBi distances are measured from the same diagonal.
+
+Semantics shared by every kind: a query row that sees no key gets zeros and
+lse = -inf (never NaN), and masked-out keys are never read into the result, so
+a NaN/inf in a masked K or V row cannot leak into the output. Bad arguments
+raise ``ValueError`` naming the argument (a wrong dtype raises ``MaskTypeError``,
+which is both a ``TypeError`` and a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+__all__ = [
+    "Mask",
+    "Causal",
+    "SlidingWindow",
+    "Padding",
+    "BlockSparse",
+    "Dense",
+    "MaskTypeError",
+    "as_mask",
+]
+
+_ALIGNS = ("bottom_right", "top_left")
+
+
+class MaskTypeError(TypeError, ValueError):
+    """A mask argument of the wrong dtype (catchable as TypeError or ValueError)."""
+
+
+def _shape_str(shape):
+    return str(tuple(int(s) for s in shape))
+
+
+def _check_int(x, name, minimum=0, allow_none=False):
+    if x is None and allow_none:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {x!r}")
+    x = int(x)
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def _check_align(align):
+    if align not in _ALIGNS:
+        raise ValueError(f"align must be one of {_ALIGNS}, got {align!r}")
+    return align
+
+
+def _broadcast4(arr, shape, name, what):
+    """View `arr` (ndim <= 4) broadcast to the 4-D `shape` (zero strides, no copy)."""
+    if arr.ndim > 4:
+        raise ValueError(f"{name} has shape {_shape_str(arr.shape)}: at most 4 dimensions ({what})")
+    try:
+        return np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
+    except ValueError:
+        raise ValueError(f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = {_shape_str(shape)}") from None
+
+
+class Mask:
+    """Base class: a visibility rule the kernel understands block by block.
+
+    Subclasses describe themselves as kernel arguments; ``a & b`` combines
+    them. ``to_dense(B, H, Lq, Lk)`` materialises the equivalent boolean
+    (B, H, Lq, Lk) array (True = visible), for plots, tests and debugging.
+    """
+
+    # Make `ndarray & mask` call Mask.__rand__ instead of an element-wise ufunc.
+    __array_ufunc__ = None
+
+    def _parts(self):
+        return (self,)
+
+    def _kw(self, B, H, Lq, Lk, dtype):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __and__(self, other):
+        return _All(self._parts() + as_mask(other)._parts())
+
+    def __rand__(self, other):
+        return _All(as_mask(other)._parts() + self._parts())
+
+    def _kernel_kwargs(self, *, B, H, Lq, Lk, dtype):
+        """Keyword arguments for ``_core.forward`` (see attention.h's AttnArgs)."""
+        return merge_kwargs([p._kw(B, H, Lq, Lk, np.dtype(dtype)) for p in self._parts()], B, Lq, Lk)
+
+    def to_dense(self, B, H, Lq, Lk):
+        """Boolean (B, H, Lq, Lk) array: True where query i may see key j.
+
+        An additive ``Dense`` bias counts as visible where it is > -inf.
+        Materialises Lq x Lk per (batch, head); meant for small sizes.
+        """
+        kw = self._kernel_kwargs(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.float64)
+        return np.broadcast_to(visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk))
+
+
+def as_mask(x):
+    """A Mask as is; a NumPy array (boolean or float) as ``Dense(x)``."""
+    if isinstance(x, Mask):
+        return x
+    if isinstance(x, (list, tuple)) and any(isinstance(e, Mask) for e in x):
+        out = None
+        for e in x:
+            out = as_mask(e) if out is None else out & e
+        return out
+    return Dense(x)
+
+
+class _All(Mask):
+    """The intersection of several masks (built by ``&``)."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    def _parts(self):
+        return self.parts
+
+    def __repr__(self):
+        return " & ".join(map(repr, self.parts))
+
+
+class Causal(Mask):
+    """Causal mask: query i sees keys j <= i + off.
+
+    align="bottom_right" (default): off = k_len - q_len, the last query sees
+    the last key (KV caches, chunked prefill; ``is_causal=True`` in attn_fast).
+    align="top_left": off = 0, torch's ``is_causal`` (and
+    ``torch.nn.attention.bias.causal_upper_left``). The two agree when
+    Lq == Lk. With Lq > Lk bottom-right, the first Lq - Lk rows see nothing and
+    return zeros (lse = -inf).
+    """
+
+    def __init__(self, align="bottom_right"):
+        self.align = _check_align(align)
+
+    def _kw(self, B, H, Lq, Lk, dtype):
+        return {"causal": True, "_align": self.align}
+
+    def __repr__(self):
+        return f"Causal(align={self.align!r})"
+
+
+class SlidingWindow(Mask):
+    """Local attention: query i sees keys j with i' - left <= j <= i' + right.
+
+    i' = i + off is the query's aligned position (see ``Causal`` for align).
+    ``left`` counts keys strictly before the diagonal: Mistral's window of W
+    tokens (the query itself included) is ``SlidingWindow(W - 1)``.
+    ``right=0`` (default) makes it causal; ``right=None`` or ``left=None``
+    leaves that side unbounded. The kernel visits only the key blocks inside
+    the band, so the cost grows as Lq * (left + right + 1), not Lq * Lk.
+    """
+
+    def __init__(self, left, right=0, align="bottom_right"):
+        self.left = _check_int(left, "SlidingWindow left", 0, allow_none=True)
+        self.right = _check_int(right, "SlidingWindow right", 0, allow_none=True)
+        self.align = _check_align(align)
+
+    def _kw(self, B, H, Lq, Lk, dtype):
+        return {
+            "window_left": -1 if self.left is None else self.left,
+            "window_right": -1 if self.right is None else self.right,
+            "_align": self.align,
+        }
+
+    def __repr__(self):
+        return f"SlidingWindow(left={self.left}, right={self.right}, align={self.align!r})"
+
+
+def _lens(x, name, B, L):
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu" or a.dtype == np.bool_:
+        raise MaskTypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.ndim == 0:
+        a = np.full(B, a, dtype=np.int64)
+    if a.shape != (B,):
+        raise ValueError(f"{name} must have one length per batch entry, shape ({B},), got shape {_shape_str(a.shape)}")
+    if a.size and (a.min() < 0 or a.max() > L):
+        raise ValueError(f"{name} must lie in [0, {L}], got values in [{a.min()}, {a.max()}]")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class Padding(Mask):
+    """Per-batch valid lengths of a padded batch.
+
+    kv_lens : (B,) integers in [0, Lk] (or one integer for all): keys j >=
+        kv_lens[b] are padding and never seen.
+    q_lens : (B,) integers in [0, Lq] or None (all Lq rows valid): query rows
+        i >= q_lens[b] are padding and get zeros (lse = -inf).
+    Valid tokens are at the start of each row (right padding). With ``Causal``
+    or ``SlidingWindow`` aligned bottom-right, sequence b's diagonal is
+    off = kv_lens[b] - q_lens[b], so a right-padded decoder batch is
+    ``Padding(lens, lens) & Causal()``.
+    """
+
+    def __init__(self, kv_lens, q_lens=None):
+        self.kv_lens = np.asarray(kv_lens)
+        self.q_lens = None if q_lens is None else np.asarray(q_lens)
+
+    def _kw(self, B, H, Lq, Lk, dtype):
+        kw = {"kv_lens": _lens(self.kv_lens, "kv_lens", B, Lk)}
+        if self.q_lens is not None:
+            kw["q_lens"] = _lens(self.q_lens, "q_lens", B, Lq)
+        return kw
+
+    def __repr__(self):
+        q = "" if self.q_lens is None else f", q_lens={self.q_lens.tolist()}"
+        return f"Padding(kv_lens={self.kv_lens.tolist()}{q})"
+
+
+class BlockSparse(Mask):
+    """Block-sparse layout: query block x sees key block y iff layout[..., x, y].
+
+    layout : boolean array (..., nq, nk), broadcastable over (B, H), i.e. of
+        shape (nq, nk), (H, nq, nk), (B, H, nq, nk) or with 1s for broadcast.
+        Query i belongs to block i // block_q, key j to block j // block_k.
+        Must cover the sequences: nq * block_q >= Lq and nk * block_k >= Lk.
+    block_q, block_k : block sizes in tokens (>= 1). They are independent of
+        the kernel's own tile sizes: a kernel tile that meets no kept block is
+        skipped, one that meets only kept blocks runs unmasked.
+
+    Kept blocks are dense: combine with ``Causal()`` for the token-level
+    triangle inside diagonal blocks. ``a | b`` is the union of two layouts.
+    Constructors for the classic patterns: ``local``, ``strided``,
+    ``global_tokens``.
+    """
+
+    def __init__(self, layout, block_q, block_k=None):
+        lay = np.asarray(layout)
+        if lay.dtype != np.bool_:
+            raise MaskTypeError(f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}")
+        if lay.ndim < 2 or lay.ndim > 4:
+            raise ValueError(
+                f"BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape {_shape_str(lay.shape)}"
+            )
+        self.layout = lay
+        self.block_q = _check_int(block_q, "block_q", 1)
+        self.block_k = self.block_q if block_k is None else _check_int(block_k, "block_k", 1)
+
+    @property
+    def density(self):
+        """Fraction of blocks kept (over the whole layout)."""
+        return float(self.layout.mean()) if self.layout.size else 0.0
+
+    def _kw(self, B, H, Lq, Lk, dtype):
+        nq, nk = self.layout.shape[-2:]
+        if nq * self.block_q < Lq or nk * self.block_k < Lk:
+            raise ValueError(
+                f"BlockSparse layout of shape {_shape_str(self.layout.shape)} with block_q={self.block_q}, "
+                f"block_k={self.block_k} covers ({nq * self.block_q}, {nk * self.block_k}) positions, "
+                f"but (Lq, Lk) = ({Lq}, {Lk})"
+            )
+        view = _broadcast4(self.layout, (B, H, nq, nk), "BlockSparse layout", "(B, H, nq, nk)")
+        return {"layout": view.view(np.uint8), "layout_bq": self.block_q, "layout_bk": self.block_k}
+
+    def __or__(self, other):
+        if not isinstance(other, BlockSparse):
+            return NotImplemented
+        a, b = _common_blocks(self, other)
+        nq = max(a.layout.shape[-2], b.layout.shape[-2])
+        nk = max(a.layout.shape[-1], b.layout.shape[-1])
+        return BlockSparse(_pad_layout(a.layout, nq, nk) | _pad_layout(b.layout, nq, nk), a.block_q, a.block_k)
+
+    def __repr__(self):
+        return (
+            f"BlockSparse(layout {_shape_str(self.layout.shape)}, block_q={self.block_q}, "
+            f"block_k={self.block_k}, density={self.density:.3f})"
+        )
+
+    # ------------------------------------------------------------ constructors
+
+    @staticmethod
+    def _grid(seq_len, block):
+        seq_len = _check_int(seq_len, "seq_len", 1)
+        block = _check_int(block, "block", 1)
+        n = -(-seq_len // block)
+        x = np.arange(n)[:, None]  # query block
+        y = np.arange(n)[None, :]  # key block
+        return block, x, y
+
+    @classmethod
+    def local(cls, seq_len, block, width, causal=False):
+        """Band of blocks (self-attention, Lq = Lk = seq_len): (nb, nb) layout.
+
+        Query block x sees key blocks y with |x - y| < width, or
+        0 <= x - y < width if causal. width >= 1 blocks.
+        """
+        block, x, y = cls._grid(seq_len, block)
+        width = _check_int(width, "width", 1)
+        keep = (x - y < width) & (y - x < width)
+        if causal:
+            keep &= y <= x
+        return cls(keep, block, block)
+
+    @classmethod
+    def strided(cls, seq_len, block, stride, causal=True):
+        """Sparse Transformer's strided pattern (Child et al. 2019), in blocks.
+
+        Query block x sees the previous ``stride`` blocks (x - stride < y <= x)
+        and every stride-th block before it ((x - y) % stride == 0), so any
+        two positions are linked in two steps. Without causal the pattern is
+        mirrored (|x - y| instead of x - y). stride >= 1 blocks.
+        """
+        block, x, y = cls._grid(seq_len, block)
+        stride = _check_int(stride, "stride", 1)
+        dist = x - y if causal else np.abs(x - y)
+        keep = (dist >= 0) & ((dist < stride) | (dist % stride == 0))
+        return cls(keep, block, block)
+
+    @classmethod
+    def global_tokens(cls, seq_len, block, global_blocks=1, width=1, random_blocks=0, causal=False, seed=0):
+        """Longformer / BigBird pattern: global anchors + local band (+ random).
+
+        global_blocks : int n (the first n blocks) or a list of block indices.
+            A global block attends to every block and every block attends to it.
+        width : local band half-width in blocks (|x - y| < width; 0 for none).
+        random_blocks : BigBird's r random key blocks per query block, drawn
+            with ``np.random.default_rng(seed)``.
+        causal : keep only blocks y <= x.
+        Returns an (nb, nb) layout for self-attention with Lq = Lk = seq_len.
+        """
+        block, x, y = cls._grid(seq_len, block)
+        n = x.shape[0]
+        width = _check_int(width, "width", 0)
+        random_blocks = _check_int(random_blocks, "random_blocks", 0)
+        if isinstance(global_blocks, numbers.Integral) and not isinstance(global_blocks, (bool, np.bool_)):
+            g = np.arange(min(_check_int(global_blocks, "global_blocks", 0), n))
+        else:
+            g = np.asarray(global_blocks, dtype=np.int64).reshape(-1)
+            if g.size and (g.min() < 0 or g.max() >= n):
+                raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
+        keep = (x - y < width) & (y - x < width)
+        keep[g, :] = True
+        keep[:, g] = True
+        if random_blocks:
+            rng = np.random.default_rng(seed)
+            for row in range(n):
+                keep[row, rng.choice(n, size=min(random_blocks, n), replace=False)] = True
+        if causal:
+            keep &= y <= x
+        return cls(keep, block, block)
+
+
+def _pad_layout(lay, nq, nk):
+    pad = [(0, 0)] * (lay.ndim - 2) + [(0, nq - lay.shape[-2]), (0, nk - lay.shape[-1])]
+    return np.pad(lay, pad)
+
+
+def _refine(lay, fq, fk):
+    """Layout at blocks fq (fk) times smaller: each block becomes fq x fk."""
+    return np.repeat(np.repeat(lay, fq, axis=-2), fk, axis=-1)
+
+
+def _common_blocks(a, b):
+    """Both layouts at the common block size gcd(block sizes)."""
+    gq, gk = math.gcd(a.block_q, b.block_q), math.gcd(a.block_k, b.block_k)
+    out = []
+    for m in (a, b):
+        lay = m.layout
+        if (m.block_q, m.block_k) != (gq, gk):
+            lay = _refine(lay, m.block_q // gq, m.block_k // gk)
+        out.append(BlockSparse(lay, gq, gk))
+    return out
+
+
+class Dense(Mask):
+    """A dense mask array, read by the kernel tile by tile (never copied whole).
+
+    array : broadcastable to (B, H, Lq, Lk), of either dtype
+        - bool: True = attend (torch's convention); False masks the pair;
+        - float: an additive bias on the scores; -inf masks the pair.
+    A float array of another precision than q is cast once at its own
+    (broadcast) shape. Tiles where a boolean mask is all False are skipped.
+    """
+
+    def __init__(self, array):
+        a = np.asarray(array)
+        if a.dtype != np.bool_ and a.dtype.kind != "f":
+            raise MaskTypeError(
+                f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {a.dtype}"
+            )
+        if a.ndim < 1 or a.ndim > 4:
+            raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk), got shape {_shape_str(a.shape)}")
+        self.array = a
+
+    def _kw(self, B, H, Lq, Lk, dtype):
+        a = self.array
+        if a.dtype == np.bool_:
+            return {"mask": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)").view(np.uint8)}
+        if a.dtype != dtype:
+            a = a.astype(dtype)  # at the array's own shape, before broadcasting
+        return {"bias": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)")}
+
+    def __repr__(self):
+        return f"Dense({self.array.dtype}, shape {_shape_str(self.array.shape)})"
+
+
+# ---------------------------------------------------------------- combination
+
+
+def _min_window(a, b):
+    """Intersection of two window sides (-1 = unbounded)."""
+    if a < 0:
+        return b
+    if b < 0:
+        return a
+    return min(a, b)
+
+
+def _compact(x):
+    """The un-broadcast core of a broadcast view: zero-stride axes become size 1."""
+    return x[tuple(slice(0, 1) if st == 0 else slice(None) for st in x.strides)]
+
+
+def _and_broadcast(x, y):
+    """AND of two broadcast 4-D uint8 views, materialised at their common shape."""
+    return np.broadcast_to(np.logical_and(_compact(x), _compact(y)).view(np.uint8), x.shape)
+
+
+def _add_broadcast(x, y):
+    """Sum of two broadcast 4-D float views, materialised at their common shape."""
+    return np.broadcast_to(_compact(x) + _compact(y), x.shape)
+
+
+def merge_kwargs(parts, B, Lq, Lk):
+    """Combine several kernel-argument dicts into the dict of their intersection.
+
+    Rules: causal if any part is causal; windows intersect side by side;
+    lengths take the element-wise minimum; block layouts and boolean masks are
+    AND-ed (layouts at the gcd of their block sizes); additive biases add up.
+    Parts that depend on the alignment must agree on it, unless bottom-right
+    and top-left coincide (every sequence has k_len == q_len).
+    """
+    out = {}
+    aligns = set()
+    for kw in parts:
+        for key, val in kw.items():
+            if key == "_align":
+                aligns.add(val)
+            elif key not in out:
+                out[key] = val
+            elif key == "causal":
+                out[key] = out[key] or val
+            elif key in ("window_left", "window_right"):
+                out[key] = _min_window(out[key], val)
+            elif key in ("q_lens", "kv_lens"):
+                out[key] = np.minimum(out[key], val)
+            elif key == "mask":
+                out[key] = _and_broadcast(out[key], val)
+            elif key == "bias":
+                out[key] = _add_broadcast(out[key], val)
+            elif key == "layout":
+                pass  # handled below with the block sizes
+            elif key in ("layout_bq", "layout_bk"):
+                pass
+            else:
+                raise ValueError(f"two masks both set {key!r}; they cannot be combined")
+    layouts = [kw for kw in parts if "layout" in kw]
+    if len(layouts) > 1:
+        out.update(_merge_layouts(layouts))
+    if len(aligns) > 1:
+        q_len = out.get("q_lens", np.full(B, Lq))
+        k_len = out.get("kv_lens", np.full(B, Lk))
+        if np.any(np.asarray(k_len) != np.asarray(q_len)):
+            raise ValueError(
+                "masks combine bottom-right and top-left alignment, which differ here "
+                f"(Lq = {Lq}, Lk = {Lk}, or padded lengths differ); use one alignment"
+            )
+        aligns = {"bottom_right"}
+    if aligns:
+        out["top_left"] = aligns.pop() == "top_left"
+    return out
+
+
+def _merge_layouts(layouts):
+    gq = math.gcd(*[kw["layout_bq"] for kw in layouts])
+    gk = math.gcd(*[kw["layout_bk"] for kw in layouts])
+    merged = None
+    for kw in layouts:
+        lay = kw["layout"]
+        fq, fk = kw["layout_bq"] // gq, kw["layout_bk"] // gk
+        compact = _compact(lay).astype(bool)
+        if fq > 1 or fk > 1:
+            compact = _refine(compact, fq, fk)
+        if merged is None:
+            merged = compact
+        else:
+            nq = min(merged.shape[-2], compact.shape[-2])
+            nk = min(merged.shape[-1], compact.shape[-1])
+            merged = merged[..., :nq, :nk] & compact[..., :nq, :nk]
+    B, H = layouts[0]["layout"].shape[:2]
+    view = np.broadcast_to(merged, (B, H) + merged.shape[-2:])
+    return {"layout": view.view(np.uint8), "layout_bq": gq, "layout_bk": gk}
+
+
+# ---------------------------------------------------------------- dense view
+
+
+def visibility(kw, B, H, Lq, Lk):
+    """The rule of attention.h's AttnArgs, in NumPy: boolean (B, H|1, Lq, Lk).
+
+    kw : kernel keyword arguments (as ``Mask._kernel_kwargs`` returns them).
+    Reads causal, top_left, window_left/right, q_lens, kv_lens, layout, mask
+    and bias (-inf = masked). Materialises Lq x Lk per batch entry.
+    """
+    q_len = np.asarray(kw.get("q_lens", np.full(B, Lq)), dtype=np.int64).reshape(B, 1, 1, 1)
+    k_len = np.asarray(kw.get("kv_lens", np.full(B, Lk)), dtype=np.int64).reshape(B, 1, 1, 1)
+    off = np.zeros_like(k_len) if kw.get("top_left") else k_len - q_len
+    i = np.arange(Lq).reshape(1, 1, Lq, 1)
+    j = np.arange(Lk).reshape(1, 1, 1, Lk)
+    diag = i + off
+    vis = (j < k_len) & (i < q_len)
+    if kw.get("causal"):
+        vis = vis & (j <= diag)
+    if kw.get("window_left", -1) >= 0:
+        vis = vis & (j >= diag - kw["window_left"])
+    if kw.get("window_right", -1) >= 0:
+        vis = vis & (j <= diag + kw["window_right"])
+    if kw.get("layout") is not None:
+        lay = kw["layout"].astype(bool)
+        rows = np.arange(Lq) // kw["layout_bq"]
+        cols = np.arange(Lk) // kw["layout_bk"]
+        vis = vis & lay[:, :, rows][:, :, :, cols]
+    if kw.get("mask") is not None:
+        vis = vis & kw["mask"].astype(bool)
+    if kw.get("bias") is not None:
+        vis = vis & (kw["bias"] > -np.inf)
+    return vis
