@@ -15,8 +15,12 @@
 //               o_t = phi(q_t)^T KV / (phi(q_t)^T z + eps)
 //               fused so each row KV[i, :] is updated and read in the same
 //               pass; KV (d * dv doubles, 32 KiB at d = dv = 64) stays in L1.
-// The inner loops run over dv contiguous doubles with no loop-carried
-// dependence, so the compiler vectorises them at the baseline ISA.
+// Register blocking: a pass holds kJB columns of KV in registers while it
+// walks the d rows, for kTc = 2 tokens (causal), kTa = 4 tokens (accumulation)
+// or kR = 4 rows (read-out), so each KV element is loaded and stored once per
+// 2-4 tokens, not once per token: the rank-1 updates stop being bound by L1
+// traffic. Fixed-size inner loops the compiler unrolls and vectorises at the
+// baseline ISA (plain C++, no intrinsics).
 //
 // Numerics: KV and z are double accumulators for float and double inputs.
 // z is a sum of L non-negative terms (it grows like L) and KV a sum of signed
@@ -42,37 +46,14 @@ namespace attn_fast {
 namespace {
 
 constexpr int64_t kBr = 64;  // rows per read-out work item (non-causal)
+constexpr int kJB = 4;       // columns of KV held in registers per pass
+constexpr int kTc = 2;       // tokens per step of the causal sweep
+constexpr int kTa = 4;       // tokens per step of the non-causal accumulation
+constexpr int kR = 4;        // rows per step of the non-causal read-out
 
 template <typename T>
 inline const T* row(const T* base, const Strides4& s, int64_t b, int64_t h, int64_t t) {
   return base + b * s.b + h * s.h + t * s.l;
-}
-
-// KV (d x dv) and z (d) += phi(k_t) v_t^T and phi(k_t): one position.
-inline void accumulate(double* __restrict kv, double* __restrict z, const double* __restrict kb,
-                       const double* __restrict vb, int64_t d, int64_t dv) {
-  for (int64_t i = 0; i < d; ++i) {
-    const double a = kb[i];
-    double* __restrict kvi = kv + i * dv;
-    for (int64_t j = 0; j < dv; ++j) kvi[j] += a * vb[j];
-    z[i] += a;
-  }
-}
-
-// o = phi(q)^T KV / (phi(q)^T z + eps), zeros if the denominator is 0.
-template <typename T>
-inline void read_out(const double* __restrict kv, const double* __restrict z, const double* __restrict qb,
-                     double* __restrict num, T* o, int64_t so_d, int64_t d, int64_t dv, double eps) {
-  std::fill(num, num + dv, 0.0);
-  double den = eps;
-  for (int64_t i = 0; i < d; ++i) {
-    const double c = qb[i];
-    const double* __restrict kvi = kv + i * dv;
-    for (int64_t j = 0; j < dv; ++j) num[j] += c * kvi[j];
-    den += c * z[i];
-  }
-  const double inv = den != 0.0 ? 1.0 / den : 0.0;
-  for (int64_t j = 0; j < dv; ++j) o[j * so_d] = static_cast<T>(den != 0.0 ? num[j] * inv : 0.0);
 }
 
 template <typename T>
@@ -80,15 +61,123 @@ inline void load(double* dst, const T* src, int64_t stride, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i * stride]);
 }
 
+// The register-blocked pieces. Each touches columns [j0, j0 + JB) of the
+// d x dv state KV, holding them in registers while it walks the d rows, so
+// one row block of KV is loaded (and stored) once for NT tokens instead of
+// once per token. Summation order per element is the same whatever NT and
+// JB, so results do not depend on the blocking.
+
+// Causal step for NT consecutive tokens (kb, qb: NT x d; vb, num: NT x dv):
+//   KV[i, j] += k_t[i] v_t[j]; num_t[j] = sum_i q_t[i] KV_t[i, j], t in order.
+template <int NT, int JB>
+inline void causal_cols(double* __restrict kv, const double* __restrict kb, const double* __restrict qb,
+                        const double* __restrict vb, double* __restrict num, int64_t d, int64_t dv, int64_t j0) {
+  double vv[NT][JB], acc[NT][JB];
+  for (int t = 0; t < NT; ++t)
+    for (int jj = 0; jj < JB; ++jj) {
+      vv[t][jj] = vb[t * dv + j0 + jj];
+      acc[t][jj] = 0.0;
+    }
+  for (int64_t i = 0; i < d; ++i) {
+    double* __restrict s = kv + i * dv + j0;
+    double x[JB];
+    for (int jj = 0; jj < JB; ++jj) x[jj] = s[jj];
+    for (int t = 0; t < NT; ++t) {
+      const double a = kb[t * d + i], c = qb[t * d + i];
+      for (int jj = 0; jj < JB; ++jj) {
+        x[jj] += a * vv[t][jj];
+        acc[t][jj] += c * x[jj];
+      }
+    }
+    for (int jj = 0; jj < JB; ++jj) s[jj] = x[jj];
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int jj = 0; jj < JB; ++jj) num[t * dv + j0 + jj] = acc[t][jj];
+}
+
+// KV[i, j] += sum_t k_t[i] v_t[j] over NT tokens (no read-out).
+template <int NT, int JB>
+inline void accum_cols(double* __restrict kv, const double* __restrict kb, const double* __restrict vb,
+                       int64_t d, int64_t dv, int64_t j0) {
+  double vv[NT][JB];
+  for (int t = 0; t < NT; ++t)
+    for (int jj = 0; jj < JB; ++jj) vv[t][jj] = vb[t * dv + j0 + jj];
+  for (int64_t i = 0; i < d; ++i) {
+    double* __restrict s = kv + i * dv + j0;
+    double x[JB];
+    for (int jj = 0; jj < JB; ++jj) x[jj] = s[jj];
+    for (int t = 0; t < NT; ++t) {
+      const double a = kb[t * d + i];
+      for (int jj = 0; jj < JB; ++jj) x[jj] += a * vv[t][jj];
+    }
+    for (int jj = 0; jj < JB; ++jj) s[jj] = x[jj];
+  }
+}
+
+// num_r[j] = sum_i q_r[i] KV[i, j] for NR rows (qb: NR x d; num: NR x dv).
+template <int NR, int JB>
+inline void readout_cols(const double* __restrict kv, const double* __restrict qb, double* __restrict num,
+                         int64_t d, int64_t dv, int64_t j0) {
+  double acc[NR][JB];
+  for (int r = 0; r < NR; ++r)
+    for (int jj = 0; jj < JB; ++jj) acc[r][jj] = 0.0;
+  for (int64_t i = 0; i < d; ++i) {
+    const double* __restrict s = kv + i * dv + j0;
+    double x[JB];
+    for (int jj = 0; jj < JB; ++jj) x[jj] = s[jj];
+    for (int r = 0; r < NR; ++r) {
+      const double c = qb[r * d + i];
+      for (int jj = 0; jj < JB; ++jj) acc[r][jj] += c * x[jj];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int jj = 0; jj < JB; ++jj) num[r * dv + j0 + jj] = acc[r][jj];
+}
+
+// All dv columns: full JB-wide blocks, then single columns for the tail.
+template <int NT>
+inline void causal_step(double* kv, const double* kb, const double* qb, const double* vb, double* num,
+                        int64_t d, int64_t dv) {
+  int64_t j0 = 0;
+  for (; j0 + kJB <= dv; j0 += kJB) causal_cols<NT, kJB>(kv, kb, qb, vb, num, d, dv, j0);
+  for (; j0 < dv; ++j0) causal_cols<NT, 1>(kv, kb, qb, vb, num, d, dv, j0);
+}
+template <int NT>
+inline void accum_step(double* kv, const double* kb, const double* vb, int64_t d, int64_t dv) {
+  int64_t j0 = 0;
+  for (; j0 + kJB <= dv; j0 += kJB) accum_cols<NT, kJB>(kv, kb, vb, d, dv, j0);
+  for (; j0 < dv; ++j0) accum_cols<NT, 1>(kv, kb, vb, d, dv, j0);
+}
+template <int NR>
+inline void readout_step(const double* kv, const double* qb, double* num, int64_t d, int64_t dv) {
+  int64_t j0 = 0;
+  for (; j0 + kJB <= dv; j0 += kJB) readout_cols<NR, kJB>(kv, qb, num, d, dv, j0);
+  for (; j0 < dv; ++j0) readout_cols<NR, 1>(kv, qb, num, d, dv, j0);
+}
+
+// o_r = num_r / den_r with den_r = q_r . z + eps; zeros if den_r is 0.
+template <typename T>
+inline void write_rows(const LinearAttnArgs<T>& a, int64_t b, int64_t h, int64_t t0, int nt, const double* num,
+                       const double* den) {
+  for (int t = 0; t < nt; ++t) {
+    T* o = a.o + b * a.so.b + h * a.so.h + (t0 + t) * a.so.l;
+    const double dn = den[t];
+    const double inv = dn != 0.0 ? 1.0 / dn : 0.0;
+    for (int64_t j = 0; j < a.dv; ++j)
+      o[j * a.so.d] = static_cast<T>(dn != 0.0 ? num[t * a.dv + j] * inv : 0.0);
+  }
+}
+
 template <typename T>
 void causal_sweep(const LinearAttnArgs<T>& a) {
   const int64_t BH = a.B * a.H, d = a.d, dv = a.dv;
 #pragma omp parallel num_threads(a.num_threads)
   {
-    // Per-thread scratch: state (if the caller keeps none), one row of each input.
+    // Per-thread scratch: state (if the caller keeps none), kTc rows of each input.
     std::vector<double> own_kv(static_cast<size_t>(d * dv)), own_z(static_cast<size_t>(d));
-    std::vector<double> qb(static_cast<size_t>(d)), kb(static_cast<size_t>(d));
-    std::vector<double> vb(static_cast<size_t>(dv)), num(static_cast<size_t>(dv));
+    std::vector<double> qb(static_cast<size_t>(kTc * d)), kb(static_cast<size_t>(kTc * d));
+    std::vector<double> vb(static_cast<size_t>(kTc * dv)), num(static_cast<size_t>(kTc * dv));
+    double den[kTc];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
       const int64_t b = bh / a.H, h = bh % a.H;
@@ -98,13 +187,24 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
         std::fill(own_kv.begin(), own_kv.end(), 0.0);
         std::fill(own_z.begin(), own_z.end(), 0.0);
       }
-      for (int64_t t = 0; t < a.L; ++t) {
-        load(kb.data(), row(a.k, a.sk, b, h, t), a.sk.d, d);
-        load(vb.data(), row(a.v, a.sv, b, h, t), a.sv.d, dv);
-        load(qb.data(), row(a.q, a.sq, b, h, t), a.sq.d, d);
-        accumulate(kv, z, kb.data(), vb.data(), d, dv);
-        T* o = a.o + b * a.so.b + h * a.so.h + t * a.so.l;
-        read_out(kv, z, qb.data(), num.data(), o, a.so.d, d, dv, a.eps);
+      for (int64_t t0 = 0; t0 < a.L; t0 += kTc) {
+        const int nt = static_cast<int>(std::min<int64_t>(kTc, a.L - t0));
+        for (int t = 0; t < nt; ++t) {
+          load(kb.data() + t * d, row(a.k, a.sk, b, h, t0 + t), a.sk.d, d);
+          load(qb.data() + t * d, row(a.q, a.sq, b, h, t0 + t), a.sq.d, d);
+          load(vb.data() + t * dv, row(a.v, a.sv, b, h, t0 + t), a.sv.d, dv);
+          // z_t = z_{t-1} + k_t; den_t = q_t . z_t + eps
+          den[t] = a.eps;
+          for (int64_t i = 0; i < d; ++i) {
+            z[i] += kb[t * d + i];
+            den[t] += qb[t * d + i] * z[i];
+          }
+        }
+        if (nt == kTc)
+          causal_step<kTc>(kv, kb.data(), qb.data(), vb.data(), num.data(), d, dv);
+        else
+          causal_step<1>(kv, kb.data(), qb.data(), vb.data(), num.data(), d, dv);
+        write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
   }
@@ -124,31 +224,51 @@ void non_causal(const LinearAttnArgs<T>& a) {
   }
 #pragma omp parallel num_threads(a.num_threads)
   {
-    std::vector<double> kb(static_cast<size_t>(d)), vb(static_cast<size_t>(dv));
+    std::vector<double> kb(static_cast<size_t>(kTa * d)), vb(static_cast<size_t>(kTa * dv));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
       const int64_t b = bh / a.H, h = bh % a.H;
-      for (int64_t t = 0; t < a.L; ++t) {
-        load(kb.data(), row(a.k, a.sk, b, h, t), a.sk.d, d);
-        load(vb.data(), row(a.v, a.sv, b, h, t), a.sv.d, dv);
-        accumulate(kv_all + bh * d * dv, z_all + bh * d, kb.data(), vb.data(), d, dv);
+      double* kv = kv_all + bh * d * dv;
+      double* z = z_all + bh * d;
+      for (int64_t t0 = 0; t0 < a.L; t0 += kTa) {
+        const int nt = static_cast<int>(std::min<int64_t>(kTa, a.L - t0));
+        for (int t = 0; t < nt; ++t) {
+          load(kb.data() + t * d, row(a.k, a.sk, b, h, t0 + t), a.sk.d, d);
+          load(vb.data() + t * dv, row(a.v, a.sv, b, h, t0 + t), a.sv.d, dv);
+          for (int64_t i = 0; i < d; ++i) z[i] += kb[t * d + i];
+        }
+        if (nt == kTa)
+          accum_step<kTa>(kv, kb.data(), vb.data(), d, dv);
+        else
+          for (int t = 0; t < nt; ++t) accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
       }
     }
   }
-  // 2. read-out, parallel over (b, h, row block).
+  // 2. read-out, parallel over (b, h, block of kBr rows), kR rows at a time.
   const int64_t nblk = (a.L + kBr - 1) / kBr;
 #pragma omp parallel num_threads(a.num_threads)
   {
-    std::vector<double> qb(static_cast<size_t>(d)), num(static_cast<size_t>(dv));
+    std::vector<double> qb(static_cast<size_t>(kR * d)), num(static_cast<size_t>(kR * dv));
+    double den[kR];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < BH * nblk; ++w) {
       const int64_t bh = w / nblk, blk = w % nblk;
       const int64_t b = bh / a.H, h = bh % a.H;
+      const double* kv = kv_all + bh * d * dv;
+      const double* z = z_all + bh * d;
       const int64_t t1 = std::min(a.L, (blk + 1) * kBr);
-      for (int64_t t = blk * kBr; t < t1; ++t) {
-        load(qb.data(), row(a.q, a.sq, b, h, t), a.sq.d, d);
-        T* o = a.o + b * a.so.b + h * a.so.h + t * a.so.l;
-        read_out(kv_all + bh * d * dv, z_all + bh * d, qb.data(), num.data(), o, a.so.d, d, dv, a.eps);
+      for (int64_t t0 = blk * kBr; t0 < t1; t0 += kR) {
+        const int nt = static_cast<int>(std::min<int64_t>(kR, t1 - t0));
+        for (int t = 0; t < nt; ++t) {
+          load(qb.data() + t * d, row(a.q, a.sq, b, h, t0 + t), a.sq.d, d);
+          den[t] = a.eps;
+          for (int64_t i = 0; i < d; ++i) den[t] += qb[t * d + i] * z[i];
+        }
+        if (nt == kR)
+          readout_step<kR>(kv, qb.data(), num.data(), d, dv);
+        else
+          for (int t = 0; t < nt; ++t) readout_step<1>(kv, qb.data() + t * d, num.data() + t * dv, d, dv);
+        write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
   }
