@@ -327,3 +327,15 @@ def test_linear_attention_errors(rng):
         V.linear_attention_step(x[:, 0], x[:, 0], x[:, 0], state=(st.kv, st.k_sum))
     with pytest.raises(ValueError, match="one token"):
         V.linear_attention_step(x[None, None], x[None, None], x[None, None])
+
+
+def test_permuting_keys_and_values_together_changes_nothing(rng):
+    """Non-causal linear attention sees a set of keys; Linformer too, once E's and F's columns follow."""
+    q, k = randn(rng, (2, 45, 8), np.float64), randn(rng, (2, 45, 8), np.float64)
+    v = randn(rng, (2, 45, 6), np.float64)
+    E, F = randn(rng, (5, 45), np.float64), randn(rng, (5, 45), np.float64)
+    p = rng.permutation(45)
+    np.testing.assert_allclose(V.linear_attention(q, k[:, p], v[:, p]), V.linear_attention(q, k, v), rtol=1e-12)
+    np.testing.assert_allclose(
+        V.linformer_attention(q, k[:, p], v[:, p], E[:, p], F[:, p]), V.linformer_attention(q, k, v, E, F), rtol=1e-12
+    )
