@@ -70,8 +70,8 @@ def sparse_mask(L):
 def projections(L, seed=7):
     rng = np.random.default_rng(seed)
     std = math.sqrt(2.0 / (L + LINFORMER_K))  # Xavier normal, as variants.Linformer
-    E = (rng.standard_normal((LINFORMER_K, L), dtype=np.float32) * std).astype(np.float32)
-    F = (rng.standard_normal((LINFORMER_K, L), dtype=np.float32) * std).astype(np.float32)
+    E = rng.standard_normal((LINFORMER_K, L), dtype=np.float32) * np.float32(std)
+    F = rng.standard_normal((LINFORMER_K, L), dtype=np.float32) * np.float32(std)
     return E, F
 
 
@@ -108,7 +108,9 @@ def inputs(L, H, d, seed=0):
 
 
 def textbook_bytes(L, H):
-    return 3 * H * L * L * 4  # S, S - max, exp(...) alive together
+    # measured: peak RSS growth is ~6 float32 (H, L, L) arrays (QKᵀ, /√d, - max,
+    # exp, / sum, and BLAS/ufunc temporaries): 12.3 GiB at L = 16384, H = 2
+    return 6 * H * L * L * 4
 
 
 # ----------------------------------------------------------------------------- worker
@@ -118,12 +120,24 @@ def rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def release_free_heap():
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def worker(name, L, H, d, threads):
     import attn_fast as af
 
     af.set_num_threads(threads)
     q, k, v = inputs(L, H, d)
     fn = make_case(name, q, k, v)
+    release_free_heap()  # so that memory freed by the setup cannot hide the call's allocations
     base = rss_bytes()
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     def timed():
