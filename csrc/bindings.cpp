@@ -10,6 +10,7 @@
 #include <string>
 
 #include "attn_fast/attention.h"
+#include "attn_fast/linear_attn.h"
 
 namespace py = pybind11;
 using namespace attn_fast;
@@ -151,6 +152,53 @@ py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object
   throw py::type_error("q must be float32 or float64");
 }
 
+template <typename T>
+void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv, py::object k_sum,
+              bool causal, double eps) {
+  LinearAttnArgs<T> a;
+  for (auto* arr : {&q, &k, &v, &o})
+    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  a.sq = strides4(q, "q");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.so = strides4(o, "o");
+  a.B = q.shape(0); a.H = q.shape(1); a.L = q.shape(2); a.d = q.shape(3); a.dv = v.shape(3);
+  for (int i = 0; i < 3; ++i)
+    if (k.shape(i) != q.shape(i) || v.shape(i) != q.shape(i) || o.shape(i) != q.shape(i))
+      throw py::value_error("q, k, v, o must agree on (B, H, L)");
+  if (k.shape(3) != a.d || o.shape(3) != a.dv) throw py::value_error("inconsistent q/k/v/o head dims");
+  a.q = static_cast<const T*>(q.data());
+  a.k = static_cast<const T*>(k.data());
+  a.v = static_cast<const T*>(v.data());
+  a.o = static_cast<T*>(o.mutable_data());
+  a.causal = causal;
+  a.eps = eps;
+  a.num_threads = get_num_threads();
+  py::array kv_arr, z_arr;
+  if (kv.is_none() != k_sum.is_none()) throw py::value_error("kv and k_sum go together");
+  if (!kv.is_none()) {
+    kv_arr = py::cast<py::array>(kv);
+    z_arr = py::cast<py::array>(k_sum);
+    for (auto* arr : {&kv_arr, &z_arr})
+      if (!py::isinstance<py::array_t<double>>(*arr) || !(arr->flags() & py::array::c_style) || !arr->writeable())
+        throw py::type_error("kv and k_sum must be writeable C-contiguous float64 arrays");
+    if (kv_arr.size() != a.B * a.H * a.d * a.dv || z_arr.size() != a.B * a.H * a.d)
+      throw py::value_error("kv must have B*H*d*dv elements and k_sum B*H*d");
+    a.kv = static_cast<double*>(kv_arr.mutable_data());
+    a.k_sum = static_cast<double*>(z_arr.mutable_data());
+  }
+  py::gil_scoped_release release;
+  linear_attention_forward(a);
+}
+
+void linear_attention(py::array q, py::array k, py::array v, py::array o, py::object kv,
+                      py::object k_sum, bool causal, double eps) {
+  if (py::isinstance<py::array_t<float>>(q)) return linear_t<float>(q, k, v, o, kv, k_sum, causal, eps);
+  if (py::isinstance<py::array_t<double>>(q)) return linear_t<double>(q, k, v, o, kv, k_sum, causal, eps);
+  throw py::type_error("q must be float32 or float64");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -185,4 +233,9 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release release;
     return fma_peak_gflops(threads, seconds);
   }, py::arg("threads"), py::arg("seconds") = 0.3);
+  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
+        py::arg("causal") = false, py::arg("eps") = 0.0,
+        "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
+        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place.");
 }

@@ -41,3 +41,5 @@ if _forced:
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
 from . import masks  # noqa: E402  (mask objects: Causal, SlidingWindow, Padding, BlockSparse, Dense)
+from . import variants  # noqa: E402  (Linformer, linear attention: attn_fast.variants)
+__all__.append("variants")

@@ -1,0 +1,321 @@
+"""The cheaper attention families: low rank (Linformer) and linear attention.
+
+Full softmax attention costs O(L²) time (the fused kernel already keeps the
+memory O(L)). The chapter names four ways to cut the L² bill:
+
+- sliding window: ``scaled_dot_product_attention(..., window_size=(w, 0))``, exact
+  for its mask, O(L·w);
+- block-sparse patterns: ``attn_mask=`` a block layout, exact for its mask;
+- low rank (Linformer, Wang et al. 2020): :func:`linformer_attention`,
+  :class:`Linformer`. K and V are projected along the sequence axis to k rows,
+  then exact softmax attention runs on those k rows: O(L·k). An approximation;
+  **not causal by construction** (every projected row mixes all positions, the
+  future included), so it suits encoders, not autoregressive decoding;
+- linear attention (associativity, Katharopoulos et al. 2020):
+  :func:`linear_attention`, :func:`linear_attention_step`. softmax(QKᵀ) is
+  replaced by a kernel φ(Q)φ(K)ᵀ, and the product is taken right to left,
+  φ(Q)(φ(K)ᵀV), so it costs O(L·r·dv) (r = feature dim). A different model,
+  not an approximation of a given softmax layer.
+
+Layouts follow :func:`attn_fast.scaled_dot_product_attention`: q is (L, d),
+(H, L, d) or (B, H, L, d), read through its strides; results are new
+C-contiguous arrays of q's dtype (float32 or float64).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _core
+from ._checks import as_float_array, check_same_dtype, shape_str
+from .functional import scaled_dot_product_attention
+
+__all__ = [
+    "linformer_attention",
+    "Linformer",
+    "linear_attention",
+    "linear_attention_step",
+    "LinearAttentionState",
+    "feature_map",
+]
+
+
+def _to4(x):
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def _check_qkv(q, k, v, *, same_len=True):
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    check_same_dtype(q=q, k=k, v=v)
+    if not (q.ndim == k.ndim == v.ndim) or q.ndim not in (2, 3, 4):
+        raise ValueError(
+            "q, k and v must all be (L, d), (H, L, d) or (B, H, L, d), got "
+            f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
+        )
+    if q.shape[-1] == 0:
+        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {q.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match")
+    lead_q = q.shape[:-1] if same_len else q.shape[:-2]
+    lead_k = k.shape[:-1] if same_len else k.shape[:-2]
+    if lead_q != lead_k:
+        what = "batch, heads and length" if same_len else "batch and heads"
+        raise ValueError(f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match")
+    return q, k, v
+
+
+# --------------------------------------------------------------------------
+# Linformer: low-rank projection of K and V along the sequence axis
+# --------------------------------------------------------------------------
+
+def _check_projection(P, name, Lk, dtype):
+    P = as_float_array(P, name)
+    if P.ndim != 2 or P.shape[0] < 1:
+        raise ValueError(f"{name} must be a (k, L) matrix with k >= 1, got shape {shape_str(P)}")
+    if P.shape[1] != Lk:
+        raise ValueError(f"{name} has shape {shape_str(P)} but k has length Lk = {Lk}; {name} must be (k, {Lk})")
+    return P.astype(dtype, copy=False)
+
+
+def linformer_attention(q, k, v, E, F=None, *, scale=None):
+    """Linformer attention: softmax(q (E k)ᵀ · scale) (F v), exact on k rows.
+
+    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64.
+    k : (…, Lk, d), v : (…, Lk, dv), same leading dims and dtype as q.
+    E, F : (kp, Lk) projection matrices (F=None shares E, Linformer's
+        "shared key-value" variant). They are cast to q's dtype.
+    scale : float, default 1/sqrt(d).
+
+    Computes K' = E k (…, kp, d) and V' = F v (…, kp, dv) with one matrix
+    product each (O(Lk·kp·d)), then exact softmax attention of the L queries
+    over the kp projected rows through the fused kernel (O(L·kp·d)).
+    Returns (…, L, dv) in q's dtype (a new array).
+
+    Not causal by construction: each projected row is a mixture of all Lk
+    positions, so a query sees (a summary of) the future. There is no
+    ``is_causal``; use sliding-window or linear attention for decoders.
+    """
+    q, k, v = _check_qkv(q, k, v, same_len=False)
+    Lk = k.shape[-2]
+    E = _check_projection(E, "E", Lk, q.dtype)
+    F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
+    if E.shape[0] != F.shape[0]:
+        raise ValueError(f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k")
+    Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
+    Vp = np.matmul(F, v)  # (…, kp, dv)
+    return scaled_dot_product_attention(q, Kp, Vp, scale=scale)
+
+
+class Linformer:
+    """A multi-head Linformer self-attention layer (NumPy weights, fused core).
+
+    Linformer(d_model, n_heads, seq_len, k=256, share_kv=False, dtype=float32, seed=None)
+
+    Weights: Wq, Wk, Wv, Wo (d_model, d_model) ~ N(0, 1/d_model); E and F
+    (k, seq_len) ~ N(0, 2/(seq_len + k)) (Xavier normal, as the authors'
+    code initialises its nn.Linear(seq_len, k)); one E, F shared by all heads
+    (the paper's head-wise sharing). With ``share_kv`` F is E. Every weight is
+    a plain attribute you may overwrite with trained values.
+
+    __call__(X): X (L, d_model) or (B, L, d_model) with L <= seq_len, returns
+    the same shape in ``dtype``. A shorter sequence uses E[:, :L], F[:, :L],
+    which equals zero-padding it to seq_len (the paper's padding). Not causal.
+    """
+
+    def __init__(self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None):
+        d_model, n_heads, seq_len, k = int(d_model), int(n_heads), int(seq_len), int(k)
+        if n_heads < 1 or d_model < 1 or d_model % n_heads != 0:
+            raise ValueError(f"d_model = {d_model} must be a positive multiple of n_heads = {n_heads}")
+        if seq_len < 1 or k < 1:
+            raise ValueError(f"seq_len and k must be >= 1, got seq_len = {seq_len}, k = {k}")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        rng = np.random.default_rng(seed)
+        self.d_model, self.n_heads, self.seq_len, self.k, self.dtype = d_model, n_heads, seq_len, k, dtype
+        w = 1.0 / math.sqrt(d_model)
+        self.Wq, self.Wk, self.Wv, self.Wo = (
+            (rng.standard_normal((d_model, d_model)) * w).astype(dtype) for _ in range(4)
+        )
+        p = math.sqrt(2.0 / (seq_len + k))
+        self.E = (rng.standard_normal((k, seq_len)) * p).astype(dtype)
+        self.F = self.E if share_kv else (rng.standard_normal((k, seq_len)) * p).astype(dtype)
+
+    def __call__(self, X):
+        X = as_float_array(X, "X").astype(self.dtype, copy=False)
+        if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
+            raise ValueError(f"X must be (L, {self.d_model}) or (B, L, {self.d_model}), got shape {shape_str(X)}")
+        L = X.shape[-2]
+        if not 1 <= L <= self.seq_len:
+            raise ValueError(f"X has length {L} but this layer was built for seq_len = {self.seq_len}")
+        H, dh = self.n_heads, self.d_model // self.n_heads
+
+        def heads(Y):  # (…, L, D) -> (…, H, L, dh), a view
+            return np.swapaxes(Y.reshape(Y.shape[:-1] + (H, dh)), -2, -3)
+
+        q, k, v = heads(X @ self.Wq.T), heads(X @ self.Wk.T), heads(X @ self.Wv.T)
+        E = self.E[:, :L]
+        F = E if self.F is self.E else self.F[:, :L]
+        o = linformer_attention(q, k, v, E, F)  # (…, H, L, dh)
+        o = np.swapaxes(o, -2, -3).reshape(X.shape[:-1] + (self.d_model,))
+        return o @ self.Wo.T
+
+
+# --------------------------------------------------------------------------
+# Linear attention: phi(Q) (phi(K)^T V), the associativity trick
+# --------------------------------------------------------------------------
+
+def _elu1(x):
+    # elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise: strictly positive.
+    return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
+
+
+def _relu(x):
+    return np.maximum(x, 0)
+
+
+_FEATURE_MAPS = {"elu1": _elu1, "relu": _relu}
+
+
+def feature_map(x, fm="elu1"):
+    """Apply a linear-attention feature map to (…, d) and check it.
+
+    fm : "elu1" (elu(x) + 1, Katharopoulos et al.; strictly positive),
+        "relu" (max(x, 0); a row may be all zeros) or a callable mapping a
+        (…, d) array to a (…, r) array of non-negative finite values (random
+        features, say; r may differ from d). Returns an array of x's dtype.
+    Raises ValueError for an unknown name, a wrong shape, or negative or
+    non-finite features (the normaliser φ(q)ᵀΣφ(k) must stay non-negative).
+    """
+    if isinstance(fm, str):
+        try:
+            f = _FEATURE_MAPS[fm]
+        except KeyError:
+            raise ValueError(f"unknown feature_map {fm!r}; use one of {sorted(_FEATURE_MAPS)} or a callable") from None
+        return f(x)
+    if not callable(fm):
+        raise TypeError(f"feature_map must be a name or a callable, got {type(fm).__name__}")
+    y = np.asarray(fm(x))
+    if y.dtype.kind not in "fiu":
+        raise TypeError(f"feature_map returned dtype {y.dtype}; expected real numbers")
+    if y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1] or y.shape[-1] < 1:
+        raise ValueError(
+            f"feature_map mapped shape {shape_str(x)} to {shape_str(y)}; it must keep every axis but the last"
+        )
+    y = y.astype(x.dtype, copy=False)
+    if not np.all(np.isfinite(y)):
+        raise ValueError("feature_map returned non-finite values")
+    lo = y.min() if y.size else 0
+    if lo < 0:
+        raise ValueError(
+            f"feature_map returned negative features (min {lo:.3g}); linear attention needs "
+            "phi(x) >= 0 so that the normaliser phi(q)^T sum phi(k) stays non-negative"
+        )
+    return y
+
+
+@dataclass
+class LinearAttentionState:
+    """The running state of causal linear attention after n positions.
+
+    kv : (…, r, dv) float64, Σ_t φ(k_t) v_tᵀ
+    k_sum : (…, r) float64, Σ_t φ(k_t)
+    length : int, positions seen
+    (… = q's leading dims: (), (H,) or (B, H).) O(r·dv) whatever the length.
+    """
+
+    kv: np.ndarray
+    k_sum: np.ndarray
+    length: int = 0
+
+    def copy(self):
+        return LinearAttentionState(self.kv.copy(), self.k_sum.copy(), self.length)
+
+
+def _check_state(state, lead, r, dv):
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(f"state must be a LinearAttentionState, got {type(state).__name__}")
+    if state.kv.shape != lead + (r, dv) or state.k_sum.shape != lead + (r,):
+        raise ValueError(
+            f"state has kv {shape_str(state.kv)} and k_sum {shape_str(state.k_sum)}, "
+            f"expected {lead + (r, dv)} and {lead + (r,)}"
+        )
+    return LinearAttentionState(
+        np.array(state.kv, dtype=np.float64, order="C"), np.array(state.k_sum, dtype=np.float64, order="C"),
+        int(state.length),
+    )
+
+
+def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, state=None, return_state=False):
+    """Linear attention O = φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps), right to left.
+
+    q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
+        same leading dims (no GQA). No softmax scale: the kernel φ(q)ᵀφ(k)
+        replaces exp(qᵀk/√d).
+    feature_map : "elu1" (default), "relu" or a callable, see
+        :func:`attn_fast.variants.feature_map`.
+    causal : row i uses keys t <= i only: a running prefix sum of φ(k_t)v_tᵀ
+        and φ(k_t) (the C++ sweep, parallel over batch and heads).
+    eps : added to the denominator (1e-6, as the authors' code); a row whose
+        denominator is exactly 0 (eps = 0 and φ(q)ᵀΣφ(k) = 0) gets zeros.
+    state : a :class:`LinearAttentionState` of positions already seen (not
+        modified): the call continues from it (chunked prefill). With
+        causal=False the state's keys are visible to every row too.
+    return_state : also return the state after the last position.
+
+    Cost O(L·r·dv) time and O(r·dv) extra memory per (batch, head); the L×L
+    matrix never exists. The state is accumulated in float64 for both dtypes,
+    so float32 stays accurate for long sequences (see csrc/linear_attn.cpp).
+    Returns (…, L, dv) in q's dtype, and the state if asked.
+    """
+    q, k, v = _check_qkv(q, k, v)
+    eps = float(eps)
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    fq, fk = _feature(q, k, feature_map)
+    lead, r, dv, L = q.shape[:-2], fq.shape[-1], v.shape[-1], q.shape[-2]
+    if state is None:
+        st = LinearAttentionState(np.zeros(lead + (r, dv)), np.zeros(lead + (r,)), 0)
+    else:
+        st = _check_state(state, lead, r, dv)
+    o = np.empty(q.shape[:-1] + (dv,), dtype=q.dtype)
+    if o.size or st.kv.size:
+        _core.linear_attention(_to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps)
+    st.length += L
+    return (o, st) if return_state else o
+
+
+def _feature(q, k, fm):
+    fq = feature_map(q, fm)
+    fk = feature_map(k, fm)
+    if fq.shape[-1] != fk.shape[-1]:
+        raise ValueError(f"feature_map gave q features {shape_str(fq)} but k features {shape_str(fk)}")
+    return fq, fk
+
+
+def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
+    """One decode step of causal linear attention: O(r·dv), whatever the length.
+
+    q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv).
+    state : the :class:`LinearAttentionState` so far (None = empty); not
+        modified.
+    Returns (o, new_state): o (…, dv) in q's dtype, equal to row n of
+    ``linear_attention(..., causal=True)`` over the n + 1 tokens so far.
+    """
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    if q.ndim not in (1, 2, 3):
+        raise ValueError(f"q must be one token, (d,), (H, d) or (B, H, d), got shape {shape_str(q)}")
+    o, st = linear_attention(
+        q[..., None, :], k[..., None, :], v[..., None, :], feature_map, True,
+        eps=eps, state=state, return_state=True,
+    )
+    return o[..., 0, :], st
