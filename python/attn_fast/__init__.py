@@ -28,6 +28,7 @@ __all__ = [
     "get_isa",
     "show_config",
     "reference",
+    "explain",
 ]
 
 _forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
@@ -35,3 +36,4 @@ if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
+from .demo import explain  # noqa: E402  (the chapter's step-by-step intermediates)
