@@ -35,3 +35,7 @@ if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
+
+from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
+
+__all__ += ["KVCache", "LayerCaches", "merge_attention_states"]
