@@ -39,3 +39,10 @@ from . import reference  # noqa: E402  (the oracle, importable as attn_fast.refe
 from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
 
 __all__ += ["KVCache", "LayerCaches", "merge_attention_states"]
+
+# Layers: positions, multi-head attention, Transformer block, a tiny LM.
+from . import positional  # noqa: E402
+from .multihead import MultiHeadAttention  # noqa: E402
+from .transformer import LayerNorm, RMSNorm, TinyTransformerLM, TransformerBlock  # noqa: E402
+
+__all__ += ["positional", "MultiHeadAttention", "TransformerBlock", "TinyTransformerLM", "LayerNorm", "RMSNorm"]
