@@ -28,7 +28,6 @@ __all__ = [
     "get_isa",
     "show_config",
     "reference",
-    "explain",
 ]
 
 _forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
@@ -36,4 +35,19 @@ if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
-from .demo import explain  # noqa: E402  (the chapter's step-by-step intermediates)
+
+from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
+
+__all__ += ["KVCache", "LayerCaches", "merge_attention_states"]
+
+# Layers: positions, multi-head attention, Transformer block, a tiny LM.
+from . import positional  # noqa: E402
+from .multihead import MultiHeadAttention  # noqa: E402
+from .transformer import LayerNorm, RMSNorm, TinyTransformerLM, TransformerBlock  # noqa: E402
+
+__all__ += ["positional", "MultiHeadAttention", "TransformerBlock", "TinyTransformerLM", "LayerNorm", "RMSNorm"]
+
+# The chapter's demo: every intermediate (Q, K, V, S, P, O) of one attention call.
+from .demo import explain  # noqa: E402
+
+__all__ += ["explain"]
