@@ -2,7 +2,8 @@
 
 Each test states one sentence of the chapter and checks it on the fused kernel
 (attn_fast.attention / scaled_dot_product_attention), with explain() or the
-float64 oracle where the claim is about S or P.
+float64 oracle where the claim is about S or P. RoPE comes from
+attn_fast.positional, the KV cache from attn_fast.KVCache.
 """
 
 from __future__ import annotations
@@ -60,6 +61,38 @@ def test_a_different_word_order_is_the_same_bag_of_words(seed, L, D, d):
     X, Wq, Wk, Wv = textbook_inputs(rng, L, D, d, d)
     rev = X[::-1]
     np.testing.assert_allclose(af.attention(rev, Wq, Wk, Wv)[::-1], af.attention(X, Wq, Wk, Wv), **TOL)
+
+
+def rope_attention(q, k, v, positions):
+    """Self-attention with RoPE: q and k (L, d) rotated by their tokens' positions."""
+    rope = af.positional.RoPE(q.shape[-1])
+    q_r = rope(q, positions=positions, seq_axis=-2)
+    k_r = rope(k, positions=positions, seq_axis=-2)
+    return af.scaled_dot_product_attention(q_r, k_r, v)
+
+
+@claim()
+@given(seed=seeds, L=st.integers(2, 40), half_d=st.integers(1, 12))
+def test_rope_breaks_permutation_equivariance(seed, L, half_d):
+    """「位置信息必须手动注入」: with RoPE the same tokens in another order give other outputs."""
+    rng = np.random.default_rng(seed)
+    d = 2 * half_d
+    q, k, v = rng.standard_normal((3, L, d))  # one row per token, whatever its position
+    perm = rng.permutation(L)
+    if (perm == np.arange(L)).all():
+        perm[[0, 1]] = perm[[1, 0]]
+    pos = np.arange(L)
+    # without positions: shuffled tokens, shuffled outputs (the claim above)
+    O = af.scaled_dot_product_attention(q, k, v)
+    np.testing.assert_allclose(af.scaled_dot_product_attention(q[perm], k[perm], v[perm]), O[perm], **TOL)
+    # with RoPE, each token is rotated by where it stands: the shuffle changes the outputs
+    O_rope = rope_attention(q, k, v, pos)
+    O_rope_shuffled = rope_attention(q[perm], k[perm], v[perm], pos)
+    moved = np.abs(O_rope_shuffled - O_rope[perm]).max()
+    assert moved > 1e-6 * np.abs(v).max(), moved
+    # what RoPE keeps is relative position: the same order started further along gives the same outputs
+    start = int(rng.integers(1, 1000))
+    np.testing.assert_allclose(rope_attention(q, k, v, pos + start), O_rope, rtol=1e-8, atol=1e-9)
 
 
 # ---------------------------------------------------------------------------
@@ -195,6 +228,51 @@ def test_multi_head_is_h_single_heads_concatenated(seed, L, H, dh, causal):
         np.testing.assert_allclose(
             singles[h], ref.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal), **TOL
         )
+
+
+# ---------------------------------------------------------------------------
+# "历史 token 的 K、V 不随新词改变,存下来复用,每步只算新词的 Q 去点积历史 K"
+# ---------------------------------------------------------------------------
+
+
+@claim(15)
+@given(
+    seed=seeds,
+    B=st.integers(1, 2),
+    H_kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=dims,
+    prompt=st.integers(1, 20),
+    steps=st.integers(1, 8),
+    capacity=st.integers(1, 32),
+)
+def test_kv_cache_decode_equals_full_recomputation(seed, B, H_kv, group, d, prompt, steps, capacity):
+    rng = np.random.default_rng(seed)
+    H, L = H_kv * group, prompt + steps
+    q = rng.standard_normal((B, H, L, d))
+    k, v = rng.standard_normal((2, B, H_kv, L, d))
+    cache = af.KVCache(B, H_kv, d, capacity=capacity, dtype=np.float64)
+    # prefill: the whole prompt at once, causal inside it
+    cache.append(k[:, :, :prompt], v[:, :, :prompt])
+    o_prefill = cache.attend(q[:, :, :prompt])
+    full = af.scaled_dot_product_attention(
+        q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], is_causal=True, enable_gqa=True
+    )
+    np.testing.assert_allclose(o_prefill, full, **TOL)
+    # decode: one new token per step; only its q, k, v are computed, the past is reused
+    steps_out = []
+    for t in range(prompt, L):
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        o_step = cache.attend(q[:, :, t : t + 1])  # (B, H, 1, d)
+        # full recomputation over the prefix 0..t, from scratch, keeping its last row
+        recomputed = af.scaled_dot_product_attention(
+            q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], is_causal=True, enable_gqa=True
+        )[:, :, -1:]
+        np.testing.assert_allclose(o_step, recomputed, **TOL)
+        steps_out.append(o_step)
+    # and the float64 textbook over the whole sequence (kv heads repeated per query head)
+    oracle = ref.sdpa(q, k, v, mask=ref.causal_mask(L, L))
+    np.testing.assert_allclose(np.concatenate([o_prefill, *steps_out], axis=2), oracle, **TOL)
 
 
 # ---------------------------------------------------------------------------
