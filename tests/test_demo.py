@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+import textwrap
 import unicodedata
 
 import numpy as np
@@ -177,6 +178,21 @@ def test_readout_names_what_chase_absorbed():
     line = next(x for x in buf.getvalue().splitlines() if x.strip().startswith("追") and "<-" in x)
     sources = [part.split()[0] for part in line.split("<-")[1].split("+")]
     assert set(sources[:2]) == {"猫", "激光点"}
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_ten_lines_shown_are_the_code_that_runs(lang):
+    """The demo prints the chapter's ten lines; executed, they give explain()'s numbers."""
+    buf = io.StringIO()
+    demo.run(lang=lang, file=buf)
+    block = demo.TEXT[lang]["code"]
+    assert block in buf.getvalue()
+    source = textwrap.dedent(block.split("\n", 1)[1])
+    namespace = {}
+    exec(compile(source, "<demo ten lines>", "exec"), namespace)  # noqa: S102 - our own text
+    for causal in (False, True):
+        O = namespace["attention"](*demo.sentence(), causal=causal)
+        np.testing.assert_allclose(O, af.explain(*demo.sentence(), causal=causal).O, rtol=1e-14, atol=1e-15)
 
 
 def test_step_pauses_between_steps():

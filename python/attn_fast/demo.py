@@ -251,6 +251,23 @@ TEXT = {
             "   entirely from the numbers in Q and K (set by hand here; learned in a real model).\n"
             "   The mechanism is fixed; the weights are learned."
         ),
+        "code": (
+            "The whole mechanism is the chapter's ten lines (attn_fast.reference.attention, in float64):\n"
+            "\n"
+            "    import numpy as np\n"
+            "\n"
+            "    def softmax(x, axis=-1):\n"
+            "        x = x - x.max(axis=axis, keepdims=True)   # subtract the row max: exp cannot overflow\n"
+            "        e = np.exp(x)\n"
+            "        return e / e.sum(axis=axis, keepdims=True)\n"
+            "\n"
+            "    def attention(X, Wq, Wk, Wv, causal=False):\n"
+            "        Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T    # (L,D) -> (L,d): three personas\n"
+            "        S = Q @ K.T / np.sqrt(Q.shape[-1])         # (L,L): the first matrix product\n"
+            "        if causal:\n"
+            "            S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # the lower-triangular pass\n"
+            "        return softmax(S) @ V                     # the second and third steps"
+        ),
         "check": "check: the fused kernel ({isa}) gives the same O as the float64 reference: max |diff| = {err:.1e}",
         "check_bad": "CHECK FAILED: the fused kernel ({isa}) differs from the reference: max |diff| = {err:.1e}",
         "try": (
@@ -299,6 +316,23 @@ TEXT = {
         "obs4": (
             "④ 复盘:整个过程只有矩阵乘和一个 softmax,而「谁看谁」的智能,全部来自 Q、K 里的\n"
             "   数字(这里手工设定,真模型里是训练出来的)。机制是死的,权重是学的。"
+        ),
+        "code": (
+            "整个机制就是本章那十行代码(attn_fast.reference.attention,float64):\n"
+            "\n"
+            "    import numpy as np\n"
+            "\n"
+            "    def softmax(x, axis=-1):\n"
+            "        x = x - x.max(axis=axis, keepdims=True)   # 减去行最大值,指数不会溢出\n"
+            "        e = np.exp(x)\n"
+            "        return e / e.sum(axis=axis, keepdims=True)\n"
+            "\n"
+            "    def attention(X, Wq, Wk, Wv, causal=False):\n"
+            "        Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T    # (L,D)→(L,d) 三种人格\n"
+            "        S = Q @ K.T / np.sqrt(Q.shape[-1])         # (L,L) 第一次矩阵乘\n"
+            "        if causal:\n"
+            "            S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # 下三角通行证\n"
+            "        return softmax(S) @ V                     # 第二、三步"
         ),
         "check": "核对:融合内核({isa})算出的 O 与 float64 参考实现一致:max |diff| = {err:.1e}",
         "check_bad": "核对失败:融合内核({isa})与参考实现不一致:max |diff| = {err:.1e}",
@@ -408,7 +442,7 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
         a, m, c = ex.O[chase]
         say(T["obs2"].format(w_cat=ex.P[chase, cat], w_dot=ex.P[chase, dot], a=a, m=m, c=c), "")
     say(T["obs3"].format(w_red=ex.P[dot, red], c0=ex.V[dot, 2], c1=ex.O[dot, 2]), "")
-    say(T["obs4"], "")
+    say(T["obs4"], "", T["code"], "")
 
     isa, err = _kernel_check(ex, causal)
     ok = err <= 1e-12
@@ -599,3 +633,7 @@ def main(argv=None):
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m attn_fast demo | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
