@@ -216,11 +216,11 @@ def test_multi_head_is_h_single_heads_concatenated(seed, L, H, dh, causal):
     X = rng.standard_normal((L, D))
     Wq, Wk, Wv = (rng.standard_normal((D, D)) for _ in range(3))
     # one call with H heads: (L, D) -> (L, H, dh) -> (H, L, dh), each head scaled by 1/√dh
-    split = lambda Y: Y.reshape(L, H, dh).transpose(1, 0, 2)  # noqa: E731
+    split = lambda Y: Y.reshape(L, H, dh).transpose(1, 0, 2)
     O_heads = af.scaled_dot_product_attention(split(X @ Wq.T), split(X @ Wk.T), split(X @ Wv.T), is_causal=causal)
     O_multi = O_heads.transpose(1, 0, 2).reshape(L, D)  # concatenate the heads back
     # H independent single-head attentions, each with its slice of the projections
-    rows = lambda W, h: W[h * dh : (h + 1) * dh]  # noqa: E731
+    rows = lambda W, h: W[h * dh : (h + 1) * dh]
     singles = [af.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal) for h in range(H)]
     np.testing.assert_allclose(O_multi, np.concatenate(singles, axis=-1), **TOL)
     # and both agree with the textbook, head by head
@@ -295,7 +295,9 @@ def test_cross_attention_is_the_same_mechanism(seed, La, Lb, D, d, dv):
     P = ref.softmax(q @ k.T / np.sqrt(d))
     np.testing.assert_allclose(O, P @ v, **TOL)
     # self-attention is the special case B = A
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, A @ Wk.T, A @ Wv.T), af.attention(A, Wq, Wk, Wv), **TOL)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, A @ Wk.T, A @ Wv.T), af.attention(A, Wq, Wk, Wv), **TOL
+    )
     # shuffling B (keys and values together) changes nothing; shuffling A shuffles the output
     pb, pa = rng.permutation(Lb), rng.permutation(La)
     np.testing.assert_allclose(af.scaled_dot_product_attention(q, k[pb], v[pb]), O, **TOL)

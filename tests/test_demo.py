@@ -34,7 +34,8 @@ def test_explain_matches_oracle_and_kernel(rng, dtype, causal, L, D, d, dv):
     assert Q.shape == K.shape == (L, d) and V.shape == (L, dv)
     assert S.shape == P.shape == (L, L) and O.shape == (L, dv)
     X64, Wq64, Wk64, Wv64 = (a.astype(np.float64) for a in (X, Wq, Wk, Wv))
-    np.testing.assert_allclose(Q, X64 @ Wq64.T, rtol=1e-12, atol=1e-12)
+    for got, W in ((Q, Wq64), (K, Wk64), (V, Wv64)):
+        np.testing.assert_allclose(got, X64 @ W.T, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(S[np.isfinite(S)], (Q @ K.T / np.sqrt(d))[np.isfinite(S)], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(O, P @ V, rtol=1e-12, atol=1e-12)
     # the chapter's ten lines (reference.attention) and the fused kernel agree

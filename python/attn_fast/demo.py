@@ -37,7 +37,7 @@ import numpy as np
 from . import reference
 from ._checks import as_float_array, check_same_dtype, shape_str
 
-__all__ = ["Explained", "explain", "sentence", "run", "main"]
+__all__ = ["Explained", "explain", "main", "run", "sentence"]
 
 # ---------------------------------------------------------------------------
 # The sentence and its hand-set vectors.
@@ -136,7 +136,9 @@ def explain(X, Wq, Wk, Wv, causal=False):
     D = X.shape[-1]
     for name, W in (("Wq", Wq), ("Wk", Wk), ("Wv", Wv)):
         if W.ndim != 2 or W.shape[1] != D:
-            raise ValueError(f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}")
+            raise ValueError(
+                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}"
+            )
     if Wq.shape[0] != Wk.shape[0]:
         raise ValueError(f"Wq has shape {shape_str(Wq)} but Wk has shape {shape_str(Wk)}: d must match")
     if Wq.shape[0] == 0:
