@@ -231,7 +231,7 @@ TEXT = {
         "guess3": "   Guess first: whose content ends up in the new vector of 追 (chase)?",
         "masked": "-inf",
         "sum": "sum",
-        "sums_ok": "   every row sums to 1 (max |sum - 1| = {err:.1e}); no weight is negative.",
+        "sums_ok": "   every row sums to 1 (max |sum - 1| = {err:.1e}); the smallest weight is {mn:.3f}: none is negative.",
         "sums_causal": "   the weights above the diagonal are exactly 0: the future is invisible.",
         "absorbed": "   What each token absorbed (its weights, largest first):",
         "obs2": (
@@ -300,7 +300,7 @@ TEXT = {
         "guess3": "   先猜再看:「追」的新向量里混进了谁的成分?",
         "masked": "-inf",
         "sum": "行和",
-        "sums_ok": "   每行和为 1(max |行和 - 1| = {err:.1e}),没有负权重。",
+        "sums_ok": "   每行和为 1(max |行和 - 1| = {err:.1e});最小的权重是 {mn:.3f}:没有负权重。",
         "sums_causal": "   对角线以上的权重精确为 0:未来看不见。",
         "absorbed": "   每个词吸收了谁(权重从大到小):",
         "obs2": (
@@ -400,8 +400,8 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
                 pass
             say("")
 
-    def table(M, cols, corner="", masked=None):
-        cells = [[_num(x, masked or T["masked"]) for x in row] for row in M]
+    def table(M, cols, corner=""):
+        cells = [[_num(x, T["masked"]) for x in row] for row in M]
         return format_table(cells, tokens, cols, corner)
 
     say(T["title"], "", T["intro"])
@@ -424,7 +424,7 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
     sums = ex.P.sum(axis=-1)
     cells = [[("0" if p == 0 else f"{p:.3f}") for p in row] + [f"{s:.3f}"] for row, s in zip(ex.P, sums)]
     say(*("   " + x for x in format_table(cells, tokens, [*tokens, T["sum"]], "Q \\ K")))
-    say(T["sums_ok"].format(err=float(np.max(np.abs(sums - 1)))))
+    say(T["sums_ok"].format(err=float(np.max(np.abs(sums - 1))), mn=float(ex.P.min())))
     if causal:
         say(T["sums_causal"])
     say("")
