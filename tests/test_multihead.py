@@ -184,3 +184,20 @@ def test_bad_arguments(rng):
     cross = af.MultiHeadAttention(16, 4, kv_dim=8)
     with pytest.raises(ValueError, match="pass context"):
         cross(np.zeros((5, 16), np.float32))
+
+
+@pytest.mark.parametrize("positional", [None, "rope"])
+def test_kv_cache_prefill_and_decode_equal_full_causal(rng, positional):
+    """Chunks through a KVCache (keys stored rotated at their absolute
+    positions) give the rows of one full causal call."""
+    m = af.MultiHeadAttention(32, 4, 2, positional=positional, rng=rng)
+    x = rng.standard_normal((2, 12, 32)).astype(np.float32)
+    full = m(x, causal=True)
+    np.testing.assert_allclose(full, oracle_mha(m, x, causal=True), **tol(np.float32))
+    cache = af.KVCache(2, 2, 8, capacity=5)
+    parts = [m(x[:, :5], cache=cache, causal=True), m(x[:, 5:9], cache=cache, causal=True)]
+    parts += [m(x[:, t : t + 1], cache=cache, causal=True) for t in range(9, 12)]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.positions, [12, 12])
+    with pytest.raises(ValueError, match="mask= cannot be combined with cache="):
+        m(x[:, :1], cache=cache, mask=np.ones((1, 13), bool))
