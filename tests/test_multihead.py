@@ -201,3 +201,20 @@ def test_kv_cache_prefill_and_decode_equal_full_causal(rng, positional):
     np.testing.assert_array_equal(cache.positions, [12, 12])
     with pytest.raises(ValueError, match="mask= cannot be combined with cache="):
         m(x[:, :1], cache=cache, mask=np.ones((1, 13), bool))
+
+
+def test_explicit_rope_positions(rng):
+    """positions= shifts every token by the same amount: for causal attention
+    only distances matter, so the output is unchanged; per-sequence positions
+    equal separate calls."""
+    m = af.MultiHeadAttention(16, 2, positional="rope", rng=rng, dtype=np.float64)
+    x = rng.standard_normal((2, 6, 16))
+    base = m(x, causal=True)
+    np.testing.assert_allclose(m(x, causal=True, positions=np.arange(6) + 100), base, rtol=1e-9, atol=1e-9)
+    pos = np.array([[0, 1, 2, 3, 4, 5], [7, 9, 10, 11, 12, 13]])  # a gap in sequence 1
+    y = m(x, causal=True, positions=pos)
+    np.testing.assert_allclose(y[0], base[0], rtol=1e-9, atol=1e-9)
+    assert not np.allclose(y[1], base[1])
+    np.testing.assert_allclose(y[1], m(x[1], causal=True, positions=pos[1]), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="only meaningful with positional RoPE"):
+        af.MultiHeadAttention(16, 2, dtype=np.float64)(x, positions=np.arange(6))
