@@ -153,8 +153,10 @@ def test_load_weights_and_errors(rng):
         m.load_weights(bad)
     with pytest.raises(ValueError, match="NaN"):
         m.load_weights(dict(w, Wo=np.full((16, 16), np.nan)))
-    with pytest.raises(ValueError, match="bias=False"):
+    with pytest.raises(KeyError, match=r"unknown weights: bk, bo, bq, bv \(biases need bias=True\)"):
         af.MultiHeadAttention(16, 4, 2).load_weights(w)
+    with pytest.raises(KeyError, match="unknown weights: Wqq"):
+        m.load_weights(dict(w, Wqq=w["Wq"]))
     with pytest.raises(ValueError, match=r"attn.Wq has shape"):
         m.load_weights(dict({"attn." + n: a for n, a in w.items()}, **{"attn.Wq": np.zeros(3)}), prefix="attn.")
 

@@ -179,16 +179,18 @@ class MultiHeadAttention:
         """Copy arrays from a mapping (dict, ``np.load(...npz)``) into the parameters.
 
         Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
-        preceded by ``prefix``. Missing names raise KeyError (all of them
-        listed) unless strict=False; wrong shapes raise ValueError.
+        preceded by ``prefix``. With strict=True (default), missing names and
+        unknown names under ``prefix`` raise KeyError (all of them listed);
+        wrong shapes always raise ValueError.
         """
         missing = [prefix + n for n in self._params if prefix + n not in weights]
         if missing and strict:
             raise KeyError(f"missing weights: {', '.join(missing)}")
-        if strict and not self.bias:
-            extra = [prefix + n for n in ("bq", "bk", "bv", "bo") if prefix + n in weights]
-            if extra:
-                raise ValueError(f"weights {', '.join(extra)} given but the attention was built with bias=False")
+        if strict:
+            unknown = sorted(n for n in weights if n.startswith(prefix) and n[len(prefix):] not in self._params)
+            if unknown:
+                hint = "" if self.bias else " (biases need bias=True)"
+                raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
         for n, p in self._params.items():
             if prefix + n in weights:
                 _load_into(p, weights[prefix + n], n, prefix)
