@@ -153,8 +153,10 @@ def test_load_weights_and_errors(rng):
         m.load_weights(bad)
     with pytest.raises(ValueError, match="NaN"):
         m.load_weights(dict(w, Wo=np.full((16, 16), np.nan)))
-    with pytest.raises(ValueError, match="bias=False"):
+    with pytest.raises(KeyError, match=r"unknown weights: bk, bo, bq, bv \(biases need bias=True\)"):
         af.MultiHeadAttention(16, 4, 2).load_weights(w)
+    with pytest.raises(KeyError, match="unknown weights: Wqq"):
+        m.load_weights(dict(w, Wqq=w["Wq"]))
     with pytest.raises(ValueError, match=r"attn.Wq has shape"):
         m.load_weights(dict({"attn." + n: a for n, a in w.items()}, **{"attn.Wq": np.zeros(3)}), prefix="attn.")
 
@@ -184,3 +186,37 @@ def test_bad_arguments(rng):
     cross = af.MultiHeadAttention(16, 4, kv_dim=8)
     with pytest.raises(ValueError, match="pass context"):
         cross(np.zeros((5, 16), np.float32))
+
+
+@pytest.mark.parametrize("positional", [None, "rope"])
+def test_kv_cache_prefill_and_decode_equal_full_causal(rng, positional):
+    """Chunks through a KVCache (keys stored rotated at their absolute
+    positions) give the rows of one full causal call."""
+    m = af.MultiHeadAttention(32, 4, 2, positional=positional, rng=rng)
+    x = rng.standard_normal((2, 12, 32)).astype(np.float32)
+    full = m(x, causal=True)
+    np.testing.assert_allclose(full, oracle_mha(m, x, causal=True), **tol(np.float32))
+    cache = af.KVCache(2, 2, 8, capacity=5)
+    parts = [m(x[:, :5], cache=cache, causal=True), m(x[:, 5:9], cache=cache, causal=True)]
+    parts += [m(x[:, t : t + 1], cache=cache, causal=True) for t in range(9, 12)]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.positions, [12, 12])
+    with pytest.raises(ValueError, match="mask= cannot be combined with cache="):
+        m(x[:, :1], cache=cache, mask=np.ones((1, 13), bool))
+
+
+def test_explicit_rope_positions(rng):
+    """positions= shifts every token by the same amount: for causal attention
+    only distances matter, so the output is unchanged; per-sequence positions
+    equal separate calls."""
+    m = af.MultiHeadAttention(16, 2, positional="rope", rng=rng, dtype=np.float64)
+    x = rng.standard_normal((2, 6, 16))
+    base = m(x, causal=True)
+    np.testing.assert_allclose(m(x, causal=True, positions=np.arange(6) + 100), base, rtol=1e-9, atol=1e-9)
+    pos = np.array([[0, 1, 2, 3, 4, 5], [7, 9, 10, 11, 12, 13]])  # a gap in sequence 1
+    y = m(x, causal=True, positions=pos)
+    np.testing.assert_allclose(y[0], base[0], rtol=1e-9, atol=1e-9)
+    assert not np.allclose(y[1], base[1])
+    np.testing.assert_allclose(y[1], m(x[1], causal=True, positions=pos[1]), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="only meaningful with positional RoPE"):
+        af.MultiHeadAttention(16, 2, dtype=np.float64)(x, positions=np.arange(6))

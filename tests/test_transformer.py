@@ -224,3 +224,12 @@ def test_lm_errors(rng):
         af.TinyTransformerLM(10, 16, 1, 4, positional="alibi")
     with pytest.raises(ValueError, match="layers"):
         lm.forward(np.array([1]), cache=af.LayerCaches(2, 1, 4, 4))
+
+
+def test_activations_finite_for_large_inputs():
+    from attn_fast.transformer import gelu, silu
+
+    x = np.array([-1e4, -100.0, -1.0, 0.0, 1.0, 100.0, 1e4], dtype=np.float32)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(silu(x), x64 * np.exp(-np.logaddexp(0.0, -x64)), rtol=1e-6, atol=1e-30)  # x·sigmoid(x)
+    np.testing.assert_allclose(gelu(x)[[0, 1, 5, 6]], [0, 0, 100, 1e4], atol=1e-6)

@@ -179,16 +179,18 @@ class MultiHeadAttention:
         """Copy arrays from a mapping (dict, ``np.load(...npz)``) into the parameters.
 
         Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
-        preceded by ``prefix``. Missing names raise KeyError (all of them
-        listed) unless strict=False; wrong shapes raise ValueError.
+        preceded by ``prefix``. With strict=True (default), missing names and
+        unknown names under ``prefix`` raise KeyError (all of them listed);
+        wrong shapes always raise ValueError.
         """
         missing = [prefix + n for n in self._params if prefix + n not in weights]
         if missing and strict:
             raise KeyError(f"missing weights: {', '.join(missing)}")
-        if strict and not self.bias:
-            extra = [prefix + n for n in ("bq", "bk", "bv", "bo") if prefix + n in weights]
-            if extra:
-                raise ValueError(f"weights {', '.join(extra)} given but the attention was built with bias=False")
+        if strict:
+            unknown = sorted(n for n in weights if n.startswith(prefix) and n[len(prefix):] not in self._params)
+            if unknown:
+                hint = "" if self.bias else " (biases need bias=True)"
+                raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
         for n, p in self._params.items():
             if prefix + n in weights:
                 _load_into(p, weights[prefix + n], n, prefix)
@@ -214,7 +216,7 @@ class MultiHeadAttention:
         """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
         return y.reshape(y.shape[0], y.shape[1], n_heads, self.head_dim)
 
-    def __call__(self, x, context=None, mask=None, cache=None, *, causal=False):
+    def __call__(self, x, context=None, mask=None, cache=None, *, causal=False, positions=None):
         """Attention of x over itself (or over ``context``), then Wo.
 
         x : (L, D) or (B, L, D) in the module's dtype.
@@ -231,6 +233,9 @@ class MultiHeadAttention:
             ``causal``. Cross-attention: the context's K/V are projected and
             appended on the first call (empty cache) and reused afterwards.
             ``mask`` cannot be combined with a cache.
+        positions : optional (L,) or (B, L) int array, the RoPE positions of
+            x's tokens (left-padded batches, custom offsets); default
+            ``arange(L)``, or ``cache.positions + arange(L)`` with a cache.
 
         Returns (L, D) or (B, L, D), a new array.
         """
@@ -256,9 +261,13 @@ class MultiHeadAttention:
             v = self._heads(qkv[..., nq + nkv :], Hkv)
             if self.rope is not None:
                 offset = 0 if cache is None else np.asarray(cache.positions)
-                self.rope(q, offset=offset, seq_axis=1, inplace=True)
-                self.rope(k, offset=offset, seq_axis=1, inplace=True)
+                self.rope(q, offset=offset, positions=positions, seq_axis=1, inplace=True)
+                self.rope(k, offset=offset, positions=positions, seq_axis=1, inplace=True)
+            elif positions is not None:
+                raise ValueError("positions= is only meaningful with positional RoPE")
         else:
+            if positions is not None:
+                raise ValueError("positions= is not used by cross-attention (no RoPE there)")
             c = self._check_input(context, "context", self.kv_dim)
             c3 = c[None] if c.ndim == 2 else c
             if c3.shape[0] != B:

@@ -116,8 +116,8 @@ def gelu(x):
 
 
 def silu(x):
-    """SiLU (swish): x · sigmoid(x)."""
-    return x / (1.0 + np.exp(-x))
+    """SiLU (swish): x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2 (no overflow)."""
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
 class MLP(_Module):
