@@ -17,7 +17,17 @@ from ._checks import as_float_array, check_same_dtype, shape_str
 
 __all__ = ["scaled_dot_product_attention", "attention"]
 
-_BACKENDS = ("fused", "reference")
+_BACKENDS = ("fused", "reference", "decode")
+
+# The split-KV decode kernel serves short query chunks against long keys when
+# no feature it lacks is asked for (see _decode_ok); backend="decode" forces it.
+DECODE_MAX_LQ = 4
+DECODE_MIN_LK = 64
+_DECODE_KW = {"causal", "top_left", "window_left", "window_right", "q_lens", "kv_lens"}
+
+
+def _decode_ok(kw, B, Bk, block_q, block_k):
+    return set(kw) <= _DECODE_KW and B == Bk and not block_q and not block_k
 
 
 def _to4(x, name):
@@ -97,8 +107,10 @@ def scaled_dot_product_attention(
     return_lse : also return lse = log Σ_j exp(scores), shape q.shape[:-1].
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
         write the result into.
-    backend : "fused" (the SIMD kernel) or "reference" (the plain-loop C++
-        kernel, slow; for testing).
+    backend : "fused" (the SIMD kernels; short query chunks, Lq <= 4, against
+        Lk >= 64 keys go to the split-KV decode kernel when only causal /
+        window masks are used), "decode" (force the split-KV decode kernel)
+        or "reference" (the plain-loop C++ kernel, slow; for testing).
     block_q, block_k : tile sizes (0 = default); results do not depend on
         them beyond float rounding.
 
@@ -193,6 +205,16 @@ def scaled_dot_product_attention(
         if kw.get("causal") and kw.get("top_left"):
             raise ValueError("is_causal=True (bottom-right) conflicts with a top-left Causal mask")
         kw["causal"] = True
+    use_decode = backend == "decode"
+    if use_decode and not _decode_ok(kw, B, Bk, block_q, block_k):
+        raise ValueError(
+            "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
+            f"ALiBi, softcap, sinks, varlen or block sizes); got {sorted(kw)}")
+    if backend == "fused" and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and _decode_ok(kw, B, Bk, block_q, block_k):
+        use_decode = True
+    if use_decode:
+        _core.decode(q4, k4, v4, _to4(o, "out"), lse, scale=scale, **kw)
+        return (o, lse) if return_lse else o
     _core.forward(
         q4, k4, v4, _to4(o, "out"), lse,
         scale=scale, block_q=int(block_q), block_k=int(block_k),

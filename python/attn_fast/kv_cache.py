@@ -44,6 +44,10 @@ from ._checks import as_float_array, shape_str
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
+# Chunks of at most this many query tokens go to the split-KV decode kernel;
+# longer ones (prefill) to the tiled kernel, unless the ring wraps.
+DECODE_MAX_LQ = 16
+
 
 def _int_arg(x, name, minimum=0):
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
@@ -350,18 +354,16 @@ class KVCache:
         kw = dict(scale=scale, causal=bool(causal), q_lens=ql, kv_lens=self._n.copy())
         if self.window is not None:
             kw["window_left"] = self.window - 1
-        wraps = (self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any()
-        if not wraps:
+        Lq = q.shape[2]
+        plain = not ((self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any())
+        if Lq <= DECODE_MAX_LQ or not plain:
+            # Split-KV decode kernel: reads the ring in place (logical key j of
+            # sequence b is slot (start[b] + j) mod capacity).
+            _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
+        else:  # prefill-sized chunk over contiguous keys: the tiled kernel on a view
             s = int(self._start[0])
             maxn = int(self._n.max())
-            k, v = self._k[:, :, s:s + maxn], self._v[:, :, s:s + maxn]
-        else:  # linearise the ring (a copy)
-            maxn = int(self._n.max())
-            idx = (self._start[:, None] + np.arange(maxn)[None, :]) % self.capacity  # (B, maxn)
-            bi = np.arange(self.batch)[:, None]
-            k = np.ascontiguousarray(self._k.transpose(0, 2, 1, 3)[bi, idx].transpose(0, 2, 1, 3))
-            v = np.ascontiguousarray(self._v.transpose(0, 2, 1, 3)[bi, idx].transpose(0, 2, 1, 3))
-        _core.forward(q, k, v, o, lse, **kw)
+            _core.forward(q, self._k[:, :, s:s + maxn], self._v[:, :, s:s + maxn], o, lse, **kw)
 
     def forward(self, q, k, v, scale=None, return_lse=False):
         """append(k, v) then attend(q), in pieces that fit a window ring.
