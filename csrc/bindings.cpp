@@ -199,6 +199,66 @@ void linear_attention(py::array q, py::array k, py::array v, py::array o, py::ob
   throw py::type_error("q must be float32 or float64");
 }
 
+template <typename T>
+void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+              bool causal, bool top_left, int64_t window_left, int64_t window_right,
+              py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
+  DecodeArgs<T> a;
+  for (auto* arr : {&q, &k, &v, &o})
+    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  a.sq = strides4(q, "q");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.so = strides4(o, "o");
+  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
+  a.Hkv = k.shape(1); a.R = k.shape(2); a.dv = v.shape(3);
+  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
+      v.shape(1) != a.Hkv || o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq ||
+      o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  a.q = static_cast<const T*>(q.data());
+  a.k = static_cast<const T*>(k.data());
+  a.v = static_cast<const T*>(v.data());
+  a.o = static_cast<T*>(o.mutable_data());
+  a.scale = scale;
+  a.causal = causal;
+  a.top_left = top_left;
+  a.window_left = window_left;
+  a.window_right = window_right;
+  a.split = split;
+  a.num_threads = get_num_threads();
+  a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
+  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
+  a.kv_start = data_of<int64_t>(kv_start, "kv_start", a.B);
+  if (a.kv_start)
+    for (int64_t b = 0; b < a.B; ++b)
+      if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
+        throw py::value_error("kv_start entries must lie in [0, R)");
+  if (!lse.is_none()) {
+    auto arr = py::cast<py::array>(lse);
+    if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
+        arr.size() != a.B * a.Hq * a.Lq)
+      throw py::value_error("lse must be a writeable C-contiguous array of B * Hq * Lq elements");
+    a.lse = static_cast<T*>(arr.mutable_data());
+  }
+  py::gil_scoped_release release;
+  decode_forward(a);
+}
+
+void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+            bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+            py::object kv_lens, py::object kv_start, int64_t split) {
+  if (py::isinstance<py::array_t<float>>(q))
+    return decode_t<float>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
+                           kv_lens, kv_start, split);
+  if (py::isinstance<py::array_t<double>>(q))
+    return decode_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
+                            kv_lens, kv_start, split);
+  throw py::type_error("q must be float32 or float64");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -238,4 +298,15 @@ PYBIND11_MODULE(_core, m) {
         py::arg("causal") = false, py::arg("eps") = 0.0,
         "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
         "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place.");
+  m.def("decode", &decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+        py::arg("kv_start") = py::none(), py::arg("split") = 0,
+        "Split-KV decode kernel on 4-D strided arrays; k/v may be a ring of R slots (kv_start).");
+  m.def("stream_read_gbps", [](int threads, int64_t nbytes, int reps) {
+    py::gil_scoped_release release;
+    return stream_read_gbps(threads, nbytes, reps);
+  }, py::arg("threads"), py::arg("nbytes"), py::arg("reps") = 5,
+     "Streaming-read bandwidth (GB/s) of `threads` threads over an nbytes buffer, best of reps.");
 }

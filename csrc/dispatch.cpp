@@ -1,6 +1,7 @@
 // CPU detection (once, cached), ISA choice and thread count; compiled at the
 // baseline ISA. Forwards each entry point to the chosen per-ISA kernel.
 #include <atomic>
+#include <new>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
@@ -27,6 +28,9 @@ namespace attn_fast {
   AttnStats flash_forward_f32(const AttnArgs<float>& a);          \
   AttnStats flash_forward_f64(const AttnArgs<double>& a);         \
   double fma_loop(int64_t iters);                                 \
+  void decode_forward_f32(const DecodeArgs<float>& a);            \
+  void decode_forward_f64(const DecodeArgs<double>& a);           \
+  float stream_read(const float* p, int64_t n);                   \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -236,6 +240,49 @@ double fma_peak_gflops(int threads, double seconds) {
   { flops += fma_loop_active(iters); }
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return flops / dt * 1e-9;
+}
+
+void decode_forward(const DecodeArgs<float>& a) { ATTN_DISPATCH(decode_forward_f32, a) }
+void decode_forward(const DecodeArgs<double>& a) { ATTN_DISPATCH(decode_forward_f64, a) }
+
+static float stream_read_active(const float* p, int64_t n) { ATTN_DISPATCH(stream_read, p, n) }
+
+double stream_read_gbps(int threads, int64_t nbytes, int reps) {
+  if (threads < 1) threads = 1;
+  if (reps < 1) reps = 1;
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(float)) / threads / 16 * 16;
+  if (n <= 0) return 0.0;
+  float* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n * threads) * sizeof(float)));
+  if (!buf) throw std::bad_alloc();
+  double best = 0;
+  float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num();
+#else
+    const int t = 0;
+#endif
+    float* mine = buf + static_cast<int64_t>(t) * n;
+    for (int64_t i = 0; i < n; ++i) mine[i] = static_cast<float>(i & 7);  // first touch
+    std::chrono::steady_clock::time_point t0;
+    for (int r = 0; r < reps; ++r) {
+#pragma omp barrier
+#pragma omp master
+      t0 = std::chrono::steady_clock::now();
+#pragma omp barrier
+      sink += stream_read_active(mine, n);
+#pragma omp barrier
+#pragma omp master
+      {  // the barrier above waited for the slowest thread
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double gbps = static_cast<double>(n) * threads * sizeof(float) / dt * 1e-9;
+        if (gbps > best) best = gbps;
+      }
+    }
+  }
+  std::free(buf);
+  return sink == 1.2345e30f ? -1.0 : best;
 }
 
 }  // namespace attn_fast

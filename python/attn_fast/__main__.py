@@ -1,4 +1,4 @@
-"""Command line: python -m attn_fast {bench,config}."""
+"""Command line: python -m attn_fast {bench,config,demo}."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ USAGE = """usage: python -m attn_fast COMMAND [options]
 commands:
   bench    prefill benchmark: attn_fast vs textbook NumPy vs torch (if installed)
   config   print version, ISA, OpenMP runtime and thread count
+  demo     the chapter's demo: attention by hand on 猫 追 红色 激光点 (--step, --causal, --lang, --plot)
 """
 
 
@@ -27,6 +28,10 @@ def main(argv=None):
 
         show_config()
         return 0
+    if cmd == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -26,3 +26,10 @@ def linear_attention(
     kv: Optional[np.ndarray] = ..., k_sum: Optional[np.ndarray] = ..., *,
     causal: bool = ..., eps: float = ...,
 ) -> None: ...
+def decode(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, lse: Optional[np.ndarray] = ..., *,
+    scale: float, causal: bool = ..., top_left: bool = ..., window_left: int = ..., window_right: int = ...,
+    q_lens: Optional[np.ndarray] = ..., kv_lens: Optional[np.ndarray] = ..., kv_start: Optional[np.ndarray] = ...,
+    split: int = ...,
+) -> None: ...
+def stream_read_gbps(threads: int, nbytes: int, reps: int = ...) -> float: ...

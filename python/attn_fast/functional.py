@@ -24,7 +24,18 @@ __all__ = [
     "KernelStats",
 ]
 
-_BACKENDS = ("fused", "reference")
+_BACKENDS = ("fused", "reference", "decode")
+
+# The split-KV decode kernel serves short query chunks against long keys when
+# no feature it lacks is asked for (see _decode_ok); backend="decode" forces it.
+DECODE_MAX_LQ = 4
+DECODE_MIN_LK = 64
+_DECODE_KW = {"causal", "top_left", "window_left", "window_right", "q_lens", "kv_lens"}
+
+
+def _decode_ok(kw, B, Bk, block_q, block_k):
+    used = {key for key, val in kw.items() if val is not None}
+    return used <= _DECODE_KW and B == Bk and not block_q and not block_k
 
 
 def _to4(x, name):
@@ -230,7 +241,10 @@ def scaled_dot_product_attention(
     return_stats : also return a ``KernelStats`` (tiles computed / skipped).
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
         write the result into.
-    backend : "fused" (the SIMD kernel) or "reference" (the plain-loop C++
+    backend : "fused" (the SIMD kernels; short query chunks, Lq <= 4, against
+        Lk >= 64 keys go to the split-KV decode kernel when only causal /
+        window / length masks are used and no stats are asked for), "decode"
+        (force the split-KV decode kernel) or "reference" (the plain-loop C++
         kernel, slow; for testing).
     block_q, block_k : tile sizes (0 = default); results do not depend on
         them beyond float rounding.
@@ -255,7 +269,19 @@ def scaled_dot_product_attention(
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
     stats = KernelStats(0, 0)
-    if o.size or (lse is not None and lse.size):
+    use_decode = backend == "decode"
+    if use_decode and (return_stats or not _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
+        raise ValueError(
+            "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
+            f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}")
+    if (backend == "fused" and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
+            and _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
+        use_decode = True
+    if use_decode:
+        if o.size or (lse is not None and lse.size):
+            _core.decode(q4, k4, v4, _to4(o, "out"), lse, scale=scale,
+                         **{key: val for key, val in kw.items() if val is not None})
+    elif o.size or (lse is not None and lse.size):
         stats = KernelStats(*_core.forward(
             q4, k4, v4, _to4(o, "out"), lse,
             scale=scale, block_q=int(block_q), block_k=int(block_k),
@@ -446,6 +472,8 @@ def varlen_attention(
             raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
     scale = _check_scale(scale, d)
     _check_backend(backend)
+    if backend == "decode":
+        raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")
 
     o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else _check_out(out, (Tq, Hq, dv), q.dtype)
     lse = np.empty((Hq, Tq), dtype=q.dtype) if return_lse else None

@@ -91,6 +91,33 @@ struct AttnStats {
   int64_t tiles_skipped = 0;   // tiles inside the key range skipped by a mask
 };
 
+// Split-KV decode (flash-decoding) over a plain K/V array or a KV cache's
+// storage, possibly a ring buffer. T is float or double.
+//   k (B, Hkv, R, d), v (B, Hkv, R, dv): R slots per sequence; logical key j
+//   of sequence b is slot (kv_start[b] + j) mod R, for j < kv_lens[b].
+// Visibility and empty rows exactly as AttnArgs (causal/top_left,
+// window_left/right, q_lens, kv_lens on logical key indices); no user masks,
+// biases or score transforms. lse, if given, is contiguous (B, Hq, Lq).
+template <typename T>
+struct DecodeArgs {
+  const T* q = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  T* o = nullptr;
+  T* lse = nullptr;
+  int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, R = 0, d = 0, dv = 0;
+  Strides4 sq, sk, sv, so;
+  double scale = 1.0;
+  bool causal = false;
+  bool top_left = false;
+  int64_t window_left = -1, window_right = -1;
+  const int64_t* q_lens = nullptr;    // (B,) or null = Lq
+  const int64_t* kv_lens = nullptr;   // (B,) or null = R
+  const int64_t* kv_start = nullptr;  // (B,) slots in [0, R), or null = 0
+  int num_threads = 1;
+  int64_t split = 0;  // keys per split (0 = kernel default); results depend on it only by rounding
+};
+
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 
 const char* isa_name(Isa isa);
@@ -115,6 +142,15 @@ AttnStats flash_forward(const AttnArgs<double>& a);
 // fallback and second oracle. Same arguments and semantics.
 void reference_forward(const AttnArgs<float>& a);
 void reference_forward(const AttnArgs<double>& a);
+
+// Split-KV decode kernel (csrc/kernels/decode.cpp), dispatched per ISA.
+void decode_forward(const DecodeArgs<float>& a);
+void decode_forward(const DecodeArgs<double>& a);
+
+// Streaming-read bandwidth probe: `threads` threads each read their share of
+// an nbytes buffer (first-touched by the same thread) `reps` times; returns
+// the best GB/s (1e9 bytes/s) over the repetitions.
+double stream_read_gbps(int threads, int64_t nbytes, int reps);
 
 // Register-only FMA loop used by the benchmark to measure the machine's peak.
 // Returns FLOPs performed; runs on `threads` threads for about `seconds`.

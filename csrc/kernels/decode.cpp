@@ -1,0 +1,512 @@
+// Split-KV decode kernel (flash-decoding): a few query tokens against a long
+// KV cache, O = softmax(scale * Q K^T) V.
+//
+// Shapes: q (B, Hq, Lq, d), o (B, Hq, Lq, dv), lse (B, Hq, Lq);
+//         k (B, Hkv, R, d), v (B, Hkv, R, dv) with R slots per sequence: a
+//         plain array (R = Lk) or a KV cache's storage, possibly a ring:
+//         logical key j of sequence b lives in slot (kv_start[b] + j) mod R.
+//
+// Why another kernel: decoding has Lq = 1..4 query rows per head, so the
+//   prefill kernel's work items (sequence, head, query block) number B * Hq,
+//   each reading a whole head of K/V: with B = 1 most cores idle, and with GQA
+//   every query head re-reads its group's K/V. Here:
+//   1. Group rows. The G = Hq / Hkv query heads sharing kv head hk and the
+//      Lq query tokens form G * Lq rows; they are processed together in row
+//      blocks of up to kRB rows, so one pass over a K/V row serves the whole
+//      group (K/V read once per group, not once per query head).
+//   2. Split the keys. The visible key range of a row block is cut into
+//      splits of kSplit keys (a constant, so results do not depend on the
+//      thread count). Work item = (sequence, row block, kv head, split); the
+//      items are spread over the threads (OpenMP, dynamic).
+//   3. Each item streams its keys in blocks of Bc = 64: S = Q_blk K_blk^T
+//      (one K row loaded once, FMA'd into every row's accumulator), online
+//      softmax (m, l), O_acc += P V_blk (one V vector loaded once per key,
+//      FMA'd into every row's accumulator, kept in registers across the
+//      block). The partial (O_acc, m, l) is written unnormalised.
+//   4. Merge: per row, m = max_s m_s, l = sum_s l_s exp(m_s - m),
+//      O = sum_s O_s exp(m_s - m) / l, lse = m + log(l), the splits taken in
+//      order (bit-for-bit identical for any thread count). This is the
+//      log-sum-exp rule of attn_fast.merge_attention_states.
+//
+// Memory traffic: K and V are read exactly once per kv head (the point: a long
+//   cache decode is memory-bound, about (d + dv) * 4 bytes per key per kv head
+//   for fp32). Per-item scratch (Q rows, S block, O_acc) is a few KiB, in L1.
+//
+// Masks: bottom-right (or top-left) causal and window_left/right on logical
+//   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
+//   Rows with no visible key and padding rows (i >= q_len) get O = 0 and
+//   lse = -inf. In blocks where a mask cuts through, keys of weight 0 are
+//   skipped rather than multiplied, so a NaN in a masked V row cannot leak.
+//
+// Per-ISA like flash_fwd.cpp: plain functions, no std containers or statics.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attn_fast/attention.h"
+
+#if defined(ATTN_ISA_AVX512)
+#define ATTN_NS isa_avx512
+#elif defined(ATTN_ISA_AVX2)
+#define ATTN_NS isa_avx2
+#else
+#define ATTN_NS isa_scalar
+#endif
+
+namespace attn_fast {
+namespace ATTN_NS {
+
+#if defined(ATTN_ISA_AVX512)
+#include "vec_avx512.h"
+#elif defined(ATTN_ISA_AVX2)
+#include "vec_avx2.h"
+#else
+#include "vec_scalar.h"
+#endif
+
+namespace {
+
+constexpr int kRB = 8;          // rows (query head x query token) per row block
+constexpr int64_t kBc = 64;     // keys per block
+constexpr int64_t kSplitDefault = 512;  // keys per split
+
+inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+T* dalloc(int64_t n) {
+  const size_t bytes = static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
+  return static_cast<T*>(std::aligned_alloc(64, bytes));
+}
+
+// Per-sequence geometry.
+template <typename T>
+struct DSeq {
+  int64_t q_len, k_len, start, off;
+};
+
+template <typename T>
+inline DSeq<T> dseq(const DecodeArgs<T>& a, int64_t b) {
+  DSeq<T> s;
+  s.q_len = a.q_lens ? dmax(0, dmin(a.Lq, a.q_lens[b])) : a.Lq;
+  s.k_len = a.kv_lens ? dmax(0, dmin(a.R, a.kv_lens[b])) : a.R;
+  s.start = a.kv_start ? a.kv_start[b] : 0;
+  s.off = a.top_left ? 0 : s.k_len - s.q_len;
+  return s;
+}
+
+// Visible logical keys [lo, hi) of query token i.
+template <typename T>
+inline void drange(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t i, int64_t* lo, int64_t* hi) {
+  int64_t l = 0, h = s.k_len;
+  const int64_t diag = i + s.off;
+  if (a.causal) h = dmin(h, diag + 1);
+  if (a.window_left >= 0) l = dmax(l, diag - a.window_left);
+  if (a.window_right >= 0) h = dmin(h, diag + a.window_right + 1);
+  if (i >= s.q_len) h = l;
+  *lo = l;
+  *hi = h;
+}
+
+// Row block geometry: rows r0 .. r0+nr-1 of the (Lq * G) rows of one kv head,
+// row r = i * G + g (query token i, group member g).
+template <typename T>
+inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int64_t r0, int64_t nr,
+                        int64_t* jlo, int64_t* jhi) {
+  int64_t lo = s.k_len, hi = 0;
+  for (int64_t i = r0 / G; i <= (r0 + nr - 1) / G; ++i) {
+    int64_t l, h;
+    drange(a, s, i, &l, &h);
+    if (h > l) {
+      lo = dmin(lo, l);
+      hi = dmax(hi, h);
+    }
+  }
+  *jlo = lo;
+  *jhi = hi;
+}
+
+// S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers).
+template <typename T, int N>
+inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
+                    int64_t lds) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const int64_t dvec = d / W * W;
+  for (int64_t c = 0; c < cols; ++c) {
+    const T* kr = kp[c];
+    typename V::R acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = V::zero();
+    for (int64_t e = 0; e < dvec; e += W) {
+      const typename V::R kv = V::load(kr + e);
+      for (int r = 0; r < N; ++r) acc[r] = V::fma(V::load(Qs + r * ldq + e), kv, acc[r]);
+    }
+    for (int r = 0; r < N; ++r) {
+      T x = V::hsum(acc[r]);
+      for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * kr[e];
+      S[r * lds + c] = x;
+    }
+  }
+}
+
+// O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
+template <typename T, int N>
+inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
+                    int64_t ldo) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const int64_t dvec = dv / W * W;
+  int64_t e = 0;
+  if (N <= 4) {  // two vectors of dv at once: 2N accumulators
+    for (; e + 2 * W <= dvec; e += 2 * W) {
+      typename V::R a0[N], a1[N];
+      for (int r = 0; r < N; ++r) {
+        a0[r] = V::load(O + r * ldo + e);
+        a1[r] = V::load(O + r * ldo + e + W);
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const typename V::R v0 = V::load(vp[c] + e), v1 = V::load(vp[c] + e + W);
+        for (int r = 0; r < N; ++r) {
+          const typename V::R p = V::set1(P[r * ldp + c]);
+          a0[r] = V::fma(p, v0, a0[r]);
+          a1[r] = V::fma(p, v1, a1[r]);
+        }
+      }
+      for (int r = 0; r < N; ++r) {
+        V::store(O + r * ldo + e, a0[r]);
+        V::store(O + r * ldo + e + W, a1[r]);
+      }
+    }
+  }
+  for (; e < dvec; e += W) {
+    typename V::R acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = V::load(O + r * ldo + e);
+    for (int64_t c = 0; c < cols; ++c) {
+      const typename V::R vv = V::load(vp[c] + e);
+      for (int r = 0; r < N; ++r) acc[r] = V::fma(V::set1(P[r * ldp + c]), vv, acc[r]);
+    }
+    for (int r = 0; r < N; ++r) V::store(O + r * ldo + e, acc[r]);
+  }
+  for (; e < dv; ++e)
+    for (int r = 0; r < N; ++r) {
+      T x = O[r * ldo + e];
+      for (int64_t c = 0; c < cols; ++c) x += P[r * ldp + c] * vp[c][e];
+      O[r * ldo + e] = x;
+    }
+}
+
+template <typename T>
+void qk_dispatch(int nr, const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
+                 int64_t lds) {
+  switch (nr) {
+    case 1: return qk_rows<T, 1>(Qs, ldq, kp, cols, d, S, lds);
+    case 2: return qk_rows<T, 2>(Qs, ldq, kp, cols, d, S, lds);
+    case 3: return qk_rows<T, 3>(Qs, ldq, kp, cols, d, S, lds);
+    case 4: return qk_rows<T, 4>(Qs, ldq, kp, cols, d, S, lds);
+    case 5: return qk_rows<T, 5>(Qs, ldq, kp, cols, d, S, lds);
+    case 6: return qk_rows<T, 6>(Qs, ldq, kp, cols, d, S, lds);
+    case 7: return qk_rows<T, 7>(Qs, ldq, kp, cols, d, S, lds);
+    default: return qk_rows<T, 8>(Qs, ldq, kp, cols, d, S, lds);
+  }
+}
+
+template <typename T>
+void pv_dispatch(int nr, const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
+                 int64_t ldo) {
+  switch (nr) {
+    case 1: return pv_rows<T, 1>(P, ldp, vp, cols, dv, O, ldo);
+    case 2: return pv_rows<T, 2>(P, ldp, vp, cols, dv, O, ldo);
+    case 3: return pv_rows<T, 3>(P, ldp, vp, cols, dv, O, ldo);
+    case 4: return pv_rows<T, 4>(P, ldp, vp, cols, dv, O, ldo);
+    case 5: return pv_rows<T, 5>(P, ldp, vp, cols, dv, O, ldo);
+    case 6: return pv_rows<T, 6>(P, ldp, vp, cols, dv, O, ldo);
+    case 7: return pv_rows<T, 7>(P, ldp, vp, cols, dv, O, ldo);
+    default: return pv_rows<T, 8>(P, ldp, vp, cols, dv, O, ldo);
+  }
+}
+
+// One row block of one kv head (a "unit"), split into `nsplit` key ranges.
+struct Unit {
+  int64_t b, r0, nr, jlo, jhi, nsplit, item0;  // item0: first work item (x Hkv heads)
+};
+
+template <typename T>
+struct DScratch {
+  T* Qs;      // kRB x dp, scaled query rows (padded)
+  T* S;       // kRB x kBc scores / probabilities
+  T* Kp;      // kBc x dp packed K block (only for strided d)
+  T* Vpk;     // kBc x dvp packed V block (only for strided dv)
+  const T** kp;
+  const T** vp;
+  int64_t* lo;
+  int64_t* hi;
+};
+
+// Process keys [c0, c1) of unit u, kv head hk; write the unnormalised partial
+// (O_acc rows into Op[kRB][dvp], m, l).
+template <typename T>
+void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, int64_t c1,
+               const DScratch<T>& sc, T* Op, T* mp, T* lp) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv;
+  const int64_t dp = dround(d, W), dvp = dround(dv, W);
+  const DSeq<T> s = dseq(a, u.b);
+  const int nr = static_cast<int>(u.nr);
+
+  // Rows: scaled Q, per-row ranges.
+  const T scale = static_cast<T>(a.scale);
+  for (int r = 0; r < nr; ++r) {
+    const int64_t row = u.r0 + r, i = row / G, h = hk * G + row % G;
+    const T* src = a.q + u.b * a.sq.b + h * a.sq.h + i * a.sq.l;
+    T* dst = sc.Qs + r * dp;
+    for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sq.d] * scale;
+    for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
+    drange(a, s, i, &sc.lo[r], &sc.hi[r]);
+    mp[r] = NEG_INF;
+    lp[r] = T(0);
+  }
+  std::memset(Op, 0, sizeof(T) * kRB * dvp);
+
+  const T* kbase = a.k + u.b * a.sk.b + hk * a.sk.h;
+  const T* vbase = a.v + u.b * a.sv.b + hk * a.sv.h;
+  const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
+  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+    const int64_t cols = dmin(kBc, c1 - j0);
+    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
+    int64_t slot = s.start + j0;
+    slot %= a.R;
+    for (int64_t c = 0; c < cols; ++c) {
+      if (kpack) {
+        T* dst = sc.Kp + c * dp;
+        const T* src = kbase + slot * a.sk.l;
+        for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
+        sc.kp[c] = dst;
+      } else {
+        sc.kp[c] = kbase + slot * a.sk.l;
+      }
+      if (vpack) {
+        T* dst = sc.Vpk + c * dvp;
+        const T* src = vbase + slot * a.sv.l;
+        for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
+        sc.vp[c] = dst;
+      } else {
+        sc.vp[c] = vbase + slot * a.sv.l;
+      }
+      if (++slot == a.R) slot = 0;
+    }
+    // S = Q K^T.
+    qk_dispatch<T>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc);
+    // Masks and online softmax.
+    bool partial = false;
+    for (int r = 0; r < nr; ++r) {
+      T* srow = sc.S + r * kBc;
+      const int64_t lo = sc.lo[r] - j0, hi = sc.hi[r] - j0;
+      if (lo > 0 || hi < cols) {
+        partial = true;
+        for (int64_t c = 0; c < cols; ++c)
+          if (c < lo || c >= hi) srow[c] = NEG_INF;
+      }
+      for (int64_t c = cols; c < dround(cols, W); ++c) srow[c] = NEG_INF;
+      typename V::R vm = V::set1(NEG_INF);
+      for (int64_t c = 0; c < cols; c += W) vm = V::max(vm, V::load(srow + c));
+      const T mx = V::hmax(vm);
+      const T m_old = mp[r];
+      const T m_new = mx > m_old ? mx : m_old;
+      if (m_new == NEG_INF) {
+        for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
+        continue;
+      }
+      const typename V::R vmn = V::set1(m_new);
+      typename V::R vs = V::zero();
+      for (int64_t c = 0; c < cols; c += W) {
+        const typename V::R p = V::exp(V::sub(V::load(srow + c), vmn));
+        V::store(srow + c, p);
+        vs = V::add(vs, p);
+      }
+      const T rowsum = V::hsum(vs);
+      if (m_new != m_old) {
+        const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
+        lp[r] = lp[r] * alpha + rowsum;
+        T* orow = Op + r * dvp;
+        const typename V::R va = V::set1(alpha);
+        for (int64_t e = 0; e < dvp; e += W) V::store(orow + e, V::mul(V::load(orow + e), va));
+      } else {
+        lp[r] += rowsum;
+      }
+      mp[r] = m_new;
+    }
+    // O += P V.
+    if (!partial) {
+      pv_dispatch<T>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp);
+    } else {  // skip zero weights: a NaN in a masked V row must not leak
+      for (int r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const T p = sc.S[r * kBc + c];
+          if (p == T(0)) continue;
+          T* orow = Op + r * dvp;
+          const T* vr = sc.vp[c];
+          for (int64_t e = 0; e < dv; ++e) orow[e] += p * vr[e];
+        }
+    }
+  }
+}
+
+template <typename T>
+void decode_impl(const DecodeArgs<T>& a) {
+  constexpr int W = Vec<T>::W;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t dp = dround(a.d, W), dvp = dround(a.dv, W);
+  const int64_t split = a.split > 0 ? a.split : kSplitDefault;
+
+  // Units: (sequence, row block); each has Hkv heads x nsplit items.
+  int64_t n_units = 0;
+  for (int64_t b = 0; b < a.B; ++b) n_units += (a.Lq * G + kRB - 1) / kRB;
+  Unit* units = static_cast<Unit*>(std::malloc(sizeof(Unit) * static_cast<size_t>(n_units)));
+  int64_t n_items = 0;
+  {
+    int64_t u = 0;
+    for (int64_t b = 0; b < a.B; ++b) {
+      const DSeq<T> s = dseq(a, b);
+      for (int64_t r0 = 0; r0 < a.Lq * G; r0 += kRB, ++u) {
+        Unit& un = units[u];
+        un.b = b;
+        un.r0 = r0;
+        un.nr = dmin(kRB, a.Lq * G - r0);
+        block_range(a, s, G, r0, un.nr, &un.jlo, &un.jhi);
+        un.nsplit = un.jhi > un.jlo ? (un.jhi - un.jlo + split - 1) / split : 0;
+        un.item0 = n_items;
+        n_items += un.nsplit * a.Hkv;
+      }
+    }
+  }
+  // Partials: per item kRB rows of O_acc (dvp), m, l.
+  T* Opart = dalloc<T>(n_items * kRB * dvp);
+  T* mpart = dalloc<T>(n_items * kRB);
+  T* lpart = dalloc<T>(n_items * kRB);
+
+  int nt = a.num_threads > 0 ? a.num_threads : 1;
+  if (n_items < nt) nt = static_cast<int>(dmax(1, n_items));
+#pragma omp parallel num_threads(nt)
+  {
+    DScratch<T> sc;
+    sc.Qs = dalloc<T>(kRB * dp);
+    sc.S = dalloc<T>(kRB * kBc);
+    sc.Kp = dalloc<T>(kBc * dp);
+    sc.Vpk = dalloc<T>(kBc * dvp);
+    sc.kp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+    sc.vp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+    sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
+    sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      int64_t lo = 0, hi = n_units;  // last unit with item0 <= w (and items)
+      while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (units[mid].item0 <= w) lo = mid; else hi = mid;
+      }
+      while (units[lo].nsplit == 0 || w >= units[lo].item0 + units[lo].nsplit * a.Hkv) ++lo;
+      const Unit& un = units[lo];
+      const int64_t rem = w - un.item0;
+      const int64_t hk = rem / un.nsplit, sp = rem % un.nsplit;
+      const int64_t c0 = un.jlo + sp * split, c1 = dmin(un.jhi, c0 + split);
+      run_split(a, un, hk, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB);
+    }
+    std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
+    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi);
+  }
+
+  // Merge the splits of each (unit, kv head) in order and write O, lse.
+  const int64_t n_out = n_units * a.Hkv;
+  int nt2 = a.num_threads > 0 ? a.num_threads : 1;
+  if (n_out < nt2) nt2 = static_cast<int>(dmax(1, n_out));
+#pragma omp parallel for num_threads(nt2) schedule(static)
+  for (int64_t x = 0; x < n_out; ++x) {
+    const Unit& un = units[x / a.Hkv];
+    const int64_t hk = x % a.Hkv;
+    for (int64_t r = 0; r < un.nr; ++r) {
+      const int64_t row = un.r0 + r, i = row / G, h = hk * G + row % G;
+      T* dst = a.o + un.b * a.so.b + h * a.so.h + i * a.so.l;
+      T m = NEG_INF;
+      for (int64_t sp = 0; sp < un.nsplit; ++sp) {
+        const T ms = mpart[(un.item0 + hk * un.nsplit + sp) * kRB + r];
+        m = ms > m ? ms : m;
+      }
+      T l = T(0);
+      if (m != NEG_INF) {
+        for (int64_t sp = 0; sp < un.nsplit; ++sp) {
+          const int64_t it = (un.item0 + hk * un.nsplit + sp) * kRB + r;
+          if (mpart[it] != NEG_INF) l += lpart[it] * std::exp(mpart[it] - m);
+        }
+      }
+      if (m == NEG_INF || !(l > T(0))) {
+        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = l != l ? l : T(0);
+        if (a.lse) a.lse[(un.b * a.Hq + h) * a.Lq + i] = l != l ? l : NEG_INF;
+        continue;
+      }
+      const T inv = T(1) / l;
+      // First split writes, later ones accumulate (in order).
+      bool first = true;
+      for (int64_t sp = 0; sp < un.nsplit; ++sp) {
+        const int64_t it = un.item0 + hk * un.nsplit + sp;
+        const T ms = mpart[it * kRB + r];
+        if (ms == NEG_INF) continue;
+        const T f = std::exp(ms - m) * inv;
+        const T* src = Opart + (it * kRB + r) * dvp;
+        if (first) {
+          for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = src[e] * f;
+          first = false;
+        } else {
+          for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] += src[e] * f;
+        }
+      }
+      if (a.lse) a.lse[(un.b * a.Hq + h) * a.Lq + i] = m + std::log(l);
+    }
+  }
+  // Rows never covered by a unit with keys were written above (nsplit == 0
+  // gives m = -inf); padding rows beyond q_len are rows of units too.
+  std::free(units);
+  std::free(Opart);
+  std::free(mpart);
+  std::free(lpart);
+}
+
+}  // namespace
+
+void decode_forward_f32(const DecodeArgs<float>& a) { decode_impl<float>(a); }
+void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<double>(a); }
+
+// Streaming read of n floats with independent vector accumulators: the probe
+// the decode benchmark compares its achieved bandwidth against.
+float stream_read(const float* p, int64_t n) {
+  using V = Vec<float>;
+  constexpr int W = V::W;
+  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    a0 = V::add(a0, V::load(p + i));
+    a1 = V::add(a1, V::load(p + i + W));
+    a2 = V::add(a2, V::load(p + i + 2 * W));
+    a3 = V::add(a3, V::load(p + i + 3 * W));
+  }
+  float s = V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+}  // namespace ATTN_NS
+}  // namespace attn_fast

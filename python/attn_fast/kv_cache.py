@@ -1,0 +1,471 @@
+"""KV cache for generation: prefill once, then decode token by token.
+
+Shape legend: B batch, H_kv key/value heads, H_q query heads (a multiple of
+H_kv), d query/key head dim, dv value head dim, L_new the length of a chunk.
+
+    cache = KVCache(B, H_kv, d, capacity=4096)
+    cache.append(k, v)                 # prefill: k (B, H_kv, L, d), v (B, H_kv, L, dv)
+    o = cache.attend(q)                # q (B, H_q, L, d) -> (B, H_q, L, dv), causal
+    for step in range(n):              # decode: one token at a time
+        cache.append(k1, v1)           # (B, H_kv, 1, d)
+        o1 = cache.attend(q1)          # (B, H_q, 1, dv)
+
+Storage is preallocated (B, H_kv, capacity, d) and (B, H_kv, capacity, dv)
+arrays; ``append`` copies each new key and value exactly once into it, and
+``attend`` reads them in place (no gather, no concatenation). Each sequence
+of the batch has its own length (ragged batches); the kernel reads only the
+valid keys of each sequence.
+
+Sliding window (``window=w``): query at absolute position p sees the keys at
+positions p-w+1 .. p (itself and the w-1 before it; the same as
+``scaled_dot_product_attention(..., window_size=(w-1, 0))`` and
+``reference.window_mask(Lq, Lk, w-1, 0)`` over the full history). The cache
+then is a ring buffer of ``ring`` slots (default 2w) that keeps only the most
+recent ones: memory O(w) however long the generation runs. A chunk of L_new
+tokens needs the w-1 keys before it plus itself, so it fits in the ring when
+L_new <= ring - w + 1; a larger chunk grows the ring (or raises when
+``growable=False``); ``forward(q, k, v)`` instead splits it into fitting
+pieces and never grows the ring.
+
+Positions: ``positions[b]`` is the absolute position of the next token of
+sequence b (RoPE offsets use it); ``lengths[b]`` is how many keys are stored.
+They differ once the ring dropped old keys or the window is in use. Keys are
+stored as given: rotate them (RoPE) before ``append``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from ._checks import as_float_array, shape_str
+
+__all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
+
+# Chunks of at most this many query tokens go to the split-KV decode kernel;
+# longer ones (prefill) to the tiled kernel, unless the ring wraps.
+DECODE_MAX_LQ = 16
+
+
+def _int_arg(x, name, minimum=0):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    x = int(x)
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def _per_seq(x, B, name, upper=None):
+    """An int or (B,) int array -> (B,) int64 array, checked to lie in [0, upper]."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        arr = np.full(B, int(arr), dtype=np.int64)
+    elif arr.shape != (B,):
+        raise ValueError(f"{name} must be an int or have shape ({B},) (one per sequence), got shape {arr.shape}")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {arr.tolist()}")
+    if upper is not None and (arr > upper).any():
+        raise ValueError(f"{name} must be <= {upper}, got {arr.tolist()}")
+    return arr
+
+
+class KVCache:
+    """Preallocated key/value storage for one attention layer.
+
+    Parameters
+    ----------
+    batch : int, number of sequences B.
+    num_kv_heads : int, H_kv.
+    head_dim : int, d (keys and queries).
+    capacity : int, initial slots per sequence (default 256). Without a
+        window, appending beyond it doubles the storage (amortised O(1) per
+        token) or raises ValueError when ``growable=False``.
+    v_head_dim : int, dv (default: head_dim).
+    dtype : storage and compute dtype, float32 (default) or float64.
+    window : int or None. Sliding-window attention over the last ``window``
+        positions, kept in a ring buffer (see the module docstring).
+    growable : bool, default True.
+    ring : int, ring slots when ``window`` is set (default 2 * window; at
+        least window).
+
+    Attributes
+    ----------
+    lengths : (B,) int64, keys stored per sequence (a copy).
+    positions : (B,) int64, absolute position of each sequence's next token.
+    capacity : int, slots per sequence now allocated.
+    nbytes : int, bytes of K and V storage allocated.
+    """
+
+    def __init__(self, batch, num_kv_heads, head_dim, capacity=256, v_head_dim=None, dtype=np.float32,
+                 window=None, growable=True, ring=None):
+        self.batch = _int_arg(batch, "batch", 1)
+        self.num_kv_heads = _int_arg(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = _int_arg(head_dim, "head_dim", 1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _int_arg(v_head_dim, "v_head_dim", 1)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.growable = bool(growable)
+        self.window = None if window is None else _int_arg(window, "window", 1)
+        if self.window is None:
+            if ring is not None:
+                raise ValueError("ring is only meaningful with window=")
+            cap = _int_arg(capacity, "capacity", 1)
+        else:
+            cap = 2 * self.window if ring is None else _int_arg(ring, "ring", 1)
+            if cap < self.window:
+                raise ValueError(f"ring ({cap}) must be >= window ({self.window})")
+        B, H = self.batch, self.num_kv_heads
+        self._k = np.empty((B, H, cap, self.head_dim), dtype=self.dtype)
+        self._v = np.empty((B, H, cap, self.v_head_dim), dtype=self.dtype)
+        self._start = np.zeros(B, dtype=np.int64)  # ring slot of the oldest stored key
+        self._n = np.zeros(B, dtype=np.int64)  # stored keys
+        self._pos = np.zeros(B, dtype=np.int64)  # absolute position of the next token
+        self._last_new = np.zeros(B, dtype=np.int64)  # per-sequence length of the last append
+        self._last_L = 0  # chunk length of the last append
+
+    # ---- state -------------------------------------------------------------
+    @property
+    def capacity(self):
+        return self._k.shape[2]
+
+    @property
+    def lengths(self):
+        return self._n.copy()
+
+    @property
+    def positions(self):
+        return self._pos.copy()
+
+    @property
+    def nbytes(self):
+        return self._k.nbytes + self._v.nbytes
+
+    def __len__(self):
+        """Tokens appended so far (the longest sequence's, for ragged batches)."""
+        return int(self._pos.max())
+
+    def __repr__(self):
+        w = f", window={self.window}" if self.window is not None else ""
+        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={self.dtype.name}, "
+                f"lengths={self._n.tolist()})")
+
+    def reset(self):
+        """Forget every token (storage is kept)."""
+        self._start[:] = 0
+        self._n[:] = 0
+        self._pos[:] = 0
+        self._last_new[:] = 0
+        self._last_L = 0
+
+    def keys(self, b):
+        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the ring wraps)."""
+        return self._gather(self._k, b)
+
+    def values(self, b):
+        """Stored values of sequence b in position order, (H_kv, lengths[b], dv)."""
+        return self._gather(self._v, b)
+
+    def _gather(self, buf, b):
+        s, n, R = int(self._start[b]), int(self._n[b]), self.capacity
+        if s + n <= R:
+            return buf[b, :, s:s + n]
+        return np.concatenate([buf[b, :, s:], buf[b, :, :s + n - R]], axis=1)
+
+    # ---- writing ---------------------------------------------------------------
+    def _resize(self, new_cap):
+        """Reallocate to new_cap slots per sequence, keys in order from slot 0."""
+        B, H = self.batch, self.num_kv_heads
+        k = np.empty((B, H, new_cap, self.head_dim), dtype=self.dtype)
+        v = np.empty((B, H, new_cap, self.v_head_dim), dtype=self.dtype)
+        for b in range(B):
+            n = int(self._n[b])
+            k[b, :, :n] = self._gather(self._k, b)
+            v[b, :, :n] = self._gather(self._v, b)
+        self._k, self._v = k, v
+        self._start[:] = 0
+
+    def _check_chunk(self, x, name, dim):
+        x = as_float_array(x, name)
+        B, H = self.batch, self.num_kv_heads
+        if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
+            raise ValueError(
+                f"{name} has shape {shape_str(x)}, expected (batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
+                f" = ({B}, {H}, L_new, {dim})")
+        if x.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but the cache stores {self.dtype}")
+        return x
+
+    def append(self, k, v, lengths=None):
+        """Store a chunk of new keys and values after each sequence's last one.
+
+        k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype,
+            any strides; keys already rotated if RoPE is used. L_new may be 0.
+        lengths : optional int or (B,) ints <= L_new: sequence b appends only
+            rows ``[:lengths[b]]`` (ragged batches); the rest is ignored.
+
+        Each row is copied once into the storage. On error nothing changes.
+        """
+        k = self._check_chunk(k, "k", self.head_dim)
+        v = self._check_chunk(v, "v", self.v_head_dim)
+        L = k.shape[2]
+        if v.shape[2] != L:
+            raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ")
+        new = np.full(self.batch, L, dtype=np.int64) if lengths is None else _per_seq(lengths, self.batch, "lengths", L)
+        R = self.capacity
+        if self.window is None:
+            need = int((self._n + new).max())
+            if need > R:
+                if not self.growable:
+                    raise ValueError(
+                        f"appending {new.tolist()} tokens to lengths {self._n.tolist()} exceeds the fixed capacity {R}"
+                        " (growable=False)")
+                self._resize(max(2 * R, need))
+        else:
+            room = R - self.window + 1
+            big = int(new.max())
+            if big > room:
+                if not self.growable:
+                    raise ValueError(
+                        f"a chunk of {big} tokens does not fit the ring of {R} slots with window {self.window}"
+                        f" (at most ring - window + 1 = {room} per append; use forward() or smaller chunks,"
+                        " or growable=True)")
+                self._resize(self.window - 1 + big)
+        R = self.capacity
+        for b in range(self.batch):
+            c = int(new[b])
+            if c == 0:
+                continue
+            n, s = int(self._n[b]), int(self._start[b])
+            kb, vb = k[b, :, :c], v[b, :, :c]
+            w0 = (s + n) % R  # first slot to write
+            first = min(c, R - w0)
+            self._k[b, :, w0:w0 + first] = kb[:, :first]
+            self._v[b, :, w0:w0 + first] = vb[:, :first]
+            if first < c:  # wrap around (ring only)
+                self._k[b, :, :c - first] = kb[:, first:]
+                self._v[b, :, :c - first] = vb[:, first:]
+            n_new = min(R, n + c)
+            self._start[b] = (s + n + c - n_new) % R
+            self._n[b] = n_new
+        self._pos += new
+        self._last_new = new
+        self._last_L = L
+
+    def truncate(self, n):
+        """Roll back to n tokens (int, or (B,) ints): drop every position >= n.
+
+        For rejected speculative tokens. n must be <= positions. With a window,
+        the ring must still hold the window before position n (roll back at
+        most ``ring - window`` tokens after the ring filled). On error nothing
+        changes.
+        """
+        n = _per_seq(n, self.batch, "n")
+        if (n > self._pos).any():
+            raise ValueError(f"cannot truncate to {n.tolist()}: beyond the current lengths {self._pos.tolist()}")
+        drop = self._pos - n
+        keep = self._n - drop
+        if (keep < 0).any():
+            raise ValueError(f"cannot truncate to {n.tolist()}: the ring no longer holds those positions")
+        if self.window is not None:
+            need = np.minimum(n, self.window - 1)
+            if (keep < need).any():
+                raise ValueError(
+                    f"cannot truncate to {n.tolist()}: the ring (stored {self._n.tolist()} of positions"
+                    f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it")
+        self._n = keep
+        self._pos = n.copy()
+        self._start[keep == 0] = 0
+        self._last_new = np.zeros(self.batch, dtype=np.int64)
+        self._last_L = 0
+
+    # ---- reading ---------------------------------------------------------------
+    def _check_q(self, q):
+        q = as_float_array(q, "q")
+        if q.ndim != 4:
+            raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
+        B, Hq, Lq, d = q.shape
+        if B != self.batch:
+            raise ValueError(f"q has shape {shape_str(q)}: batch {B} but the cache holds {self.batch} sequences")
+        if d != self.head_dim:
+            raise ValueError(f"q has shape {shape_str(q)}: head dim {d} but the cache stores keys of dim {self.head_dim}")
+        if Hq % self.num_kv_heads != 0:
+            raise ValueError(f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q has dtype {q.dtype} but the cache stores {self.dtype}")
+        return q
+
+    def attend(self, q, scale=None, causal=True, q_lens=None, return_lse=False, out=None):
+        """Attention of new queries against every stored key.
+
+        q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
+            head h // (H_q // H_kv)); the cache's dtype; any strides.
+        causal : bottom-right aligned per sequence: query row i of sequence b
+            is at position positions[b] - q_lens[b] + i and sees the keys up to
+            it, so after ``append`` of a chunk its own queries see the whole
+            past and the chunk causally (chunked prefill, decode).
+            With ``causal=False`` every stored key is visible (the window
+            still bounds the left side).
+        q_lens : int or (B,) ints: valid query rows per sequence (rows beyond
+            get zeros and lse = -inf). Default: the per-sequence lengths of
+            the last ``append`` if q has its chunk length (ragged batches),
+            else L_new for every sequence.
+        scale : default 1/sqrt(d).
+        return_lse : also return lse (B, H_q, L_new).
+        out : optional (B, H_q, L_new, dv) array of the cache's dtype.
+
+        Returns (B, H_q, L_new, dv), or (out, lse). Rows that see no key get
+        zeros and lse = -inf.
+        """
+        q = self._check_q(q)
+        B, Hq, Lq, d = q.shape
+        if q_lens is None:
+            ql = self._last_new.copy() if Lq == self._last_L else np.full(B, Lq, dtype=np.int64)
+        else:
+            ql = _per_seq(q_lens, B, "q_lens", Lq)
+        if (ql > self._n).any() and causal:
+            raise ValueError(f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first")
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        o = self._out(out, (B, Hq, Lq, self.v_head_dim))
+        lse = np.empty((B, Hq, Lq), dtype=self.dtype) if return_lse else None
+        if o.size or (lse is not None and lse.size):
+            self._run(q, o, lse, ql, scale, causal)
+        return (o, lse) if return_lse else o
+
+    def _out(self, out, shape):
+        if out is None:
+            return np.empty(shape, dtype=self.dtype)
+        if not isinstance(out, np.ndarray) or out.shape != shape:
+            raise ValueError(f"out has shape {getattr(out, 'shape', None)}, expected {shape}")
+        if out.dtype != self.dtype:
+            raise TypeError(f"out has dtype {out.dtype}, expected {self.dtype}")
+        if not out.flags.writeable or not out.flags.aligned or not out.dtype.isnative:
+            raise ValueError("out must be writeable, aligned and in native byte order")
+        return out
+
+    def _run(self, q, o, lse, ql, scale, causal):
+        kw = dict(scale=scale, causal=bool(causal), q_lens=ql, kv_lens=self._n.copy())
+        if self.window is not None:
+            kw["window_left"] = self.window - 1
+        Lq = q.shape[2]
+        plain = not ((self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any())
+        if Lq <= DECODE_MAX_LQ or not plain:
+            # Split-KV decode kernel: reads the ring in place (logical key j of
+            # sequence b is slot (start[b] + j) mod capacity).
+            _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
+        else:  # prefill-sized chunk over contiguous keys: the tiled kernel on a view
+            s = int(self._start[0])
+            maxn = int(self._n.max())
+            _core.forward(q, self._k[:, :, s:s + maxn], self._v[:, :, s:s + maxn], o, lse, **kw)
+
+    def forward(self, q, k, v, scale=None, return_lse=False):
+        """append(k, v) then attend(q), in pieces that fit a window ring.
+
+        q (B, H_q, L, d), k (B, H_kv, L, d), v (B, H_kv, L, dv): the same L
+        tokens. Equivalent to ``append(k, v); attend(q)`` but never grows a
+        sliding-window ring: a chunk longer than the ring's room is split.
+        """
+        q = self._check_q(q)
+        k = self._check_chunk(k, "k", self.head_dim)
+        v = self._check_chunk(v, "v", self.v_head_dim)
+        L = q.shape[2]
+        if k.shape[2] != L or v.shape[2] != L:
+            raise ValueError(f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
+        step = L if self.window is None else max(1, self.capacity - self.window + 1)
+        o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.dtype)
+        lse = np.empty(q.shape[:3], dtype=self.dtype) if return_lse else None
+        for t in range(0, max(L, 1), step):
+            sl = slice(t, min(L, t + step))
+            self.append(k[:, :, sl], v[:, :, sl])
+            res = self.attend(q[:, :, sl], scale=scale, return_lse=return_lse)
+            if return_lse:
+                o[:, :, sl], lse[:, :, sl] = res
+            else:
+                o[:, :, sl] = res
+        return (o, lse) if return_lse else o
+
+
+class LayerCaches:
+    """One KVCache per layer of a model: ``LayerCaches(num_layers, <KVCache args>)``.
+
+    Indexable (``caches[i]``), iterable, ``len()`` = num_layers; ``nbytes``
+    sums all layers; ``reset()`` and ``truncate(n)`` apply to every layer.
+    """
+
+    def __init__(self, num_layers, *args, **kwargs):
+        num_layers = _int_arg(num_layers, "num_layers", 1)
+        self._caches = [KVCache(*args, **kwargs) for _ in range(num_layers)]
+
+    def __getitem__(self, i):
+        return self._caches[i]
+
+    def __len__(self):
+        return len(self._caches)
+
+    def __iter__(self):
+        return iter(self._caches)
+
+    @property
+    def nbytes(self):
+        return sum(c.nbytes for c in self._caches)
+
+    @property
+    def positions(self):
+        return self._caches[0].positions
+
+    def reset(self):
+        for c in self._caches:
+            c.reset()
+
+    def truncate(self, n):
+        states = [(c._n.copy(), c._pos.copy(), c._start.copy()) for c in self._caches]
+        try:
+            for c in self._caches:
+                c.truncate(n)
+        except Exception:
+            for c, (nn, pp, ss) in zip(self._caches, states):
+                c._n, c._pos, c._start = nn, pp, ss
+            raise
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two partial attentions over disjoint key sets.
+
+    o_a, o_b : (..., dv) outputs, each normalised over its own keys;
+    lse_a, lse_b : (...) their log-sum-exp of scores (-inf for an empty part).
+    Returns (o, lse) for the union of the key sets:
+        lse = log(exp(lse_a) + exp(lse_b)),
+        o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
+    A part with lse = -inf contributes nothing (its o is not read, even if
+    NaN); both empty gives o = 0, lse = -inf. Same dtype as the
+    inputs (float32 or float64); new arrays.
+    """
+    o_a, o_b = as_float_array(o_a, "o_a"), as_float_array(o_b, "o_b")
+    lse_a, lse_b = as_float_array(lse_a, "lse_a"), as_float_array(lse_b, "lse_b")
+    if o_a.shape != o_b.shape:
+        raise ValueError(f"o_a has shape {shape_str(o_a)} but o_b has shape {shape_str(o_b)}")
+    if lse_a.shape != o_a.shape[:-1] or lse_b.shape != o_a.shape[:-1]:
+        raise ValueError(
+            f"lse_a {shape_str(lse_a)} and lse_b {shape_str(lse_b)} must have o's shape without the last axis, "
+            f"{o_a.shape[:-1]}")
+    dt = np.result_type(o_a, o_b, lse_a, lse_b)
+    m = np.maximum(lse_a, lse_b)
+    empty = np.isneginf(m)
+    m_safe = np.where(empty, 0, m)
+    with np.errstate(invalid="ignore", over="ignore"):
+        wa = np.exp(lse_a - m_safe)
+        wb = np.exp(lse_b - m_safe)
+        tot = wa + wb
+        inv = np.where(empty, 0, 1 / np.where(empty, 1, tot))
+        ca = np.where((wa > 0)[..., None], o_a * (wa * inv)[..., None], 0)  # an empty part's o is ignored
+        cb = np.where((wb > 0)[..., None], o_b * (wb * inv)[..., None], 0)
+        o = (ca + cb).astype(dt, copy=False)
+        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1, tot))).astype(dt, copy=False)
+    return o, lse

@@ -1,0 +1,309 @@
+"""Multi-head attention (MHA, GQA, MQA; self- and cross-attention) in NumPy.
+
+The chapter's picture: cut D into H slices of d_h features, run attention in
+each slice independently, concatenate the H outputs and project with Wo.
+
+    x (B, L, D) ─ x Wqᵀ ─> (B, L, H·d_h) ─ reshape ─> (B, L, H, d_h)
+                                                       │ .transpose(0, 2, 1, 3): a strided view
+                                                       ▼
+                            fused kernel on (B, H, L, d_h) views, K/V with H_kv heads
+                                                       │ written through a (B, L, H, d_h) buffer
+                                                       ▼
+    out (B, L, D) <─ · Woᵀ ─ (B, L, H·d_h) <─ reshape (free: the buffer is already in that order)
+
+Splitting and merging heads never copies: the projections are computed into
+(B, L, H, d_h) order and the kernel reads and writes them through strides.
+Weights follow torch's Linear convention, y = x Wᵀ + b, as the textbook's
+Q = X Wqᵀ:
+
+    Wq (H·d_h, D)       Wk, Wv (H_kv·d_h, D_kv)       Wo (D, H·d_h)
+    bq (H·d_h,)         bk, bv (H_kv·d_h,)            bo (D,)          (bias=True)
+
+D_kv = ``kv_dim`` (default D) is the feature size of the cross-attention
+context. When D_kv == D, Wq, Wk and Wv are rows of one (H·d_h + 2·H_kv·d_h, D)
+array so self-attention takes one matrix product; the attributes Wq/Wk/Wv are
+views into it.
+
+Shape legend: B batch, L query length, Lk key length, D model dim, H query
+heads, H_kv key/value heads (H % H_kv == 0), d_h head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._checks import shape_str
+from .functional import scaled_dot_product_attention
+from .positional import RoPE
+
+__all__ = ["MultiHeadAttention"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _as_rng(rng):
+    if rng is None or isinstance(rng, (int, np.integer)):
+        return np.random.default_rng(rng)
+    if isinstance(rng, np.random.Generator):
+        return rng
+    raise TypeError(f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}")
+
+
+def _load_into(dst, src, name, prefix=""):
+    """Copy array `src` into parameter `dst` with a clear error on mismatch."""
+    a = np.asarray(src)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"weight {prefix}{name} must be a real numeric array, got dtype {a.dtype}")
+    if a.shape != dst.shape:
+        raise ValueError(f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}")
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+        raise ValueError(f"weight {prefix}{name} contains NaN or inf")
+    dst[...] = a
+
+
+class MultiHeadAttention:
+    """Multi-head attention on (L, D) or (B, L, D) arrays, calling the fused kernel.
+
+    Parameters
+    ----------
+    d_model : D, the input and output feature size.
+    num_heads : H, query heads.
+    num_kv_heads : H_kv, key/value heads (default H). H_kv < H is grouped-query
+        attention (GQA), H_kv = 1 multi-query (MQA); K and V are never repeated.
+    head_dim : d_h (default D // H; D need not equal H·d_h when given).
+    bias : add bq, bk, bv, bo.
+    positional : None, "rope" (rotate-half RoPE on all of d_h, base 10000) or a
+        ``attn_fast.positional.RoPE`` object. Applied to q and k in
+        self-attention only (cross-attention positions live in two different
+        sequences).
+    kv_dim : D_kv, the context's feature size for cross-attention (default D).
+    scale : softmax scale (default 1/sqrt(d_h)).
+    weights : optional dict of arrays, as ``load_weights`` takes.
+    rng : seed or ``numpy.random.Generator`` for the initial weights
+        (normal with std 1/sqrt(fan_in); biases zero).
+    dtype : float32 (default) or float64; inputs must have this dtype.
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        num_kv_heads=None,
+        head_dim=None,
+        bias=False,
+        positional=None,
+        *,
+        kv_dim=None,
+        scale=None,
+        weights=None,
+        rng=None,
+        dtype=np.float32,
+    ):
+        D, H = int(d_model), int(num_heads)
+        if D < 1 or H < 1:
+            raise ValueError(f"d_model and num_heads must be >= 1, got d_model={d_model}, num_heads={num_heads}")
+        Hkv = H if num_kv_heads is None else int(num_kv_heads)
+        if Hkv < 1 or H % Hkv:
+            raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={num_kv_heads}")
+        if head_dim is None:
+            if D % H:
+                raise ValueError(f"d_model={D} is not divisible by num_heads={H}; pass head_dim")
+            head_dim = D // H
+        dh = int(head_dim)
+        if dh < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        Dkv = D if kv_dim is None else int(kv_dim)
+        if Dkv < 1:
+            raise ValueError(f"kv_dim must be >= 1, got {kv_dim}")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _DTYPES:
+            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = D, H, Hkv, dh, Dkv
+        self.scale = 1.0 / math.sqrt(dh) if scale is None else float(scale)
+        if positional is None:
+            self.rope = None
+        elif isinstance(positional, str):
+            if positional != "rope":
+                raise ValueError(f"positional must be None, 'rope' or a RoPE object, got {positional!r}")
+            self.rope = RoPE(dh)
+        elif isinstance(positional, RoPE):
+            if positional.head_dim != dh:
+                raise ValueError(f"RoPE has head_dim {positional.head_dim} but the attention has head_dim {dh}")
+            self.rope = positional
+        else:
+            raise TypeError(f"positional must be None, 'rope' or a RoPE object, got {type(positional).__name__}")
+
+        nq, nkv = H * dh, Hkv * dh
+        dt = self.dtype
+        # Parameters. Wq/Wk/Wv are views into one input-projection buffer.
+        if Dkv == D:
+            self._w_qkv = np.zeros((nq + 2 * nkv, D), dtype=dt)
+            self._w_q, self._w_kv = self._w_qkv[:nq], self._w_qkv[nq:]
+        else:
+            self._w_qkv = None
+            self._w_q, self._w_kv = np.zeros((nq, D), dtype=dt), np.zeros((2 * nkv, Dkv), dtype=dt)
+        self._w_o = np.zeros((D, nq), dtype=dt)
+        self.bias = bool(bias)
+        if self.bias:
+            self._b_qkv = np.zeros(nq + 2 * nkv, dtype=dt)
+            self._b_q, self._b_kv = self._b_qkv[:nq], self._b_qkv[nq:]
+            self._b_o = np.zeros(D, dtype=dt)
+        self._params = {
+            "Wq": self._w_q,
+            "Wk": self._w_kv[:nkv],
+            "Wv": self._w_kv[nkv:],
+            "Wo": self._w_o,
+        }
+        if self.bias:
+            self._params.update(bq=self._b_q, bk=self._b_kv[:nkv], bv=self._b_kv[nkv:], bo=self._b_o)
+        gen = _as_rng(rng)
+        for name in ("Wq", "Wk", "Wv", "Wo"):
+            p = self._params[name]
+            p[...] = gen.standard_normal(p.shape) / math.sqrt(p.shape[1])
+        if weights is not None:
+            self.load_weights(weights)
+
+    # -- parameters ---------------------------------------------------------
+    Wq = property(lambda self: self._params["Wq"], doc="(H·d_h, D) query projection (a view).")
+    Wk = property(lambda self: self._params["Wk"], doc="(H_kv·d_h, D_kv) key projection (a view).")
+    Wv = property(lambda self: self._params["Wv"], doc="(H_kv·d_h, D_kv) value projection (a view).")
+    Wo = property(lambda self: self._params["Wo"], doc="(D, H·d_h) output projection.")
+
+    def state_dict(self):
+        """The parameters by name (views; copy them to keep a snapshot)."""
+        return dict(self._params)
+
+    def load_weights(self, weights, *, prefix="", strict=True):
+        """Copy arrays from a mapping (dict, ``np.load(...npz)``) into the parameters.
+
+        Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
+        preceded by ``prefix``. With strict=True (default), missing names and
+        unknown names under ``prefix`` raise KeyError (all of them listed);
+        wrong shapes always raise ValueError.
+        """
+        missing = [prefix + n for n in self._params if prefix + n not in weights]
+        if missing and strict:
+            raise KeyError(f"missing weights: {', '.join(missing)}")
+        if strict:
+            unknown = sorted(n for n in weights if n.startswith(prefix) and n[len(prefix):] not in self._params)
+            if unknown:
+                hint = "" if self.bias else " (biases need bias=True)"
+                raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
+        for n, p in self._params.items():
+            if prefix + n in weights:
+                _load_into(p, weights[prefix + n], n, prefix)
+
+    def __repr__(self):
+        return (
+            f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}, "
+            f"rope={self.rope!r}, dtype={self.dtype})"
+        )
+
+    # -- forward ------------------------------------------------------------
+    def _check_input(self, x, name, dim):
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        if x.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but the attention's weights are {self.dtype}")
+        if x.ndim not in (2, 3) or x.shape[-1] != dim:
+            raise ValueError(f"{name} must be (L, {dim}) or (B, L, {dim}), got shape {shape_str(x)}")
+        return x
+
+    def _heads(self, y, n_heads):
+        """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
+        return y.reshape(y.shape[0], y.shape[1], n_heads, self.head_dim)
+
+    def __call__(self, x, context=None, mask=None, cache=None, *, causal=False, positions=None):
+        """Attention of x over itself (or over ``context``), then Wo.
+
+        x : (L, D) or (B, L, D) in the module's dtype.
+        context : None (self-attention) or (Lk, D_kv) / (B, Lk, D_kv):
+            cross-attention, Q from x and K, V from context (Lk may differ from L).
+        mask : what ``scaled_dot_product_attention``'s attn_mask takes
+            (boolean True = attend, or additive float, broadcastable to
+            (B, H, L, Lk); or an ``attn_fast.masks`` object).
+        causal : bottom-right causal mask (query i sees keys j <= i + Lk - L).
+        cache : an ``attn_fast.KVCache`` (batch B, H_kv heads, d_h). Self-
+            attention: this call's keys (rotated at their absolute positions
+            ``cache.positions + arange(L)`` when RoPE is on) and values are
+            appended, and q attends to everything cached, causally if
+            ``causal``. Cross-attention: the context's K/V are projected and
+            appended on the first call (empty cache) and reused afterwards.
+            ``mask`` cannot be combined with a cache.
+        positions : optional (L,) or (B, L) int array, the RoPE positions of
+            x's tokens (left-padded batches, custom offsets); default
+            ``arange(L)``, or ``cache.positions + arange(L)`` with a cache.
+
+        Returns (L, D) or (B, L, D), a new array.
+        """
+        x = self._check_input(x, "x", self.d_model)
+        squeeze = x.ndim == 2
+        x3 = x[None] if squeeze else x
+        B, L, _ = x3.shape
+        H, Hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        nq, nkv = H * dh, Hkv * dh
+        if cache is not None and mask is not None:
+            raise ValueError("mask= cannot be combined with cache= (the cache attends causally or fully)")
+
+        if context is None:
+            if self._w_qkv is None:
+                raise ValueError(
+                    f"this attention was built for cross-attention with kv_dim={self.kv_dim} != d_model={self.d_model}; pass context="
+                )
+            qkv = x3 @ self._w_qkv.T  # (B, L, (H + 2 H_kv) d_h), one product
+            if self.bias:
+                qkv += self._b_qkv
+            q = self._heads(qkv[..., :nq], H)  # (B, L, H, d_h) views
+            k = self._heads(qkv[..., nq : nq + nkv], Hkv)
+            v = self._heads(qkv[..., nq + nkv :], Hkv)
+            if self.rope is not None:
+                offset = 0 if cache is None else np.asarray(cache.positions)
+                self.rope(q, offset=offset, positions=positions, seq_axis=1, inplace=True)
+                self.rope(k, offset=offset, positions=positions, seq_axis=1, inplace=True)
+            elif positions is not None:
+                raise ValueError("positions= is only meaningful with positional RoPE")
+        else:
+            if positions is not None:
+                raise ValueError("positions= is not used by cross-attention (no RoPE there)")
+            c = self._check_input(context, "context", self.kv_dim)
+            c3 = c[None] if c.ndim == 2 else c
+            if c3.shape[0] != B:
+                raise ValueError(f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch sizes differ")
+            q = x3 @ self._w_q.T
+            if self.bias:
+                q += self._b_q
+            q = self._heads(q, H)
+            k = v = None
+            if cache is None or len(cache) == 0:
+                kv = c3 @ self._w_kv.T  # (B, Lk, 2 H_kv d_h)
+                if self.bias:
+                    kv += self._b_kv
+                k, v = self._heads(kv[..., :nkv], Hkv), self._heads(kv[..., nkv:], Hkv)
+            elif np.any(np.asarray(cache.lengths) != c3.shape[1]):
+                raise ValueError(
+                    f"the cross-attention cache holds {np.asarray(cache.lengths).tolist()} keys "
+                    f"but context has length {c3.shape[1]}; reset() the cache for a new context"
+                )
+
+        # (B, L, H, d_h) -> (B, H, L, d_h) as strided views for the kernel.
+        qT = q.transpose(0, 2, 1, 3)
+        if cache is not None:
+            if k is not None:
+                cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+            o = cache.attend(qT, scale=self.scale, causal=bool(causal) and context is None)  # (B, H, L, d_h)
+            merged = o.transpose(0, 2, 1, 3).reshape(B, L, nq)  # copies L·H·d_h values
+        else:
+            buf = np.empty((B, L, H, dh), dtype=self.dtype)
+            scaled_dot_product_attention(
+                qT, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                attn_mask=mask, is_causal=bool(causal), scale=self.scale,
+                enable_gqa=Hkv != H, out=buf.transpose(0, 2, 1, 3),
+            )
+            merged = buf.reshape(B, L, nq)  # heads concatenated: no copy
+        y = merged @ self._w_o.T
+        if self.bias:
+            y += self._b_o
+        return y[0] if squeeze else y

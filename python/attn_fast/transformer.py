@@ -1,0 +1,448 @@
+"""One Transformer layer, and a tiny decoder-only language model built from them.
+
+The chapter's picture of one layer (pre-norm, as GPT-2 onwards and Llama):
+
+    x ─┬─ norm ─ attention (talk) ─┐
+       └────────── + <─────────────┘      residual ("deposit")
+    h ─┬─ norm ─ cross-attention ──┐      (decoder of an encoder-decoder only)
+       └────────── + <─────────────┘
+    h ─┬─ norm ─ feed-forward (work) ─┐
+       └────────── + <────────────────┘   -> next layer
+
+Norms: ``LayerNorm`` (subtract the mean, divide by the std, scale and shift)
+or ``RMSNorm`` (divide by the root mean square, scale). Feed-forward: ``MLP``
+(W2 · GELU(W1 x + b1) + b2, GELU in its tanh form as GPT-2) or ``SwiGLU``
+(W_down · (SiLU(W_gate x) ⊙ W_up x), Llama). All weights are NumPy arrays
+with torch's Linear convention y = x Wᵀ (+ b).
+
+``TinyTransformerLM``: token embedding, N blocks, final norm, output
+projection; ``forward`` returns logits and ``generate`` decodes with a KV
+cache (prefill once, then one token per step) or without one.
+
+Shape legend: B batch, L tokens, D model dim, F feed-forward dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._checks import shape_str
+from .multihead import MultiHeadAttention, _as_rng, _load_into
+from .positional import RoPE, sinusoidal
+
+__all__ = ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "TransformerBlock", "TinyTransformerLM"]
+
+
+class _Module:
+    """Named parameters with state_dict / load_weights (prefix-aware)."""
+
+    def _own(self):  # name -> array owned directly by this module
+        return {}
+
+    def _children(self):  # name -> sub-module
+        return {}
+
+    def state_dict(self, prefix=""):
+        """All parameters by dotted name (views into the live arrays)."""
+        sd = {prefix + n: p for n, p in self._own().items()}
+        for cn, c in self._children().items():
+            sd.update(c.state_dict(prefix=f"{prefix}{cn}."))
+        return sd
+
+    def load_weights(self, weights, *, prefix="", strict=True):
+        """Copy arrays from a mapping (dict, ``np.load(...npz)``, a safetensors
+        dict) into the parameters, by the names ``state_dict`` lists.
+
+        strict=True: every parameter must be present (KeyError listing all
+        missing names) and no unknown name under ``prefix`` may appear
+        (KeyError listing them). Shapes must match exactly (ValueError).
+        """
+        own = self.state_dict(prefix=prefix)
+        if strict:
+            missing = [n for n in own if n not in weights]
+            if missing:
+                raise KeyError(f"missing weights: {', '.join(missing)}")
+            unknown = [n for n in weights if n.startswith(prefix) and n not in own]
+            if unknown:
+                raise KeyError(f"unknown weights: {', '.join(sorted(unknown))}")
+        for n, p in own.items():
+            if n in weights:
+                _load_into(p, weights[n], n)
+
+
+def _init(gen, shape, dtype):
+    """Normal with std 1/sqrt(fan_in)."""
+    return (gen.standard_normal(shape) / math.sqrt(shape[-1])).astype(dtype)
+
+
+class LayerNorm(_Module):
+    """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
+
+    def __init__(self, dim, eps=1e-5, dtype=np.float32):
+        self.eps = float(eps)
+        self.weight = np.ones(int(dim), dtype=dtype)
+        self.bias = np.zeros(int(dim), dtype=dtype)
+
+    def _own(self):
+        return {"weight": self.weight, "bias": self.bias}
+
+    def __call__(self, x):
+        mu = x.mean(axis=-1, keepdims=True)
+        xc = x - mu
+        var = np.mean(xc * xc, axis=-1, keepdims=True)
+        return xc / np.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class RMSNorm(_Module):
+    """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
+
+    def __init__(self, dim, eps=1e-6, dtype=np.float32):
+        self.eps = float(eps)
+        self.weight = np.ones(int(dim), dtype=dtype)
+
+    def _own(self):
+        return {"weight": self.weight}
+
+    def __call__(self, x):
+        ms = np.mean(x * x, axis=-1, keepdims=True)
+        return x / np.sqrt(ms + self.eps) * self.weight
+
+
+def gelu(x):
+    """GELU, tanh form: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + 0.044715 * x * x * x)))
+
+
+def silu(x):
+    """SiLU (swish): x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2 (no overflow)."""
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+
+
+class MLP(_Module):
+    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F)."""
+
+    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
+        gen = _as_rng(rng)
+        self.W1 = _init(gen, (d_ff, d_model), dtype)
+        self.b1 = np.zeros(d_ff, dtype=dtype)
+        self.W2 = _init(gen, (d_model, d_ff), dtype)
+        self.b2 = np.zeros(d_model, dtype=dtype)
+
+    def _own(self):
+        return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
+
+    def __call__(self, x):
+        h = x @ self.W1.T
+        h += self.b1
+        y = gelu(h) @ self.W2.T
+        y += self.b2
+        return y
+
+
+class SwiGLU(_Module):
+    """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
+
+    W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
+    W_down (D, F)."""
+
+    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
+        gen = _as_rng(rng)
+        self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
+        self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
+        self.W_down = _init(gen, (d_model, d_ff), dtype)
+        self.d_ff = d_ff
+
+    def _own(self):
+        return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
+
+    def __call__(self, x):
+        gu = x @ self._w_gate_up.T  # (…, 2F)
+        g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
+        return (silu(g) * u) @ self.W_down.T
+
+
+class _Attn(_Module):
+    """Adapter giving MultiHeadAttention the _Module naming interface."""
+
+    def __init__(self, mha):
+        self.mha = mha
+
+    def _own(self):
+        return self.mha.state_dict()
+
+
+_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+_FFNS = {"gelu": MLP, "swiglu": SwiGLU}
+
+
+class TransformerBlock(_Module):
+    """Pre-norm Transformer layer: x + attn(norm1 x), [+ cross(norm_cross h)], + ffn(norm2 h).
+
+    Parameters
+    ----------
+    d_model, num_heads, num_kv_heads, head_dim, bias, positional :
+        as ``MultiHeadAttention`` (positional = None, "rope" or a RoPE object).
+    d_ff : feed-forward width F (default 4·D for "gelu", 8/3·D rounded up to
+        a multiple of 8 for "swiglu").
+    norm : "layernorm" or "rmsnorm"; eps : its epsilon (default 1e-5 / 1e-6).
+    ffn : "gelu" (MLP with biases) or "swiglu".
+    cross_attention : add a cross-attention sub-layer (decoder of an
+        encoder-decoder); kv_dim is the context's feature size (default D).
+    rng, dtype : initial weights (seed or Generator) and float dtype.
+
+    Parameter names (``state_dict`` / ``load_weights``)::
+
+        norm1.weight [norm1.bias]          attn.Wq attn.Wk attn.Wv attn.Wo [attn.bq …]
+        norm_cross.* cross.Wq …            (cross_attention=True only)
+        norm2.weight [norm2.bias]          ffn.W1 ffn.b1 ffn.W2 ffn.b2  |  ffn.W_gate ffn.W_up ffn.W_down
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        num_kv_heads=None,
+        d_ff=None,
+        *,
+        head_dim=None,
+        norm="layernorm",
+        eps=None,
+        ffn="gelu",
+        bias=False,
+        positional=None,
+        cross_attention=False,
+        kv_dim=None,
+        rng=None,
+        dtype=np.float32,
+    ):
+        if norm not in _NORMS:
+            raise ValueError(f"norm must be one of {sorted(_NORMS)}, got {norm!r}")
+        if ffn not in _FFNS:
+            raise ValueError(f"ffn must be one of {sorted(_FFNS)}, got {ffn!r}")
+        gen = _as_rng(rng)
+        D = int(d_model)
+        if d_ff is None:
+            d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
+        self.d_model, self.d_ff, self.dtype = D, int(d_ff), np.dtype(dtype)
+        neps = {} if eps is None else {"eps": eps}
+        self.norm1 = _NORMS[norm](D, dtype=dtype, **neps)
+        self.attn = MultiHeadAttention(
+            D, num_heads, num_kv_heads, head_dim, bias, positional, rng=gen, dtype=dtype
+        )
+        self.cross = None
+        if cross_attention:
+            self.norm_cross = _NORMS[norm](D, dtype=dtype, **neps)
+            self.cross = MultiHeadAttention(
+                D, num_heads, num_kv_heads, head_dim, bias, None, kv_dim=kv_dim, rng=gen, dtype=dtype
+            )
+        self.norm2 = _NORMS[norm](D, dtype=dtype, **neps)
+        self.ffn = _FFNS[ffn](D, self.d_ff, rng=gen, dtype=dtype)
+
+    def _children(self):
+        ch = {"norm1": self.norm1, "attn": _Attn(self.attn)}
+        if self.cross is not None:
+            ch.update(norm_cross=self.norm_cross, cross=_Attn(self.cross))
+        ch.update(norm2=self.norm2, ffn=self.ffn)
+        return ch
+
+    def __call__(self, x, context=None, mask=None, cache=None, *, causal=True, cross_cache=None):
+        """x (L, D) or (B, L, D) -> same shape.
+
+        causal / mask / cache go to the self-attention (causal defaults to
+        True: a decoder layer; pass causal=False for an encoder layer).
+        context (Lk, D_kv) or (B, Lk, D_kv) feeds the cross-attention and is
+        required exactly when the block has one; cross_cache optionally
+        keeps its projected K/V across decode steps.
+        """
+        if (context is None) != (self.cross is None):
+            raise ValueError(
+                "context= is required by a block with cross_attention=True and not accepted otherwise"
+            )
+        x = self.attn._check_input(x, "x", self.d_model)
+        h = x + self.attn(self.norm1(x), mask=mask, cache=cache, causal=causal)
+        if self.cross is not None:
+            h = h + self.cross(self.norm_cross(h), context=context, cache=cross_cache)
+        return h + self.ffn(self.norm2(h))
+
+
+class TinyTransformerLM(_Module):
+    """A decoder-only language model: embed, N pre-norm blocks, norm, project.
+
+    Parameters
+    ----------
+    vocab_size, d_model, num_layers, num_heads : V, D, N, H.
+    num_kv_heads : H_kv (GQA when < H). d_ff, head_dim : as TransformerBlock.
+    norm, ffn : "rmsnorm"/"layernorm", "swiglu"/"gelu" (default Llama-like).
+    positional : "rope" (default; ``rope_base``, ``rotary_dim``,
+        ``rope_interleaved`` configure it) or "sinusoidal" (added to the embeddings).
+    tie_embeddings : use the embedding matrix as the output projection.
+    seed : initial random weights (normal, std 1/sqrt(fan_in); embedding std 1).
+    dtype : float32 (default) or float64.
+
+    Weight names (``state_dict``, ``load_weights``; e.g. ``np.load("m.npz")``)::
+
+        embed.weight                 (V, D)
+        blocks.{i}.norm1.weight      (D,)  [+ .bias for layernorm]
+        blocks.{i}.attn.Wq           (H·d_h, D)    attn.Wk, attn.Wv (H_kv·d_h, D)    attn.Wo (D, H·d_h)
+        blocks.{i}.norm2.weight      (D,)
+        blocks.{i}.ffn.W_gate, ffn.W_up (F, D), ffn.W_down (D, F)   | gelu: ffn.W1 (F, D) b1 W2 (D, F) b2
+        norm.weight                  (D,)  [+ norm.bias]
+        lm_head.weight               (V, D)  (absent when tie_embeddings)
+    """
+
+    def __init__(
+        self,
+        vocab_size,
+        d_model,
+        num_layers,
+        num_heads,
+        num_kv_heads=None,
+        d_ff=None,
+        *,
+        head_dim=None,
+        norm="rmsnorm",
+        ffn="swiglu",
+        positional="rope",
+        rope_base=10000.0,
+        rotary_dim=None,
+        rope_interleaved=False,
+        tie_embeddings=False,
+        seed=0,
+        dtype=np.float32,
+    ):
+        V, D, N, H = int(vocab_size), int(d_model), int(num_layers), int(num_heads)
+        if V < 1 or N < 1:
+            raise ValueError(f"vocab_size and num_layers must be >= 1, got {vocab_size}, {num_layers}")
+        if positional not in ("rope", "sinusoidal"):
+            raise ValueError(f"positional must be 'rope' or 'sinusoidal', got {positional!r}")
+        gen = np.random.default_rng(seed)
+        self.vocab_size, self.d_model, self.num_layers = V, D, N
+        self.dtype = np.dtype(dtype)
+        self.positional = positional
+        self.embed = gen.standard_normal((V, D)).astype(dtype)
+        rope = None
+        if positional == "rope":
+            dh = int(head_dim) if head_dim is not None else D // H
+            rope = RoPE(dh, base=rope_base, rotary_dim=rotary_dim, interleaved=rope_interleaved)  # shared tables
+        self.blocks = [
+            TransformerBlock(
+                D, H, num_kv_heads, d_ff, head_dim=head_dim, norm=norm, ffn=ffn,
+                positional=rope, rng=gen, dtype=dtype,
+            )
+            for _ in range(N)
+        ]
+        self.norm = _NORMS[norm](D, dtype=dtype)
+        self.tie_embeddings = bool(tie_embeddings)
+        self.lm_head = self.embed if self.tie_embeddings else _init(gen, (V, D), dtype)
+        a = self.blocks[0].attn
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+
+    class _Embed(_Module):
+        def __init__(self, w):
+            self.weight = w
+
+        def _own(self):
+            return {"weight": self.weight}
+
+    def _children(self):
+        ch = {"embed": self._Embed(self.embed)}
+        ch.update({f"blocks.{i}": b for i, b in enumerate(self.blocks)})
+        ch["norm"] = self.norm
+        if not self.tie_embeddings:
+            ch["lm_head"] = self._Embed(self.lm_head)
+        return ch
+
+    def _check_tokens(self, tokens, name="tokens"):
+        t = np.asarray(tokens)
+        if t.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an integer array, got dtype {t.dtype}")
+        if t.ndim not in (1, 2):
+            raise ValueError(f"{name} must be (L,) or (B, L), got shape {shape_str(t)}")
+        if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
+            raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, {t.max()}]")
+        return t
+
+    def make_cache(self, batch, capacity, **kw):
+        """A ``LayerCaches`` sized for this model (one KVCache per block)."""
+        from .kv_cache import LayerCaches
+
+        return LayerCaches(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=self.dtype, **kw)
+
+    def forward(self, tokens, cache=None):
+        """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
+
+        cache : optional ``LayerCaches`` (``make_cache``); the tokens continue
+        the cached sequence (positions start at ``cache[0].positions``) and
+        their keys/values are appended. Attention is causal.
+        """
+        t = self._check_tokens(tokens)
+        squeeze = t.ndim == 1
+        t2 = t[None] if squeeze else t
+        B, L = t2.shape
+        if cache is not None and len(cache) != self.num_layers:
+            raise ValueError(f"cache has {len(cache)} layers but the model has {self.num_layers}")
+        x = self.embed[t2]  # (B, L, D), a gather (copy)
+        if self.positional == "sinusoidal":
+            off = 0 if cache is None else np.asarray(cache[0].positions)
+            x += sinusoidal(L, self.d_model, offset=off, dtype=self.dtype)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cache=None if cache is None else cache[i], causal=True)
+        logits = self.norm(x) @ self.lm_head.T
+        return logits[0] if squeeze else logits
+
+    __call__ = forward
+
+    def generate(self, prompt_tokens, max_new_tokens, temperature=0.0, seed=None, *, use_cache=True):
+        """Continue the prompt by max_new_tokens tokens.
+
+        prompt_tokens : (Lp,) or (B, Lp) ints, Lp >= 1.
+        temperature : 0 -> greedy (argmax); > 0 -> sample from softmax(logits / T)
+            with ``np.random.default_rng(seed)``.
+        use_cache : True: prefill the prompt once into a KV cache, then run one
+            token per step. False: re-run ``forward`` on the whole growing
+            sequence each step (the slow baseline; same tokens).
+
+        Returns the prompt followed by the new tokens, (Lp + N,) or (B, Lp + N), int64.
+        """
+        t = self._check_tokens(prompt_tokens, "prompt_tokens")
+        squeeze = t.ndim == 1
+        seq = (t[None] if squeeze else t).astype(np.int64)
+        B, Lp = seq.shape
+        if Lp < 1:
+            raise ValueError("prompt_tokens must hold at least one token")
+        n = int(max_new_tokens)
+        if n < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        temperature = float(temperature)
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        gen = np.random.default_rng(seed)
+        out = np.empty((B, Lp + n), dtype=np.int64)
+        out[:, :Lp] = seq
+        if n:
+            cache = self.make_cache(B, Lp + n) if use_cache else None
+            logits = self.forward(seq, cache=cache)[:, -1]  # prefill
+            for step in range(n):
+                nxt = self._pick(logits, temperature, gen)
+                out[:, Lp + step] = nxt
+                if step == n - 1:
+                    break
+                if use_cache:
+                    logits = self.forward(nxt[:, None], cache=cache)[:, -1]
+                else:
+                    logits = self.forward(out[:, : Lp + step + 1])[:, -1]
+        return out[0] if squeeze else out
+
+    @staticmethod
+    def _pick(logits, temperature, gen):
+        """(B, V) logits -> (B,) next tokens."""
+        if temperature == 0:
+            return np.argmax(logits, axis=-1)
+        z = logits.astype(np.float64) / temperature
+        z -= z.max(axis=-1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=-1, keepdims=True)
+        u = gen.random((p.shape[0], 1))
+        return np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)
