@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._checks import as_float_array, check_same_dtype, shape_str
+from ._checks import as_float_array, as_out_array, check_same_dtype, shape_str
 
 __all__ = ["scaled_dot_product_attention", "attention"]
 
@@ -71,7 +71,10 @@ def scaled_dot_product_attention(
 
     Parameters
     ----------
-    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array.
+    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array: NumPy, a CPU
+        torch tensor, or anything exposing the buffer protocol,
+        ``__array_interface__`` or DLPack on the CPU; read in place through its
+        strides, never copied (GPU memory raises TypeError).
     k : (Lk, d), (H_kv, Lk, d) or (B, H_kv, Lk, d), same dtype and ndim as q.
     v : (Lk, dv), (H_kv, Lk, dv) or (B, H_kv, Lk, dv).
     attn_mask : None, a boolean array (True = attend, torch's convention) or
@@ -96,7 +99,9 @@ def scaled_dot_product_attention(
         Σ exp(s) / (Σ exp(s) + exp(sink)).
     return_lse : also return lse = log Σ_j exp(scores), shape q.shape[:-1].
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
-        write the result into.
+        write the result into: a NumPy array or a CPU torch tensor (any
+        strides, e.g. a (B, Lq, H, dv) buffer passed as its (B, H, Lq, dv)
+        transpose); it is written in place and returned as is.
     backend : "fused" (the SIMD kernel) or "reference" (the plain-loop C++
         kernel, slow; for testing).
     block_q, block_k : tile sizes (0 = default); results do not depend on
@@ -148,18 +153,17 @@ def scaled_dot_product_attention(
     if out is None:
         o = np.empty(out_shape, dtype=q.dtype)
     else:
-        o = out if isinstance(out, np.ndarray) else np.asarray(out)
+        o = as_out_array(out)  # a view of the caller's array or CPU tensor: written in place
         if o.shape != out_shape:
             raise ValueError(f"out has shape {shape_str(o)}, expected {out_shape}")
         if o.dtype != q.dtype:
             raise TypeError(f"out has dtype {o.dtype}, expected {q.dtype}")
-        if not o.flags.writeable:
-            raise ValueError("out is read-only")
         if not o.flags.aligned or not o.dtype.isnative:
             raise ValueError("out must be aligned and in native byte order")
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
+    res = o if out is None else out  # the caller's own object back (ndarray or tensor)
     if o.size == 0 and (lse is None or lse.size == 0):
-        return (o, lse) if return_lse else o
+        return (res, lse) if return_lse else res
 
     kw = {}
     if attn_mask is not None:
@@ -198,7 +202,7 @@ def scaled_dot_product_attention(
         scale=scale, block_q=int(block_q), block_k=int(block_k),
         reference=(backend == "reference"), **kw,
     )
-    return (o, lse) if return_lse else o
+    return (res, lse) if return_lse else res
 
 
 def attention(X, Wq, Wk, Wv, causal=False):
