@@ -338,3 +338,96 @@ def test_register_and_from_pretrained_name(tmp_path, calls):
     with torch.no_grad():
         loaded(input_ids=torch.randint(1, 128, (1, 5)))
     assert len(calls) == 2
+
+
+# --------------------------------------------------------------------------- the two halves, directly
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal, groups=1):
+        super().__init__()
+        self.is_causal, self.num_key_value_groups = is_causal, groups
+
+
+def torch_reference(q, k, v, dense, scale=None):
+    """float64 torch attention with a dense bool mask; rows that see no key -> 0."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    s = s.masked_fill(~dense, -torch.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+MU = transformers.masking_utils
+
+
+@pytest.mark.parametrize(
+    "Lq, Lk, q_off, kv_off, window, pad, fn, kind",
+    [
+        (9, 9, 0, 0, None, None, "causal", "none"),          # plain prefill: no mask, causal flag
+        (9, 9, 0, 0, None, "left", "causal", "flags"),
+        (1, 12, 11, 0, None, None, "causal", "none"),        # decode: no mask
+        (1, 12, 11, 0, None, "left", "causal", "flags"),
+        (4, 12, 8, 0, None, "right", "causal", "flags"),      # chunked prefill against a cache
+        (5, 12, 0, 0, None, "right", "causal", "dense"),      # static cache prefill: top-left, empty slots
+        (9, 9, 0, 0, 4, "left", "sliding", "flags"),          # Mistral sliding window
+        (1, 6, 20, 15, 6, None, "sliding", "flags"),          # sliding-window cache, full
+        (3, 8, 17, 12, 6, "left", "sliding", "flags"),
+        (7, 7, 0, 0, None, "right", "bidirectional", "flags"),
+        (7, 7, 0, 0, 2, "right", "bidir_sliding", "flags"),
+        (6, 11, 0, 0, None, "right", "bidirectional", "flags"),  # cross-attention sizes
+        (8, 8, 0, 0, 3, None, "chunked", "dense"),            # Llama 4 chunks: no flag description, read densely
+    ],
+)
+def test_mask_builder_matches_transformers_sdpa_mask(calls, Lq, Lk, q_off, kv_off, window, pad, fn, kind):
+    # kind: what the builder should return: "none" (no mask), "flags" (verified description), "dense".
+    B, H, Hkv, d = 3, 4, 2, 8
+    g = torch.Generator().manual_seed(Lq * 100 + Lk + q_off)
+    total = kv_off + Lk
+    padding = torch.ones(B, total, dtype=torch.bool)
+    if pad == "left":
+        padding[1, :3], padding[2, : total - 1] = False, False
+    elif pad == "right":
+        padding[1, -2:], padding[2, 1:] = False, False
+    mask_fn = {
+        "causal": MU.causal_mask_function,
+        "sliding": MU.sliding_window_causal_mask_function(window or 1),
+        "bidirectional": MU.bidirectional_mask_function,
+        "bidir_sliding": MU.sliding_window_bidirectional_mask_function(window or 1),
+        "chunked": MU.chunked_causal_mask_function(window or 1, torch.zeros(B, dtype=torch.long)),
+    }[fn]
+    kw = dict(batch_size=B, q_length=Lq, kv_length=Lk, q_offset=q_off, kv_offset=kv_off, mask_function=mask_fn,
+              attention_mask=None if pad is None else padding, local_size=window)
+    dense = MU.sdpa_mask(**kw, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    ours = af_hf.attention_mask(**kw, allow_is_causal_skip=True, allow_is_bidirectional_skip=True)
+    q = torch.randn(B, H, Lq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, Lk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    module = _Module(is_causal=fn in ("causal", "sliding", "chunked"), groups=H // Hkv)
+    got, _ = af_hf.attention_forward(module, q, k, v, ours)
+    expect = torch_reference(q, k, v, dense)
+    np.testing.assert_allclose(got.numpy(), expect.numpy(), rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1
+    got_kind = "none" if ours is None else "flags" if hasattr(ours, "_attn_fast_spec") else "dense"
+    assert got_kind == kind
+    if kind == "flags":
+        assert calls[0]["mask"] in (None, (B, 1, 1, Lk)), calls  # flags + key padding, never the dense mask
+    if kind == "dense":
+        assert calls[0]["mask"] == (B, 1, Lq, Lk) and not calls[0]["is_causal"], calls
+
+
+@pytest.mark.parametrize("Lq, Lk", [(3, 7), (5, 3), (1, 6), (6, 6)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "position_bias"])
+def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
+    # A causal module called without a mask: the sdpa backend's semantics (torch's top-left is_causal).
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(Lq * 10 + Lk)
+    q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, Lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    pb = torch.randn(1, 4, Lq, Lk, generator=g, dtype=torch.float64) if with_bias else None
+    module = _Module(is_causal=True)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, position_bias=pb)
+    got, _ = af_hf.attention_forward(module, q, k, v, None, position_bias=pb)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1

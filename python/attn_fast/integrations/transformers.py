@@ -303,7 +303,9 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
     elif is_causal and Lq > 1:
         # No mask and a causal module: torch's top-left causal mask, as the sdpa backend computes it.
         if Lk >= Lq:
-            key, value = key[:, :, :Lq], value[:, :, :Lq]  # keys >= Lq are visible to no query
+            key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq  # keys >= Lq are visible to no query
+            if position_bias is not None:
+                position_bias = position_bias[..., :Lq]
             causal = True  # Lq == Lk now: bottom-right == top-left
         else:
             mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
