@@ -17,8 +17,18 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 
 
+_TORCH_TYPES: set = set()  # tensor types seen, so the check is one set lookup per call
+
+
 def _is_torch_tensor(x):
-    return type(x).__module__.split(".", 1)[0] == "torch" and hasattr(x, "numpy") and hasattr(x, "detach")
+    """True for torch.Tensor and its subclasses (Parameter, ...), without importing torch."""
+    t = type(x)
+    if t in _TORCH_TYPES:
+        return True
+    if any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in t.__mro__):
+        _TORCH_TYPES.add(t)
+        return True
+    return False
 
 
 def _check_on_cpu(x, name):
