@@ -256,7 +256,7 @@ def test_gpt_oss_sinks(calls):
     cfg = transformers.GptOssConfig(
         vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
-        max_position_embeddings=128, pad_token_id=0,
+        max_position_embeddings=131072, pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
     )
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
