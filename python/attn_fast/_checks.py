@@ -1,6 +1,11 @@
 """Argument checking shared by the public functions: dtypes, shapes, layout.
 
 Every error names the argument and the shapes involved.
+
+Array interop: ``as_array`` reads NumPy arrays, CPU torch tensors and anything
+exposing ``__array_interface__``, the buffer protocol or DLPack (JAX CPU arrays,
+CuPy's CPU peers, ...) as a NumPy view of the same memory, through its strides,
+without copying. Memory that is not on the CPU raises TypeError.
 """
 
 from __future__ import annotations
@@ -9,28 +14,98 @@ import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
+_DLPACK_CPU = 1  # DLDeviceType.kDLCPU
+
+
+_TORCH_TYPES: set = set()  # tensor types seen, so the check is one set lookup per call
+
+
+def _is_torch_tensor(x):
+    """True for torch.Tensor and its subclasses (Parameter, ...), without importing torch."""
+    t = type(x)
+    if t in _TORCH_TYPES:
+        return True
+    if any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in t.__mro__):
+        _TORCH_TYPES.add(t)
+        return True
+    return False
+
+
+def _check_on_cpu(x, name):
+    """TypeError unless `x` (not a NumPy array) lives in CPU memory."""
+    if _is_torch_tensor(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU only (use .cpu())")
+        if str(x.layout) != "torch.strided":  # sparse layouts have no strides to read
+            raise TypeError(f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors are supported")
+        return
+    if hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name} ({type(x).__name__}) lives in GPU memory; attn_fast computes on the CPU only")
+    dl_device = getattr(x, "__dlpack_device__", None)
+    if dl_device is not None:
+        try:
+            dev_type, dev_id = dl_device()
+        except Exception:  # noqa: BLE001 - a broken __dlpack_device__ is reported below when reading
+            return
+        if int(dev_type) != _DLPACK_CPU:
+            raise TypeError(
+                f"{name} ({type(x).__name__}) lives on DLPack device {dev_type!s}:{dev_id}; "
+                "attn_fast computes on the CPU only"
+            )
+
+
+def as_array(x, name):
+    """A NumPy array reading `x`'s memory through its strides, without copying.
+
+    Accepts NumPy arrays, CPU torch tensors (a tensor that requires grad is
+    read through ``detach()``: the result is a NumPy array and carries no
+    gradient), and objects exposing ``__array_interface__``, the buffer protocol
+    or ``__dlpack__`` on the CPU. Other sequences (lists) are converted by
+    ``np.asarray`` (a copy). Any dtype; read-only inputs stay read-only.
+    Raises TypeError for GPU / non-CPU memory and for unreadable objects.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    _check_on_cpu(x, name)
+    if _is_torch_tensor(x):
+        t = x.detach() if x.requires_grad else x
+        try:
+            return t.numpy()  # shares memory, keeps strides
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"{name}: cannot read a torch tensor of dtype {t.dtype} as an array ({e})") from None
+    if (
+        hasattr(x, "__dlpack__")
+        and not hasattr(x, "__array_interface__")
+        and not hasattr(x, "__array_struct__")
+        and not _has_buffer(x)
+    ):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise TypeError(f"{name}: cannot read {type(x).__name__} through DLPack ({e})") from None
+    try:
+        return np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - report what the object was
+        raise TypeError(f"{name}: cannot read {type(x).__name__} as an array ({e})") from None
+
+
+def _has_buffer(x):
+    try:
+        memoryview(x)
+    except TypeError:
+        return False
+    return True
+
 
 def as_float_array(x, name):
     """View `x` as a NumPy float32/float64 array without copying when possible.
 
-    Accepts NumPy arrays and anything NumPy can view (buffer protocol,
-    __array_interface__, DLPack on the CPU). Copies only big-endian or
-    misaligned data. Raises TypeError for other dtypes.
+    Accepts what ``as_array`` accepts. Copies only big-endian or misaligned
+    data. Raises TypeError for other dtypes and non-CPU memory.
     """
-    if x is None:
-        raise TypeError(f"{name} must be an array, got None")
-    dev = getattr(x, "device", None)
-    if dev is not None and not isinstance(x, np.ndarray):
-        dev_type = getattr(dev, "type", str(dev))
-        if str(dev_type) not in ("cpu",) and not str(dev_type).startswith("cpu") and "Cpu" not in str(dev):
-            raise TypeError(f"{name} lives on device {dev!s}; attn_fast computes on the CPU only")
-    if not isinstance(x, np.ndarray):
-        try:
-            arr = np.asarray(x)
-        except Exception as e:  # noqa: BLE001 - report what the object was
-            raise TypeError(f"{name}: cannot read {type(x).__name__} as an array ({e})") from None
-    else:
-        arr = x
+    arr = as_array(x, name)
     if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
         raise TypeError(f"{name} must be float32 or float64, got dtype {arr.dtype}")
     if not arr.dtype.isnative:
@@ -38,6 +113,25 @@ def as_float_array(x, name):
     if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
         arr = arr.copy()  # a fresh allocation is aligned
     return arr
+
+
+def as_out_array(out, name="out"):
+    """A writeable NumPy view of a caller-provided output array or tensor.
+
+    Accepts a NumPy array, a CPU torch tensor that does not require grad, or
+    any writeable object ``as_array`` reads; the result shares its memory, so
+    writing the view writes `out`. Raises ValueError if it is read-only,
+    TypeError if it requires grad or is not on the CPU.
+    """
+    if _is_torch_tensor(out) and out.requires_grad:
+        raise TypeError(
+            f"{name} is a torch tensor that requires grad; attn_fast writes results without autograd, "
+            "pass a tensor that does not require grad"
+        )
+    o = as_array(out, name)
+    if not o.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return o
 
 
 def check_same_dtype(**arrays):

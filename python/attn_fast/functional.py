@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core, masks
-from ._checks import as_float_array, check_same_dtype, shape_str
+from ._checks import as_float_array, as_out_array, check_same_dtype, shape_str
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -64,13 +64,11 @@ class KernelStats(NamedTuple):
 
 
 def _check_out(out, shape, dtype):
-    o = out if isinstance(out, np.ndarray) else np.asarray(out)
+    o = as_out_array(out)  # a view of the caller's array or CPU tensor: written in place
     if o.shape != shape:
         raise ValueError(f"out has shape {shape_str(o)}, expected {shape}")
     if o.dtype != dtype:
         raise TypeError(f"out has dtype {o.dtype}, expected {dtype}")
-    if not o.flags.writeable:
-        raise ValueError("out is read-only")
     if not o.flags.aligned or not o.dtype.isnative:
         raise ValueError("out must be aligned and in native byte order")
     return o
@@ -202,7 +200,10 @@ def scaled_dot_product_attention(
 
     Parameters
     ----------
-    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array.
+    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array: NumPy, a CPU
+        torch tensor, or anything exposing the buffer protocol,
+        ``__array_interface__`` or DLPack on the CPU; read in place through its
+        strides, never copied (GPU memory raises TypeError).
     k : (Lk, d), (H_kv, Lk, d) or (B, H_kv, Lk, d), same dtype and ndim as q.
         Lk may differ from Lq either way (cross-attention).
     v : (Lk, dv), (H_kv, Lk, dv) or (B, H_kv, Lk, dv); dv may differ from d.
@@ -240,7 +241,9 @@ def scaled_dot_product_attention(
         NumPy; raises above its size limit).
     return_stats : also return a ``KernelStats`` (tiles computed / skipped).
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
-        write the result into.
+        write the result into: a NumPy array or a CPU torch tensor (any
+        strides, e.g. a (B, Lq, H, dv) buffer passed as its (B, H, Lq, dv)
+        transpose); it is written in place and returned as is.
     backend : "fused" (the SIMD kernels; short query chunks, Lq <= 4, against
         Lk >= 64 keys go to the split-KV decode kernel when only causal /
         window / length masks are used and no stats are asked for), "decode"
@@ -258,6 +261,8 @@ def scaled_dot_product_attention(
         lse = -inf, never NaN; a NaN or inf in a masked-out K/V row never
         reaches the output.
     """
+    if v is None:
+        raise TypeError("v must be an array, got None")
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
     scale = _check_scale(scale, d)
     _check_backend(backend)
@@ -295,7 +300,8 @@ def scaled_dot_product_attention(
         extra.append(w.astype(q.dtype).reshape(q.shape[:-1] + (Lk,)))
     if return_stats:
         extra.append(stats)
-    return (o, *extra) if extra else o
+    res = o if out is None else out  # the caller's own object back (ndarray or tensor)
+    return (res, *extra) if extra else res
 
 
 # ---------------------------------------------------------------- weights
@@ -498,7 +504,8 @@ def varlen_attention(
         if lse is not None:
             lse[...] = -np.inf
     extra = [x for x, want in ((lse, return_lse), (stats, return_stats)) if want]
-    return (o, *extra) if extra else o
+    res = o if out is None else out  # the caller's own object back (ndarray or tensor)
+    return (res, *extra) if extra else res
 
 
 def attention(X, Wq, Wk, Wv, causal=False):

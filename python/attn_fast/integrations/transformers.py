@@ -1,0 +1,338 @@
+"""attn_fast as a Hugging Face transformers attention backend.
+
+    import attn_fast.integrations.transformers as af_hf
+    af_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attn_fast")
+    # or, on a loaded model: model.set_attn_implementation("attn_fast")
+
+Every attention call of the model then runs through
+``attn_fast.scaled_dot_product_attention`` on the CPU: padded batches,
+causal prefill, one-token decode against transformers' own KV cache,
+grouped-query attention (K/V are never repeated), sliding-window layers,
+Gemma-2 style ``softcap`` and gpt-oss style sinks (``s_aux``).
+
+What ``register()`` installs, and why both halves are needed
+-----------------------------------------------------------
+1. ``AttentionInterface["attn_fast"] = attention_forward``: the function every
+   attention module calls with query (B, H, Lq, d), key/value (B, H_kv, Lk, d),
+   the layer's mask, ``scaling``, ``dropout`` and model-specific keywords; it
+   returns the output in (B, Lq, H, dv) layout and ``None`` for the weights.
+2. ``AttentionMaskInterface["attn_fast"] = attention_mask``: the mask builder
+   transformers' ``create_causal_mask`` & co. call. Without one, transformers
+   builds *no mask at all* for an unknown implementation name (it assumes a
+   paged/external backend), so padding would be silently ignored.
+
+The mask builder follows transformers' ``sdpa`` rules, so that every mask the
+attention function receives means exactly what it means for ``"sdpa"``:
+
+- ``None`` only where the sdpa builder would also skip it and where the
+  alignment of the causal mask cannot matter (Lq == 1 or Lq == Lk, no padding,
+  no effective window): the attention function then applies the module's
+  ``is_causal`` flag.
+- Otherwise the dense boolean (B, 1, Lq, Lk) mask (True = attend), built by
+  transformers' own ``sdpa_mask``. When that mask is *verified* (compared
+  element by element, once per forward pass, not per layer) to equal a
+  bottom-right causal / sliding-window / bidirectional pattern restricted to a
+  per-sequence set of valid keys, a description of it is attached to the
+  tensor; the attention function then passes the pattern to the kernel as flags
+  (so whole key blocks are skipped) and the key padding as a (B, 1, 1, Lk)
+  broadcast mask, and never reads the dense tensor. A mask that was changed
+  after it was built (a new tensor) carries no description and is read densely.
+
+Anything attn_fast cannot compute exactly raises rather than computing
+something else: dropout > 0 (training mode), ``output_attentions=True``,
+``torch.compile`` tracing, tensors off the CPU. Gradients: the forward pass
+works on tensors that require grad (e.g. a model called without
+``torch.no_grad()``), but the result's backward raises a clear error.
+
+dtypes: float32 and float64 are computed natively, on the model's own tensors
+(no copies: inputs are read through their strides and the output is written
+straight into the (B, Lq, H, dv) tensor transformers expects). float16 and
+bfloat16 models are computed in float32 (one conversion copy of q, k, v per
+call) and the result is cast back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers import masking_utils as _mu
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "attn_fast.integrations.transformers needs torch and transformers: pip install 'attn_fast[transformers]'"
+    ) from e
+
+from .. import functional as _functional
+from .._checks import as_array
+
+__all__ = ["register", "attention_forward", "attention_mask", "NAME"]
+
+NAME = "attn_fast"
+
+_SPEC_ATTR = "_attn_fast_spec"
+
+
+def register(name: str = NAME) -> str:
+    """Register attn_fast with transformers under `name` (default "attn_fast").
+
+    Adds the attention function to ``transformers.AttentionInterface`` and the
+    matching mask builder to ``transformers.masking_utils.AttentionMaskInterface``
+    (process-wide; idempotent). Returns `name`, for
+    ``model.set_attn_implementation(register())``.
+    """
+    AttentionInterface.register(name, attention_forward)
+    _mu.AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# --------------------------------------------------------------------------- masks
+
+
+class _MaskSpec:
+    """What a verified dense mask is: flags for the kernel instead of B·Lq·Lk bools.
+
+    causal, window (left, right) as in ``scaled_dot_product_attention``
+    (bottom-right aligned, -1 = unbounded); key_mask: (B, 1, 1, Lk) bool
+    NumPy array of valid keys, or None when every key is valid.
+    """
+
+    __slots__ = ("causal", "window", "key_mask", "shape")
+
+    def __init__(self, causal, window, key_mask, shape):
+        self.causal, self.window, self.key_mask, self.shape = causal, window, key_mask, shape
+
+
+def _pattern(B, Lq, Lk, causal, left, right, key_mask, device):
+    """Dense (B, 1, Lq, Lk) bool tensor of a bottom-right causal/window pattern ∧ key_mask."""
+    i = torch.arange(Lq, device=device)[:, None] + (Lk - Lq)  # the query's aligned position
+    j = torch.arange(Lk, device=device)[None, :]
+    vis = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= i
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    vis = vis[None, None].expand(B, 1, Lq, Lk)
+    if key_mask is not None:
+        vis = vis & key_mask[:, None, None, :]
+    return vis
+
+
+def _candidates(mask_function, local_size):
+    """Patterns (causal, left, right) the mask is likely to be; each is verified before use."""
+    out = []
+    if local_size is not None:
+        w = int(local_size)
+        out += [(True, w - 1, -1), (False, w, w)]  # sliding_window_overlay / sliding_window_bidirectional_overlay
+    if mask_function is _mu.bidirectional_mask_function:
+        out.append((False, -1, -1))
+    out += [c for c in ((True, -1, -1), (False, -1, -1)) if c not in out]
+    return out
+
+
+def attention_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    allow_is_bidirectional_skip=False,
+    use_vmap=False,
+    device="cpu",
+    **kwargs,
+):
+    """transformers mask builder for attn_fast (registered by ``register()``).
+
+    Same arguments as ``transformers.masking_utils.sdpa_mask``. Returns None
+    (no mask: the attention function uses the module's ``is_causal``) or a
+    (batch_size, 1, q_length, kv_length) bool tensor, True = attend, possibly
+    carrying a verified flag description (see the module docstring).
+    """
+    if mask_function is None:
+        mask_function = _mu.causal_mask_function
+    padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    tracing = padding is not None and _mu.is_tracing(padding)
+    key_mask, pad_all = None, True  # key_mask: (B, Lk) valid keys; padding_mask_function reads padding[b, kv_offset + j]
+    if padding is not None and not tracing:
+        key_mask = padding[:, kv_offset : kv_offset + kv_length]
+        pad_all = key_mask.shape[-1] == kv_length and bool(key_mask.all())
+    window_matters = local_size is not None and kv_length >= local_size
+    if pad_all and not window_matters and not tracing and isinstance(q_offset, int):
+        # Skip the mask only where the sdpa builder would, and where causal alignment cannot matter.
+        if allow_is_causal_skip and mask_function is _mu.causal_mask_function:
+            if (q_length == kv_length and q_offset == kv_offset) or (
+                q_length == 1 and q_offset >= kv_offset + kv_length - 1  # the one query sees every key
+            ):
+                return None
+        if allow_is_bidirectional_skip and mask_function is _mu.bidirectional_mask_function:
+            return None
+
+    dense = _mu.sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )
+    shape = (batch_size, 1, q_length, kv_length)
+    if dense is None or tracing or dense.device.type != "cpu" or tuple(dense.shape) != shape:
+        return dense
+    if key_mask is not None and key_mask.shape[-1] != kv_length:
+        return dense  # unusual padding-mask size: no description, the dense mask decides
+    km = None if pad_all else key_mask.to(device=dense.device, dtype=torch.bool)
+    for causal, left, right in _candidates(mask_function, local_size):
+        if torch.equal(dense, _pattern(batch_size, q_length, kv_length, causal, left, right, km, dense.device)):
+            key_np = None if km is None else km.contiguous().numpy().reshape(batch_size, 1, 1, kv_length)
+            setattr(dense, _SPEC_ATTR, _MaskSpec(causal, (left, right), key_np, shape))
+            break
+    return dense
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Runs the kernel inside autograd so that a backward pass fails loudly instead of silently."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "attn_fast has no backward pass: the attn_fast attention backend is for inference. "
+            "Use attn_implementation='sdpa' (or 'eager') to train."
+        )
+
+
+_COMPUTE = (torch.float32, torch.float64)
+
+
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    softcap=None,
+    s_aux=None,
+    position_bias=None,
+    **kwargs,
+):
+    """The transformers attention function backed by attn_fast.
+
+    query (B, H, Lq, d), key (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU
+    tensors; attention_mask None, a bool (True = attend) or additive float
+    tensor broadcastable to (B, H, Lq, Lk), as built by ``attention_mask`` or
+    given by the caller. ``scaling`` defaults to 1/sqrt(d); ``softcap`` caps
+    the scaled scores; ``s_aux`` (H,) sink logits; ``position_bias``
+    (T5-style) is added to the scores. ``sliding_window`` is ignored, as the
+    sdpa backend ignores it: the window is part of the mask.
+
+    Returns (attn_output (B, Lq, H, dv) contiguous tensor in query's dtype, None).
+    """
+    if dropout:
+        raise NotImplementedError(
+            f"attn_fast has no attention dropout (got dropout={dropout}): call model.eval() for inference, "
+            "or train with attn_implementation='sdpa'"
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError("attn_fast never forms the attention weights: output_attentions=True needs attn_implementation='eager'")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.device.type != "cpu":
+            raise TypeError(f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    tensors = [t for t in (query, key, value, s_aux, position_bias) if isinstance(t, torch.Tensor)]
+    run = lambda: _attention(query, key, value, attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias)  # noqa: E731
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _ForwardOnly.apply(run, *tensors), None
+    return run(), None
+
+
+def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias):
+    B, Hq, Lq, d = query.shape
+    Lk = key.shape[2]
+    out_dtype = query.dtype
+    dt = out_dtype if out_dtype in _COMPUTE else torch.float32
+    if query.dtype != dt or key.dtype != dt or value.dtype != dt:
+        if not (query.is_floating_point() and key.is_floating_point() and value.is_floating_point()):
+            raise TypeError(f"query/key/value must be floating point, got {query.dtype}, {key.dtype}, {value.dtype}")
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+
+    kw = {}
+    causal = False
+    spec = getattr(mask, _SPEC_ATTR, None) if mask is not None else None
+    if spec is not None and spec.shape == (B, 1, Lq, Lk):
+        causal = spec.causal
+        if spec.window != (-1, -1):
+            kw["window_size"] = spec.window
+        mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
+    elif mask is not None:
+        if mask.ndim != 4:
+            raise ValueError(f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(mask.shape)}")
+        if mask.shape[-1] > Lk:  # as the eager backend does (static caches)
+            mask = mask[..., :Lk]
+        if mask.dtype != torch.bool:
+            if not mask.is_floating_point():
+                raise TypeError(f"attention_mask must be bool (True = attend) or an additive float tensor, got {mask.dtype}")
+            mask = mask.to(dt)
+    elif is_causal and Lq > 1:
+        # No mask and a causal module: torch's top-left causal mask, as the sdpa backend computes it.
+        if Lk >= Lq:
+            key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq  # keys >= Lq are visible to no query
+            if position_bias is not None:
+                position_bias = position_bias[..., :Lq]
+            causal = True  # Lq == Lk now: bottom-right == top-left
+        else:
+            mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+
+    if position_bias is not None:
+        pb = position_bias.to(dt)
+        if causal:  # fold the causal flag into the bias (Lq == Lk here or the spec said so)
+            pb = torch.where(_pattern(1, Lq, Lk, True, -1, -1, None, pb.device), pb, -math.inf)
+            causal = False
+        if mask is None:
+            mask = pb
+        elif isinstance(mask, np.ndarray) or mask.dtype == torch.bool:
+            mask = torch.where(torch.as_tensor(mask), pb, -math.inf)
+        else:
+            mask = pb + mask
+
+    if s_aux is not None:
+        kw["sinks"] = as_array(s_aux.to(dt) if isinstance(s_aux, torch.Tensor) else s_aux, "s_aux")
+    if softcap:
+        kw["softcap"] = float(softcap)
+    if mask is not None:
+        kw["attn_mask"] = as_array(mask, "attention_mask")
+
+    dv = value.shape[-1]
+    out = torch.empty((B, Lq, Hq, dv), dtype=dt)
+    _functional.scaled_dot_product_attention(
+        query, key, value, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq,
+        out=out.transpose(1, 2), **kw,
+    )
+    return out if dt == out_dtype else out.to(out_dtype)

@@ -1,0 +1,433 @@
+"""attn_fast as a Hugging Face transformers attention backend, end to end.
+
+Small models built from random configs (no downloads) run once with
+transformers' own implementation and once with "attn_fast"; hidden states /
+logits must agree at every non-padding position within float32 rounding
+(TOL below: |Δ| <= 2e-5 + 2e-4·|ref|; observed differences are ~1e-7), and
+greedy generate() must give the same tokens. Every test counts the calls that
+reach attn_fast (one per layer per forward pass) so a silent fallback to
+another implementation cannot pass, and records which kernel arguments each
+call used (flags vs a dense mask).
+
+The reference is "sdpa" except for features the sdpa backend does not have
+(softcap, sinks): there it is "eager".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch not installed (pip install 'attn_fast[transformers]')")
+transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'attn_fast[transformers]')")
+
+import attn_fast.functional as F  # noqa: E402
+import attn_fast.integrations.transformers as af_hf  # noqa: E402
+
+TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    af_hf.register()
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every call the backend makes into attn_fast, with the arguments that decide the mask."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, **kw):
+        seen.append(
+            dict(
+                q=tuple(q.shape), k=tuple(k.shape), is_causal=is_causal, enable_gqa=enable_gqa,
+                mask=None if attn_mask is None else tuple(np.shape(attn_mask)),
+                window=kw.get("window_size"), softcap=kw.get("softcap"), sinks=kw.get("sinks") is not None,
+            )
+        )
+        return real(q, k, v, attn_mask, is_causal, scale, enable_gqa, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    return seen
+
+
+def run(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def greedy(model, impl, ids, am, new, **kw):
+    """Greedy generate(): (token ids, per-step logits (B, new, vocab))."""
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        g = model.generate(
+            input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, **kw,
+        )
+    return g.sequences, torch.stack(g.logits, dim=1)
+
+
+def same_generation(model, ids, am, new, **kw):
+    """attn_fast and sdpa generate the same tokens, with the same logits at every step."""
+    ref_ids, ref_logits = greedy(model, "sdpa", ids, am, new, **kw)
+    got_ids, got_logits = greedy(model, "attn_fast", ids, am, new, **kw)
+    assert torch.equal(got_ids, ref_ids), (got_ids, ref_ids)
+    return close(got_logits, ref_logits, torch.ones(got_logits.shape[:2], dtype=torch.bool))
+
+
+def close(a, b, valid):
+    """Assert agreement at valid (non-padding) positions; return the max |difference|."""
+    a, b = a[valid].numpy(), b[valid].numpy()
+    np.testing.assert_allclose(a, b, **TOL)
+    return float(np.abs(a - b).max())
+
+
+def padded_batch(B, L, vocab, left, pads):
+    """Token ids and a 2-D attention mask with pads[b] padding tokens on the left or right of row b."""
+    ids = torch.randint(1, vocab, (B, L))
+    am = torch.ones(B, L, dtype=torch.long)
+    for b, p in enumerate(pads):
+        if p:
+            am[b, :p] = 0 if left else 1
+            am[b, L - p :] = 1 if left else 0
+    return ids, am
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+def bert(**kw):
+    cfg = transformers.BertConfig(
+        vocab_size=100, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, **kw,
+    )
+    return transformers.BertModel(cfg).eval()
+
+
+def test_bert_encoder_padded_batch(calls):
+    model = bert()
+    ids, am = padded_batch(3, 19, 100, left=False, pads=[0, 7, 18])  # right padding, one row with one token
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=am).last_hidden_state
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).last_hidden_state
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2, calls  # one per layer
+    # Bidirectional + key padding: no causal flag, the padding as a (B, 1, 1, Lk) broadcast mask.
+    assert all(c["mask"] == (3, 1, 1, 19) and not c["is_causal"] for c in calls), calls
+    print(f"bert padded max|Δ| = {diff:.2e}")
+
+
+def test_bert_encoder_no_padding_and_float64(calls):
+    model = bert().double()
+    ids = torch.randint(0, 100, (2, 33))
+    ref = run(model, "sdpa", input_ids=ids).last_hidden_state
+    got = run(model, "attn_fast", input_ids=ids).last_hidden_state
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10, atol=1e-11)
+    assert len(calls) == 2 and all(c["mask"] is None and not c["is_causal"] for c in calls), calls
+
+
+# --------------------------------------------------------------------------- decoders
+
+
+def llama(**kw):
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **kw,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_llama_gqa_prefill_left_padding(calls):
+    model = llama()
+    ids, am = padded_batch(3, 17, 128, left=True, pads=[0, 5, 16])
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=am).logits
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2, calls
+    for c in calls:  # GQA without repeating K/V; causal as a flag plus the padding as keys
+        assert c["enable_gqa"] and c["q"][1] == 4 and c["k"][1] == 2
+        assert c["is_causal"] and c["mask"] == (3, 1, 1, 17), c
+    print(f"llama padded max|Δ| = {diff:.2e}")
+
+
+def test_llama_no_padding_uses_flags_only(calls):
+    model = llama()
+    ids = torch.randint(1, 128, (2, 40))
+    ref = run(model, "sdpa", input_ids=ids).logits
+    got = run(model, "attn_fast", input_ids=ids).logits
+    close(got, ref, torch.ones(2, 40, dtype=torch.bool))
+    assert len(calls) == 2 and all(c["is_causal"] and c["mask"] is None for c in calls), calls
+
+
+def test_llama_greedy_generate_same_tokens(calls):
+    model = llama()
+    ids, am = padded_batch(2, 9, 128, left=True, pads=[0, 3])
+    new = 12
+    diff = same_generation(model, ids, am, new)
+    print(f"llama generate logits max|Δ| = {diff:.2e}")
+    assert len(calls) == 2 * new, len(calls)  # prefill + (new - 1) one-token decode steps, per layer
+    decode = [c for c in calls if c["q"][2] == 1]
+    assert len(decode) == 2 * (new - 1)
+    # One-token decode against transformers' KV cache: all Lk cached keys, left padding as a key mask.
+    assert [c["k"][2] for c in decode[::2]] == list(range(10, 9 + new))
+    assert all(c["mask"] == (2, 1, 1, c["k"][2]) for c in decode), decode
+
+
+def test_llama_kv_cache_decode_matches_full_forward(calls):
+    # Prefill 11 tokens, then 3 steps of one token each against the DynamicCache,
+    # versus one full causal forward over all 14 (bottom-right alignment).
+    model = llama()
+    model.set_attn_implementation("attn_fast")
+    ids = torch.randint(1, 128, (2, 14))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        out = model(input_ids=ids[:, :11], use_cache=True)
+        cache, steps = out.cache, [out.logits]
+        for t in range(11, 14):
+            out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+    close(torch.cat(steps, dim=1), full, torch.ones(2, 14, dtype=torch.bool))
+    assert len(calls) == 2 * 5
+    # A 3-token chunk against a cache of 11: Lq=3 < Lk=14, causal aligned bottom-right.
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :11], use_cache=True)
+        chunk = model(input_ids=ids[:, 11:], cache=out.cache, use_cache=True).logits
+    close(chunk, full[:, 11:], torch.ones(2, 3, dtype=torch.bool))
+    assert calls[-1]["q"][2] == 3 and calls[-1]["k"][2] == 14 and calls[-1]["is_causal"], calls[-1]
+
+
+def test_static_cache_generate(calls):
+    # StaticCache: keys beyond the filled length are empty slots; the mask must hide them.
+    model = llama()
+    ids, am = padded_batch(2, 7, 128, left=True, pads=[0, 2])
+    same_generation(model, ids, am, 5, cache_implementation="static")
+    assert len(calls) == 2 * 5
+    # The cache holds 7 + 5 - 1 = 11 slots from the start, and every call sees all of them: the prefill through
+    # the dense (B, 1, 7, 11) mask (top-left causal, empty slots hidden), each decode step through a causal
+    # flag and a (B, 1, 1, 11) key mask hiding the padding and the slots not yet written.
+    assert all(c["k"][2] == 11 for c in calls), calls
+    assert [c["mask"] for c in calls[:2]] == [(2, 1, 7, 11)] * 2 and not calls[0]["is_causal"], calls
+    assert all(c["mask"] == (2, 1, 1, 11) and c["is_causal"] for c in calls[2:]), calls
+
+
+def mistral():
+    cfg = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=128, sliding_window=6, pad_token_id=0,
+    )
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+def test_sliding_window_prefill_and_generate(calls):
+    model = mistral()
+    ids, am = padded_batch(2, 21, 128, left=True, pads=[0, 4])
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=am).logits
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2 and all(c["window"] == (5, -1) and c["is_causal"] for c in calls), calls
+    print(f"mistral sliding window max|Δ| = {diff:.2e}")
+    calls.clear()
+    same_generation(model, ids, am, 8)
+    assert len(calls) == 2 * 8
+    # The sliding-window cache keeps the last window - 1 keys: decode steps see Lk = 6.
+    assert all(c["k"][2] == 6 for c in calls if c["q"][2] == 1), calls
+
+
+def test_gemma2_softcap_and_alternating_windows(calls):
+    cfg = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=5,
+        attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
+    )
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
+    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits  # sdpa has no softcap
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
+    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], calls  # one sliding, one full layer
+    print(f"gemma2 softcap max|Δ| = {diff:.2e}")
+
+
+def test_gpt_oss_sinks(calls):
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+        max_position_embeddings=131072, pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
+    )
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
+    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    close(got, ref, am.bool())
+    assert len(calls) == 2 and all(c["sinks"] for c in calls), calls
+
+
+def test_t5_position_bias_encoder_decoder(calls):
+    cfg = transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids, am = padded_batch(2, 10, 100, left=False, pads=[0, 3])
+    dec = torch.randint(1, 100, (2, 6))
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+    close(got, ref, torch.ones(2, 6, dtype=torch.bool))
+    assert len(calls) == 2 + 2 * 2, calls  # encoder self; decoder self + cross
+
+
+def test_user_4d_float_mask(calls):
+    # A caller-built additive 4-D mask is passed through as is and read densely.
+    model = llama()
+    ids = torch.randint(1, 128, (1, 8))
+    allowed = torch.rand(8, 8) < 0.6
+    allowed |= torch.eye(8, dtype=torch.bool)
+    add = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=add).logits
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=add).logits
+    close(got, ref, torch.ones(1, 8, dtype=torch.bool))
+    assert len(calls) == 2 and all(c["mask"] == (1, 1, 8, 8) and not c["is_causal"] for c in calls)
+
+
+def test_bfloat16_model_computed_in_float32(calls):
+    model = llama().to(torch.bfloat16)
+    ids = torch.randint(1, 128, (1, 12))
+    ref = run(model, "sdpa", input_ids=ids).logits.float()
+    got = run(model, "attn_fast", input_ids=ids).logits
+    assert got.dtype == torch.bfloat16 and len(calls) == 2
+    np.testing.assert_allclose(got.float().numpy(), ref.numpy(), atol=0.1)  # bf16 rounding in the rest of the model
+
+
+# --------------------------------------------------------------------------- what it refuses
+
+
+def test_refuses_what_it_cannot_do_exactly():
+    model = llama(attention_dropout=0.1)
+    ids = torch.randint(1, 128, (1, 6))
+    model.set_attn_implementation("attn_fast")
+    model.train()
+    with pytest.raises(NotImplementedError, match="no attention dropout"):
+        model(input_ids=ids)
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True"):
+        model(input_ids=ids, output_attentions=True)
+    # Forward with grad enabled works; backward fails loudly rather than silently skipping attention.
+    loss = model(input_ids=ids).logits.sum()
+    with pytest.raises(RuntimeError, match="attn_fast has no backward pass"):
+        loss.backward()
+    q = torch.ones(1, 2, 3, 8, device="meta")
+    with pytest.raises(TypeError, match="CPU only"):
+        af_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None)
+
+
+def test_register_and_from_pretrained_name(tmp_path, calls):
+    assert af_hf.register() == "attn_fast"
+    assert "attn_fast" in transformers.AttentionInterface().valid_keys()
+    assert "attn_fast" in transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+    model = llama()
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="attn_fast").eval()
+    assert loaded.config._attn_implementation == "attn_fast"
+    with torch.no_grad():
+        loaded(input_ids=torch.randint(1, 128, (1, 5)))
+    assert len(calls) == 2
+
+
+# --------------------------------------------------------------------------- the two halves, directly
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal, groups=1):
+        super().__init__()
+        self.is_causal, self.num_key_value_groups = is_causal, groups
+
+
+def torch_reference(q, k, v, dense, scale=None):
+    """float64 torch attention with a dense bool mask; rows that see no key -> 0."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    s = s.masked_fill(~dense, -torch.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+MU = transformers.masking_utils
+
+
+@pytest.mark.parametrize(
+    "Lq, Lk, q_off, kv_off, window, pad, fn, kind",
+    [
+        (9, 9, 0, 0, None, None, "causal", "none"),          # plain prefill: no mask, causal flag
+        (9, 9, 0, 0, None, "left", "causal", "flags"),
+        (1, 12, 11, 0, None, None, "causal", "none"),        # decode: no mask
+        (1, 12, 11, 0, None, "left", "causal", "flags"),
+        (4, 12, 8, 0, None, "right", "causal", "flags"),      # chunked prefill against a cache
+        (5, 12, 0, 0, None, "right", "causal", "dense"),      # static cache prefill: top-left, empty slots
+        (9, 9, 0, 0, 4, "left", "sliding", "flags"),          # Mistral sliding window
+        (1, 6, 20, 15, 6, None, "sliding", "flags"),          # sliding-window cache, full
+        (3, 8, 17, 12, 6, "left", "sliding", "flags"),
+        (7, 7, 0, 0, None, "right", "bidirectional", "flags"),
+        (7, 7, 0, 0, 2, "right", "bidir_sliding", "flags"),
+        (6, 11, 0, 0, None, "right", "bidirectional", "flags"),  # cross-attention sizes
+        (8, 8, 0, 0, 3, None, "chunked", "dense"),            # Llama 4 chunks: no flag description, read densely
+    ],
+)
+def test_mask_builder_matches_transformers_sdpa_mask(calls, Lq, Lk, q_off, kv_off, window, pad, fn, kind):
+    # kind: what the builder should return: "none" (no mask), "flags" (verified description), "dense".
+    B, H, Hkv, d = 3, 4, 2, 8
+    g = torch.Generator().manual_seed(Lq * 100 + Lk + q_off)
+    total = kv_off + Lk
+    padding = torch.ones(B, total, dtype=torch.bool)
+    if pad == "left":
+        padding[1, :3], padding[2, : total - 1] = False, False
+    elif pad == "right":
+        padding[1, -2:], padding[2, 1:] = False, False
+    mask_fn = {
+        "causal": MU.causal_mask_function,
+        "sliding": MU.sliding_window_causal_mask_function(window or 1),
+        "bidirectional": MU.bidirectional_mask_function,
+        "bidir_sliding": MU.sliding_window_bidirectional_mask_function(window or 1),
+        "chunked": MU.chunked_causal_mask_function(window or 1, torch.zeros(B, dtype=torch.long)),
+    }[fn]
+    kw = dict(batch_size=B, q_length=Lq, kv_length=Lk, q_offset=q_off, kv_offset=kv_off, mask_function=mask_fn,
+              attention_mask=None if pad is None else padding, local_size=window)
+    dense = MU.sdpa_mask(**kw, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    ours = af_hf.attention_mask(**kw, allow_is_causal_skip=True, allow_is_bidirectional_skip=True)
+    q = torch.randn(B, H, Lq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, Lk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    module = _Module(is_causal=fn in ("causal", "sliding", "chunked"), groups=H // Hkv)
+    got, _ = af_hf.attention_forward(module, q, k, v, ours)
+    expect = torch_reference(q, k, v, dense)
+    np.testing.assert_allclose(got.numpy(), expect.numpy(), rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1
+    got_kind = "none" if ours is None else "flags" if hasattr(ours, "_attn_fast_spec") else "dense"
+    assert got_kind == kind
+    if kind == "flags":
+        assert calls[0]["mask"] in (None, (B, 1, 1, Lk)), calls  # flags + key padding, never the dense mask
+    if kind == "dense":
+        assert calls[0]["mask"] == (B, 1, Lq, Lk) and not calls[0]["is_causal"], calls
+
+
+@pytest.mark.parametrize("Lq, Lk", [(3, 7), (5, 3), (1, 6), (6, 6)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "position_bias"])
+def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
+    # A causal module called without a mask: the sdpa backend's semantics (torch's top-left is_causal).
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(Lq * 10 + Lk)
+    q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, Lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    pb = torch.randn(1, 4, Lq, Lk, generator=g, dtype=torch.float64) if with_bias else None
+    module = _Module(is_causal=True)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, position_bias=pb)
+    got, _ = af_hf.attention_forward(module, q, k, v, None, position_bias=pb)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1
