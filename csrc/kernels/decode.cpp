@@ -138,13 +138,40 @@ inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int
 }
 
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers).
+// Two keys per pass when N <= 4, so each Q vector load serves two K rows.
 template <typename T, int N>
 inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
                     int64_t lds) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const int64_t dvec = d / W * W;
-  for (int64_t c = 0; c < cols; ++c) {
+  int64_t c = 0;
+  if (N <= 4) {
+    for (; c + 2 <= cols; c += 2) {
+      const T* k0 = kp[c];
+      const T* k1 = kp[c + 1];
+      typename V::R a0[N], a1[N];
+      for (int r = 0; r < N; ++r) a0[r] = a1[r] = V::zero();
+      for (int64_t e = 0; e < dvec; e += W) {
+        const typename V::R x0 = V::load(k0 + e), x1 = V::load(k1 + e);
+        for (int r = 0; r < N; ++r) {
+          const typename V::R qv = V::load(Qs + r * ldq + e);
+          a0[r] = V::fma(qv, x0, a0[r]);
+          a1[r] = V::fma(qv, x1, a1[r]);
+        }
+      }
+      for (int r = 0; r < N; ++r) {
+        T y0 = V::hsum(a0[r]), y1 = V::hsum(a1[r]);
+        for (int64_t e = dvec; e < d; ++e) {
+          y0 += Qs[r * ldq + e] * k0[e];
+          y1 += Qs[r * ldq + e] * k1[e];
+        }
+        S[r * lds + c] = y0;
+        S[r * lds + c + 1] = y1;
+      }
+    }
+  }
+  for (; c < cols; ++c) {
     const T* kr = kp[c];
     typename V::R acc[N];
     for (int r = 0; r < N; ++r) acc[r] = V::zero();
@@ -365,9 +392,12 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
 }
 
 template <typename T>
+void merge_unit(const DecodeArgs<T>& a, const Unit& un, int64_t hk, const T* Opart, const T* mpart,
+                const T* lpart);
+
+template <typename T>
 void decode_impl(const DecodeArgs<T>& a) {
   constexpr int W = Vec<T>::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
   const int64_t G = a.Hq / a.Hkv;
   const int64_t dp = dround(a.d, W), dvp = dround(a.dv, W);
@@ -399,8 +429,9 @@ void decode_impl(const DecodeArgs<T>& a) {
   T* mpart = dalloc<T>(n_items * kRB);
   T* lpart = dalloc<T>(n_items * kRB);
 
+  const int64_t n_out = n_units * a.Hkv;  // (unit, kv head) pairs to merge
   int nt = a.num_threads > 0 ? a.num_threads : 1;
-  if (n_items < nt) nt = static_cast<int>(dmax(1, n_items));
+  if (dmax(n_items, n_out) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_out)));
 #pragma omp parallel num_threads(nt)
   {
     DScratch<T> sc;
@@ -428,16 +459,26 @@ void decode_impl(const DecodeArgs<T>& a) {
     }
     std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
     std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi);
-  }
 
-  // Merge the splits of each (unit, kv head) in order and write O, lse.
-  const int64_t n_out = n_units * a.Hkv;
-  int nt2 = a.num_threads > 0 ? a.num_threads : 1;
-  if (n_out < nt2) nt2 = static_cast<int>(dmax(1, n_out));
-#pragma omp parallel for num_threads(nt2) schedule(static)
-  for (int64_t x = 0; x < n_out; ++x) {
-    const Unit& un = units[x / a.Hkv];
-    const int64_t hk = x % a.Hkv;
+    // Merge the splits of each (unit, kv head) in order and write O, lse
+    // (after the implicit barrier of the loop above).
+#pragma omp for schedule(static)
+    for (int64_t x = 0; x < n_out; ++x) merge_unit(a, units[x / a.Hkv], x % a.Hkv, Opart, mpart, lpart);
+  }
+  std::free(units);
+  std::free(Opart);
+  std::free(mpart);
+  std::free(lpart);
+}
+
+// Merge the nsplit partials of one (unit, kv head) in order; write O and lse.
+template <typename T>
+void merge_unit(const DecodeArgs<T>& a, const Unit& un, int64_t hk, const T* Opart, const T* mpart,
+                const T* lpart) {
+  constexpr int W = Vec<T>::W;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
+  {
     for (int64_t r = 0; r < un.nr; ++r) {
       const int64_t row = un.r0 + r, i = row / G, h = hk * G + row % G;
       T* dst = a.o + un.b * a.so.b + h * a.so.h + i * a.so.l;
@@ -477,12 +518,6 @@ void decode_impl(const DecodeArgs<T>& a) {
       if (a.lse) a.lse[(un.b * a.Hq + h) * a.Lq + i] = m + std::log(l);
     }
   }
-  // Rows never covered by a unit with keys were written above (nsplit == 0
-  // gives m = -inf); padding rows beyond q_len are rows of units too.
-  std::free(units);
-  std::free(Opart);
-  std::free(mpart);
-  std::free(lpart);
 }
 
 }  // namespace
