@@ -19,10 +19,12 @@
 //      thread count). Work item = (sequence, row block, kv head, split); the
 //      items are spread over the threads (OpenMP, dynamic).
 //   3. Each item streams its keys in blocks of Bc = 64: S = Q_blk K_blk^T
-//      (one K row loaded once, FMA'd into every row's accumulator), online
-//      softmax (m, l), O_acc += P V_blk (one V vector loaded once per key,
-//      FMA'd into every row's accumulator, kept in registers across the
-//      block). The partial (O_acc, m, l) is written unnormalised.
+//      (each K vector loaded once and FMA'd into every row's accumulator;
+//      several keys per pass so that about 8 independent FMA chains hide the
+//      latency; dot products reduced four at a time), online softmax (m, l),
+//      O_acc += P V_blk (each V vector loaded once per key and FMA'd into
+//      every row's accumulator, N rows x E vectors held in registers across
+//      the block). The partial (O_acc, m, l) is written unnormalised.
 //   4. Merge: per row, m = max_s m_s, l = sum_s l_s exp(m_s - m),
 //      O = sum_s O_s exp(m_s - m) / l, lse = m + log(l), the splits taken in
 //      order (bit-for-bit identical for any thread count). This is the
@@ -137,94 +139,108 @@ inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int
   *jhi = hi;
 }
 
+// Horizontal sums of four registers: out[i] = sum of the lanes of a[i].
+template <typename T>
+inline void reduce4(const typename Vec<T>::R* a, T* out) {
+  for (int i = 0; i < 4; ++i) out[i] = Vec<T>::hsum(a[i]);
+}
+#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
+inline void reduce4_256(const __m256* a, float* out) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
+  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(t0, t1);      // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+}
+#endif
+#if defined(ATTN_ISA_AVX2)
+template <>
+inline void reduce4<float>(const __m256* a, float* out) { reduce4_256(a, out); }
+#elif defined(ATTN_ISA_AVX512)
+template <>
+inline void reduce4<float>(const __m512* a, float* out) {
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+  reduce4_256(h, out);
+}
+#endif
+
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers).
-// Two keys per pass when N <= 4, so each Q vector load serves two K rows.
-template <typename T, int N>
+// KC keys per pass: N * KC independent accumulator chains (enough to cover
+// the FMA latency), each Q vector load serves KC keys, and the dot products
+// are reduced four at a time.
+template <typename T, int N, int KC>
 inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
                     int64_t lds) {
   using V = Vec<T>;
-  constexpr int W = V::W;
+  constexpr int W = V::W, NK = N * KC;
   const int64_t dvec = d / W * W;
   int64_t c = 0;
-  if (N <= 4) {
-    for (; c + 2 <= cols; c += 2) {
-      const T* k0 = kp[c];
-      const T* k1 = kp[c + 1];
-      typename V::R a0[N], a1[N];
-      for (int r = 0; r < N; ++r) a0[r] = a1[r] = V::zero();
-      for (int64_t e = 0; e < dvec; e += W) {
-        const typename V::R x0 = V::load(k0 + e), x1 = V::load(k1 + e);
-        for (int r = 0; r < N; ++r) {
-          const typename V::R qv = V::load(Qs + r * ldq + e);
-          a0[r] = V::fma(qv, x0, a0[r]);
-          a1[r] = V::fma(qv, x1, a1[r]);
-        }
-      }
-      for (int r = 0; r < N; ++r) {
-        T y0 = V::hsum(a0[r]), y1 = V::hsum(a1[r]);
-        for (int64_t e = dvec; e < d; ++e) {
-          y0 += Qs[r * ldq + e] * k0[e];
-          y1 += Qs[r * ldq + e] * k1[e];
-        }
-        S[r * lds + c] = y0;
-        S[r * lds + c + 1] = y1;
-      }
-    }
-  }
-  for (; c < cols; ++c) {
-    const T* kr = kp[c];
-    typename V::R acc[N];
-    for (int r = 0; r < N; ++r) acc[r] = V::zero();
+  for (; c + KC <= cols; c += KC) {
+    const T* kr[KC];
+    for (int j = 0; j < KC; ++j) kr[j] = kp[c + j];
+    typename V::R acc[NK];
+    for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      const typename V::R kv = V::load(kr + e);
-      for (int r = 0; r < N; ++r) acc[r] = V::fma(V::load(Qs + r * ldq + e), kv, acc[r]);
+      typename V::R kx[KC];
+      for (int j = 0; j < KC; ++j) kx[j] = V::load(kr[j] + e);
+      for (int r = 0; r < N; ++r) {
+        const typename V::R qv = V::load(Qs + r * ldq + e);
+        for (int j = 0; j < KC; ++j) acc[r * KC + j] = V::fma(qv, kx[j], acc[r * KC + j]);
+      }
     }
-    for (int r = 0; r < N; ++r) {
-      T x = V::hsum(acc[r]);
-      for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * kr[e];
-      S[r * lds + c] = x;
-    }
+    T sums[NK];
+    int i = 0;
+    for (; i + 4 <= NK; i += 4) reduce4<T>(acc + i, sums + i);
+    for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < KC; ++j) {
+        T x = sums[r * KC + j];
+        for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * kr[j][e];
+        S[r * lds + c + j] = x;
+      }
+  }
+  if constexpr (KC > 1) {
+    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds);
   }
 }
 
+// O[r][e0:e1] += sum_c P[r][c] V_c[e0:e1] for N rows, E vectors of dv per
+// pass (N * E accumulators kept in registers across the keys). Returns the
+// first column not done (a multiple of E*W past e0).
+template <typename T, int N, int E>
+inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t e0, int64_t e1,
+                       T* O, int64_t ldo) {
+  using V = Vec<T>;
+  constexpr int W = V::W, NE = N * E;
+  int64_t e = e0;
+  for (; e + E * W <= e1; e += E * W) {
+    typename V::R acc[NE];
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
+    for (int64_t c = 0; c < cols; ++c) {
+      const T* vr = vp[c] + e;
+      typename V::R vx[E];
+      for (int j = 0; j < E; ++j) vx[j] = V::load(vr + j * W);
+      for (int r = 0; r < N; ++r) {
+        const typename V::R p = V::set1(P[r * ldp + c]);
+        for (int j = 0; j < E; ++j) acc[r * E + j] = V::fma(p, vx[j], acc[r * E + j]);
+      }
+    }
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < E; ++j) V::store(O + r * ldo + e + j * W, acc[r * E + j]);
+  }
+  return e;
+}
+
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
-template <typename T, int N>
+template <typename T, int N, int E>
 inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
                     int64_t ldo) {
-  using V = Vec<T>;
-  constexpr int W = V::W;
+  constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
-  int64_t e = 0;
-  if (N <= 4) {  // two vectors of dv at once: 2N accumulators
-    for (; e + 2 * W <= dvec; e += 2 * W) {
-      typename V::R a0[N], a1[N];
-      for (int r = 0; r < N; ++r) {
-        a0[r] = V::load(O + r * ldo + e);
-        a1[r] = V::load(O + r * ldo + e + W);
-      }
-      for (int64_t c = 0; c < cols; ++c) {
-        const typename V::R v0 = V::load(vp[c] + e), v1 = V::load(vp[c] + e + W);
-        for (int r = 0; r < N; ++r) {
-          const typename V::R p = V::set1(P[r * ldp + c]);
-          a0[r] = V::fma(p, v0, a0[r]);
-          a1[r] = V::fma(p, v1, a1[r]);
-        }
-      }
-      for (int r = 0; r < N; ++r) {
-        V::store(O + r * ldo + e, a0[r]);
-        V::store(O + r * ldo + e + W, a1[r]);
-      }
-    }
-  }
-  for (; e < dvec; e += W) {
-    typename V::R acc[N];
-    for (int r = 0; r < N; ++r) acc[r] = V::load(O + r * ldo + e);
-    for (int64_t c = 0; c < cols; ++c) {
-      const typename V::R vv = V::load(vp[c] + e);
-      for (int r = 0; r < N; ++r) acc[r] = V::fma(V::set1(P[r * ldp + c]), vv, acc[r]);
-    }
-    for (int r = 0; r < N; ++r) V::store(O + r * ldo + e, acc[r]);
-  }
+  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo);
+  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo);
   for (; e < dv; ++e)
     for (int r = 0; r < N; ++r) {
       T x = O[r * ldo + e];
@@ -233,18 +249,19 @@ inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, i
     }
 }
 
+// Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
 template <typename T>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
                  int64_t lds) {
   switch (nr) {
-    case 1: return qk_rows<T, 1>(Qs, ldq, kp, cols, d, S, lds);
-    case 2: return qk_rows<T, 2>(Qs, ldq, kp, cols, d, S, lds);
-    case 3: return qk_rows<T, 3>(Qs, ldq, kp, cols, d, S, lds);
-    case 4: return qk_rows<T, 4>(Qs, ldq, kp, cols, d, S, lds);
-    case 5: return qk_rows<T, 5>(Qs, ldq, kp, cols, d, S, lds);
-    case 6: return qk_rows<T, 6>(Qs, ldq, kp, cols, d, S, lds);
-    case 7: return qk_rows<T, 7>(Qs, ldq, kp, cols, d, S, lds);
-    default: return qk_rows<T, 8>(Qs, ldq, kp, cols, d, S, lds);
+    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds);
+    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds);
+    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds);
+    case 4: return qk_rows<T, 4, 2>(Qs, ldq, kp, cols, d, S, lds);
+    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds);
+    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds);
+    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds);
+    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds);
   }
 }
 
@@ -252,14 +269,14 @@ template <typename T>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
                  int64_t ldo) {
   switch (nr) {
-    case 1: return pv_rows<T, 1>(P, ldp, vp, cols, dv, O, ldo);
-    case 2: return pv_rows<T, 2>(P, ldp, vp, cols, dv, O, ldo);
-    case 3: return pv_rows<T, 3>(P, ldp, vp, cols, dv, O, ldo);
-    case 4: return pv_rows<T, 4>(P, ldp, vp, cols, dv, O, ldo);
-    case 5: return pv_rows<T, 5>(P, ldp, vp, cols, dv, O, ldo);
-    case 6: return pv_rows<T, 6>(P, ldp, vp, cols, dv, O, ldo);
-    case 7: return pv_rows<T, 7>(P, ldp, vp, cols, dv, O, ldo);
-    default: return pv_rows<T, 8>(P, ldp, vp, cols, dv, O, ldo);
+    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo);
+    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo);
+    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo);
+    case 4: return pv_rows<T, 4, 2>(P, ldp, vp, cols, dv, O, ldo);
+    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo);
+    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo);
+    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo);
+    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo);
   }
 }
 
