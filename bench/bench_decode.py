@@ -65,7 +65,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prefill-max", type=int, default=8192, help="longest prefill timed for the plot")
+    p.add_argument("--prefill-max", type=int, default=4096, help="longest prefill timed for the plot")
     p.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "decode.png"))
     p.add_argument("--no-torch", action="store_true")
     args = p.parse_args(argv)

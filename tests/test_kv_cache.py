@@ -245,10 +245,13 @@ def test_reset_and_layer_caches(rng):
     for c in caches:
         c.append(k, k)
     assert [len(c) for c in caches] == [3, 3, 3]
-    with pytest.raises(ValueError):
-        caches.truncate(4)
+    caches[2].truncate(2)
+    with pytest.raises(ValueError, match="beyond the current lengths"):
+        caches.truncate(3)  # fine for layers 0 and 1, not for layer 2: nothing changes
+    assert [len(c) for c in caches] == [3, 3, 2]
     caches.truncate(1)
     assert [len(c) for c in caches] == [1, 1, 1]
+    np.testing.assert_array_equal(caches.positions, [1, 1])
     caches.reset()
     assert len(caches[1]) == 0 and caches.nbytes == 3 * 2 * 2 * 2 * 4 * 8 * 4
 

@@ -282,7 +282,7 @@ class KVCache:
                     f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it")
         self._n = keep
         self._pos = n.copy()
-        self._start[keep == 0] = 0
+        self._start = np.where(keep == 0, 0, self._start)
         self._last_new = np.zeros(self.batch, dtype=np.int64)
         self._last_L = 0
 
@@ -425,13 +425,16 @@ class LayerCaches:
             c.reset()
 
     def truncate(self, n):
-        states = [(c._n.copy(), c._pos.copy(), c._start.copy()) for c in self._caches]
+        """truncate(n) on every layer; if one raises, every layer is left unchanged."""
+        names = ("_n", "_pos", "_start", "_last_new", "_last_L")
+        states = [{a: getattr(c, a) for a in names} for c in self._caches]
         try:
             for c in self._caches:
                 c.truncate(n)
         except Exception:
-            for c, (nn, pp, ss) in zip(self._caches, states):
-                c._n, c._pos, c._start = nn, pp, ss
+            for c, st in zip(self._caches, states):
+                for a, val in st.items():
+                    setattr(c, a, val)
             raise
 
 
