@@ -28,7 +28,9 @@
 //   4. Merge: per row, m = max_s m_s, l = sum_s l_s exp(m_s - m),
 //      O = sum_s O_s exp(m_s - m) / l, lse = m + log(l), the splits taken in
 //      order (bit-for-bit identical for any thread count). This is the
-//      log-sum-exp rule of attn_fast.merge_attention_states.
+//      log-sum-exp rule of attn_fast.merge_attention_states. The thread that
+//      finishes the last split of a (row block, kv head) merges it (an atomic
+//      counter, acquire/release), so the two phases need no barrier.
 //
 // Memory traffic: K and V are read exactly once per kv head (the point: a long
 //   cache decode is memory-bound, about (d + dv) * 4 bytes per key per kv head
@@ -447,6 +449,7 @@ void decode_impl(const DecodeArgs<T>& a) {
   T* lpart = dalloc<T>(n_items * kRB);
 
   const int64_t n_out = n_units * a.Hkv;  // (unit, kv head) pairs to merge
+  int64_t* done = static_cast<int64_t*>(std::calloc(static_cast<size_t>(dmax(n_out, 1)), sizeof(int64_t)));
   int nt = a.num_threads > 0 ? a.num_threads : 1;
   if (dmax(n_items, n_out) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_out)));
 #pragma omp parallel num_threads(nt)
@@ -460,7 +463,13 @@ void decode_impl(const DecodeArgs<T>& a) {
     sc.vp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
-#pragma omp for schedule(dynamic, 1)
+    // Units without visible keys: write their zero rows now.
+#pragma omp for schedule(static) nowait
+    for (int64_t x = 0; x < n_out; ++x)
+      if (units[x / a.Hkv].nsplit == 0) merge_unit(a, units[x / a.Hkv], x % a.Hkv, Opart, mpart, lpart);
+    // Splits; the thread that finishes the last split of a (unit, kv head)
+    // merges it (no barrier between the two phases).
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
       int64_t lo = 0, hi = n_units;  // last unit with item0 <= w (and items)
       while (hi - lo > 1) {
@@ -473,15 +482,14 @@ void decode_impl(const DecodeArgs<T>& a) {
       const int64_t hk = rem / un.nsplit, sp = rem % un.nsplit;
       const int64_t c0 = un.jlo + sp * split, c1 = dmin(un.jhi, c0 + split);
       run_split(a, un, hk, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB);
+      const int64_t x = lo * a.Hkv + hk;
+      if (__atomic_add_fetch(&done[x], 1, __ATOMIC_ACQ_REL) == un.nsplit)
+        merge_unit(a, un, hk, Opart, mpart, lpart);
     }
     std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
     std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi);
-
-    // Merge the splits of each (unit, kv head) in order and write O, lse
-    // (after the implicit barrier of the loop above).
-#pragma omp for schedule(static)
-    for (int64_t x = 0; x < n_out; ++x) merge_unit(a, units[x / a.Hkv], x % a.Hkv, Opart, mpart, lpart);
   }
+  std::free(done);
   std::free(units);
   std::free(Opart);
   std::free(mpart);
