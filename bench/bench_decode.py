@@ -13,16 +13,17 @@ checked against the float64 oracle (on a slice of heads) before it is timed.
 Decode with a long cache is memory-bound: the table gives the achieved
 bandwidth, K and V bytes read (B * H_kv * L * (d + dv) * 4) per step time,
 next to a streaming read of a 512 MiB buffer measured in the same run on 1 and
-on all threads (``_core.stream_read_gbps``). Times are medians after warm-up.
-The PNG plots per-token latency against L: decode (one step) and prefill
-(one-shot causal attention of L tokens, divided by L).
+on all threads (``_core.stream_read_gbps``). Times are the best of several
+runs after warm-up, like the probe's. The PNG plots, against L, the time to
+first token (one-shot causal prefill of an L-token prompt, B = 1) and the
+time per generated token (one decode step with L cached tokens; for B = 8 the
+step time divided by 8).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -35,7 +36,8 @@ from attn_fast._config import config
 HQ, HKV, D = 32, 8, 128
 
 
-def median_time(fn, repeats, warmup=2):
+def best_time(fn, repeats, warmup=2):
+    """Fastest of `repeats` runs after warm-up (the streaming probe is best-of too)."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -43,7 +45,7 @@ def median_time(fn, repeats, warmup=2):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return min(ts)
 
 
 def check(o, q, k, v, causal=True):
@@ -103,7 +105,7 @@ def main(argv=None):
             check(cache.attend(q), q, K, V)
             nbytes = K.nbytes + V.nbytes
             reps = repeats_for(nbytes)
-            t = median_time(lambda: cache.attend(q), reps)
+            t = best_time(lambda: cache.attend(q), reps)
             decode_ms[(B, L)] = t * 1e3
             gbs = nbytes / t / 1e9
             line = (f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} {100 * gbs / bwn:6.0f}% | ")
@@ -113,7 +115,7 @@ def main(argv=None):
                 F = torch.nn.functional.scaled_dot_product_attention
                 with torch.no_grad():
                     check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
-                    tt = median_time(lambda: F(tq, tk, tv, enable_gqa=True), max(3, reps // 3))
+                    tt = best_time(lambda: F(tq, tk, tv, enable_gqa=True), max(3, reps // 3))
                 line += f"{tt * 1e3:9.3f} {nbytes / tt / 1e9:6.1f} {tt / t:5.1f}x"
             else:
                 line += f"{'-':>9} {'-':>6} {'-':>6}"
@@ -128,9 +130,9 @@ def main(argv=None):
     for L in pre_L:
         qkv = rng.standard_normal((3, 1, HQ, L, D), dtype=np.float32)
         q, k, v = qkv[0], qkv[1][:, :HKV], qkv[2][:, :HKV]
-        t = median_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1)
-        pre_ms[L] = t * 1e3 / L
-    print("prefill (B=1, causal, one shot): " + ", ".join(f"L={L}: {v:.3f} ms/token" for L, v in pre_ms.items()))
+        t = best_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1)
+        pre_ms[L] = t * 1e3
+    print("prefill (B=1, causal, one shot, whole prompt): " + ", ".join(f"L={L}: {v:.1f} ms" for L, v in pre_ms.items()))
     try:
         import matplotlib
 
@@ -140,17 +142,17 @@ def main(argv=None):
         print("matplotlib not installed: no plot", file=sys.stderr)
         return 0
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(list(pre_ms), list(pre_ms.values()), "s--", label="prefill: whole prompt (time to first token), B=1")
     for B in args.batches:
         xs = [L for L in args.lengths if (B, L) in decode_ms]
-        ax.plot(xs, [decode_ms[(B, L)] for L in xs], "o-", label=f"decode, one step, B={B}")
-    ax.plot(list(pre_ms), list(pre_ms.values()), "s--", label="prefill, per token, B=1")
+        ax.plot(xs, [decode_ms[(B, L)] / B for L in xs], "o-", label=f"decode: per generated token, B={B}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("cache length L (tokens)")
-    ax.set_ylabel("latency per token (ms)")
+    ax.set_xlabel("prompt / cache length L (tokens)")
+    ax.set_ylabel("ms")
     ax.set_title(f"attn_fast, H_q={HQ} H_kv={HKV} d={D} fp32, {nt} threads", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
     print(f"plot: {args.png}")

@@ -41,12 +41,10 @@ import numpy as np
 
 from . import _core
 from ._checks import as_float_array, shape_str
+from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
-# Chunks of at most this many query tokens go to the split-KV decode kernel;
-# longer ones (prefill) to the tiled kernel, unless the ring wraps.
-DECODE_MAX_LQ = 16
 
 
 def _int_arg(x, name, minimum=0):
@@ -356,7 +354,7 @@ class KVCache:
             kw["window_left"] = self.window - 1
         Lq = q.shape[2]
         plain = not ((self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any())
-        if Lq <= DECODE_MAX_LQ or not plain:
+        if Lq <= DECODE_MAX_LQ or not plain:  # longer chunks (prefill): the tiled kernel, unless the ring wraps
             # Split-KV decode kernel: reads the ring in place (logical key j of
             # sequence b is slot (start[b] + j) mod capacity).
             _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
