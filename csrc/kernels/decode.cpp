@@ -353,22 +353,6 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
       }
       if (++slot == a.R) slot = 0;
     }
-    // Prefetch this block's V rows (PV walks them column-wise, E vectors per
-    // pass, which the hardware stream prefetchers do not follow well) and the
-    // next block's K rows, so DRAM sees whole rows requested early.
-    for (int64_t c = 0; c < cols; ++c) {
-      const char* vr = reinterpret_cast<const char*>(sc.vp[c]);
-      for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off, 0, 3);
-    }
-    if (!kpack && j0 + kBc < c1) {
-      int64_t ns = (s.start + j0 + kBc) % a.R;
-      const int64_t ncols = dmin(kBc, c1 - j0 - kBc);
-      for (int64_t c = 0; c < ncols; ++c) {
-        const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(kr + off, 0, 2);
-        if (++ns == a.R) ns = 0;
-      }
-    }
     // S = Q K^T.
     qk_dispatch<T>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc);
     // Masks and online softmax.
