@@ -64,7 +64,7 @@ def test_token_by_token_equals_full_causal(isa, rng, cfg, window, dtype):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 129])
 @pytest.mark.parametrize("window", [None, 9, 50], ids=["full", "win9", "win50"])
-def test_chunked_prefill_equals_one_shot(isa, rng, chunk, window):
+def test_chunked_prefill_equals_one_shot(rng, chunk, window):
     B, Hq, Hkv, L, d, dv = 2, 4, 2, 100, 32, 24
     q, k, v = qkv(rng, B, Hq, Hkv, L, d, dv)
     O, LSE = oracle(q, k, v, window)
@@ -87,7 +87,7 @@ def test_chunked_prefill_equals_one_shot(isa, rng, chunk, window):
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_ragged_batch(isa, rng, window):
+def test_ragged_batch(rng, window):
     """Sequences with different prompt lengths, then decode: each equals its own full attention."""
     B, Hq, Hkv, d, dv = 3, 4, 2, 16, 8
     prompt = np.array([5, 1, 12])
@@ -118,7 +118,7 @@ def test_ragged_batch(isa, rng, window):
 
 
 @pytest.mark.parametrize("window", [None, 8])
-def test_truncate_then_continue(isa, rng, window):
+def test_truncate_then_continue(rng, window):
     """Speculative decoding: append 5 drafts, keep 2, continue: equals the accepted sequence."""
     B, Hq, Hkv, d = 2, 4, 2, 16
     L = 30
@@ -166,7 +166,7 @@ def test_window_ring_is_bounded(rng):
     np.testing.assert_array_equal(cache.keys(0), k[0, :, 1000 - 2 * w:])
 
 
-def test_non_contiguous_inputs(isa, rng):
+def test_non_contiguous_inputs(rng):
     B, Hq, Hkv, L, d = 2, 4, 2, 20, 16
     # (B, L, H, d) storage viewed as (B, H, L, d)
     q = randn(rng, (B, L, Hq, d)).transpose(0, 2, 1, 3)
@@ -245,10 +245,13 @@ def test_reset_and_layer_caches(rng):
     for c in caches:
         c.append(k, k)
     assert [len(c) for c in caches] == [3, 3, 3]
-    with pytest.raises(ValueError):
-        caches.truncate(4)
+    caches[2].truncate(2)
+    with pytest.raises(ValueError, match="beyond the current lengths"):
+        caches.truncate(3)  # fine for layers 0 and 1, not for layer 2: nothing changes
+    assert [len(c) for c in caches] == [3, 3, 2]
     caches.truncate(1)
     assert [len(c) for c in caches] == [1, 1, 1]
+    np.testing.assert_array_equal(caches.positions, [1, 1])
     caches.reset()
     assert len(caches[1]) == 0 and caches.nbytes == 3 * 2 * 2 * 2 * 4 * 8 * 4
 
@@ -275,3 +278,30 @@ def test_merge_attention_states(rng, dtype):
         af.merge_attention_states(o_a, lse_a, o_b[..., :3], lse_b)
     with pytest.raises(ValueError, match="lse_a"):
         af.merge_attention_states(o_a, lse_a[..., :2], o_b, lse_b)
+
+
+hyp = pytest.importorskip("hypothesis")
+st = hyp.strategies
+
+
+@hyp.settings(max_examples=15, deadline=None)
+@hyp.given(
+    B=st.integers(1, 3), Hkv=st.integers(1, 3), G=st.integers(1, 4), L=st.integers(1, 40), d=st.integers(1, 20),
+    window=st.one_of(st.none(), st.integers(1, 12)), chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    seed=st.integers(0, 2**31),
+)
+def test_property_cache_equals_full_causal(B, Hkv, G, L, d, window, chunks, seed):
+    """Any chunking of any sequence through the cache equals one full (windowed) causal call."""
+    rng = np.random.default_rng(seed)
+    q, k, v = qkv(rng, B, Hkv * G, Hkv, L, d, d)
+    O, LSE = oracle(q, k, v, window)
+    cache = af.KVCache(B, Hkv, d, capacity=2, window=window)
+    t, i = 0, 0
+    while t < L:
+        c = chunks[i % len(chunks)]
+        i += 1
+        cache.append(k[:, :, t:t + c], v[:, :, t:t + c])
+        o, lse = cache.attend(q[:, :, t:t + c], return_lse=True)
+        check(o, lse, O[:, :, t:t + c], LSE[:, :, t:t + c])
+        t += c
+    assert len(cache) == L

@@ -41,12 +41,10 @@ import numpy as np
 
 from . import _core
 from ._checks import as_float_array, shape_str
+from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
-# Chunks of at most this many query tokens go to the split-KV decode kernel;
-# longer ones (prefill) to the tiled kernel, unless the ring wraps.
-DECODE_MAX_LQ = 16
 
 
 def _int_arg(x, name, minimum=0):
@@ -282,7 +280,7 @@ class KVCache:
                     f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it")
         self._n = keep
         self._pos = n.copy()
-        self._start[keep == 0] = 0
+        self._start = np.where(keep == 0, 0, self._start)
         self._last_new = np.zeros(self.batch, dtype=np.int64)
         self._last_L = 0
 
@@ -356,7 +354,7 @@ class KVCache:
             kw["window_left"] = self.window - 1
         Lq = q.shape[2]
         plain = not ((self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any())
-        if Lq <= DECODE_MAX_LQ or not plain:
+        if Lq <= DECODE_MAX_LQ or not plain:  # longer chunks (prefill): the tiled kernel, unless the ring wraps
             # Split-KV decode kernel: reads the ring in place (logical key j of
             # sequence b is slot (start[b] + j) mod capacity).
             _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
@@ -425,13 +423,16 @@ class LayerCaches:
             c.reset()
 
     def truncate(self, n):
-        states = [(c._n.copy(), c._pos.copy(), c._start.copy()) for c in self._caches]
+        """truncate(n) on every layer; if one raises, every layer is left unchanged."""
+        names = ("_n", "_pos", "_start", "_last_new", "_last_L")
+        states = [{a: getattr(c, a) for a in names} for c in self._caches]
         try:
             for c in self._caches:
                 c.truncate(n)
         except Exception:
-            for c, (nn, pp, ss) in zip(self._caches, states):
-                c._n, c._pos, c._start = nn, pp, ss
+            for c, st in zip(self._caches, states):
+                for a, val in st.items():
+                    setattr(c, a, val)
             raise
 
 

@@ -1,0 +1,163 @@
+"""Decode (one token against a KV cache) and prefill latency: attn_fast vs torch SDPA.
+
+    python bench/bench_decode.py [--threads N] [--lengths 1024 4096 16384 32768]
+                                 [--batches 1 8] [--png bench/decode.png]
+
+Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128, float32. For each batch B and
+cache length L, a KVCache is filled with L tokens and one decode step
+``cache.attend(q)`` (q: (B, 32, 1, 128)) is timed; torch's
+``scaled_dot_product_attention(q, K, V, enable_gqa=True)`` runs on the same
+cached K/V arrays (zero-copy ``torch.from_numpy`` views). Every result is
+checked against the float64 oracle (on a slice of heads) before it is timed.
+
+Decode with a long cache is memory-bound: the table gives the achieved
+bandwidth, K and V bytes read (B * H_kv * L * (d + dv) * 4) per step time,
+next to a streaming read of a 512 MiB buffer measured in the same run on 1 and
+on all threads (``_core.stream_read_gbps``). Times are the best of several
+runs after warm-up, like the probe's. The PNG plots, against L, the time to
+first token (one-shot causal prefill of an L-token prompt, B = 1) and the
+time per generated token (one decode step with L cached tokens; for B = 8 the
+step time divided by 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+import attn_fast as af
+from attn_fast import _core, reference
+from attn_fast._config import config
+
+HQ, HKV, D = 32, 8, 128
+
+
+def best_time(fn, repeats, warmup=2):
+    """Fastest of `repeats` runs after warm-up (the streaming probe is best-of too)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def check(o, q, k, v, causal=True):
+    """Compare the first two query heads (and their kv head) with the float64 oracle."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    mask = reference.causal_mask(Lq, Lk) if causal else None
+    O = reference.sdpa(q[:1, :2], k[:1, :1], v[:1, :1], mask=mask)
+    err = float(np.abs(np.asarray(o)[:1, :2] - O).max())
+    if not err < 1e-3:
+        raise RuntimeError(f"result differs from the float64 oracle by {err:.2e}")
+
+
+def repeats_for(nbytes):
+    return max(5, min(50, int(2e9 / max(nbytes, 1))))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prefill-max", type=int, default=4096, help="longest prefill timed for the plot")
+    p.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "decode.png"))
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        af.set_num_threads(args.threads)
+    nt = af.get_num_threads()
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+            torch.set_num_threads(nt)
+        except ImportError:
+            print("torch not installed: its column is skipped", file=sys.stderr)
+    cfg = config()
+    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
+    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    bw1 = _core.stream_read_gbps(1, 512 << 20, 5)
+    bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
+    print(f"stream read (512 MiB, best of 5): {bw1:.1f} GB/s on 1 thread, {bwn:.1f} GB/s on {nt} threads")
+    print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D} float32, one query token per sequence")
+    hdr = (f"{'B':>2} {'L':>6} {'KV MB':>7} | {'attn_fast ms':>12} {'GB/s':>6} {'%stream':>7} | "
+           f"{'torch ms':>9} {'GB/s':>6} {'x':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    rng = np.random.default_rng(0)
+    decode_ms = {}
+    for B in args.batches:
+        for L in args.lengths:
+            cache = af.KVCache(B, HKV, D, capacity=L + 1)
+            kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
+            cache.append(kv, kv[:, :, ::-1])
+            del kv
+            q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
+            K, V = cache._k[:, :, :L], cache._v[:, :, :L]  # the cached arrays, no copy
+            check(cache.attend(q), q, K, V)
+            nbytes = K.nbytes + V.nbytes
+            reps = repeats_for(nbytes)
+            t = best_time(lambda: cache.attend(q), reps)
+            decode_ms[(B, L)] = t * 1e3
+            gbs = nbytes / t / 1e9
+            line = (f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} {100 * gbs / bwn:6.0f}% | ")
+            if torch is not None:
+                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) if not x.flags.c_contiguous else
+                              torch.from_numpy(x) for x in (q, K, V))
+                F = torch.nn.functional.scaled_dot_product_attention
+                with torch.no_grad():
+                    check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
+                    tt = best_time(lambda: F(tq, tk, tv, enable_gqa=True), max(3, reps // 3))
+                line += f"{tt * 1e3:9.3f} {nbytes / tt / 1e9:6.1f} {tt / t:5.1f}x"
+            else:
+                line += f"{'-':>9} {'-':>6} {'-':>6}"
+            print(line, flush=True)
+            del cache, K, V
+    print("GB/s = K and V bytes read per step / step time; %stream = of the all-thread streaming read;")
+    print("x = torch time / attn_fast time (higher means attn_fast is faster). " + tag)
+
+    # Prefill (one-shot causal, per token) vs decode (one step) at B = 1.
+    pre_L = [L for L in sorted(set([256, 512, 1024, 2048, 4096, 8192] + args.lengths)) if L <= args.prefill_max]
+    pre_ms = {}
+    for L in pre_L:
+        qkv = rng.standard_normal((3, 1, HQ, L, D), dtype=np.float32)
+        q, k, v = qkv[0], qkv[1][:, :HKV], qkv[2][:, :HKV]
+        t = best_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1)
+        pre_ms[L] = t * 1e3
+    print("prefill (B=1, causal, one shot, whole prompt): " + ", ".join(f"L={L}: {v:.1f} ms" for L, v in pre_ms.items()))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return 0
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(list(pre_ms), list(pre_ms.values()), "s--", label="prefill: whole prompt (time to first token), B=1")
+    for B in args.batches:
+        xs = [L for L in args.lengths if (B, L) in decode_ms]
+        ax.plot(xs, [decode_ms[(B, L)] / B for L in xs], "o-", label=f"decode: per generated token, B={B}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt / cache length L (tokens)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"attn_fast, H_q={HQ} H_kv={HKV} d={D} fp32, {nt} threads", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    print(f"plot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
