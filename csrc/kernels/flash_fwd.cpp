@@ -358,7 +358,10 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
       const T mx = V::hmax(vm);
       const T m_old = sc.m[r];
       const T m_new = mx > m_old ? mx : m_old;
-      if (m_new == NEG_INF) {  // nothing visible in this row so far
+      if (m_new == NEG_INF) {  // nothing visible in this row so far, or only NaN
+        bool nan = false;       // (max() drops NaN, so look for it here)
+        for (int64_t j = 0; j < cols; ++j) nan = nan || s[j] != s[j];
+        if (nan) sc.m[r] = sc.l[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row
         for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
         continue;
       }
@@ -425,6 +428,10 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   if (a.B <= 0 || a.Hq <= 0) return total;
   int64_t Br = a.block_q > 0 ? a.block_q : 48;
   int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 64, kNR * W);
+  // A tile never outgrows the problem or 4096 (a huge block_q from a caller
+  // must not size the per-thread scratch).
+  Br = imin(Br, imin(imax(a.Lq, 1), 4096));
+  Bc = imin(Bc, round_up(imin(imax(a.Lk, 1), 4096), kNR * W));
   const int64_t dvp = round_up(a.dv, W);
 
   // Work items: (sequence, head, query block); prefix over sequences.

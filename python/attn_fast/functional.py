@@ -33,6 +33,8 @@ def _to4(x, name):
 def _dense_mask_kwargs(attn_mask, B, Hq, Lq, Lk, dtype):
     """Kernel arguments for a dense boolean or additive attn_mask array."""
     m = np.asarray(attn_mask)
+    if m.dtype.kind == "f":  # before broadcasting, so a small bias is converted (not B*H copies)
+        m = m.astype(dtype, copy=not (m.flags.aligned and m.dtype.isnative))
     if m.ndim > 4 or m.ndim < 1:
         raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk) = {(B, Hq, Lq, Lk)}, got shape {shape_str(m)}")
     try:
@@ -144,11 +146,15 @@ def scaled_dot_product_attention(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
+    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     out_shape = q.shape[:-1] + (dv,)
+    target = None  # the caller's `out` when the kernel writes into a temporary
     if out is None:
         o = np.empty(out_shape, dtype=q.dtype)
     else:
         o = out if isinstance(out, np.ndarray) else np.asarray(out)
+        if o.base is None and not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy.ndarray (or expose its memory), got {type(out).__name__}")
         if o.shape != out_shape:
             raise ValueError(f"out has shape {shape_str(o)}, expected {out_shape}")
         if o.dtype != q.dtype:
@@ -157,6 +163,13 @@ def scaled_dot_product_attention(
             raise ValueError("out is read-only")
         if not o.flags.aligned or not o.dtype.isnative:
             raise ValueError("out must be aligned and in native byte order")
+        if _self_overlapping(o):
+            raise ValueError(f"out has overlapping memory (strides {o.strides} for shape {shape_str(o)})")
+        if any(
+            isinstance(x, np.ndarray) and np.may_share_memory(o, x)
+            for x in (q, k, v, attn_mask, alibi_slopes, sinks)
+        ):
+            target, o = o, np.empty(out_shape, dtype=q.dtype)  # out aliases an input
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
     if o.size == 0 and (lse is None or lse.size == 0):
         return (o, lse) if return_lse else o
@@ -177,6 +190,7 @@ def scaled_dot_product_attention(
         right = -1 if right is None else int(right)
         if left < -1 or right < -1:
             raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+        left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result
         kw["window_left"], kw["window_right"] = left, right
     if softcap is not None:
         softcap = float(softcap)
@@ -195,10 +209,38 @@ def scaled_dot_product_attention(
         kw["causal"] = True
     _core.forward(
         q4, k4, v4, _to4(o, "out"), lse,
-        scale=scale, block_q=int(block_q), block_k=int(block_k),
+        scale=scale, block_q=block_q, block_k=block_k,
         reference=(backend == "reference"), **kw,
     )
+    if target is not None:
+        target[...] = o
+        o = target
     return (o, lse) if return_lse else o
+
+
+def _block_size(b, name):
+    if isinstance(b, bool) or not hasattr(b, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(b).__name__}")
+    b = int(b)
+    if not 0 <= b <= 4096:
+        raise ValueError(f"{name} must be in [0, 4096] (0 = default), got {b}")
+    return b
+
+
+def _self_overlapping(a):
+    """True unless the strides prove that no two elements of `a` share memory.
+
+    Sorted by stride, each axis must step past everything the smaller axes
+    span; zero strides (broadcast views) and as_strided tricks fail this.
+    """
+    if a.size <= 1:
+        return False
+    extent = a.itemsize
+    for stride, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (n - 1)
+    return False
 
 
 def attention(X, Wq, Wk, Wv, causal=False):
