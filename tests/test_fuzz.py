@@ -134,7 +134,7 @@ def spoiled(q, k, v, kw, spoil):
     if spoil == "dtype":
         return q, k.astype(np.float16), v, kw, TypeError
     if spoil == "mixed":
-        other = np.float64 if q.dtype == np.float32 else np.float32
+        other = np.float64 if q.dtype.itemsize == 4 else np.float32
         return q, k, v.astype(other), kw, TypeError
     if spoil == "mask_shape":
         kw = dict(kw, attn_mask=np.ones(q.shape[:-1] + (k.shape[-2] + 2,), bool))

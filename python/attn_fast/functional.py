@@ -171,8 +171,6 @@ def scaled_dot_product_attention(
         ):
             target, o = o, np.empty(out_shape, dtype=q.dtype)  # out aliases an input
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
-    if o.size == 0 and (lse is None or lse.size == 0):
-        return (o, lse) if return_lse else o
 
     kw = {}
     if attn_mask is not None:
@@ -207,6 +205,8 @@ def scaled_dot_product_attention(
         if kw.get("causal") and kw.get("top_left"):
             raise ValueError("is_causal=True (bottom-right) conflicts with a top-left Causal mask")
         kw["causal"] = True
+    if o.size == 0 and (lse is None or lse.size == 0):  # after every argument is checked
+        return (o, lse) if return_lse else o
     _core.forward(
         q4, k4, v4, _to4(o, "out"), lse,
         scale=scale, block_q=block_q, block_k=block_k,
