@@ -134,3 +134,53 @@ def test_build_tree_no_comdat_shared_with_avx_objects():
         for obj in avx:
             shared = defined(obj, "Ww") & base_syms
             assert not shared, f"{obj}: weak functions also defined at baseline: {sorted(shared)[:5]}"
+
+
+NO_AVX_CODE = """
+import numpy as np, attn_fast as af
+from attn_fast import reference as ref
+assert af.get_isa() == "scalar" and af._core.available_isas() == ["scalar"], af._core.available_isas()
+rng = np.random.default_rng(0)
+worst = 0.0
+for dtype in (np.float32, np.float64):
+    q, k, v = (rng.standard_normal((2, 2, 37, 9)).astype(dtype) for _ in range(3))
+    mask = rng.random((37, 37)) < 0.7
+    for kw, oracle in (
+        (dict(is_causal=True), dict(mask=ref.causal_mask(37, 37))),
+        (dict(attn_mask=mask, softcap=4.0), dict(mask=mask, softcap=4.0)),
+        (dict(backend="reference"), {}),
+    ):
+        o = af.scaled_dot_product_attention(q, k, v, **kw)
+        worst = max(worst, float(np.abs(o - ref.sdpa(q, k, v, **oracle)).max()))
+W = q[0, 0, :4]  # (4, 9): d = 4, D = 9
+o = af.attention(q[0, 0], W, W, W, causal=True)
+assert o.shape == (37, 4)
+af.set_num_threads(1); af.show_config()
+print("max error", worst)
+assert worst < 1e-4
+"""
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="qemu-user not installed (apt-get install qemu-user)")
+def test_runs_on_a_cpu_without_avx(tmp_path):
+    # User-mode QEMU emulating a Nehalem (SSE4.2, no AVX) raises SIGILL on any
+    # VEX instruction: import, dispatch, bindings and the scalar kernels must
+    # never execute one. First prove that the emulator does trap AVX.
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc:
+        src = tmp_path / "avx.c"
+        src.write_text(
+            "#include <immintrin.h>\nint main(int c, char** v) { volatile __m256 a = _mm256_set1_ps((float)c);"
+            " a = _mm256_add_ps(a, a); return 0; }\n"
+        )
+        subprocess.run([cc, "-O1", "-mavx", str(src), "-o", str(tmp_path / "avx")], check=True)
+        probe = subprocess.run(["qemu-x86_64", "-cpu", "Nehalem", str(tmp_path / "avx")], capture_output=True)
+        assert probe.returncode != 0, "this QEMU does not trap AVX on a Nehalem: the check would be vacuous"
+    r = subprocess.run(
+        ["qemu-x86_64", "-cpu", "Nehalem", sys.executable, "-c", NO_AVX_CODE],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "max error" in r.stdout
