@@ -68,7 +68,9 @@ void reference_impl(const AttnArgs<T>& a) {
           if (sc != sc) nan = true;
         }
         if (nan) m = std::numeric_limits<double>::quiet_NaN();  // a NaN score: NaN row
-        if (a.sinks && double(a.sinks[h]) > m) m = double(a.sinks[h]);
+        // A padding row (i >= q_len) is no query: no sink either (O = 0, lse = -inf).
+        const bool sink = a.sinks && i < si.q_len;
+        if (sink && double(a.sinks[h]) > m) m = double(a.sinks[h]);
         // Pass 2: weights and output, skipping invisible keys entirely.
         double l = 0;
         for (int64_t e = 0; e < a.dv; ++e) out[e] = 0;
@@ -82,7 +84,7 @@ void reference_impl(const AttnArgs<T>& a) {
           }
         }
         const double visible_l = l;
-        if (a.sinks && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
+        if (sink && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
         for (int64_t e = 0; e < a.dv; ++e)
           o[e * a.so.d] = (visible_l == 0) ? T(0) : T(out[e] / l);
         if (a.lse) {

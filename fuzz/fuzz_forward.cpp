@@ -90,8 +90,25 @@ std::vector<T> cast(const std::vector<double>& x) {
   return std::vector<T>(x.begin(), x.end());
 }
 
+char g_problem[512];  // the decoded problem, printed with a finding
+
+template <typename T>
+void describe(const AttnArgs<T>& a, Isa isa) {
+  std::snprintf(g_problem, sizeof g_problem,
+                "%s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld d=%lld dv=%lld causal=%d top_left=%d "
+                "window=(%lld,%lld) lens=%d varlen=%d layout=%d(%lldx%lld) mask=%d bias=%d alibi=%d "
+                "softcap=%g sinks=%d block=(%d,%d) threads=%d scale=%g",
+                sizeof(T) == 4 ? "f32" : "f64", isa_name(isa), (long long)a.B, (long long)a.Hq,
+                (long long)a.Hkv, (long long)a.Lq, (long long)a.Lk, (long long)a.d, (long long)a.dv,
+                a.causal, a.top_left, (long long)a.window_left, (long long)a.window_right,
+                a.q_lens != nullptr, a.cu_q != nullptr, a.layout != nullptr, (long long)a.layout_bq,
+                (long long)a.layout_bk, a.mask != nullptr, a.bias != nullptr, a.alibi != nullptr,
+                a.softcap, a.sinks != nullptr, a.block_q, a.block_k, a.num_threads, a.scale);
+}
+
 [[noreturn]] void fail(const char* what, int64_t i, double a, double b) {
-  std::fprintf(stderr, "MISMATCH %s at %lld: fused %.9g reference %.9g\n", what, (long long)i, a, b);
+  std::fprintf(stderr, "MISMATCH %s at %lld: fused %.9g reference %.9g\n  %s\n", what, (long long)i, a, b,
+               g_problem);
   std::abort();
 }
 
@@ -213,6 +230,7 @@ void run(FuzzedDataProvider& fdp) {
 
   a.o = o1.data() + o.base;
   a.lse = want_lse ? l1.data() : nullptr;
+  describe(a, isa);
   set_active_isa(isa);
   flash_forward(a);
   a.o = o2.data() + o.base;

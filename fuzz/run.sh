@@ -29,4 +29,4 @@ fi
   -o "$OUT/fuzz_forward" -ldl -lpthread
 echo "== fuzz_forward for ${SECS}s"
 "$OUT/fuzz_forward" -max_total_time="$SECS" -print_final_stats=1 -artifact_prefix="$OUT/" \
-  -rss_limit_mb=4096 -max_len=512 "$OUT/corpus"
+  -rss_limit_mb=4096 -max_len=512 -len_control=0 "$OUT/corpus" fuzz/regressions

@@ -402,3 +402,28 @@ def test_nan_only_in_masked_keys_never_leaks(isa, rng, backend):
     o = sdpa(q, k, v, attn_mask=mask, backend=backend)
     assert np.all(np.isfinite(o))
     check(o, q, k[..., :30, :], v[..., :30, :])
+
+
+# ---------------------------------------------------------------- C++ entry points
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_padding_rows_with_sinks_both_kernels(isa, rng, dtype):
+    # Found by the native fuzzer: with q_lens and sinks, the reference kernel
+    # gave padding rows (i >= q_len) the sink's lse instead of -inf. A padding
+    # row is no query: O = 0 and lse = -inf in both kernels.
+    B, H, Lq, Lk, d = 2, 2, 9, 12, 8
+    q, k, v = qkv(rng, B, H, Lq, Lk, d, d, dtype)
+    q_lens, kv_lens = np.array([5, 9], np.int64), np.array([12, 0], np.int64)
+    sinks = np.array([2.4, -1.0], dtype)
+    res = {}
+    for name in ("fused", "reference"):
+        o, lse = poisoned((B, H, Lq, d), dtype), poisoned((B, H, Lq), dtype)
+        af._core.forward(q, k, v, o, lse, scale=0.35, q_lens=q_lens, kv_lens=kv_lens, sinks=sinks,
+                         causal=True, reference=name == "reference")
+        res[name] = (o, lse)
+        assert np.all(o[0, :, 5:] == 0) and np.all(np.isneginf(lse[0, :, 5:])), name
+        assert np.all(o[1] == 0), name  # no keys at all: zeros, lse = the sink
+        np.testing.assert_allclose(lse[1], np.broadcast_to(sinks[:, None], (H, Lq)), **tol(dtype))
+    np.testing.assert_allclose(res["fused"][0], res["reference"][0], **tol(dtype))
+    np.testing.assert_allclose(res["fused"][1], res["reference"][1], **tol(dtype))
