@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 LEAK_CODE = """
-    import contextlib, gc, io, json, os
+    import contextlib, ctypes, gc, io, json, os
     import numpy as np
     import attn_fast as af
 
@@ -25,6 +25,23 @@ LEAK_CODE = """
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * PAGE
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    try:
+        _mallinfo2 = ctypes.CDLL(None).mallinfo2
+        _mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        _mallinfo2 = None
+
+    def heap():
+        # Bytes malloc has handed out and not got back (C, C++ and NumPy data).
+        if _mallinfo2 is None:
+            return 0
+        mi = _mallinfo2()
+        return mi.uordblks + mi.hblkhd
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(3))
@@ -63,16 +80,16 @@ LEAK_CODE = """
     }
     af.set_num_threads(1)  # leaks do not depend on it; waking threads on a busy machine does
     for name, f in calls.items():  # warm up every path (allocator pools, caches) first
-        for _ in range(3000):
+        for _ in range(1000):
             f()
     report = {}
     for name, f in calls.items():
         gc.collect()
-        before = rss()
+        before = rss(), heap()
         for _ in range(N_CALLS):
             f()
         gc.collect()
-        report[name] = (rss() - before) / 1024
+        report[name] = ((rss() - before[0]) / 1024, (heap() - before[1]) / 1024)
     print(json.dumps(report))
 """
 
@@ -103,10 +120,14 @@ def run_json(code, timeout):
 
 def test_no_leak_over_10k_calls():
     report = run_json(LEAK_CODE.replace("N_CALLS", "10_000"), timeout=600)
-    print("RSS growth over 10k calls (KiB):", report)
-    # A leak of 100 bytes per call would add ~1 MiB; allocator noise stays far below.
-    grown = {name: kib for name, kib in report.items() if kib > 768}
+    print("growth over 10k calls, (RSS, malloc in use) in KiB:", report)
+    # RSS moves in steps of up to ~1 MiB as malloc grows and trims its heap,
+    # whatever the calls do; a leak of 200 bytes per call would add 2 MiB.
+    # The bytes malloc has handed out are exact: 64 KiB is 6 bytes per call.
+    grown = {name: kib for name, (kib, _) in report.items() if kib > 2048}
     assert not grown, f"RSS grew over 10k calls (KiB): {grown}"
+    leaked = {name: kib for name, (_, kib) in report.items() if kib > 64}
+    assert not leaked, f"malloc'd memory grew over 10k calls (KiB): {leaked}"
 
 
 @pytest.mark.parametrize(
