@@ -98,11 +98,16 @@ def scaled_dot_product_attention(
         Σ exp(s) / (Σ exp(s) + exp(sink)).
     return_lse : also return lse = log Σ_j exp(scores), shape q.shape[:-1].
     out : optional writeable array of shape (…, Lq, dv) and q's dtype to
-        write the result into.
+        write the result into (any strides whose elements do not overlap; if
+        it shares memory with an input, the result goes through a temporary).
     backend : "fused" (the SIMD kernel) or "reference" (the plain-loop C++
         kernel, slow; for testing).
-    block_q, block_k : tile sizes (0 = default); results do not depend on
-        them beyond float rounding.
+    block_q, block_k : tile sizes in [0, 4096] (0 = default); results do not
+        depend on them beyond float rounding.
+
+    Non-finite inputs follow IEEE arithmetic of the formula: a NaN or +inf
+    visible score makes its row NaN; keys a row does not see are never read
+    into it (see docs/HARDENING.md).
 
     Returns
     -------
