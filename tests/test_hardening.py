@@ -8,6 +8,8 @@ computes it, except that masked keys are never read into a row).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import poisoned, tol
@@ -427,3 +429,37 @@ def test_padding_rows_with_sinks_both_kernels(isa, rng, dtype):
         np.testing.assert_allclose(lse[1], np.broadcast_to(sinks[:, None], (H, Lq)), **tol(dtype))
     np.testing.assert_allclose(res["fused"][0], res["reference"][0], **tol(dtype))
     np.testing.assert_allclose(res["fused"][1], res["reference"][1], **tol(dtype))
+
+
+ALLOC_FAIL_CODE = """
+import resource, numpy as np, attn_fast as af
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # 8 GiB of address space
+one = np.float32(0.5)
+# Zero-stride views: no memory, but the kernels' scratch would not fit.
+q, k = np.broadcast_to(one, (1, 1, 48, 2**28)), np.broadcast_to(one, (1, 1, 64, 2**28))
+v = np.ones((1, 1, 64, 4), np.float32)
+cases = {
+    "fused": lambda: af.scaled_dot_product_attention(q, k, v),  # tiles of 48 x 2^28
+    "reference": lambda: af.scaled_dot_product_attention(  # a row of 2^40 scores
+        q[..., :1, :1], *(np.broadcast_to(one, (1, 1, 2**40, 1)),) * 2, backend="reference"),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(name, "no error")
+    except MemoryError:
+        print(name, "MemoryError")
+"""
+
+
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""), reason="ASan reserves more address space than the limit")
+def test_allocation_failure_is_memory_error():
+    # Scratch that cannot be allocated raises MemoryError. It used to be a
+    # null-pointer write in the fused kernel, and std::terminate from inside a
+    # parallel region in the reference kernel.
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", ALLOC_FAIL_CODE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["fused", "MemoryError", "reference", "MemoryError"], r.stdout
