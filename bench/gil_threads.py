@@ -10,6 +10,7 @@ that any speed-up comes from the Python threads alone.
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 
@@ -31,10 +32,11 @@ def run(n_threads, calls, q):
     for t in ts:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in ts:
         t.join()
-    return per * n_threads / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return per * n_threads / wall, cpu / wall  # calls/s, cores busy on average
 
 
 def main():
@@ -48,14 +50,15 @@ def main():
     af.set_num_threads(1)
     expect = af.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert np.allclose(expect, af.reference.sdpa(q, q, q, mask=af.reference.causal_mask(shape[-2], shape[-2])), atol=1e-4)
-    best = {1: 0.0, 2: 0.0}
+    best = {1: (0.0, 0.0), 2: (0.0, 0.0)}
     for _ in range(args.repeats):
         for n in (1, 2):
             best[n] = max(best[n], run(n, args.calls, q))
     cfg = af._config.config()
     print(f"shape {shape} float32 causal, kernel threads 1, isa {cfg['isa']}, {cfg['cpu']} ({cfg['cores']} cores)")
-    print(f"1 Python thread : {best[1]:8.1f} calls/s")
-    print(f"2 Python threads: {best[2]:8.1f} calls/s   speed-up {best[2] / best[1]:.2f}x")
+    print(f"load average {os.getloadavg()[0]:.1f} (other processes compete for the cores)")
+    print(f"1 Python thread : {best[1][0]:8.1f} calls/s, {best[1][1]:.2f} cores busy")
+    print(f"2 Python threads: {best[2][0]:8.1f} calls/s, {best[2][1]:.2f} cores busy   speed-up {best[2][0] / best[1][0]:.2f}x")
 
 
 if __name__ == "__main__":
