@@ -77,7 +77,7 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   a.softcap = softcap;
   a.block_q = block_q;
   a.block_k = block_k;
-  a.num_threads = get_num_threads();
+  a.num_threads = threads_for_call();
   if (varlen) {
     auto cq = py::cast<py::array>(cu_q);
     const int64_t nseq = static_cast<int64_t>(cq.size()) - 1;
@@ -289,6 +289,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("get_num_threads", &get_num_threads);
   m.def("openmp_enabled", &openmp_enabled);
   m.def("openmp_runtime", &openmp_runtime);
+  m.def("forked_child_serial", &forked_child_serial,
+        "True in a forked child of a libgomp process that ran threads: kernels run single-threaded.");
   m.def("fma_peak_gflops", [](int threads, double seconds) {
     py::gil_scoped_release release;
     return fma_peak_gflops(threads, seconds);

@@ -17,6 +17,8 @@
 #endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
+#include <pthread.h>
+#define ATTN_POSIX 1
 #endif
 
 #include "attn_fast/attention.h"
@@ -110,6 +112,33 @@ Isa best_isa() {
 std::atomic<int> g_isa{-1};
 std::atomic<int> g_threads{0};
 
+// fork() safety. GNU libgomp keeps its worker threads in a pool that does not
+// survive fork(): a forked child that opens a parallel region with more than
+// one thread waits forever for workers that no longer exist (LLVM's libomp
+// re-initialises itself in an atfork handler instead). So: remember whether a
+// multi-threaded region may have run, and in a forked child of such a process
+// run single-threaded (a one-thread region never touches the pool).
+std::atomic<bool> g_pool_used{false};
+std::atomic<bool> g_forked_child{false};
+
+#if defined(ATTN_POSIX) && defined(_OPENMP)
+bool runtime_is_libgomp() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname)
+    return std::string(info.dli_fname).find("libgomp") != std::string::npos;
+  return true;  // unknown: assume the fork-unsafe runtime
+}
+void on_fork_child() {
+  if (g_pool_used.load()) g_forked_child.store(true);
+}
+struct ForkGuard {
+  ForkGuard() {
+    if (runtime_is_libgomp()) pthread_atfork(nullptr, nullptr, &on_fork_child);
+  }
+};
+const ForkGuard g_fork_guard;
+#endif
+
 }  // namespace
 
 const char* isa_name(Isa isa) {
@@ -167,6 +196,7 @@ void set_num_threads(int n) {
 }
 
 int get_num_threads() {
+  if (g_forked_child.load()) return 1;  // see ForkGuard
   int n = g_threads.load();
   if (n > 0) return n;
 #ifdef _OPENMP
@@ -175,6 +205,14 @@ int get_num_threads() {
   return 1;
 #endif
 }
+
+int threads_for_call() {
+  const int n = get_num_threads();
+  if (n > 1) g_pool_used.store(true);
+  return n;
+}
+
+bool forked_child_serial() { return g_forked_child.load(); }
 
 bool openmp_enabled() {
 #ifdef _OPENMP
@@ -221,7 +259,8 @@ AttnStats flash_forward(const AttnArgs<double>& a) { ATTN_DISPATCH(flash_forward
 static double fma_loop_active(int64_t iters) { ATTN_DISPATCH(fma_loop, iters) }
 
 double fma_peak_gflops(int threads, double seconds) {
-  if (threads < 1) threads = 1;
+  if (threads < 1 || g_forked_child.load()) threads = 1;
+  if (threads > 1) g_pool_used.store(true);
   // Calibrate on one thread, then run the same count on every thread.
   int64_t iters = 1 << 20;
   double el = 0;

@@ -5,7 +5,11 @@
 // fused kernel against. Scratch: one row of Lk scores per thread.
 #include <cmath>
 #include <limits>
-#include <vector>
+#include <memory>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "attn_fast/attention.h"
 #include "attn_fast/seq.h"
@@ -16,13 +20,23 @@ namespace {
 template <typename T>
 void reference_impl(const AttnArgs<T>& a) {
   const double NEG_INF = -std::numeric_limits<double>::infinity();
+  // Scratch for every thread, allocated before any thread starts: a failed
+  // allocation throws std::bad_alloc here (MemoryError in Python) instead of
+  // terminating the process from inside a parallel region.
+  const int nt = a.num_threads > 0 ? a.num_threads : 1;
+  const int64_t per = (a.Lk > 0 ? a.Lk : 1) + (a.dv > 0 ? a.dv : 1);
+  std::unique_ptr<double[]> scratch(new double[static_cast<size_t>(per) * static_cast<size_t>(nt)]);
   for (int64_t s = 0; s < a.B; ++s) {
     const SeqInfo si = seq_info(a, s);
-#pragma omp parallel for num_threads(a.num_threads > 0 ? a.num_threads : 1) schedule(dynamic)
+#pragma omp parallel for num_threads(nt) schedule(dynamic)
     for (int64_t h = 0; h < a.Hq; ++h) {
       const int64_t hk = h / (a.Hq / a.Hkv);
-      std::vector<double> score(static_cast<size_t>(si.k_len > 0 ? si.k_len : 1));
-      std::vector<double> out(static_cast<size_t>(a.dv > 0 ? a.dv : 1));
+#ifdef _OPENMP
+      double* score = scratch.get() + per * omp_get_thread_num();
+#else
+      double* score = scratch.get();
+#endif
+      double* out = score + (a.Lk > 0 ? a.Lk : 1);
       for (int64_t i = 0; i < si.q_rows; ++i) {
         const T* q = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i) * a.sq.l;
         T* o = a.o + si.b * a.so.b + h * a.so.h + (si.q0 + i) * a.so.l;
@@ -30,6 +44,7 @@ void reference_impl(const AttnArgs<T>& a) {
         row_range(a, si, i, &lo, &hi);
         // Pass 1: scores of visible keys (masked ones are -inf).
         double m = NEG_INF;
+        bool nan = false;
         for (int64_t j = 0; j < si.k_len; ++j) {
           bool vis = j >= lo && j < hi;
           if (vis && a.layout)
@@ -57,8 +72,12 @@ void reference_impl(const AttnArgs<T>& a) {
           }
           score[j] = sc;
           if (sc > m) m = sc;
+          if (sc != sc) nan = true;
         }
-        if (a.sinks && double(a.sinks[h]) > m) m = double(a.sinks[h]);
+        if (nan) m = std::numeric_limits<double>::quiet_NaN();  // a NaN score: NaN row
+        // A padding row (i >= q_len) is no query: no sink either (O = 0, lse = -inf).
+        const bool sink = a.sinks && i < si.q_len;
+        if (sink && double(a.sinks[h]) > m) m = double(a.sinks[h]);
         // Pass 2: weights and output, skipping invisible keys entirely.
         double l = 0;
         for (int64_t e = 0; e < a.dv; ++e) out[e] = 0;
@@ -72,7 +91,7 @@ void reference_impl(const AttnArgs<T>& a) {
           }
         }
         const double visible_l = l;
-        if (a.sinks && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
+        if (sink && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
         for (int64_t e = 0; e < a.dv; ++e)
           o[e * a.so.d] = (visible_l == 0) ? T(0) : T(out[e] / l);
         if (a.lse) {

@@ -48,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
 #include <immintrin.h>
@@ -363,7 +364,10 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
       const T mx = V::hmax(vm);
       const T m_old = sc.m[r];
       const T m_new = mx > m_old ? mx : m_old;
-      if (m_new == NEG_INF) {  // nothing visible in this row so far
+      if (m_new == NEG_INF) {  // nothing visible in this row so far, or only NaN
+        bool nan = false;       // (max() drops NaN, so look for it here)
+        for (int64_t j = 0; j < cols; ++j) nan = nan || s[j] != s[j];
+        if (nan) sc.m[r] = sc.l[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row
         for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
         continue;
       }
@@ -430,21 +434,26 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   if (a.B <= 0 || a.Hq <= 0) return total;
   int64_t Br = a.block_q > 0 ? a.block_q : 48;
   int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 64, kNR * W);
+  // A tile never outgrows the problem or 4096 (a huge block_q from a caller
+  // must not size the per-thread scratch).
+  Br = imin(Br, imin(imax(a.Lq, 1), 4096));
+  Bc = imin(Bc, round_up(imin(imax(a.Lk, 1), 4096), kNR * W));
   const int64_t dvp = round_up(a.dv, W);
 
   // Work items: (sequence, head, query block); prefix over sequences.
   int64_t* prefix = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.B + 1)));
+  if (!prefix) throw std::bad_alloc();
   prefix[0] = 0;
   for (int64_t s = 0; s < a.B; ++s) {
     const SeqInfo si = seq_info(a, s);
     prefix[s + 1] = prefix[s] + (si.q_rows + Br - 1) / Br;
   }
   const int64_t n_items = prefix[a.B] * a.Hq;
-  int64_t computed = 0, skipped = 0;
+  int64_t computed = 0, skipped = 0, failed = 0;
 
   int nt = a.num_threads > 0 ? a.num_threads : 1;
   if (n_items < nt) nt = static_cast<int>(n_items > 0 ? n_items : 1);
-#pragma omp parallel num_threads(nt) reduction(+ : computed, skipped)
+#pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
     Scratch<T> sc;
     const int64_t Brp = round_up(Br, kMR);
@@ -457,9 +466,14 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     sc.l = alloc_scratch<T>(Brp);
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
+    // A thread whose scratch could not be allocated computes nothing; the
+    // call then throws std::bad_alloc (MemoryError) instead of crashing.
+    const bool ok = sc.Qs && sc.Kt && sc.S && sc.Vp && sc.O && sc.m && sc.l && sc.lo && sc.hi;
+    failed += ok ? 0 : 1;
     AttnStats st;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) {
+      if (!ok) continue;
       // Find the sequence: largest s with prefix[s] * Hq <= w.
       int64_t lo = 0, hi = a.B;
       while (hi - lo > 1) {
@@ -479,6 +493,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     std::free(sc.m); std::free(sc.l); std::free(sc.lo); std::free(sc.hi);
   }
   std::free(prefix);
+  if (failed) throw std::bad_alloc();
   total.tiles_computed = computed;
   total.tiles_skipped = skipped;
   return total;

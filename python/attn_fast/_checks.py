@@ -129,6 +129,9 @@ def as_out_array(out, name="out"):
             "pass a tensor that does not require grad"
         )
     o = as_array(out, name)
+    if not isinstance(out, np.ndarray) and o.base is None:
+        # np.asarray made a fresh copy (a list, say): results written there would be lost.
+        raise TypeError(f"{name} must be a numpy.ndarray (or expose its memory), got {type(out).__name__}")
     if not o.flags.writeable:
         raise ValueError(f"{name} is read-only")
     return o

@@ -40,6 +40,8 @@ def set_num_threads(n):
     n = int(n)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if n > 2**31 - 1:
+        raise ValueError(f"n must fit in a C int, got {n}")
     _core.set_num_threads(n)
 
 

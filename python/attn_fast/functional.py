@@ -73,7 +73,41 @@ def _check_out(out, shape, dtype):
         raise TypeError(f"out has dtype {o.dtype}, expected {dtype}")
     if not o.flags.aligned or not o.dtype.isnative:
         raise ValueError("out must be aligned and in native byte order")
+    if _self_overlapping(o):
+        raise ValueError(f"out has overlapping memory (strides {o.strides} for shape {shape_str(o)})")
     return o
+
+
+def _alias_safe(o, *inputs):
+    """(o, target): write into a temporary when `o` shares memory with an input."""
+    if any(isinstance(x, np.ndarray) and np.may_share_memory(o, x) for x in inputs):
+        return np.empty(o.shape, dtype=o.dtype), o
+    return o, None
+
+
+def _block_size(b, name):
+    if isinstance(b, bool) or not hasattr(b, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(b).__name__}")
+    b = int(b)
+    if not 0 <= b <= 4096:
+        raise ValueError(f"{name} must be in [0, 4096] (0 = default), got {b}")
+    return b
+
+
+def _self_overlapping(a):
+    """True unless the strides prove that no two elements of `a` share memory.
+
+    Sorted by stride, each axis must step past everything the smaller axes
+    span; zero strides (broadcast views) and as_strided tricks fail this.
+    """
+    if a.size <= 1:
+        return False
+    extent = a.itemsize
+    for stride, n in sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (n - 1)
+    return False
 
 
 def _check_scale(scale, d):
@@ -95,6 +129,7 @@ def _window_kwargs(window_size):
     right = -1 if right is None else int(right)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+    left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result
     return {"window_left": left, "window_right": right, "_align": "bottom_right"}
 
 
@@ -251,8 +286,13 @@ def scaled_dot_product_attention(
         window / length masks are used and no stats are asked for), "decode"
         (force the split-KV decode kernel) or "reference" (the plain-loop C++
         kernel, slow; for testing).
-    block_q, block_k : tile sizes (0 = default); results do not depend on
-        them beyond float rounding.
+    block_q, block_k : tile sizes in [0, 4096] (0 = default); results do not
+        depend on them beyond float rounding.
+
+    Non-finite inputs follow IEEE arithmetic of the formula: a NaN or +inf
+    visible score makes its row NaN; keys a row does not see are never read
+    into it (see docs/HARDENING.md). An ``out`` that shares memory with an
+    input is filled through a temporary; one whose elements overlap raises.
 
     Returns
     -------
@@ -270,7 +310,11 @@ def scaled_dot_product_attention(
     _check_backend(backend)
 
     out_shape = q.shape[:-1] + (dv,)
+    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     o = np.empty(out_shape, dtype=q.dtype) if out is None else _check_out(out, out_shape, q.dtype)
+    target = None  # the caller's out when it aliases an input: the kernel writes a temporary
+    if out is not None:
+        o, target = _alias_safe(o, q, k, v, attn_mask, alibi_slopes, sinks)
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
 
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
@@ -291,7 +335,7 @@ def scaled_dot_product_attention(
     elif o.size or (lse is not None and lse.size):
         stats = KernelStats(*_core.forward(
             q4, k4, v4, _to4(o, "out"), lse,
-            scale=scale, block_q=int(block_q), block_k=int(block_k),
+            scale=scale, block_q=block_q, block_k=block_k,
             reference=(backend == "reference"), **kw,
         ))
     extra = []
@@ -302,6 +346,8 @@ def scaled_dot_product_attention(
         extra.append(w.astype(q.dtype).reshape(q.shape[:-1] + (Lk,)))
     if return_stats:
         extra.append(stats)
+    if target is not None:
+        target[...] = o
     res = o if out is None else out  # the caller's own object back (ndarray or tensor)
     return (res, *extra) if extra else res
 
@@ -483,7 +529,11 @@ def varlen_attention(
     if backend == "decode":
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")
 
+    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else _check_out(out, (Tq, Hq, dv), q.dtype)
+    target = None
+    if out is not None:
+        o, target = _alias_safe(o, q, k, v, alibi_slopes, sinks)
     lse = np.empty((Hq, Tq), dtype=q.dtype) if return_lse else None
     kw = {}
     if window_size is not None:
@@ -498,7 +548,7 @@ def varlen_attention(
         stats = KernelStats(*_core.forward(
             q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None],
             o.transpose(1, 0, 2)[None], lse, cu_q=cu_q, cu_k=cu_k,
-            scale=scale, block_q=int(block_q), block_k=int(block_k),
+            scale=scale, block_q=block_q, block_k=block_k,
             reference=(backend == "reference"), **kw,
         ))
     elif o.size:
@@ -506,6 +556,8 @@ def varlen_attention(
         if lse is not None:
             lse[...] = -np.inf
     extra = [x for x, want in ((lse, return_lse), (stats, return_stats)) if want]
+    if target is not None:
+        target[...] = o
     res = o if out is None else out  # the caller's own object back (ndarray or tensor)
     return (res, *extra) if extra else res
 

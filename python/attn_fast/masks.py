@@ -422,8 +422,8 @@ class Dense(Mask):
         a = self.array
         if a.dtype == np.bool_:
             return {"mask": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)").view(np.uint8)}
-        if a.dtype != dtype:
-            a = a.astype(dtype)  # at the array's own shape, before broadcasting
+        if a.dtype != dtype or not a.flags.aligned:
+            a = a.astype(dtype)  # at the array's own shape, before broadcasting (aligned, native)
         return {"bias": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)")}
 
     def __repr__(self):

@@ -70,7 +70,8 @@ def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, re
     bias: additive, broadcastable to (…, Lq, Lk) (-inf masks a pair).
     k and v may have fewer heads than q (axis -3): they are repeated (GQA).
     sinks: per-head logits (axis -3 of q) joining the softmax denominator.
-    Rows that see nothing return 0 and lse = -inf.
+    Rows that see nothing return 0 and lse = -inf; a NaN or +inf visible
+    score makes its row NaN (IEEE arithmetic of the formula).
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -90,7 +91,7 @@ def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, re
         S = np.where(np.isneginf(bias), -np.inf, S + bias)  # -inf masks the pair, even a NaN score
     if mask is not None:
         S = np.where(np.asarray(mask, dtype=bool), S, -np.inf)
-    m = S.max(axis=-1, keepdims=True)
+    m = S.max(axis=-1, keepdims=True, initial=-np.inf)  # Lk = 0: no key, m = -inf
     if sinks is not None:
         sk = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
         m = np.maximum(m, np.broadcast_to(sk, m.shape))
@@ -102,9 +103,10 @@ def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, re
     if sinks is not None:
         l = l + np.exp(sk - m_safe)
     with np.errstate(invalid="ignore", divide="ignore"):
-        P = np.where(visible_l > 0, E / l, 0.0)
+        # `== 0` rather than `> 0`: a NaN score makes l NaN, and its row NaN (IEEE).
+        P = np.where(visible_l == 0, 0.0, E / l)
         O = P @ v
-        lse = np.where(l > 0, m_safe + np.log(l), -np.inf)[..., 0]
+        lse = np.where(l == 0, -np.inf, m_safe + np.log(l))[..., 0]
     if return_lse:
         return O, lse
     return O

@@ -131,6 +131,11 @@ Isa parse_isa(const std::string& name);  // throws std::invalid_argument
 
 void set_num_threads(int n);
 int get_num_threads();
+// The thread count for a kernel call starting now (get_num_threads(), which is
+// 1 in a forked child of a process that ran parallel regions with libgomp);
+// records that a multi-threaded region is about to run.
+int threads_for_call();
+bool forked_child_serial();
 bool openmp_enabled();
 std::string openmp_runtime();
 

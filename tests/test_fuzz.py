@@ -1,0 +1,207 @@
+"""Hypothesis fuzzing of scaled_dot_product_attention against the float64 oracle.
+
+Each example draws shapes (zero sizes included), a storage layout per array
+(axis permutation, steps of +-1/2, broadcast views, Fortran order, big-endian,
+misaligned), the score options (causal, window, softcap, ALiBi, sinks, dense
+boolean or additive masks of any broadcastable shape, scale), an output
+buffer, backend, tile sizes and the ISA; then either compares with the oracle
+or, when one argument was deliberately spoiled, expects the documented error.
+
+CI runs a few dozen examples; ATTN_FAST_FUZZ_EXAMPLES=20000 runs a long fuzz.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import ISAS
+
+import attn_fast as af
+from attn_fast import reference as ref
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+N_EXAMPLES = int(os.environ.get("ATTN_FAST_FUZZ_EXAMPLES", "60"))
+
+SPOILERS = ["none"] * 6 + ["head_dim", "dtype", "mixed", "mask_shape", "gqa_flag", "out_shape", "block", "ndim"]
+
+
+def lay_out(data, x, name, allow_broadcast_axes=()):
+    """Return an array equal to x stored in a drawn layout (a view, usually)."""
+    kind = data.draw(st.sampled_from(["c", "perm", "steps", "fortran", "broadcast", "bigendian", "misaligned"]), label=f"{name} layout")
+    if kind == "perm":
+        perm = data.draw(st.permutations(range(x.ndim)), label=f"{name} perm")
+        store = np.empty([x.shape[p] for p in perm], x.dtype)
+        view = store.transpose(np.argsort(perm))
+        view[...] = x
+        return view
+    if kind == "steps":
+        steps = [data.draw(st.sampled_from([1, 2, -1, -2]), label=f"{name} step") for _ in range(x.ndim)]
+        big = np.full([n * abs(s) + 1 for n, s in zip(x.shape, steps)], np.nan, x.dtype)
+        view = big[tuple(slice(None, None, s) for s in steps)]
+        view = view[tuple(slice(0, n) for n in x.shape)]
+        view[...] = x
+        return view
+    if kind == "fortran":
+        return np.asfortranarray(x)
+    if kind == "broadcast" and allow_broadcast_axes and x.size:
+        ax = data.draw(st.sampled_from(allow_broadcast_axes), label=f"{name} bcast axis")
+        if ax < x.ndim:
+            # Make x constant along `ax` and hand over a zero-stride view.
+            base = np.take(x, [0], axis=ax)
+            x[...] = base
+            return np.broadcast_to(base, x.shape)
+        return x
+    if kind == "bigendian":
+        return x.astype(x.dtype.newbyteorder(">"))
+    if kind == "misaligned":
+        raw = np.empty(x.nbytes + 1, np.uint8)
+        y = raw[1:].view(x.dtype).reshape(x.shape)
+        y[...] = x
+        return y
+    return x
+
+
+@st.composite
+def problems(draw):
+    data = draw(st.data())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dtype = draw(st.sampled_from([np.float32, np.float64]), label="dtype")
+    ndim = draw(st.sampled_from([2, 3, 4]), label="ndim")
+    B = draw(st.integers(0, 3), label="B") if ndim == 4 else 1
+    Hkv = draw(st.integers(1, 3), label="Hkv") if ndim >= 3 else 1
+    group = draw(st.integers(1, 3), label="group") if ndim >= 3 else 1
+    Hq = Hkv * group
+    Lq = draw(st.integers(0, 70), label="Lq")
+    Lk = draw(st.integers(0, 70), label="Lk")
+    d = draw(st.integers(1, 20), label="d")
+    dv = draw(st.integers(0, 20), label="dv")
+    lead_q = (B, Hq)[4 - ndim:] if ndim > 2 else ()
+    lead_k = (B, Hkv)[4 - ndim:] if ndim > 2 else ()
+    q = rng.standard_normal(lead_q + (Lq, d)).astype(dtype)
+    k = rng.standard_normal(lead_k + (Lk, d)).astype(dtype)
+    v = rng.standard_normal(lead_k + (Lk, dv)).astype(dtype)
+    # Storage layouts; k and v may be broadcast over batch, heads or length.
+    bc = tuple(range(ndim - 1))
+    q = lay_out(data, q, "q", bc)
+    k = lay_out(data, k, "k", bc)
+    v = lay_out(data, v, "v", bc)
+
+    kw = {"is_causal": draw(st.booleans(), label="causal"), "enable_gqa": group > 1}
+    if draw(st.booleans(), label="has window"):
+        side = st.one_of(st.none(), st.integers(0, 80))
+        kw["window_size"] = (draw(side, label="left"), draw(side, label="right"))
+    if draw(st.integers(0, 3), label="softcap?") == 0:
+        kw["softcap"] = draw(st.floats(0.5, 30), label="softcap")
+    if draw(st.integers(0, 3), label="alibi?") == 0:
+        kw["alibi_slopes"] = rng.uniform(0, 0.5, Hq)
+    if draw(st.integers(0, 3), label="sinks?") == 0:
+        kw["sinks"] = rng.standard_normal(Hq) * 2
+    if draw(st.booleans(), label="scale?"):
+        kw["scale"] = draw(st.floats(-2, 2), label="scale")
+    mask_kind = draw(st.sampled_from(["none", "none", "bool", "float"]), label="mask")
+    if mask_kind != "none":
+        full = (B, Hq, Lq, Lk)
+        mshape = tuple(n if draw(st.booleans(), label="mask axis full") else 1 for n in full)
+        mshape = mshape[4 - draw(st.integers(2, 4), label="mask ndim"):]
+        if mask_kind == "bool":
+            kw["attn_mask"] = rng.random(mshape) < 0.7
+        else:
+            m = rng.standard_normal(mshape).astype(draw(st.sampled_from([np.float32, np.float64]), label="bias dtype"))
+            m[rng.random(mshape) < 0.2] = -np.inf
+            kw["attn_mask"] = m
+    kw["return_lse"] = draw(st.booleans(), label="lse")
+    kw["backend"] = draw(st.sampled_from(["fused", "fused", "reference"]), label="backend")
+    kw["block_q"] = draw(st.sampled_from([0, 1, 5, 48, 200]), label="block_q")
+    kw["block_k"] = draw(st.sampled_from([0, 1, 7, 64, 300]), label="block_k")
+    out_shape = q.shape[:-1] + (dv,)
+    if draw(st.booleans(), label="out?"):
+        big = np.full(out_shape[:-1] + (2 * dv + 1,), np.nan, dtype)
+        kw["out"] = big[..., 1::2] if draw(st.booleans(), label="out strided") else big[..., :dv]
+    isa = draw(st.sampled_from(ISAS), label="isa")
+    spoil = draw(st.sampled_from(SPOILERS), label="spoil")
+    return q, k, v, kw, isa, spoil, (B, Hq, Lq, Lk)
+
+
+def spoiled(q, k, v, kw, spoil):
+    """Apply one deliberate error; return the exception type it must raise."""
+    if spoil == "head_dim":
+        return q, np.concatenate([k, k[..., :1]], axis=-1), v, kw, ValueError
+    if spoil == "dtype":
+        return q, k.astype(np.float16), v, kw, TypeError
+    if spoil == "mixed":
+        other = np.float64 if q.dtype.itemsize == 4 else np.float32
+        return q, k, v.astype(other), kw, TypeError
+    if spoil == "mask_shape":
+        kw = dict(kw, attn_mask=np.ones(q.shape[:-1] + (k.shape[-2] + 2,), bool))
+        return q, k, v, kw, ValueError
+    if spoil == "gqa_flag" and kw["enable_gqa"]:
+        return q, k, v, dict(kw, enable_gqa=False), ValueError
+    if spoil == "out_shape":
+        return q, k, v, dict(kw, out=np.empty(q.shape[:-1] + (v.shape[-1] + 1,), q.dtype)), ValueError
+    if spoil == "block":
+        return q, k, v, dict(kw, block_k=-3), ValueError
+    if spoil == "ndim":
+        return q[..., None], k, v, kw, ValueError
+    return q, k, v, kw, None
+
+
+def oracle(q, k, v, kw, dims):
+    B, Hq, Lq, Lk = dims
+    q4, k4, v4 = (np.asarray(x, np.float64).reshape((1,) * (4 - x.ndim) + x.shape) for x in (q, k, v))
+    vis = np.ones((Lq, Lk), bool)
+    if kw["is_causal"]:
+        vis &= ref.causal_mask(Lq, Lk)
+    if "window_size" in kw:
+        vis &= ref.window_mask(Lq, Lk, *kw["window_size"])
+    mask, bias = vis[None, None], np.zeros((1, 1, Lq, Lk))
+    m = kw.get("attn_mask")
+    if m is not None:
+        m4 = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        if m.dtype == np.bool_:
+            mask = mask & m4
+        else:
+            bias = bias + m4.astype(q.dtype).astype(np.float64)  # the kernel adds the bias in q's dtype
+    if "alibi_slopes" in kw:
+        i = np.arange(Lq)[:, None] + (Lk - Lq)
+        j = np.arange(Lk)[None, :]
+        slopes = np.asarray(kw["alibi_slopes"]).astype(q.dtype).astype(np.float64)
+        bias = bias - slopes[None, :, None, None] * np.abs(i - j)
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        sinks = np.asarray(sinks).astype(q.dtype).astype(np.float64)
+    return ref.sdpa(q4, k4, v4, mask=mask, bias=bias, scale=kw.get("scale"), softcap=kw.get("softcap"),
+                    sinks=sinks, return_lse=True)
+
+
+@settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(problems())
+def test_fuzz_against_oracle(problem):
+    q, k, v, kw, isa, spoil, dims = problem
+    q, k, v, kw, error = spoiled(q, k, v, kw, spoil)
+    old = af.get_isa()
+    af.set_isa(isa)
+    try:
+        if error is not None:
+            with pytest.raises(error):
+                af.scaled_dot_product_attention(q, k, v, **kw)
+            return
+        res = af.scaled_dot_product_attention(q, k, v, **kw)
+    finally:
+        af.set_isa(old)
+    o, lse = res if kw["return_lse"] else (res, None)
+    if "out" in kw:
+        assert o is kw["out"]
+    assert o.dtype == q.dtype.newbyteorder("=") and o.shape == q.shape[:-1] + (v.shape[-1],)
+    O, LSE = oracle(q, k, v, kw, dims)
+    t = dict(rtol=3e-4, atol=3e-5) if q.dtype.itemsize == 4 else dict(rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(o.reshape(O.shape), O, **t)
+    if lse is not None:
+        lse = lse.reshape(LSE.shape)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
+        fin = np.isfinite(LSE)
+        np.testing.assert_allclose(lse[fin], LSE[fin], **t)
