@@ -185,4 +185,9 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release release;
     return fma_peak_gflops(threads, seconds);
   }, py::arg("threads"), py::arg("seconds") = 0.3);
+  m.def("read_bandwidth_gbs", [](int threads, int64_t bytes, double seconds) {
+    py::gil_scoped_release release;
+    return read_bandwidth_gbs(threads, bytes, seconds);
+  }, py::arg("threads"), py::arg("bytes") = int64_t(512) << 20, py::arg("seconds") = 0.3,
+     "Streaming-read bandwidth in GB/s (best pass over a `bytes` buffer).");
 }

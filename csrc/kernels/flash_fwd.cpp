@@ -572,5 +572,20 @@ double fma_loop(int64_t iters) {
   return sink == 12345.f ? 0.0 : 2.0 * 10 * V::W * static_cast<double>(iters);
 }
 
+// Streaming-read probe: the sum of n floats (n % (4 * W) == 0), four
+// independent vector accumulators so the loop is bound by the loads alone.
+double read_loop(const float* p, int64_t n) {
+  using V = Vec<float>;
+  constexpr int W = V::W;
+  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+  for (int64_t i = 0; i < n; i += 4 * W) {
+    a0 = V::add(a0, V::load(p + i));
+    a1 = V::add(a1, V::load(p + i + W));
+    a2 = V::add(a2, V::load(p + i + 2 * W));
+    a3 = V::add(a3, V::load(p + i + 3 * W));
+  }
+  return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
+}
+
 }  // namespace ATTN_NS
 }  // namespace attn_fast
