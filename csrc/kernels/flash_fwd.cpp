@@ -375,8 +375,10 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     const bool nonfinite = sc.nonfinite[slot] != 0;
 
     // 2. S = Q K^T.
-    for (int64_t i = 0; i < rows_p; i += kMR)
-      for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
+    // Key panel outer: one panel (d x kNR*W) stays in L1 while the Q block's
+    // row panels stream past it.
+    for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
+      for (int64_t i = 0; i < rows_p; i += kMR)
         qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * Bc + jv, Bc);
 
     // 3. Transforms and element masks, 4. online softmax.
@@ -427,10 +429,12 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
         for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
         continue;
       }
+      // P = 2^((S - m) * log2 e): the same rounding as exp(S - m), cheaper.
       const typename V::R vmn = V::set1(m_new);
+      const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
       typename V::R vs = V::zero();
       for (int64_t j = 0; j < cols_p; j += W) {
-        const typename V::R p = V::exp(V::sub(V::load(s + j), vmn));
+        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
         V::store(s + j, p);
         vs = V::add(vs, p);
       }
@@ -489,7 +493,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
   int64_t Br = a.block_q > 0 ? a.block_q : 48;
-  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 64, kNR * W);
+  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 128, kNR * W);
   const int64_t dvp = round_up(a.dv, W);
 
   // Work items: (sequence, head, query block); prefix over sequences.
