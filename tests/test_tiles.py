@@ -116,3 +116,12 @@ def test_suite_smoke(tmp_path):
     assert res["limits"]["1"]["fma_peak_gflops"] > 0
     json.dumps(res)  # every figure is JSON-serialisable
     assert any("causal time" in t["target"] for t in res["targets"])
+
+
+def test_tall_query_blocks_for_long_kv(isa, rng):
+    # K/V of a head over 2 MiB: the default query block grows to 96 rows;
+    # 200 rows leave a tail block, causal bottom-right with Lq < Lk.
+    q = randn(rng, (1, 1, 200, 128))
+    k, v = randn(rng, (1, 1, 4100, 128)), randn(rng, (1, 1, 4100, 128))
+    sdpa_checked(q, k, v, np.float32)
+    sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(200, 4100), is_causal=True)

@@ -11,24 +11,38 @@
 // Tiling (FlashAttention-2 forward, names from the paper):
 //   One work item = one (sequence, head, block of Br query rows). A thread
 //   packs its Q block once (scaled by `scale`, rows padded with zeros to a
-//   multiple of the micro-tile height MR), then walks the key blocks of Bc keys
-//   that the structural masks leave visible:
-//     1. pack K_blk transposed, Kt[d][Bc] (columns padded with zeros), and
-//        V_blk row-major, Vp[Bc][dv_pad];
-//     2. S = Q_blk Kt                     register-blocked MR x (NR*W) tiles
+//   multiple of the micro-tile height MR, stored as MR-row panels, k-major),
+//   then walks the key blocks of Bc keys (aligned to multiples of Bc) that the
+//   structural masks leave visible, trimmed to the last visible key:
+//     1. fetch the packed K and V block from the thread's cache (kv_block):
+//        K as panels of NR*W keys, k-major (Kp[k][NR*W]); V as strips of
+//        NR*W (then W) columns, each a contiguous [Bc][width] panel. A block
+//        is packed once per thread and (sequence, kv head), not once per
+//        query block, so GQA heads and later query blocks reuse it;
+//     2. S = Q_blk K^T                    register-blocked MR x (NR*W) tiles,
+//        key panel outer so that panel stays in L1;
 //     3. score transforms (softcap, ALiBi, additive bias) and element masks,
 //        only on tiles that need them (diagonal/partial tiles);
-//     4. online softmax per row: m_new = max(m, rowmax(S)), P = exp(S - m_new),
-//        l = l * exp(m - m_new) + rowsum(P), O_acc *= exp(m - m_new) (skipped
-//        when the max did not move);
-//     5. O_acc += P Vp                    register-blocked MR x (NR*W) tiles
+//     4. online softmax per row: m_new = max(m, rowmax(S)),
+//        P = 2^((S - m_new) log2 e) (exp2_neg: no clamps or blends needed for
+//        arguments <= 0), l = l * exp(m - m_new) + rowsum(P),
+//        O_acc *= exp(m - m_new) (skipped when the max did not move);
+//     5. O_acc += P V                     register-blocked MR x (NR*W) tiles,
+//        the V strip streamed from its panel
 //   and finally O = O_acc / l, lse = m + log(l), written through o's strides.
-//   The L x L score matrix never exists; scratch per thread is
-//   Br*d + d*Bc + Br*Bc + Bc*dv_pad + Br*dv_pad elements (O(block)).
+//   The L x L score matrix never exists. Scratch per thread is
+//   Br*d + Br*Bc + Br*dv_pad elements plus the K/V block cache, which holds
+//   the packed blocks of one (sequence, kv head), at most kCacheBytes (blocks
+//   are reused as a ring beyond that).
 //
-// Memory: with Br = 48, Bc = 64, d = dv = 128 in fp32 the Q block is 24 KiB,
-//   Kt and Vp 32 KiB each, S 12 KiB and O_acc 24 KiB: the K/V tiles stream
-//   through L1/L2 while Q and O_acc stay in L2 (1 MiB per core).
+// Micro-kernels (AVX2: MR = 6, NR = 2, W = 8): 12 accumulators, 2 panel
+//   loads and 6 broadcasts per 12 FMAs; the inner loops are pure loads and
+//   FMAs (checked in the disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//
+// Memory: Br = 48, Bc = 128, d = dv = 128 in fp32: Q block 24 KiB, a K panel
+//   8 KiB (L1), a V strip 8 KiB (L1), S 24 KiB, O_acc 24 KiB; the K/V blocks
+//   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
+//   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
 //
 // Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
 //   first. Each output row is computed by exactly one thread in a fixed order,
@@ -492,9 +506,13 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   constexpr int W = Vec<T>::W;
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
-  int64_t Br = a.block_q > 0 ? a.block_q : 48;
   int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 128, kNR * W);
   const int64_t dvp = round_up(a.dv, W);
+  // Every query block streams its head's packed K/V blocks once: when those
+  // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
+  // traffic per FLOP.
+  const bool long_kv = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T)) > (int64_t(2) << 20);
+  int64_t Br = a.block_q > 0 ? a.block_q : (long_kv ? 96 : 48);
 
   // Work items: (sequence, head, query block); prefix over sequences.
   int64_t* prefix = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.B + 1)));
