@@ -311,4 +311,9 @@ PYBIND11_MODULE(_core, m) {
     return stream_read_gbps(threads, nbytes, reps);
   }, py::arg("threads"), py::arg("nbytes"), py::arg("reps") = 5,
      "Streaming-read bandwidth (GB/s) of `threads` threads over an nbytes buffer, best of reps.");
+  m.def("read_bandwidth_gbs", [](int threads, int64_t bytes, double seconds) {
+    py::gil_scoped_release release;
+    return read_bandwidth_gbs(threads, bytes, seconds);
+  }, py::arg("threads"), py::arg("bytes") = int64_t(512) << 20, py::arg("seconds") = 0.3,
+     "Streaming-read bandwidth in GB/s (best pass over a `bytes` buffer).");
 }

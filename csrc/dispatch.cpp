@@ -1,8 +1,8 @@
 // CPU detection (once, cached), ISA choice and thread count; compiled at the
 // baseline ISA. Forwards each entry point to the chosen per-ISA kernel.
 #include <atomic>
-#include <new>
 #include <chrono>
+#include <new>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -33,6 +33,7 @@ namespace attn_fast {
   void decode_forward_f32(const DecodeArgs<float>& a);            \
   void decode_forward_f64(const DecodeArgs<double>& a);           \
   float stream_read(const float* p, int64_t n);                   \
+  double read_loop(const float* p, int64_t n);                    \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -322,6 +323,36 @@ double stream_read_gbps(int threads, int64_t nbytes, int reps) {
   }
   std::free(buf);
   return sink == 1.2345e30f ? -1.0 : best;
+}
+
+static double read_loop_active(const float* p, int64_t n) { ATTN_DISPATCH(read_loop, p, n) }
+
+double read_bandwidth_gbs(int threads, int64_t bytes, double seconds) {
+  if (threads < 1) threads = 1;
+  const int64_t chunk = 64 * 1024;  // floats per work unit, a multiple of 4 * W
+  int64_t n = bytes / static_cast<int64_t>(sizeof(float)) / chunk * chunk;
+  if (n < chunk) n = chunk;
+  const int64_t units = n / chunk;
+  float* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(float)));
+  if (!buf) throw std::bad_alloc();
+  // First touch by the thread that will read the unit (same static split).
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t i = 0; i < chunk; ++i) buf[u * chunk + i] = 1.0f;
+  double sink = 0, best = 0, total = 0;
+  int passes = 0;
+  while (passes < 3 || total < seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
+    for (int64_t u = 0; u < units; ++u) sink += read_loop_active(buf + u * chunk, chunk);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total += dt;
+    ++passes;
+    const double gbs = static_cast<double>(n) * sizeof(float) / dt * 1e-9;
+    if (gbs > best) best = gbs;
+  }
+  std::free(buf);
+  return sink == -1.0 ? 0.0 : best;
 }
 
 }  // namespace attn_fast

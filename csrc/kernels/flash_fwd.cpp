@@ -11,24 +11,38 @@
 // Tiling (FlashAttention-2 forward, names from the paper):
 //   One work item = one (sequence, head, block of Br query rows). A thread
 //   packs its Q block once (scaled by `scale`, rows padded with zeros to a
-//   multiple of the micro-tile height MR), then walks the key blocks of Bc keys
-//   that the structural masks leave visible:
-//     1. pack K_blk transposed, Kt[d][Bc] (columns padded with zeros), and
-//        V_blk row-major, Vp[Bc][dv_pad];
-//     2. S = Q_blk Kt                     register-blocked MR x (NR*W) tiles
+//   multiple of the micro-tile height MR, stored as MR-row panels, k-major),
+//   then walks the key blocks of Bc keys (aligned to multiples of Bc) that the
+//   structural masks leave visible, trimmed to the last visible key:
+//     1. fetch the packed K and V block from the thread's cache (kv_block):
+//        K as panels of NR*W keys, k-major (Kp[k][NR*W]); V as strips of
+//        NR*W (then W) columns, each a contiguous [Bc][width] panel. A block
+//        is packed once per thread and (sequence, kv head), not once per
+//        query block, so GQA heads and later query blocks reuse it;
+//     2. S = Q_blk K^T                    register-blocked MR x (NR*W) tiles,
+//        key panel outer so that panel stays in L1;
 //     3. score transforms (softcap, ALiBi, additive bias) and element masks,
 //        only on tiles that need them (diagonal/partial tiles);
-//     4. online softmax per row: m_new = max(m, rowmax(S)), P = exp(S - m_new),
-//        l = l * exp(m - m_new) + rowsum(P), O_acc *= exp(m - m_new) (skipped
-//        when the max did not move);
-//     5. O_acc += P Vp                    register-blocked MR x (NR*W) tiles
+//     4. online softmax per row: m_new = max(m, rowmax(S)),
+//        P = 2^((S - m_new) log2 e) (exp2_neg: no clamps or blends needed for
+//        arguments <= 0), l = l * exp(m - m_new) + rowsum(P),
+//        O_acc *= exp(m - m_new) (skipped when the max did not move);
+//     5. O_acc += P V                     register-blocked MR x (NR*W) tiles,
+//        the V strip streamed from its panel
 //   and finally O = O_acc / l, lse = m + log(l), written through o's strides.
-//   The L x L score matrix never exists; scratch per thread is
-//   Br*d + d*Bc + Br*Bc + Bc*dv_pad + Br*dv_pad elements (O(block)).
+//   The L x L score matrix never exists. Scratch per thread is
+//   Br*d + Br*Bc + Br*dv_pad elements plus the K/V block cache, which holds
+//   the packed blocks of one (sequence, kv head), at most kCacheBytes (blocks
+//   are reused as a ring beyond that).
 //
-// Memory: with Br = 48, Bc = 64, d = dv = 128 in fp32 the Q block is 24 KiB,
-//   Kt and Vp 32 KiB each, S 12 KiB and O_acc 24 KiB: the K/V tiles stream
-//   through L1/L2 while Q and O_acc stay in L2 (1 MiB per core).
+// Micro-kernels (AVX2: MR = 6, NR = 2, W = 8): 12 accumulators, 2 panel
+//   loads and 6 broadcasts per 12 FMAs; the inner loops are pure loads and
+//   FMAs (checked in the disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//
+// Memory: Br = 48, Bc = 128, d = dv = 128 in fp32: Q block 24 KiB, a K panel
+//   8 KiB (L1), a V strip 8 KiB (L1), S 24 KiB, O_acc 24 KiB; the K/V blocks
+//   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
+//   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
 //
 // Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
 //   first. Each output row is computed by exactly one thread in a fixed order,
@@ -93,9 +107,12 @@ T* alloc_scratch(int64_t n) {
   return static_cast<T*>(p);
 }
 
-// S[MR][NR*W] = Qs[MR][d] * Kt[d][ldk] (one micro-tile; S row stride lds).
+// S[MR][NR*W] = Q[MR][d] * K^T for one micro-tile. Qp is an MR-row panel
+// stored k-major (Qp[k*MR + r]), Kp a packed panel of NR*W keys stored k-major
+// (Kp[k*NR*W + c]): both are read as two contiguous streams, the inner loop is
+// NR aligned loads, MR broadcasts and MR*NR FMAs.
 template <typename T, int MR, int NR>
-inline void qk_micro(const T* __restrict Qs, int64_t d, const T* __restrict Kt, int64_t ldk,
+inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp,
                      T* __restrict S, int64_t lds) {
   using V = Vec<T>;
   constexpr int W = V::W;
@@ -104,9 +121,9 @@ inline void qk_micro(const T* __restrict Qs, int64_t d, const T* __restrict Kt, 
     for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
   for (int64_t k = 0; k < d; ++k) {
     typename V::R b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = V::load(Kt + k * ldk + n * W);
+    for (int n = 0; n < NR; ++n) b[n] = V::load(Kp + k * (NR * W) + n * W);
     for (int r = 0; r < MR; ++r) {
-      const typename V::R a = V::set1(Qs[r * d + k]);
+      const typename V::R a = V::set1(Qp[k * MR + r]);
       for (int n = 0; n < NR; ++n) acc[r][n] = V::fma(a, b[n], acc[r][n]);
     }
   }
@@ -135,28 +152,46 @@ inline void pv_micro(const T* __restrict P, int64_t ldp, int64_t cols, const T* 
     for (int n = 0; n < NR; ++n) V::store(O + r * ldo + n * W, acc[r][n]);
 }
 
-template <typename T, int NR>
-inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vp,
-                     int64_t ldv, T* O, int64_t ldo, int64_t col0) {
-  for (int64_t i = 0; i < rows_p; i += kMR)
-    pv_micro<T, kMR, NR>(P + i * ldp, ldp, cols, Vp + col0, ldv, O + i * ldo + col0, ldo);
+// Packed V layout: the dvp columns are cut into strips, full strips of
+// kNR*W columns then W-wide tail strips; each strip is stored as a contiguous
+// [Bc][width] panel at offset col0 * Bc, so the P*V micro-kernel streams it.
+// Element (c, e) of a packed block:
+template <typename T>
+inline int64_t vp_index(int64_t c, int64_t e, int64_t Bc, int64_t dvp) {
+  constexpr int W = Vec<T>::W, NRW = kNR * W;
+  int64_t col0 = e / NRW * NRW, width = NRW;
+  if (col0 + NRW > dvp) {
+    col0 = e / W * W;
+    width = W;
+  }
+  return col0 * Bc + c * width + (e - col0);
 }
 
-// O[rows_p][dvp] += P[rows_p][cols] * Vp[cols][dvp]; rows_p % kMR == 0, dvp % W == 0.
+template <typename T, int NR>
+inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vstrip,
+                     T* O, int64_t ldo, int64_t col0) {
+  constexpr int W = Vec<T>::W;
+  for (int64_t i = 0; i < rows_p; i += kMR)
+    pv_micro<T, kMR, NR>(P + i * ldp, ldp, cols, Vstrip, NR * W, O + i * ldo + col0, ldo);
+}
+
+// O[rows_p][dvp] += P[rows_p][cols] * V[cols][dvp]; V packed in strips of a
+// Bc-row block (vp_index); rows_p % kMR == 0, dvp % W == 0.
 template <typename T>
-void pv_block(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vp, int64_t dvp,
-              T* O) {
+void pv_block(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vp, int64_t Bc,
+              int64_t dvp, T* O) {
   constexpr int W = Vec<T>::W;
   int64_t c0 = 0;
-  for (; c0 + kNR * W <= dvp; c0 += kNR * W) pv_strip<T, kNR>(P, ldp, rows_p, cols, Vp, dvp, O, dvp, c0);
-  for (; c0 < dvp; c0 += W) pv_strip<T, 1>(P, ldp, rows_p, cols, Vp, dvp, O, dvp, c0);
+  for (; c0 + kNR * W <= dvp; c0 += kNR * W)
+    pv_strip<T, kNR>(P, ldp, rows_p, cols, Vp + c0 * Bc, O, dvp, c0);
+  for (; c0 < dvp; c0 += W) pv_strip<T, 1>(P, ldp, rows_p, cols, Vp + c0 * Bc, O, dvp, c0);
 }
 
 // NaN-safe P*V for tiles whose V block holds a non-finite value: weights that
 // are exactly zero (masked pairs) are skipped instead of multiplied.
 template <typename T>
 void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const T* Vp,
-                      int64_t dvp, T* O) {
+                      int64_t Bc, int64_t dvp, T* O) {
   using V = Vec<T>;
   constexpr int W = V::W;
   for (int64_t r = 0; r < rows; ++r)
@@ -165,22 +200,85 @@ void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const
       if (p == T(0)) continue;
       const typename V::R a = V::set1(p);
       for (int64_t e = 0; e < dvp; e += W)
-        V::store(O + r * dvp + e, V::fma(a, V::load(Vp + c * dvp + e), V::load(O + r * dvp + e)));
+        V::store(O + r * dvp + e,
+                 V::fma(a, V::load(Vp + vp_index<T>(c, e, Bc, dvp)), V::load(O + r * dvp + e)));
     }
 }
 
 template <typename T>
 struct Scratch {
-  T* Qs;
-  T* Kt;
-  T* S;
-  T* Vp;
-  T* O;
+  T* Qp;       // Brp * d: Q block scaled, MR-row panels, k-major
+  T* S;        // Brp * Bc: scores, then P
+  T* O;        // Brp * dvp: unnormalised output accumulator
   T* m;
   T* l;
   int64_t* lo;
   int64_t* hi;
+  T* Kc;       // nslots * Bc * d: panels of kNR*W keys, k-major
+  T* Vc;       // nslots * Bc * dvp: rows
+  int64_t* tag;         // nslots: block held by the slot, -1 = none
+  uint8_t* nonfinite;   // nslots: the slot's V block holds an inf/NaN
+  int64_t nslots = 1;
+  int64_t key_s = -1, key_hk = -1;  // owner of the cached blocks
 };
+
+constexpr int64_t kCacheBytes = int64_t(24) << 20;
+
+// Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
+// packing it on a miss. Columns past the sequence end are zero up to the
+// panel width.
+template <typename T>
+int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk, int64_t blk,
+                 int64_t Bc, Scratch<T>& sc) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  constexpr int NRW = kNR * W;
+  if (sc.key_s != s || sc.key_hk != hk) {
+    for (int64_t i = 0; i < sc.nslots; ++i) sc.tag[i] = -1;
+    sc.key_s = s;
+    sc.key_hk = hk;
+  }
+  const int64_t slot = blk % sc.nslots;
+  if (sc.tag[slot] == blk) return slot;
+  const int64_t d = a.d, dv = a.dv, dvp = round_up(dv, W);
+  const int64_t j0 = blk * Bc;
+  const int64_t cols = imin(Bc, si.k_len - j0), cols_p = round_up(cols, NRW);
+  const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
+  const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
+  T* Kt = sc.Kc + slot * Bc * d;
+  for (int64_t c = 0; c < cols_p; ++c) {
+    T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
+    if (c < cols) {
+      const T* src = kbase + c * a.sk.l;
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = src[e * a.sk.d];
+    } else {
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+    }
+  }
+  T* Vp = sc.Vc + slot * Bc * dvp;
+  typename V::R bad = V::zero();
+  for (int64_t col0 = 0; col0 < dvp;) {
+    const int64_t width = col0 + NRW <= dvp ? NRW : W;
+    T* panel = Vp + col0 * Bc;
+    for (int64_t c = 0; c < cols_p; ++c) {
+      T* dst = panel + c * width;
+      const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
+      const T* src = vbase + c * a.sv.l + col0 * a.sv.d;
+      if (a.sv.d == 1) {
+        if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
+      } else {
+        for (int64_t e = 0; e < n; ++e) dst[e] = src[e * a.sv.d];
+      }
+      for (int64_t e = n; e < width; ++e) dst[e] = T(0);
+      for (int64_t e = 0; e < width; e += W) bad = V::add(bad, V::mul(V::load(dst + e), V::zero()));
+    }
+    col0 += width;
+  }
+  const T b = V::hsum(bad);
+  sc.nonfinite[slot] = b != T(0) || b != b;  // x * 0 is NaN iff x is inf or NaN
+  sc.tag[slot] = blk;
+  return slot;
+}
 
 // Tile classification against the block-sparse layout and the dense mask:
 // returns 0 = nothing visible (skip), 1 = all visible, 2 = mixed.
@@ -218,8 +316,8 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
 }
 
 template <typename T>
-void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb, int64_t Br,
-                  int64_t Bc, const Scratch<T>& sc, AttnStats& st) {
+void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
+                  int64_t Br, int64_t Bc, Scratch<T>& sc, AttnStats& st) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
@@ -231,8 +329,6 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
   const int64_t hk = h / (a.Hq / a.Hkv);
 
   const T* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
-  const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + si.k0 * a.sk.l;
-  const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + si.k0 * a.sv.l;
   T* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
   T* lsebase = nullptr;
   if (a.lse) lsebase = a.cu_q ? a.lse + h * a.Lq + si.q0 : a.lse + (si.b * a.Hq + h) * a.Lq;
@@ -253,21 +349,21 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
   }
   if (jhi > jlo) {
     std::memset(sc.O, 0, sizeof(T) * rows_p * dvp);
-    // Pack Q (scaled), zero rows up to the micro-tile multiple.
+    // Pack Q (scaled) as MR-row panels, k-major; zero rows up to rows_p.
     const T scale = static_cast<T>(a.scale);
     for (int64_t r = 0; r < rows_p; ++r) {
-      T* dst = sc.Qs + r * d;
+      T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
       if (r < rows) {
         const T* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sq.d] * scale;
+        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = src[e * a.sq.d] * scale;
       } else {
-        for (int64_t e = 0; e < d; ++e) dst[e] = T(0);
+        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
       }
     }
   }
 
   const bool transforms = a.softcap > 0 || a.alibi || a.bias;
-  for (int64_t j0 = jlo; j0 < jhi; j0 += Bc) {
+  for (int64_t j0 = jlo / Bc * Bc; j0 < jhi; j0 += Bc) {
     const int64_t cols = imin(Bc, jhi - j0);
     // Structural classification (rows are monotone in lo/hi).
     bool partial = false;
@@ -287,33 +383,18 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
     ++st.tiles_computed;
     const int64_t cols_p = round_up(cols, kNR * W);
 
-    // 1. Pack K transposed and V.
-    for (int64_t c = 0; c < cols; ++c) {
-      const T* src = kbase + (j0 + c) * a.sk.l;
-      for (int64_t e = 0; e < d; ++e) sc.Kt[e * Bc + c] = src[e * a.sk.d];
-    }
-    for (int64_t e = 0; e < d; ++e)
-      for (int64_t c = cols; c < cols_p; ++c) sc.Kt[e * Bc + c] = T(0);
-    bool nonfinite = false;
-    for (int64_t c = 0; c < cols; ++c) {
-      const T* src = vbase + (j0 + c) * a.sv.l;
-      T* dst = sc.Vp + c * dvp;
-      T acc = T(0);
-      for (int64_t e = 0; e < dv; ++e) {
-        const T x = src[e * a.sv.d];
-        dst[e] = x;
-        acc += x - x;  // NaN iff some x is inf or NaN
-      }
-      for (int64_t e = dv; e < dvp; ++e) dst[e] = T(0);
-      nonfinite = nonfinite || acc != T(0);
-    }
-    for (int64_t c = cols; c < cols_p; ++c)
-      for (int64_t e = 0; e < dvp; ++e) sc.Vp[c * dvp + e] = T(0);
+    // 1. Packed K and V blocks (cached per thread).
+    const int64_t slot = kv_block(a, si, s_idx, hk, j0 / Bc, Bc, sc);
+    const T* Kt = sc.Kc + slot * Bc * d;
+    const T* Vp = sc.Vc + slot * Bc * dvp;
+    const bool nonfinite = sc.nonfinite[slot] != 0;
 
-    // 2. S = Q Kt.
-    for (int64_t i = 0; i < rows_p; i += kMR)
-      for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
-        qk_micro<T, kMR, kNR>(sc.Qs + i * d, d, sc.Kt + jv, Bc, sc.S + i * Bc + jv, Bc);
+    // 2. S = Q K^T.
+    // Key panel outer: one panel (d x kNR*W) stays in L1 while the Q block's
+    // row panels stream past it.
+    for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
+      for (int64_t i = 0; i < rows_p; i += kMR)
+        qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * Bc + jv, Bc);
 
     // 3. Transforms and element masks, 4. online softmax.
     for (int64_t r = 0; r < rows; ++r) {
@@ -371,10 +452,12 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
         for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
         continue;
       }
+      // P = 2^((S - m) * log2 e): the same rounding as exp(S - m), cheaper.
       const typename V::R vmn = V::set1(m_new);
+      const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
       typename V::R vs = V::zero();
       for (int64_t j = 0; j < cols_p; j += W) {
-        const typename V::R p = V::exp(V::sub(V::load(s + j), vmn));
+        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
         V::store(s + j, p);
         vs = V::add(vs, p);
       }
@@ -395,9 +478,9 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t qb
 
     // 5. O += P V.
     if (nonfinite)
-      pv_block_guarded<T>(sc.S, Bc, rows, cols, sc.Vp, dvp, sc.O);
+      pv_block_guarded<T>(sc.S, Bc, rows, cols, Vp, Bc, dvp, sc.O);
     else
-      pv_block<T>(sc.S, Bc, rows_p, cols_p, sc.Vp, dvp, sc.O);
+      pv_block<T>(sc.S, Bc, rows_p, cols_p, Vp, Bc, dvp, sc.O);
   }
 
   // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
@@ -432,13 +515,17 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   constexpr int W = Vec<T>::W;
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
-  int64_t Br = a.block_q > 0 ? a.block_q : 48;
-  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 64, kNR * W);
-  // A tile never outgrows the problem or 4096 (a huge block_q from a caller
+  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 128, kNR * W);
+  // A tile never outgrows the problem or 4096 (a huge block_k from a caller
   // must not size the per-thread scratch).
-  Br = imin(Br, imin(imax(a.Lq, 1), 4096));
   Bc = imin(Bc, round_up(imin(imax(a.Lk, 1), 4096), kNR * W));
   const int64_t dvp = round_up(a.dv, W);
+  // Every query block streams its head's packed K/V blocks once: when those
+  // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
+  // traffic per FLOP.
+  const bool long_kv = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T)) > (int64_t(2) << 20);
+  int64_t Br = a.block_q > 0 ? a.block_q : (long_kv ? 96 : 48);
+  Br = imin(Br, imin(imax(a.Lq, 1), 4096));
 
   // Work items: (sequence, head, query block); prefix over sequences.
   int64_t* prefix = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.B + 1)));
@@ -453,22 +540,31 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
 
   int nt = a.num_threads > 0 ? a.num_threads : 1;
   if (n_items < nt) nt = static_cast<int>(n_items > 0 ? n_items : 1);
+  // Tiny calls (a few microseconds of work) run on the calling thread: waking
+  // a team costs more than it saves, and on a loaded machine much more.
+  const double work = static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
+  if (work < double(1 << 21)) nt = 1;
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
     Scratch<T> sc;
     const int64_t Brp = round_up(Br, kMR);
-    sc.Qs = alloc_scratch<T>(Brp * a.d);
-    sc.Kt = alloc_scratch<T>(a.d * Bc);
+    sc.Qp = alloc_scratch<T>(Brp * a.d);
     sc.S = alloc_scratch<T>(Brp * Bc);
-    sc.Vp = alloc_scratch<T>(Bc * dvp);
     sc.O = alloc_scratch<T>(Brp * dvp);
     sc.m = alloc_scratch<T>(Brp);
     sc.l = alloc_scratch<T>(Brp);
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
+    const int64_t slot_bytes = Bc * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
+    sc.nslots = imax(1, imin((a.Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
+    sc.Kc = alloc_scratch<T>(sc.nslots * Bc * a.d);
+    sc.Vc = alloc_scratch<T>(sc.nslots * Bc * dvp);
+    sc.tag = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * sc.nslots));
+    sc.nonfinite = static_cast<uint8_t*>(std::malloc(sc.nslots));
     // A thread whose scratch could not be allocated computes nothing; the
     // call then throws std::bad_alloc (MemoryError) instead of crashing.
-    const bool ok = sc.Qs && sc.Kt && sc.S && sc.Vp && sc.O && sc.m && sc.l && sc.lo && sc.hi;
+    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.Kc && sc.Vc &&
+                    sc.tag && sc.nonfinite;
     failed += ok ? 0 : 1;
     AttnStats st;
 #pragma omp for schedule(dynamic, 1)
@@ -485,12 +581,13 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
       const int64_t rem = w - prefix[s] * a.Hq;
       const int64_t h = rem / nblk;
       const int64_t qb = nblk - 1 - rem % nblk;  // late (heavier causal) blocks first
-      process_item(a, seq_info(a, s), h, qb, Br, Bc, sc, st);
+      process_item(a, seq_info(a, s), s, h, qb, Br, Bc, sc, st);
     }
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
-    std::free(sc.Qs); std::free(sc.Kt); std::free(sc.S); std::free(sc.Vp); std::free(sc.O);
-    std::free(sc.m); std::free(sc.l); std::free(sc.lo); std::free(sc.hi);
+    std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);
+    std::free(sc.lo); std::free(sc.hi); std::free(sc.Kc); std::free(sc.Vc); std::free(sc.tag);
+    std::free(sc.nonfinite);
   }
   std::free(prefix);
   if (failed) throw std::bad_alloc();
@@ -520,6 +617,21 @@ double fma_loop(int64_t iters) {
   const float sink = V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
                                     V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
   return sink == 12345.f ? 0.0 : 2.0 * 10 * V::W * static_cast<double>(iters);
+}
+
+// Streaming-read probe: the sum of n floats (n % (4 * W) == 0), four
+// independent vector accumulators so the loop is bound by the loads alone.
+double read_loop(const float* p, int64_t n) {
+  using V = Vec<float>;
+  constexpr int W = V::W;
+  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+  for (int64_t i = 0; i < n; i += 4 * W) {
+    a0 = V::add(a0, V::load(p + i));
+    a1 = V::add(a1, V::load(p + i + W));
+    a2 = V::add(a2, V::load(p + i + 2 * W));
+    a3 = V::add(a3, V::load(p + i + 3 * W));
+  }
+  return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
 }
 
 }  // namespace ATTN_NS

@@ -56,6 +56,26 @@ struct Vec<float> {
     // t0 NaN: keep NaN (the clamp above turned it into a number).
     return _mm256_blendv_ps(y, t0, _mm256_cmp_ps(t0, t0, _CMP_UNORD_Q));
   }
+  // 2^t for t <= 0 in log2 units (softmax weights: t = (s - m) * log2(e)).
+  // The polynomial of exp() with ln 2 folded into the coefficients; t < -126
+  // gives 0 or a denormal, -inf gives 0, NaN stays NaN (max() passes its
+  // second operand through). No upper clamp and no blends: t <= 0 cannot
+  // overflow. The exponent is built by one shift: r = t + (1.5 * 2^23 + 127)
+  // holds n + 127 in its low mantissa bits.
+  static R exp2_neg(R t0) {
+    const R t = _mm256_max_ps(_mm256_set1_ps(-127.f), t0);
+    const R magic = _mm256_set1_ps(12583039.f);  // 1.5 * 2^23 + 127
+    const R r = _mm256_add_ps(t, magic);
+    const R f = _mm256_sub_ps(t, _mm256_sub_ps(r, magic));
+    R p = _mm256_set1_ps(1.540353039e-04f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355815e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129108e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265070e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471806e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(r), 23)));
+  }
 };
 
 // Same scheme in double: magic 1.5 * 2^52, Taylor series of 2^f to degree 12
@@ -101,5 +121,17 @@ struct Vec<double> {
     R y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
     y = _mm256_blendv_pd(y, _mm256_setzero_pd(), _mm256_cmp_pd(t0, _mm256_set1_pd(-1022.), _CMP_LT_OQ));
     return _mm256_blendv_pd(y, t0, _mm256_cmp_pd(t0, t0, _CMP_UNORD_Q));
+  }
+  // 2^t for t <= 0 (see Vec<float>::exp2_neg); r = t + (1.5 * 2^52 + 1023).
+  static R exp2_neg(R t0) {
+    const R t = _mm256_max_pd(_mm256_set1_pd(-1023.), t0);
+    const R magic = _mm256_set1_pd(6755399441056767.0);  // 1.5 * 2^52 + 1023
+    const R r = _mm256_add_pd(t, magic);
+    const R f = _mm256_mul_pd(_mm256_sub_pd(t, _mm256_sub_pd(r, magic)), _mm256_set1_pd(0.69314718055994530942));
+    R p = _mm256_set1_pd(1.0 / 479001600);
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
+                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(r), 52)));
   }
 };

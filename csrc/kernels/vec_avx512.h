@@ -42,6 +42,26 @@ struct Vec<float> {
                              _mm512_setzero_ps());
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t0, t0, _CMP_UNORD_Q), y, t0);
   }
+  // 2^t for t <= 0 in log2 units (softmax weights: t = (s - m) * log2(e)).
+  // The polynomial of exp() with ln 2 folded into the coefficients; t < -126
+  // gives 0 or a denormal, -inf gives 0, NaN stays NaN (max() passes its
+  // second operand through). No upper clamp and no blends: t <= 0 cannot
+  // overflow. The exponent is built by one shift: r = t + (1.5 * 2^23 + 127)
+  // holds n + 127 in its low mantissa bits.
+  static R exp2_neg(R t0) {
+    const R t = _mm512_max_ps(_mm512_set1_ps(-127.f), t0);
+    const R magic = _mm512_set1_ps(12583039.f);  // 1.5 * 2^23 + 127
+    const R r = _mm512_add_ps(t, magic);
+    const R f = _mm512_sub_ps(t, _mm512_sub_ps(r, magic));
+    R p = _mm512_set1_ps(1.540353039e-04f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355815e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129108e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265070e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471806e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(r), 23)));
+  }
 };
 
 template <>
@@ -86,5 +106,17 @@ struct Vec<double> {
     y = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(t0, _mm512_set1_pd(-1022.), _CMP_LT_OQ), y,
                              _mm512_setzero_pd());
     return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(t0, t0, _CMP_UNORD_Q), y, t0);
+  }
+  // 2^t for t <= 0 (see Vec<float>::exp2_neg); r = t + (1.5 * 2^52 + 1023).
+  static R exp2_neg(R t0) {
+    const R t = _mm512_max_pd(_mm512_set1_pd(-1023.), t0);
+    const R magic = _mm512_set1_pd(6755399441056767.0);  // 1.5 * 2^52 + 1023
+    const R r = _mm512_add_pd(t, magic);
+    const R f = _mm512_mul_pd(_mm512_sub_pd(t, _mm512_sub_pd(r, magic)), _mm512_set1_pd(0.69314718055994530942));
+    R p = _mm512_set1_pd(1.0 / 479001600);
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
+                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    for (double ci : c) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(ci));
+    return _mm512_mul_pd(p, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(r), 52)));
   }
 };

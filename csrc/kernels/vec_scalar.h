@@ -19,4 +19,5 @@ struct Vec {
   static T hmax(R a) { return a; }
   static T hsum(R a) { return a; }
   static R exp(R x) { return std::exp(x); }
+  static R exp2_neg(R t) { return std::exp2(t); }  // t <= 0: softmax weights
 };

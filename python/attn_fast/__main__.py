@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: python -m attn_fast COMMAND [options]
 
 commands:
-  bench    prefill benchmark: attn_fast vs textbook NumPy vs torch (if installed)
+  bench    prefill benchmark: attn_fast vs textbook NumPy vs torch (if installed);
+           bench --quick | --full: the suite (peers, FMA peak, bandwidth, JSON + PNG)
   config   print version, ISA, OpenMP runtime and thread count
   demo     the chapter's demo: attention by hand on 猫 追 红色 激光点 (--step, --causal, --lang, --plot)
 """

@@ -121,11 +121,18 @@ def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--full" in argv or "--quick" in argv:
+        from .bench_suite import main as suite_main
+
+        return suite_main(argv)
     p = argparse.ArgumentParser(prog="python -m attn_fast bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="threads for attn_fast and torch (default: all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-numpy", action="store_true", help="skip the textbook NumPy peer")
+    p.add_argument("--full", action="store_true", help="the full suite (python -m attn_fast bench --full -h)")
+    p.add_argument("--quick", action="store_true", help="the suite's quick subset (about a minute)")
     args = p.parse_args(argv)
     run(DEFAULT_CASES, repeats=args.repeats, threads=args.threads, include_numpy=not args.no_numpy)
     return 0

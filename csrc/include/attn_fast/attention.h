@@ -161,4 +161,9 @@ double stream_read_gbps(int threads, int64_t nbytes, int reps);
 // Returns FLOPs performed; runs on `threads` threads for about `seconds`.
 double fma_peak_gflops(int threads, double seconds);
 
+// Streaming-read probe used by the benchmark to measure memory bandwidth:
+// reads a `bytes` buffer (first touched by the reading threads) on `threads`
+// threads, repeatedly for about `seconds`; returns the best pass in GB/s.
+double read_bandwidth_gbs(int threads, int64_t bytes, double seconds);
+
 }  // namespace attn_fast

@@ -1,0 +1,540 @@
+"""The benchmark suite: `python -m attn_fast bench --full` (or `--quick`).
+
+Measures, in one run and one process:
+  - this machine's limits: the FP32 FMA peak (a register-only FMA loop in the
+    extension) and the streaming-read memory bandwidth (a large read), for
+    each thread count;
+  - attn_fast against its peers on prefill, GQA-prefill and decode cases:
+    the textbook NumPy code, torch's scaled_dot_product_attention (CPU) and
+    onnxruntime's MultiHeadAttention / GroupQueryAttention contrib ops when
+    they are installed (`pip install '.[bench]'`; missing peers are skipped
+    with a note).
+
+Every result is first checked against the float64 oracle (a slice of heads
+and query rows); that call is also the warm-up. Implementations are then
+timed interleaved (one call of each per round, rotating the order); the
+table shows medians and attn_fast's min-max, the JSON file every sample.
+An implementation slower than max_seconds in total stops after 3 samples. Prefill is reported in GFLOP/s and % of the FMA peak
+(FLOPs = 4·B·Hq·Lq·Lk·d, half of that for causal); decode in GB/s and % of
+the read bandwidth (bytes = the K and V caches read once). Ratios are
+peer time / attn_fast time (above 1: attn_fast is faster). Peak memory per
+case is the RSS high-water mark (VmHWM) of a fresh subprocess running one
+call, minus its RSS just before the call. (Not ru_maxrss: Linux carries the
+parent's high-water mark into a child.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import _core, reference
+from ._config import config, set_num_threads
+from .functional import scaled_dot_product_attention
+
+IMPLS = ("attn_fast", "numpy", "torch", "onnxruntime")
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "prefill" (Hq == Hkv), "gqa" (prefill, Hq > Hkv) or "decode" (Lq == 1)
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    d: int
+    causal: bool
+
+    @property
+    def name(self):
+        h = f"{self.Hq}" if self.Hq == self.Hkv else f"{self.Hq}/{self.Hkv}"
+        L = f"{self.Lq}" if self.kind != "decode" else f"kv{self.Lk}"
+        return f"{self.kind} ({self.B},{h},{L},{self.d}){' causal' if self.causal else ''}"
+
+    @property
+    def flops(self):
+        """4·B·Hq·Lq·Lk·d, counting only the unmasked half for causal prefill."""
+        f = 4.0 * self.B * self.Hq * self.Lq * self.Lk * self.d
+        return f * 0.5 if self.causal and self.Lq == self.Lk else f
+
+    @property
+    def kv_bytes(self):
+        return 4.0 * self.B * self.Hkv * self.Lk * 2 * self.d
+
+
+PREFILL_SHAPES = [(1, 12, 512, 64), (1, 16, 2048, 64), (1, 32, 2048, 128), (4, 8, 1024, 128),
+                  (1, 8, 8192, 64)]
+
+
+def full_cases():
+    cases = [Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in PREFILL_SHAPES for c in (False, True)]
+    cases.append(Case("gqa", 1, 32, 8, 2048, 2048, 128, True))
+    cases += [Case("decode", B, 32, 8, 1, Lk, 128, False) for (B, Lk) in ((1, 4096), (1, 32768), (8, 4096))]
+    return cases
+
+
+def quick_cases():
+    cases = [Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in PREFILL_SHAPES[:2] for c in (False, True)]
+    cases.append(Case("decode", 1, 32, 8, 1, 4096, 128, False))
+    return cases
+
+
+# --------------------------------------------------------------------------- peers
+
+
+class Skip(Exception):
+    """A peer cannot run this case (not installed, unsupported, too big)."""
+
+
+def make_inputs(case, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((case.B, case.Hq, case.Lq, case.d), dtype=np.float32)
+    k = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
+    v = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
+    return q, k, v
+
+
+def numpy_textbook(q, k, v, causal):
+    """The chapter's code, batched over (B, H): softmax(QKᵀ/√d) V, float32."""
+    S = q @ np.swapaxes(k, -1, -2) / np.float32(np.sqrt(q.shape[-1]))
+    if causal:
+        Lq, Lk = S.shape[-2:]
+        S = np.where(np.tril(np.ones((Lq, Lk), dtype=bool), Lk - Lq), S, np.float32(-1e9))
+    S = S - S.max(axis=-1, keepdims=True)
+    e = np.exp(S)
+    return (e / e.sum(axis=-1, keepdims=True)) @ v
+
+
+def _import(name):
+    try:
+        return __import__(name)
+    except Exception:  # noqa: BLE001 - any import failure means "no peer"
+        return None
+
+
+def prepare(impl, case, q, k, v, threads):
+    """Return a zero-argument callable computing O as a (B, Hq, Lq, d) array."""
+    group = case.Hq // case.Hkv
+    if impl == "attn_fast":
+        set_num_threads(threads)
+        return lambda: scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=group > 1)
+    if impl == "numpy":
+        if case.B * case.Hq * case.Lq * case.Lk * 4 > (1 << 30):
+            raise Skip("score matrix over 1 GiB")
+        kk, vv = (np.repeat(x, group, axis=1) if group > 1 else x for x in (k, v))
+        return lambda: numpy_textbook(q, kk, vv, case.causal)
+    if impl == "torch":
+        torch = _import("torch")
+        if torch is None:
+            raise Skip("torch not installed")
+        torch.set_num_threads(threads)
+        F = torch.nn.functional.scaled_dot_product_attention
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        kw = {"enable_gqa": True} if group > 1 else {}
+
+        def run():
+            with torch.no_grad():
+                return F(tq, tk, tv, is_causal=case.causal, **kw).numpy()
+
+        return run
+    if impl == "onnxruntime":
+        return _prepare_ort(case, q, k, v, threads)
+    raise ValueError(impl)
+
+
+def _bsh(x):
+    """(B, H, L, d) -> contiguous (B, L, H*d), onnxruntime's layout."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
+
+
+def _prepare_ort(case, q, k, v, threads):
+    ort, onnx = _import("onnxruntime"), _import("onnx")
+    if ort is None or onnx is None:
+        raise Skip("onnxruntime/onnx not installed")
+    from onnx import TensorProto, helper
+
+    F = TensorProto.FLOAT
+    ms = "com.microsoft"
+    if case.Hq == case.Hkv and case.kind != "decode":
+        node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain=ms,
+                                num_heads=case.Hq, unidirectional=int(case.causal))
+        inputs = [helper.make_tensor_value_info(n, F, ["B", "L", case.Hq * case.d]) for n in "qkv"]
+        outputs = [helper.make_tensor_value_info("o", F, None)]
+        feed = {"q": _bsh(q), "k": _bsh(k), "v": _bsh(v)}
+    else:
+        # GroupQueryAttention is causal by definition; decode passes the cache
+        # as past_key/past_value (Lk - 1 keys) plus the newest key, and the op
+        # also writes the grown cache (present_key/value): ORT's decode API.
+        if not case.causal and case.kind != "decode":
+            raise Skip("GroupQueryAttention is causal only")
+        hkv = case.Hkv * case.d
+        decode = case.kind == "decode"
+        names = ["q", "k", "v", "pk" if decode else "", "pv" if decode else "", "seqlens_k", "total_len"]
+        node = helper.make_node("GroupQueryAttention", names, ["o", "present_k", "present_v"], domain=ms,
+                                num_heads=case.Hq, kv_num_heads=case.Hkv)
+        inputs = [helper.make_tensor_value_info("q", F, ["B", "S", case.Hq * case.d]),
+                  helper.make_tensor_value_info("k", F, ["B", "S", hkv]),
+                  helper.make_tensor_value_info("v", F, ["B", "S", hkv])]
+        if decode:
+            inputs += [helper.make_tensor_value_info(n, F, ["B", case.Hkv, "P", case.d]) for n in ("pk", "pv")]
+        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+                   helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+        outputs = [helper.make_tensor_value_info(n, F, None) for n in ("o", "present_k", "present_v")]
+        L = case.Lk
+        feed = {"seqlens_k": np.full(case.B, L - 1, np.int32), "total_len": np.array(L, np.int32)}
+        if decode:
+            feed.update(q=_bsh(q), k=_bsh(k[:, :, -1:]), v=_bsh(v[:, :, -1:]),
+                        pk=np.ascontiguousarray(k[:, :, :-1]), pv=np.ascontiguousarray(v[:, :, :-1]))
+        else:
+            feed.update(q=_bsh(q), k=_bsh(k), v=_bsh(v))
+    graph = helper.make_graph([node], "attn", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - an op this ORT build lacks is a skip
+        raise Skip(f"onnxruntime: {str(e).splitlines()[0][:80]}") from None
+    B, Lq, Hq, d = case.B, case.Lq, case.Hq, case.d
+    return lambda: sess.run(["o"], feed)[0].reshape(B, Lq, Hq, d).transpose(0, 2, 1, 3)
+
+
+# --------------------------------------------------------------------------- checks and timing
+
+
+def check(o, case, q, k, v):
+    """Max abs error against the float64 oracle on <= 2 heads and <= 128 query rows."""
+    rows = np.unique(np.linspace(0, case.Lq - 1, min(case.Lq, 128)).astype(int))
+    h = min(2, case.Hq)
+    group = case.Hq // case.Hkv
+    hk = [i // group for i in range(h)]
+    mask = reference.causal_mask(case.Lq, case.Lk)[rows] if case.causal else None
+    O = reference.sdpa(q[:1, :h][:, :, rows], k[:1, hk], v[:1, hk], mask=mask)
+    err = float(np.abs(np.asarray(o)[:1, :h][:, :, rows] - O).max())
+    if not err < 2e-3:
+        raise RuntimeError(f"{case.name}: result differs from the float64 oracle by {err:.2e}")
+    return err
+
+
+def machine_limits(threads, seconds=0.3, tries=2):
+    """Best of a few probes: noise from other processes only lowers them."""
+    peak = max(_core.fma_peak_gflops(threads, seconds) for _ in range(tries))
+    bw = max(_core.read_bandwidth_gbs(threads, 512 << 20, seconds) for _ in range(tries))
+    return peak, bw
+
+
+def time_interleaved(fns, repeats, warmup=1, max_seconds=20.0):
+    """fns: {name: callable}. Rounds of one call each, rotating the order.
+
+    An implementation whose calls are slow stops early (>= 3 samples) once it
+    has spent max_seconds. Returns {name: [seconds, ...]}."""
+    names = list(fns)
+    samples = {n: [] for n in names}
+    spent = {n: 0.0 for n in names}
+    for rnd in range(warmup + repeats):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for n in order:
+            if rnd >= warmup and len(samples[n]) >= 3 and spent[n] > max_seconds:
+                continue
+            t0 = time.perf_counter()
+            fns[n]()
+            dt = time.perf_counter() - t0
+            spent[n] += dt
+            if rnd >= warmup:
+                samples[n].append(dt)
+    return samples
+
+
+def summarise(ts):
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "samples_s": ts}
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+_MEM_SNIPPET = r"""
+import json, sys
+import numpy as np
+from attn_fast.bench_suite import Case, make_inputs, prepare
+case = Case(**json.loads(sys.argv[1])); impl = sys.argv[2]; threads = int(sys.argv[3])
+q, k, v = make_inputs(case)
+fn = prepare(impl, case, q, k, v, threads)
+def status(key):  # VmRSS / VmHWM of this process, bytes
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+before = status("VmRSS")
+fn()
+peak = status("VmHWM")
+print(json.dumps({"before": before, "peak": peak}))
+"""
+
+
+def peak_memory(case, impl, threads, timeout=300):
+    """Extra RSS (bytes) of one call in a fresh process, or None if it failed."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _MEM_SNIPPET, json.dumps(asdict(case)), impl, str(threads)],
+                           capture_output=True, text=True, timeout=timeout)
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        return max(0, m["peak"] - m["before"])
+    except Exception:  # noqa: BLE001 - a skipped peer or a crash gives no figure
+        return None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _fmt_ms(s):
+    return f"{s * 1e3:8.1f}" if s < 10 else f"{s:7.1f}s"
+
+
+def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=sys.stdout, max_seconds=20.0):
+    cfg = config()
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    for mod in ("torch", "onnxruntime", "onnx"):
+        m = _import(mod) if mod in impls or mod == "onnx" else None
+        versions[mod] = getattr(m, "__version__", None) if m else None
+    result = {"machine": {"cpu": cfg["cpu"], "cores": os.cpu_count(), "isa": cfg["isa"],
+                          "available_isas": cfg["available_isas"], "openmp": cfg["openmp"],
+                          "platform": platform.platform()},
+              "versions": {"attn_fast": cfg["version"], **versions},
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "repeats": repeats, "limits": {}, "results": [], "notes": []}
+    print(f"attn_fast {cfg['version']}  ISA {cfg['isa']}  CPU {cfg['cpu']} ({os.cpu_count()} cores)", file=out)
+    print("  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v), file=out)
+    active = [i for i in impls]
+    for peer, mod in (("torch", "torch"), ("onnxruntime", "onnxruntime")):
+        if peer in active and _import(mod) is None:
+            note = f"{peer} not installed: its column is skipped (pip install '.[bench]')"
+            print(note, file=out)
+            result["notes"].append(note)
+            active.remove(peer)
+    for nt in thread_counts:
+        peak, bw = machine_limits(nt)
+        print(f"\n== {nt} thread(s): FP32 FMA peak {peak:.0f} GFLOP/s, read bandwidth {bw:.1f} GB/s "
+              "(probed again before each case; %lim uses the highest probe so far)", file=out)
+        hdr = (f"{'case':34s} | {'attn_fast ms [min-max]':>25s} {'rate':>10s} {'%lim':>5s} | "
+               + " | ".join(f"{p[:11]:>11s} {'x':>5s}" for p in active if p != "attn_fast"))
+        print(hdr, file=out)
+        print("-" * len(hdr), file=out, flush=True)
+        for case in cases:
+            if getattr(out, "isatty", lambda: False)():
+                print(f"{case.name:34s} | running ...", end="\r", file=out, flush=True)
+            q, k, v = make_inputs(case)
+            fns, row = {}, {"case": asdict(case), "name": case.name, "threads": nt, "impls": {}}
+            for impl in active:
+                try:
+                    fn = prepare(impl, case, q, k, v, nt)
+                    err = check(fn(), case, q, k, v)
+                    fns[impl] = fn
+                    row["impls"][impl] = {"oracle_max_abs_err": err}
+                except Skip as e:
+                    row["impls"][impl] = {"skipped": str(e)}
+            set_num_threads(nt)
+            # Probe the limit next to every case: the load from other processes
+            # changes by the minute, and only lowers a probe, so the section's
+            # limit is the highest probe seen (the final table uses it).
+            if case.kind == "decode":
+                row["probe_read_bandwidth_gbs"] = _core.read_bandwidth_gbs(nt, 512 << 20, 0.15)
+                bw = max(bw, row["probe_read_bandwidth_gbs"])
+            else:
+                row["probe_fma_peak_gflops"] = _core.fma_peak_gflops(nt, 0.15)
+                peak = max(peak, row["probe_fma_peak_gflops"])
+            # The oracle check above was each callable's warm-up call.
+            samples = time_interleaved(fns, repeats, warmup=0, max_seconds=max_seconds)
+            for impl, ts in samples.items():
+                r = row["impls"][impl]
+                r.update(summarise(ts))
+                if impl != "attn_fast" and "attn_fast" in samples:
+                    r["speedup_attn_fast"] = r["median_s"] / row["impls"]["attn_fast"]["median_s"]
+            _rates(row, peak, bw)
+            result["results"].append(row)
+            print(_format_row(row, active), file=out, flush=True)
+        result["limits"][str(nt)] = {"fma_peak_gflops": peak, "read_bandwidth_gbs": bw}
+    # Final table: every row against its section's highest probe.
+    print(f"\n== summary: % of the highest probe of each section", file=out)
+    for nt in thread_counts:
+        lim = result["limits"][str(nt)]
+        print(f"-- {nt} thread(s): FP32 FMA peak {lim['fma_peak_gflops']:.0f} GFLOP/s, "
+              f"read bandwidth {lim['read_bandwidth_gbs']:.1f} GB/s", file=out)
+        print(hdr, file=out)
+        for row in result["results"]:
+            if row["threads"] == nt:
+                _rates(row, lim["fma_peak_gflops"], lim["read_bandwidth_gbs"])
+                print(_format_row(row, active), file=out)
+    if memory:
+        nt = max(thread_counts)
+        print(f"\n== peak memory of one call (fresh process, RSS above inputs, {nt} threads), MiB", file=out)
+        print(f"{'case':34s} | " + " ".join(f"{p[:11]:>11s}" for p in active), file=out, flush=True)
+        for case in cases:
+            mem = {}
+            for impl in active:
+                row = next(r for r in result["results"] if r["name"] == case.name and r["threads"] == nt)
+                mem[impl] = None if "skipped" in row["impls"][impl] else peak_memory(case, impl, nt)
+                row["impls"][impl]["peak_extra_rss_bytes"] = mem[impl]
+            print(f"{case.name:34s} | " + " ".join(
+                f"{m / 2**20:11.1f}" if m is not None else f"{'-':>11s}" for m in mem.values()), file=out, flush=True)
+    print("\nx = peer time / attn_fast time (above 1: attn_fast is faster); %lim = % of the FMA peak "
+          "(prefill) or of the read bandwidth (decode)", file=out)
+    result["targets"] = evaluate_targets(result)
+    print("\n== targets (issue 3)", file=out)
+    for t in result["targets"]:
+        print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}", file=out)
+    return result
+
+
+def _rates(row, peak, bw):
+    case = row["case"]
+    for r in row["impls"].values():
+        if "median_s" not in r:
+            continue
+        if case["kind"] == "decode":
+            r["gbs"] = Case(**case).kv_bytes / r["median_s"] / 1e9
+            r["pct_limit"] = 100 * r["gbs"] / bw
+        else:
+            r["gflops"] = Case(**case).flops / r["median_s"] / 1e9
+            r["pct_limit"] = 100 * r["gflops"] / peak
+
+
+def _format_row(row, active):
+    a = row["impls"]["attn_fast"]
+    rate = f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
+    cols = []
+    for p in active:
+        if p == "attn_fast":
+            continue
+        r = row["impls"][p]
+        cols.append(f"{_fmt_ms(r['median_s']):>11s} {r['speedup_attn_fast']:4.2f}x" if "median_s" in r
+                    else f"{'skip':>11s} {'-':>5s}")
+    span = f"{_fmt_ms(a['median_s'])} [{a['min_s']*1e3:.0f}-{a['max_s']*1e3:.0f}]"
+    return f"{row['name']:34s} | {span:>25s} {rate:>10s} {a['pct_limit']:4.0f}% | " + " | ".join(cols)
+
+
+def evaluate_targets(result):
+    """The issue's performance targets, judged on this run's figures."""
+    res = result["results"]
+    counts = sorted(int(t) for t in result["limits"])
+    nt = counts[-1]
+    at = [r for r in res if r["threads"] == nt and r["case"]["kind"] != "decode"]
+    out = []
+
+    def add(target, ok, detail):
+        out.append({"target": target, "met": bool(ok), "detail": detail})
+
+    for d, want in ((64, 80.0), (128, 85.0)):
+        rows = [r for r in at if not r["case"]["causal"] and r["case"]["Lq"] >= 2048 and r["case"]["d"] == d]
+        if rows:
+            got = [r["impls"]["attn_fast"]["pct_limit"] for r in rows]
+            add(f"non-causal L>=2048 d={d}: >= {want:.0f}% of FMA peak at {nt} threads", min(got) >= want,
+                ", ".join(f"{r['name']}: {g:.0f}%" for r, g in zip(rows, got)))
+    pairs = []
+    for r in at:
+        c = r["case"]
+        if c["causal"] and c["kind"] == "prefill":
+            nc = next((x for x in at if x["case"] == {**c, "causal": False}), None)
+            if nc:
+                pairs.append((r["name"], r["impls"]["attn_fast"]["median_s"] / nc["impls"]["attn_fast"]["median_s"]))
+    if pairs:
+        add("causal time <= 0.55 x non-causal time", all(p <= 0.55 for _, p in pairs),
+            ", ".join(f"{n}: {p:.2f}" for n, p in pairs))
+    for peer, want in (("torch", 1.25), ("onnxruntime", 1.0)):
+        sp = [(r["name"], r["impls"][peer].get("speedup_attn_fast")) for r in at if peer in r["impls"]]
+        sp = [(n, s) for n, s in sp if s is not None]
+        if sp:
+            add(f"every prefill case >= {want:.2f}x {peer}", all(s >= want for _, s in sp),
+                f"min {min(s for _, s in sp):.2f}x ({min(sp, key=lambda x: x[1])[0]})")
+    if len(counts) > 1 and counts[0] == 1:
+        ups = []
+        for r in at:
+            one = next((x for x in res if x["threads"] == 1 and x["name"] == r["name"]), None)
+            if one:
+                ups.append((r["name"], one["impls"]["attn_fast"]["median_s"] / r["impls"]["attn_fast"]["median_s"]))
+        if ups:
+            add(f"1 -> {nt} threads speed-up >= {0.95 * nt:.2f}x", all(u >= 0.95 * nt for _, u in ups),
+                f"min {min(u for _, u in ups):.2f}x ({min(ups, key=lambda x: x[1])[0]}), "
+                f"max {max(u for _, u in ups):.2f}x")
+    return out
+
+
+def plot(result, path):
+    """Bar chart: % of the machine limit per case and implementation, one panel per thread count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["threads"] for r in result["results"]})
+    names = list(dict.fromkeys(r["name"] for r in result["results"]))
+    fig, axes = plt.subplots(len(counts), 1, figsize=(max(8, 0.9 * len(names)), 4 * len(counts)), squeeze=False)
+    w = 0.8 / len(IMPLS)
+    for ax, nt in zip(axes[:, 0], counts):
+        rows = {r["name"]: r for r in result["results"] if r["threads"] == nt}
+        for i, impl in enumerate(IMPLS):
+            ys = [rows[n]["impls"].get(impl, {}).get("pct_limit", 0) if n in rows else 0 for n in names]
+            ax.bar(np.arange(len(names)) + (i - (len(IMPLS) - 1) / 2) * w, ys, w, label=impl)
+        ax.set_xticks(np.arange(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        lim = result["limits"][str(nt)]
+        ax.set_ylabel("% of limit")
+        ax.set_title(f"{nt} thread(s): prefill as % of FMA peak ({lim['fma_peak_gflops']:.0f} GFLOP/s), "
+                     f"decode as % of read bandwidth ({lim['read_bandwidth_gbs']:.1f} GB/s)", fontsize=9)
+        ax.axhline(100, color="grey", lw=0.5)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None, mode=None):
+    p = argparse.ArgumentParser(prog="python -m attn_fast bench --full|--quick", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="every case, 1 and all threads, peak memory")
+    p.add_argument("--quick", action="store_true", help="a few cases at all threads (about a minute)")
+    p.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default 1 and all cores)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG files")
+    args = p.parse_args(argv)
+    quick = args.quick and not args.full
+    cases = quick_cases() if quick else full_cases()
+    if args.cases:
+        cases = [c for c in cases if args.cases in c.name]
+    ncores = os.cpu_count() or 1
+    threads = args.threads or ([ncores] if quick else sorted({1, ncores}))
+    repeats = args.repeats or (3 if quick else 5)
+    t0 = time.perf_counter()
+    result = run(cases, threads, repeats=repeats, memory=not (quick or args.no_memory), impls=args.impls,
+                 max_seconds=4.0 if quick else 20.0)
+    result["wall_s"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(args.out, f"suite-{'quick' if quick else 'full'}-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    msg = f"\nwrote {base}.json"
+    try:
+        plot(result, base + ".png")
+        msg += f" and {base}.png"
+    except ImportError:
+        msg += " (matplotlib not installed: no plot)"
+    print(msg + f"  ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Tile paths of the tuned kernel against the float64 oracle: packed V strips and
+their tails, the per-thread K/V block cache (reuse across query blocks and GQA
+heads, ring reuse when a sequence does not fit), key blocks aligned below a
+window start, NaN-safe cached V blocks, the softmax exp over its whole range;
+and smoke tests of the benchmark probes and suite."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import poisoned, tol
+
+import attn_fast as af
+from attn_fast import reference as ref
+
+
+def randn(rng, shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def sdpa_checked(q, k, v, dtype, mask=None, **kw):
+    out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
+    o, lse = af.scaled_dot_product_attention(q, k, v, out=out, return_lse=True, **kw)
+    group = q.shape[1] // k.shape[1]
+    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    O, LSE = ref.sdpa(q, kk, vv, mask=mask, return_lse=True)
+    np.testing.assert_allclose(o, O, **tol(dtype))
+    fin = np.isfinite(LSE)
+    np.testing.assert_array_equal(fin, np.isfinite(lse))
+    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(dtype))
+    return o
+
+
+# dv around the strip width (16 floats for AVX2, 64 for AVX-512) and its tails.
+@pytest.mark.parametrize("dv", [1, 8, 16, 24, 40, 72, 130])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_value_strip_tails(isa, rng, dv, dtype):
+    q, k = randn(rng, (1, 2, 77, 20), dtype), randn(rng, (1, 2, 150, 20), dtype)
+    v = randn(rng, (1, 2, 150, dv), dtype)
+    for causal in (False, True):
+        mask = ref.causal_mask(77, 150) if causal else None
+        sdpa_checked(q, k, v, dtype, mask=mask, is_causal=causal)
+        sdpa_checked(q, k, v, dtype, mask=mask, is_causal=causal, block_q=7, block_k=33)
+
+
+def test_cache_reuse_across_query_blocks_and_gqa(isa, rng):
+    # Many query blocks and 4 q heads per kv head: each thread packs a key block
+    # once and reuses it; strided (B, L, H, d) storage is read through strides.
+    q = randn(rng, (2, 300, 8, 48)).transpose(0, 2, 1, 3)
+    k = randn(rng, (2, 310, 2, 48)).transpose(0, 2, 1, 3)
+    v = randn(rng, (2, 310, 2, 40)).transpose(0, 2, 1, 3)
+    for causal in (False, True):
+        mask = ref.causal_mask(300, 310) if causal else None
+        sdpa_checked(q, k, v, np.float32, mask=mask, is_causal=causal, enable_gqa=True, block_q=16)
+
+
+def test_cache_ring_when_sequence_does_not_fit(isa, rng):
+    # d = dv = 256 and 13000 keys need about 26 MiB of packed blocks per thread,
+    # more than the cache holds: slots are reused as a ring, and the second q
+    # head of the group finds its blocks evicted.
+    q = randn(rng, (1, 2, 9, 256))
+    k, v = randn(rng, (1, 1, 13000, 256)), randn(rng, (1, 1, 13000, 256))
+    sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(9, 13000), is_causal=True, enable_gqa=True)
+
+
+def test_window_start_inside_a_key_block(isa, rng):
+    q, k, v = (randn(rng, (1, 2, 500, 32), np.float64) for _ in range(3))
+    for left, right in ((37, 0), (200, 45)):
+        mask = ref.window_mask(500, 500, left, right)
+        sdpa_checked(q, k, v, np.float64, mask=mask, window_size=(left, right))
+        sdpa_checked(q, k, v, np.float64, mask=mask, window_size=(left, right), block_q=20, block_k=50)
+
+
+def test_nonfinite_value_in_cached_block(isa, rng):
+    # V row 150 is inf: causal rows before it must stay exact and finite, while
+    # the block holding it is reused by many query blocks.
+    q, k, v = (randn(rng, (1, 2, 200, 16)) for _ in range(3))
+    v[:, :, 150, 3] = np.inf
+    o = af.scaled_dot_product_attention(q, k, v, is_causal=True, block_q=8)
+    O = ref.sdpa(q[:, :, :150], k[:, :, :150], v[:, :, :150], mask=ref.causal_mask(150, 150))
+    np.testing.assert_allclose(o[:, :, :150], O, **tol(np.float32))
+    assert not np.any(np.isnan(o[:, :, 150:, :3]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_softmax_weights_over_the_exp_range(isa, rng, dtype):
+    # Score gaps from 0 to about -300 (weights down to the denormal range and
+    # exact zeros) and scores of both signs around a large offset.
+    q = randn(rng, (1, 2, 64, 8), dtype, scale=6)
+    k = randn(rng, (1, 2, 96, 8), dtype, scale=6)
+    v = randn(rng, (1, 2, 96, 8), dtype)
+    sdpa_checked(q, k, v, dtype)
+    sdpa_checked(q + dtype(3), k, v, dtype, mask=ref.causal_mask(64, 96), is_causal=True)
+
+
+def test_probes():
+    assert af._core.fma_peak_gflops(1, 0.01) > 0
+    bw = af._core.read_bandwidth_gbs(1, 1 << 20, 0.01)
+    assert np.isfinite(bw) and bw > 0
+
+
+def test_suite_smoke(tmp_path):
+    from attn_fast import bench_suite as bs
+
+    cases = [bs.Case("prefill", 1, 2, 2, 64, 64, 16, c) for c in (False, True)]
+    cases.append(bs.Case("decode", 1, 4, 2, 1, 50, 16, False))
+    with open(tmp_path / "log.txt", "w") as log:
+        res = bs.run(cases, [1], repeats=1, memory=False, impls=("attn_fast", "numpy"), out=log)
+    assert [r["name"] for r in res["results"]] == [c.name for c in cases]
+    for r in res["results"]:
+        for impl in ("attn_fast", "numpy"):
+            assert r["impls"][impl]["oracle_max_abs_err"] < 2e-3
+            assert r["impls"][impl]["median_s"] > 0
+    assert res["limits"]["1"]["fma_peak_gflops"] > 0
+    json.dumps(res)  # every figure is JSON-serialisable
+    assert any("causal time" in t["target"] for t in res["targets"])
+
+
+def test_tall_query_blocks_for_long_kv(isa, rng):
+    # K/V of a head over 2 MiB: the default query block grows to 96 rows;
+    # 200 rows leave a tail block, causal bottom-right with Lq < Lk.
+    q = randn(rng, (1, 1, 200, 128))
+    k, v = randn(rng, (1, 1, 4100, 128)), randn(rng, (1, 1, 4100, 128))
+    sdpa_checked(q, k, v, np.float32)
+    sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(200, 4100), is_causal=True)
