@@ -35,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import reference
-from ._checks import as_float_array, check_same_dtype, shape_str
+from ._checks import shape_str
+from .functional import check_textbook_args
 
 __all__ = ["Explained", "explain", "main", "run", "sentence"]
 
@@ -126,21 +127,7 @@ def explain(X, Wq, Wk, Wv, causal=False):
     the fields. Every array is a new float64 array. Meant for small inputs:
     S and P are materialised.
     """
-    X = as_float_array(X, "X")
-    Wq = as_float_array(Wq, "Wq")
-    Wk = as_float_array(Wk, "Wk")
-    Wv = as_float_array(Wv, "Wv")
-    check_same_dtype(X=X, Wq=Wq, Wk=Wk, Wv=Wv)
-    if X.ndim not in (2, 3):
-        raise ValueError(f"X must be (L, D) or (B, L, D), got shape {shape_str(X)}")
-    D = X.shape[-1]
-    for name, W in (("Wq", Wq), ("Wk", Wk), ("Wv", Wv)):
-        if W.ndim != 2 or W.shape[1] != D:
-            raise ValueError(
-                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}"
-            )
-    if Wq.shape[0] != Wk.shape[0]:
-        raise ValueError(f"Wq has shape {shape_str(Wq)} but Wk has shape {shape_str(Wk)}: d must match")
+    X, Wq, Wk, Wv = check_textbook_args(X, Wq, Wk, Wv)
     if Wq.shape[0] == 0:
         raise ValueError(f"Wq has shape {shape_str(Wq)}: d must be at least 1")
     if X.shape[-2] == 0:

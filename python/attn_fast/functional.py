@@ -562,13 +562,9 @@ def varlen_attention(
     return (res, *extra) if extra else res
 
 
-def attention(X, Wq, Wk, Wv, causal=False):
-    """The textbook's single-head attention, fused.
-
-    X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.
-    Computes Q = X Wqᵀ, K = X Wkᵀ, V = X Wvᵀ, then softmax(Q Kᵀ / √d) V with a
-    causal mask if asked. Returns (L, dv) or (B, L, dv) in X's dtype.
-    """
+def check_textbook_args(X, Wq, Wk, Wv):
+    """Read and check the textbook's arguments: X (L, D) or (B, L, D), Wq and
+    Wk (d, D), Wv (dv, D), one float dtype. Returns them as NumPy arrays."""
     X = as_float_array(X, "X")
     Wq = as_float_array(Wq, "Wq")
     Wk = as_float_array(Wk, "Wk")
@@ -582,6 +578,17 @@ def attention(X, Wq, Wk, Wv, causal=False):
             raise ValueError(f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}")
     if Wq.shape[0] != Wk.shape[0]:
         raise ValueError(f"Wq has shape {shape_str(Wq)} but Wk has shape {shape_str(Wk)}: d must match")
+    return X, Wq, Wk, Wv
+
+
+def attention(X, Wq, Wk, Wv, causal=False):
+    """The textbook's single-head attention, fused.
+
+    X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.
+    Computes Q = X Wqᵀ, K = X Wkᵀ, V = X Wvᵀ, then softmax(Q Kᵀ / √d) V with a
+    causal mask if asked. Returns (L, dv) or (B, L, dv) in X's dtype.
+    """
+    X, Wq, Wk, Wv = check_textbook_args(X, Wq, Wk, Wv)
     Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (…, L, d): three personas
     # (…, L, d) -> (…, 1, L, d): one head, a view.
     O = scaled_dot_product_attention(Q[..., None, :, :], K[..., None, :, :], V[..., None, :, :], is_causal=causal)
