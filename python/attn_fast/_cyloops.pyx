@@ -29,7 +29,7 @@ ctypedef fused floating:
 cdef Py_ssize_t PAR_MIN_WORK = 1 << 15
 
 
-cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t sd,
+cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t ssd, Py_ssize_t dsd,
                              const floating* c, const floating* s, Py_ssize_t half,
                              Py_ssize_t sa, Py_ssize_t ob, Py_ssize_t r, Py_ssize_t d,
                              bint copy_tail) noexcept nogil:
@@ -39,13 +39,13 @@ cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t sd,
     for i in range(half):
         ia = i * sa
         ib = ia + ob
-        xa = src[ia * sd]
-        xb = src[ib * sd]
-        dst[ia * sd] = xa * c[i] - xb * s[i]
-        dst[ib * sd] = xb * c[i] + xa * s[i]
+        xa = src[ia * ssd]
+        xb = src[ib * ssd]
+        dst[ia * dsd] = xa * c[i] - xb * s[i]
+        dst[ib * dsd] = xb * c[i] + xa * s[i]
     if copy_tail:
         for i in range(r, d):
-            dst[i * sd] = src[i * sd]
+            dst[i * dsd] = src[i * ssd]
 
 
 def _check_pos(const int64_t[:, :] pos, Py_ssize_t n, Py_ssize_t B, Py_ssize_t L):
@@ -60,8 +60,8 @@ def _check_pos(const int64_t[:, :] pos, Py_ssize_t n, Py_ssize_t B, Py_ssize_t L
                 raise ValueError(f"position {p} is outside the cos/sin table of {n} rows")
 
 
-def rope(floating[:, :, :, :] x, floating[:, :, :, :] y,
-         floating[:, :, :, :] x2, floating[:, :, :, :] y2,
+def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
+         const floating[:, :, :, :] x2, floating[:, :, :, :] y2,
          const floating[:, ::1] cos, const floating[:, ::1] sin,
          const int64_t[:, :] pos, bint interleaved):
     """Rotate x into y (and x2 into y2, when given) in one pass over (b, l).
@@ -95,28 +95,24 @@ def rope(floating[:, :, :, :] x, floating[:, :, :, :] y,
     cdef Py_ssize_t pb = 0 if pos.shape[0] == 1 else 1
     cdef Py_ssize_t bl, b, l, h
     cdef int64_t p
-    cdef floating* xp = NULL
+    cdef const floating* xp = NULL
     cdef floating* yp = NULL
-    cdef floating* xp2 = NULL
+    cdef const floating* xp2 = NULL
     cdef floating* yp2 = NULL
     if H:
         xp = &x[0, 0, 0, 0]
         yp = &y[0, 0, 0, 0]
     cdef Py_ssize_t xs0 = x.strides[0] // isz, xs1 = x.strides[1] // isz, xs2 = x.strides[2] // isz, xs3 = x.strides[3] // isz
-    cdef Py_ssize_t ys0 = y.strides[0] // isz, ys1 = y.strides[1] // isz, ys2 = y.strides[2] // isz
-    cdef Py_ssize_t zs0 = 0, zs1 = 0, zs2 = 0, ws0 = 0, ws1 = 0, ws2 = 0
-    if y.strides[3] != x.strides[3]:
-        raise ValueError("rope: x and y need the same last-axis stride")
-    cdef bint tail = xp != yp and r < d
+    cdef Py_ssize_t ys0 = y.strides[0] // isz, ys1 = y.strides[1] // isz, ys2 = y.strides[2] // isz, ys3 = y.strides[3] // isz
+    cdef Py_ssize_t zs0 = 0, zs1 = 0, zs2 = 0, zs3 = 0, ws0 = 0, ws1 = 0, ws2 = 0, ws3 = 0
+    cdef bint tail = <const void*>xp != <const void*>yp and r < d
     cdef bint tail2 = False
     if two and H2:
         xp2 = &x2[0, 0, 0, 0]
         yp2 = &y2[0, 0, 0, 0]
-        zs0, zs1, zs2 = x2.strides[0] // isz, x2.strides[1] // isz, x2.strides[2] // isz
-        ws0, ws1, ws2 = y2.strides[0] // isz, y2.strides[1] // isz, y2.strides[2] // isz
-        if x2.strides[3] != x.strides[3] or y2.strides[3] != x.strides[3]:
-            raise ValueError("rope: x2 and y2 need the same last-axis stride as x")
-        tail2 = xp2 != yp2 and r < d
+        zs0, zs1, zs2, zs3 = x2.strides[0] // isz, x2.strides[1] // isz, x2.strides[2] // isz, x2.strides[3] // isz
+        ws0, ws1, ws2, ws3 = y2.strides[0] // isz, y2.strides[1] // isz, y2.strides[2] // isz, y2.strides[3] // isz
+        tail2 = <const void*>xp2 != <const void*>yp2 and r < d
     cdef const floating* cp = &cos[0, 0]
     cdef const floating* sp = &sin[0, 0]
     cdef const int64_t* pp = &pos[0, 0]
@@ -128,10 +124,10 @@ def rope(floating[:, :, :, :] x, floating[:, :, :, :] y,
             l = bl % L
             p = pp[b * pb * ps0 + l * ps1]
             for h in range(H):
-                _rotate_row(xp + b * xs0 + l * xs1 + h * xs2, yp + b * ys0 + l * ys1 + h * ys2, xs3,
+                _rotate_row(xp + b * xs0 + l * xs1 + h * xs2, yp + b * ys0 + l * ys1 + h * ys2, xs3, ys3,
                             cp + p * half, sp + p * half, half, sa, ob, r, d, tail)
             for h in range(H2):
-                _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2, yp2 + b * ws0 + l * ws1 + h * ws2, xs3,
+                _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2, yp2 + b * ws0 + l * ws1 + h * ws2, zs3, ws3,
                             cp + p * half, sp + p * half, half, sa, ob, r, d, tail2)
 
 
