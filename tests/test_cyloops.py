@@ -325,3 +325,28 @@ def test_layout_constructors(monkeypatch, causal):
                 for g, e in zip(got, want):
                     assert g.dtype == np.bool_
                     np.testing.assert_array_equal(g, e)
+
+
+def test_threads_do_not_change_results():
+    """Inputs above the OpenMP thresholds give bit-identical results with 1 and 2 threads."""
+    import attn_fast as af
+
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((2, 67, 16, 128)).astype(np.float32)  # > 2^18 elements: threaded
+    pos = rng.integers(0, 9000, size=(2, 67))
+    m = rng.random((1, 2, 700, 750)) < 0.3
+    rope = RoPE(128, rotary_dim=96)
+    dst = np.zeros((2, 16, 600, 128), np.float32)
+    src = rng.standard_normal((2, 16, 600, 128)).astype(np.float32)
+    saved = af.get_num_threads()
+    res = []
+    try:
+        for n in (1, 2):
+            af.set_num_threads(n)
+            _cyloops.cache_write(dst, src, np.array([0, 100]), np.array([600, 17]), num_threads=n)
+            res.append((rope(x, positions=pos), block_summary(m), BlockSparse.local(2048, 1, 5).layout, dst.copy()))
+    finally:
+        af.set_num_threads(saved)
+    for a, b in zip(*res):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(res[0][1], _summary_numpy(m, 16))

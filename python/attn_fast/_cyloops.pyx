@@ -7,6 +7,10 @@ as the readable reference (``positional._rope_numpy``, ``kv_cache._write_numpy``
 data, no temporaries, the GIL released, OpenMP ``prange`` over the independent
 rows when there is enough work to share.
 
+``num_threads`` is the OpenMP team size (the callers pass
+``attn_fast.get_num_threads()``, as the C++ kernels use); small inputs run on
+the calling thread whatever it says.
+
 These are private kernels: the public callers check dtypes, shapes and ranges
 and build the strided 4-D views; only the cheap checks that guard memory
 safety (index ranges, matching extents) are repeated here.
@@ -24,9 +28,12 @@ ctypedef fused floating:
     float
     double
 
-# Below this many multiply-adds a loop runs on the calling thread: waking the
-# OpenMP team costs more than a decode step's rotation.
-cdef Py_ssize_t PAR_MIN_WORK = 1 << 15
+# Below this many elements a loop runs on the calling thread: waking the
+# OpenMP team (tens of microseconds, more on busy cores) costs more than the
+# work saved. Copies (cache writes) are bound by memory bandwidth and gain
+# little from a second thread, so they need far more work to be shared.
+cdef Py_ssize_t PAR_MIN_WORK = 1 << 18
+cdef Py_ssize_t PAR_MIN_COPY = 1 << 23
 
 
 cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t ssd, Py_ssize_t dsd,
@@ -63,7 +70,7 @@ def _check_pos(const int64_t[:, :] pos, Py_ssize_t n, Py_ssize_t B, Py_ssize_t L
 def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
          const floating[:, :, :, :] x2, floating[:, :, :, :] y2,
          const floating[:, ::1] cos, const floating[:, ::1] sin,
-         const int64_t[:, :] pos, bint interleaved):
+         const int64_t[:, :] pos, bint interleaved, int num_threads=1):
     """Rotate x into y (and x2 into y2, when given) in one pass over (b, l).
 
     x, y : (B, L, H, d) views, any strides (y may be x: in place).
@@ -119,7 +126,8 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
     cdef Py_ssize_t ps0 = pos.strides[0] // sizeof(int64_t), ps1 = pos.strides[1] // sizeof(int64_t)
     cdef Py_ssize_t work = B * L * (H + H2) * d
     with nogil:
-        for bl in prange(B * L, schedule="static", use_threads_if=work >= PAR_MIN_WORK):
+        for bl in prange(B * L, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_WORK,
+                         num_threads=num_threads if num_threads > 1 else 1):
             b = bl // L
             l = bl % L
             p = pp[b * pb * ps0 + l * ps1]
@@ -134,7 +142,7 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
 def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
                 const int64_t[::1] first_slot, const int64_t[::1] count,
                 const floating[:, ::1] cos=None, const floating[:, ::1] sin=None,
-                const int64_t[::1] pos0=None, bint interleaved=False):
+                const int64_t[::1] pos0=None, bint interleaved=False, int num_threads=1):
     """Copy rows src[b, :, :count[b]] into ring slots (first_slot[b] + t) % R of dst.
 
     dst : (B, H, R, d) storage; src : (B, H, L, d) chunk, any strides.
@@ -189,7 +197,8 @@ def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
         work += count[b]
     work *= H * d
     with nogil:
-        for bh in prange(B * H, schedule="static", use_threads_if=work >= PAR_MIN_WORK):
+        for bh in prange(B * H, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_COPY,
+                         num_threads=num_threads if num_threads > 1 else 1):
             b = bh // H
             h = bh % H
             for t in range(count[b]):
@@ -214,7 +223,7 @@ def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
                         out[j * ds3] = row[j * ss3]
 
 
-def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block):
+def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block, int num_threads=1):
     """Per block x block tile of a boolean mask: 0 all masked, 1 partial, 2 all visible.
 
     mask : (B, H, Lq, Lk) uint8 (0 / nonzero), any strides. Returns int8
@@ -234,7 +243,8 @@ def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block):
     cdef Py_ssize_t task, b, h, bi, bj, i, j, i1, j1, vis, tot
     cdef const unsigned char* rowp
     with nogil:
-        for task in prange(B * H * nq, schedule="static", use_threads_if=B * H * Lq * Lk >= 4 * PAR_MIN_WORK):
+        for task in prange(B * H * nq, schedule="static", use_threads_if=num_threads > 1 and B * H * Lq * Lk >= 4 * PAR_MIN_WORK,
+                         num_threads=num_threads if num_threads > 1 else 1):
             bi = task % nq
             h = (task // nq) % H
             b = task // (nq * H)
@@ -244,14 +254,19 @@ def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block):
                 vis = 0
                 for i in range(bi * block, i1):
                     rowp = mp + b * ms0 + h * ms1 + i * ms2
-                    for j in range(bj * block, j1):
-                        vis = vis + (rowp[j * ms3] != 0)
+                    if ms3 == 1:  # contiguous rows: a loop the compiler vectorises
+                        for j in range(bj * block, j1):
+                            vis = vis + (rowp[j] != 0)
+                    else:
+                        for j in range(bj * block, j1):
+                            vis = vis + (rowp[j * ms3] != 0)
                 tot = (i1 - bi * block) * (j1 - bj * block)
                 out[b, h, bi, bj] = 0 if vis == 0 else (2 if vis == tot else 1)
     return out_arr
 
 
-def band_layout(Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t stride, bint absolute):
+def band_layout(Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t stride, bint absolute,
+                int num_threads=1):
     """(n, n) bool block layout over query block x and key block y.
 
     Keeps (x, y) when lo <= x - y <= hi (the band), or, with stride > 0, when
@@ -266,7 +281,8 @@ def band_layout(Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t stride, b
     cdef unsigned char[:, ::1] out = out_arr.view(np.uint8)
     cdef Py_ssize_t x, y, dist
     with nogil:
-        for x in prange(n, schedule="static", use_threads_if=n * n >= 4 * PAR_MIN_WORK):
+        for x in prange(n, schedule="static", use_threads_if=num_threads > 1 and n * n >= PAR_MIN_WORK,
+                         num_threads=num_threads if num_threads > 1 else 1):
             for y in range(n):
                 dist = x - y
                 if lo <= dist <= hi:

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import os
 
-from . import _cyloops  # noqa: F401  (fails loudly if the build lacks it)
+from . import _core, _cyloops  # noqa: F401  (_cyloops: fails loudly if the build lacks it)
 
 USE_CYTHON = os.environ.get("ATTN_FAST_NUMPY_LOOPS", "0").strip() in ("", "0")
+
+
+def threads():
+    """OpenMP threads for a loop: the same setting as the C++ kernels (``attn_fast.set_num_threads``)."""
+    return _core.get_num_threads()
 
 
 def as_blhd(a, ax):

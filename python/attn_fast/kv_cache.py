@@ -266,15 +266,18 @@ class KVCache:
         if rope is not None and rope.rotary_dim and L:
             if _loops.USE_CYTHON:
                 c, s = rope.cos_sin(int((self._pos + new).max()), self.dtype)
-                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved)
+                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved, num_threads=_loops.threads())
             else:
                 pos = self._pos[:, None] + np.arange(L)
                 _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
         elif _loops.USE_CYTHON:
-            _cyloops.cache_write(self._k, k, first, new)
+            _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
         else:
             _write_numpy(self._k, k, first, new)
-        (_cyloops.cache_write if _loops.USE_CYTHON else _write_numpy)(self._v, v, first, new)
+        if _loops.USE_CYTHON:
+            _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
+        else:
+            _write_numpy(self._v, v, first, new)
         n_new = np.minimum(R, self._n + new)
         self._start = (self._start + self._n + new - n_new) % R
         self._n = n_new

@@ -322,7 +322,7 @@ class BlockSparse(Mask):
         block, x, y = cls._grid(seq_len, block)
         width = _check_int(width, "width", 1)
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - width, width - 1, 0, False)
+            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - width, width - 1, 0, False, num_threads=_loops.threads())
         else:
             keep = _local_numpy(x, y, width, causal)
         return cls(keep, block, block)
@@ -339,7 +339,7 @@ class BlockSparse(Mask):
         block, x, y = cls._grid(seq_len, block)
         stride = _check_int(stride, "stride", 1)
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - stride, stride - 1, stride, not causal)
+            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - stride, stride - 1, stride, not causal, num_threads=_loops.threads())
         else:
             keep = _strided_numpy(x, y, stride, causal)
         return cls(keep, block, block)
@@ -367,7 +367,7 @@ class BlockSparse(Mask):
             if g.size and (g.min() < 0 or g.max() >= n):
                 raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(n, 1 - width, width - 1, 0, False)
+            keep = _cyloops.band_layout(n, 1 - width, width - 1, 0, False, num_threads=_loops.threads())
         else:
             keep = (x - y < width) & (y - x < width)
         keep[g, :] = True
@@ -636,7 +636,7 @@ def block_summary(mask, block=SUMMARY_BLOCK):
         raise ValueError(f"mask must be (B, H, Lq, Lk), got shape {_shape_str(m.shape)}")
     block = _check_int(block, "block", 1)
     if _loops.USE_CYTHON:
-        return _cyloops.block_summary(m.view(np.uint8), block)
+        return _cyloops.block_summary(m.view(np.uint8), block, num_threads=_loops.threads())
     return _summary_numpy(m, block)
 
 

@@ -257,10 +257,10 @@ class RoPE:
                 xv = yv
             srcs.append((xv, yv))
         if len(srcs) == 2 and srcs[0][0].shape[:2] == srcs[1][0].shape[:2]:
-            _cyloops.rope(srcs[0][0], srcs[0][1], srcs[1][0], srcs[1][1], c, s, pos, self.interleaved)
+            _cyloops.rope(srcs[0][0], srcs[0][1], srcs[1][0], srcs[1][1], c, s, pos, self.interleaved, num_threads=_loops.threads())
         else:
             for xv, yv in srcs:
-                _cyloops.rope(xv, yv, None, None, c, s, pos, self.interleaved)
+                _cyloops.rope(xv, yv, None, None, c, s, pos, self.interleaved, num_threads=_loops.threads())
         return True
 
     def _rope_numpy(self, y, ax, offset, positions):
