@@ -43,6 +43,23 @@ cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t ssd,
     """One head vector: pairs (i*sa, i*sa + ob) rotated by (c[i], s[i]); tail r..d-1 copied if asked."""
     cdef Py_ssize_t i, ia, ib
     cdef floating xa, xb
+    if ssd == 1 and dsd == 1:  # unit stride: loops the compiler vectorises
+        if sa == 1:  # rotate-half: a = i, b = i + half
+            for i in range(half):
+                xa = src[i]
+                xb = src[i + half]
+                dst[i] = xa * c[i] - xb * s[i]
+                dst[i + half] = xb * c[i] + xa * s[i]
+        else:  # interleaved: a = 2i, b = 2i + 1
+            for i in range(half):
+                xa = src[2 * i]
+                xb = src[2 * i + 1]
+                dst[2 * i] = xa * c[i] - xb * s[i]
+                dst[2 * i + 1] = xb * c[i] + xa * s[i]
+        if copy_tail:
+            for i in range(r, d):
+                dst[i] = src[i]
+        return
     for i in range(half):
         ia = i * sa
         ib = ia + ob
