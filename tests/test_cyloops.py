@@ -6,6 +6,8 @@ BlockSparse constructors, masks.block_summary) is run twice, once with
 oracle (positional.rope_reference, plain slot arithmetic, triple loops).
 """
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -65,7 +67,7 @@ LAYOUTS = {  # name: (shape from (B, L, H, d), seq_axis)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("contig", [True, False])
 def test_rope_matches_oracle(path, layout, interleaved, d, r, dtype, contig):
-    rng = np.random.default_rng(hash((layout, interleaved, d, r, contig)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((layout, interleaved, d, r, contig)).encode()))
     B, L, H = 3, 7, 2
     mk, seq_axis = LAYOUTS[layout]
     shape = mk(B, L, H, d)

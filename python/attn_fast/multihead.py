@@ -36,6 +36,7 @@ import numpy as np
 
 from ._checks import shape_str
 from .functional import scaled_dot_product_attention
+from .kv_cache import KVCache
 from .positional import RoPE
 
 __all__ = ["MultiHeadAttention"]
@@ -262,7 +263,7 @@ class MultiHeadAttention:
             v = self._heads(qkv[..., nq + nkv :], Hkv)
             if self.rope is not None:
                 offset = 0 if cache is None else np.asarray(cache.positions)
-                if cache is not None and positions is None:
+                if isinstance(cache, KVCache) and positions is None:
                     # keys are rotated by the cache write itself (one pass, at cache.positions)
                     self.rope(q, offset=offset, seq_axis=1, inplace=True)
                     rope_on_append = self.rope
