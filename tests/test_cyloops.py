@@ -268,7 +268,8 @@ def test_cache_write_bad_inputs(path):
         _cyloops.cache_write(dst, np.ones((2, 2, 3, 4), np.float32), np.array([0, 0]), np.array([1, 1]))
     c = np.ones((3, 2))
     with pytest.raises(ValueError, match="outside the table of 3 rows"):
-        _cyloops.cache_write(dst, np.ones((2, 2, 3, 4)), np.array([0, 0]), np.array([2, 2]), c, c, np.array([0, 2]))
+        _cyloops.cache_write(dst, np.ones((2, 2, 3, 4)), np.array([0, 0]), np.array([2, 2]),
+                             c, c, np.array([0, 2]))
 
 
 # ---------------------------------------------------------------- masks
@@ -346,7 +347,8 @@ def test_threads_do_not_change_results():
         for n in (1, 2):
             af.set_num_threads(n)
             _cyloops.cache_write(dst, src, np.array([0, 100]), np.array([600, 17]), num_threads=n)
-            res.append((rope(x, positions=pos), block_summary(m), BlockSparse.local(2048, 1, 5).layout, dst.copy()))
+            res.append((rope(x, positions=pos), block_summary(m),
+                        BlockSparse.local(2048, 1, 5).layout, dst.copy()))
     finally:
         af.set_num_threads(saved)
     for a, b in zip(*res):

@@ -266,7 +266,8 @@ class KVCache:
         if rope is not None and rope.rotary_dim and L:
             if _loops.USE_CYTHON:
                 c, s = rope.cos_sin(int((self._pos + new).max()), self.dtype)
-                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved, num_threads=_loops.threads())
+                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved,
+                                     num_threads=_loops.threads())
             else:
                 pos = self._pos[:, None] + np.arange(L)
                 _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)

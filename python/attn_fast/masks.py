@@ -322,7 +322,8 @@ class BlockSparse(Mask):
         block, x, y = cls._grid(seq_len, block)
         width = _check_int(width, "width", 1)
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - width, width - 1, 0, False, num_threads=_loops.threads())
+            lo = 0 if causal else 1 - width
+            keep = _cyloops.band_layout(x.shape[0], lo, width - 1, 0, False, num_threads=_loops.threads())
         else:
             keep = _local_numpy(x, y, width, causal)
         return cls(keep, block, block)
@@ -339,7 +340,8 @@ class BlockSparse(Mask):
         block, x, y = cls._grid(seq_len, block)
         stride = _check_int(stride, "stride", 1)
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(x.shape[0], 0 if causal else 1 - stride, stride - 1, stride, not causal, num_threads=_loops.threads())
+            lo = 0 if causal else 1 - stride
+            keep = _cyloops.band_layout(x.shape[0], lo, stride - 1, stride, not causal, num_threads=_loops.threads())
         else:
             keep = _strided_numpy(x, y, stride, causal)
         return cls(keep, block, block)

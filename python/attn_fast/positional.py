@@ -248,7 +248,8 @@ class RoPE:
                 raise ValueError("per-sequence positions need a batch axis before seq_axis")
             for x, _ in pairs:
                 if pos.shape[0] != x.shape[0]:
-                    raise ValueError(f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}")
+                    raise ValueError(
+                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}")
         c, s = self.cos_sin(int(pos.max()) + 1, x0.dtype)
         srcs = []
         for (x, y), (xv, yv) in zip(pairs, views):
@@ -257,7 +258,8 @@ class RoPE:
                 xv = yv
             srcs.append((xv, yv))
         if len(srcs) == 2 and srcs[0][0].shape[:2] == srcs[1][0].shape[:2]:
-            _cyloops.rope(srcs[0][0], srcs[0][1], srcs[1][0], srcs[1][1], c, s, pos, self.interleaved, num_threads=_loops.threads())
+            (xq, yq), (xk, yk) = srcs
+            _cyloops.rope(xq, yq, xk, yk, c, s, pos, self.interleaved, num_threads=_loops.threads())
         else:
             for xv, yv in srcs:
                 _cyloops.rope(xv, yv, None, None, c, s, pos, self.interleaved, num_threads=_loops.threads())
