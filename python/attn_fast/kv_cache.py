@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from . import _core
+from . import _core, _cyloops, _loops
 from ._checks import as_float_array, shape_str
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
 
@@ -71,6 +71,23 @@ def _per_seq(x, B, name, upper=None):
     if upper is not None and (arr > upper).any():
         raise ValueError(f"{name} must be <= {upper}, got {arr.tolist()}")
     return arr
+
+
+def _write_numpy(buf, x, first, count):
+    """The NumPy reference of ``_cyloops.cache_write``: buf[b, :, (first[b] + t) % R] = x[b, :, t], t < count[b].
+
+    buf : (B, H, R, d) storage, x : (B, H, L, d) chunk; first, count : (B,).
+    A chunk that runs past slot R - 1 wraps around to slot 0 (ring buffer).
+    """
+    R = buf.shape[2]
+    for b in range(buf.shape[0]):
+        c, w0 = int(count[b]), int(first[b])
+        if c == 0:
+            continue
+        n1 = min(c, R - w0)
+        buf[b, :, w0:w0 + n1] = x[b, :, :n1]
+        if n1 < c:  # wrap around (ring only)
+            buf[b, :, :c - n1] = x[b, :, n1:c]
 
 
 class KVCache:
@@ -201,15 +218,19 @@ class KVCache:
             raise TypeError(f"{name} has dtype {x.dtype} but the cache stores {self.dtype}")
         return x
 
-    def append(self, k, v, lengths=None):
+    def append(self, k, v, lengths=None, rope=None):
         """Store a chunk of new keys and values after each sequence's last one.
 
         k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype,
             any strides; keys already rotated if RoPE is used. L_new may be 0.
         lengths : optional int or (B,) ints <= L_new: sequence b appends only
             rows ``[:lengths[b]]`` (ragged batches); the rest is ignored.
+        rope : optional ``positional.RoPE`` with head_dim d: the keys are
+            rotated on the way in, row t of sequence b at position
+            ``positions[b] + t`` (k itself is not modified).
 
-        Each row is copied once into the storage. On error nothing changes.
+        Each row is copied once into the storage (``_cyloops.cache_write``,
+        or the NumPy reference ``_write_numpy``). On error nothing changes.
         """
         k = self._check_chunk(k, "k", self.head_dim)
         v = self._check_chunk(v, "v", self.v_head_dim)
@@ -217,6 +238,8 @@ class KVCache:
         if v.shape[2] != L:
             raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ")
         new = np.full(self.batch, L, dtype=np.int64) if lengths is None else _per_seq(lengths, self.batch, "lengths", L)
+        if rope is not None and getattr(rope, "head_dim", None) != self.head_dim:
+            raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
         R = self.capacity
         if self.window is None:
             need = int((self._n + new).max())
@@ -237,22 +260,26 @@ class KVCache:
                         " or growable=True)")
                 self._resize(self.window - 1 + big)
         R = self.capacity
-        for b in range(self.batch):
-            c = int(new[b])
-            if c == 0:
-                continue
-            n, s = int(self._n[b]), int(self._start[b])
-            kb, vb = k[b, :, :c], v[b, :, :c]
-            w0 = (s + n) % R  # first slot to write
-            first = min(c, R - w0)
-            self._k[b, :, w0:w0 + first] = kb[:, :first]
-            self._v[b, :, w0:w0 + first] = vb[:, :first]
-            if first < c:  # wrap around (ring only)
-                self._k[b, :, :c - first] = kb[:, first:]
-                self._v[b, :, :c - first] = vb[:, first:]
-            n_new = min(R, n + c)
-            self._start[b] = (s + n + c - n_new) % R
-            self._n[b] = n_new
+        first = (self._start + self._n) % R  # first slot to write, per sequence
+        if rope is not None and rope.rotary_dim and L:
+            if _loops.USE_CYTHON:
+                c, s = rope.cos_sin(int((self._pos + new).max()), self.dtype)
+                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved,
+                                     num_threads=_loops.threads())
+            else:
+                pos = self._pos[:, None] + np.arange(L)
+                _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
+        elif _loops.USE_CYTHON:
+            _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
+        else:
+            _write_numpy(self._k, k, first, new)
+        if _loops.USE_CYTHON:
+            _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
+        else:
+            _write_numpy(self._v, v, first, new)
+        n_new = np.minimum(R, self._n + new)
+        self._start = (self._start + self._n + new - n_new) % R
+        self._n = n_new
         self._pos += new
         self._last_new = new
         self._last_L = L

@@ -40,6 +40,8 @@ import numbers
 
 import numpy as np
 
+from . import _cyloops, _loops
+
 __all__ = [
     "Mask",
     "Causal",
@@ -319,9 +321,11 @@ class BlockSparse(Mask):
         """
         block, x, y = cls._grid(seq_len, block)
         width = _check_int(width, "width", 1)
-        keep = (x - y < width) & (y - x < width)
-        if causal:
-            keep &= y <= x
+        if _loops.USE_CYTHON:
+            lo = 0 if causal else 1 - width
+            keep = _cyloops.band_layout(x.shape[0], lo, width - 1, 0, False, num_threads=_loops.threads())
+        else:
+            keep = _local_numpy(x, y, width, causal)
         return cls(keep, block, block)
 
     @classmethod
@@ -335,8 +339,11 @@ class BlockSparse(Mask):
         """
         block, x, y = cls._grid(seq_len, block)
         stride = _check_int(stride, "stride", 1)
-        dist = x - y if causal else np.abs(x - y)
-        keep = (dist >= 0) & ((dist < stride) | (dist % stride == 0))
+        if _loops.USE_CYTHON:
+            lo = 0 if causal else 1 - stride
+            keep = _cyloops.band_layout(x.shape[0], lo, stride - 1, stride, not causal, num_threads=_loops.threads())
+        else:
+            keep = _strided_numpy(x, y, stride, causal)
         return cls(keep, block, block)
 
     @classmethod
@@ -361,7 +368,10 @@ class BlockSparse(Mask):
             g = np.asarray(global_blocks, dtype=np.int64).reshape(-1)
             if g.size and (g.min() < 0 or g.max() >= n):
                 raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
-        keep = (x - y < width) & (y - x < width)
+        if _loops.USE_CYTHON:
+            keep = _cyloops.band_layout(n, 1 - width, width - 1, 0, False, num_threads=_loops.threads())
+        else:
+            keep = (x - y < width) & (y - x < width)
         keep[g, :] = True
         keep[:, g] = True
         if random_blocks:
@@ -371,6 +381,20 @@ class BlockSparse(Mask):
         if causal:
             keep &= y <= x
         return cls(keep, block, block)
+
+
+def _local_numpy(x, y, width, causal):
+    """NumPy reference of the band layout: |x - y| < width (0 <= x - y < width if causal)."""
+    keep = (x - y < width) & (y - x < width)
+    if causal:
+        keep &= y <= x
+    return keep
+
+
+def _strided_numpy(x, y, stride, causal):
+    """NumPy reference of the strided layout (see ``BlockSparse.strided``)."""
+    dist = x - y if causal else np.abs(x - y)
+    return (dist >= 0) & ((dist < stride) | (dist % stride == 0))
 
 
 def _pad_layout(lay, nq, nk):
@@ -585,15 +609,47 @@ def add_block_summary(kw, block=SUMMARY_BLOCK):
     B, H, Lq, Lk = m.shape
     if Lq < 4 * block or Lk < 4 * block:
         return kw
-    c = _compact(m)
-    cb, ch, lq, lk = c.shape
-    nq, nk = -(-lq // block), -(-lk // block)
-    padded = np.zeros((cb, ch, nq * block, nk * block), bool)
-    padded[:, :, :lq, :lk] = c
-    summary = padded.reshape(cb, ch, nq, block, nk, block).any(axis=(3, 5))
+    summary = block_summary(_compact(m), block) != BLOCK_MASKED
     # A broadcast row (column) axis of the mask stays one summary row (column),
     # broadcast again (stride 0) over the whole sequence.
     layout = np.broadcast_to(summary, (B, H, -(-Lq // block), -(-Lk // block)))
     out = dict(kw)
     out.update(layout=layout.view(np.uint8), layout_bq=block, layout_bk=block)
     return out
+
+
+BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = 0, 1, 2
+
+
+def block_summary(mask, block=SUMMARY_BLOCK):
+    """Classify each block x block tile of a boolean mask, in one pass.
+
+    mask : (B, H, Lq, Lk) bool or uint8 (nonzero = attend), any strides (a
+        broadcast view is read at its full shape: pass the compact array).
+    Returns int8 (B, H, ceil(Lq/block), ceil(Lk/block)): BLOCK_MASKED (0)
+    where the tile has no visible pair, BLOCK_VISIBLE (2) where every pair is
+    visible, BLOCK_PARTIAL (1) otherwise; a tail tile counts only its
+    in-range pairs. ``_cyloops.block_summary``, or ``_summary_numpy``.
+    """
+    m = np.asarray(mask)
+    if m.dtype not in (np.dtype(np.bool_), np.dtype(np.uint8)):
+        raise MaskTypeError(f"mask must be a bool or uint8 array, got dtype {m.dtype}")
+    if m.ndim != 4:
+        raise ValueError(f"mask must be (B, H, Lq, Lk), got shape {_shape_str(m.shape)}")
+    block = _check_int(block, "block", 1)
+    if _loops.USE_CYTHON:
+        return _cyloops.block_summary(m.view(np.uint8), block, num_threads=_loops.threads())
+    return _summary_numpy(m, block)
+
+
+def _summary_numpy(m, block):
+    """NumPy reference of ``block_summary``: pad to whole tiles, count per tile."""
+    cb, ch, lq, lk = m.shape
+    nq, nk = -(-lq // block), -(-lk // block)
+    padded = np.zeros((cb, ch, nq * block, nk * block), bool)
+    padded[:, :, :lq, :lk] = m
+    vis = padded.reshape(cb, ch, nq, block, nk, block).sum(axis=(3, 5))
+    inside = np.zeros((nq * block, nk * block), np.int64)
+    inside[:lq, :lk] = 1
+    tot = inside.reshape(nq, block, nk, block).sum(axis=(1, 3))
+    return np.where(vis == 0, BLOCK_MASKED, np.where(vis == tot, BLOCK_VISIBLE, BLOCK_PARTIAL)).astype(np.int8)

@@ -36,6 +36,7 @@ import numpy as np
 
 from ._checks import shape_str
 from .functional import scaled_dot_product_attention
+from .kv_cache import KVCache
 from .positional import RoPE
 
 __all__ = ["MultiHeadAttention"]
@@ -248,6 +249,7 @@ class MultiHeadAttention:
         if cache is not None and mask is not None:
             raise ValueError("mask= cannot be combined with cache= (the cache attends causally or fully)")
 
+        rope_on_append = None  # a RoPE the cache applies to the keys as it stores them
         if context is None:
             if self._w_qkv is None:
                 raise ValueError(
@@ -261,8 +263,12 @@ class MultiHeadAttention:
             v = self._heads(qkv[..., nq + nkv :], Hkv)
             if self.rope is not None:
                 offset = 0 if cache is None else np.asarray(cache.positions)
-                self.rope(q, offset=offset, positions=positions, seq_axis=1, inplace=True)
-                self.rope(k, offset=offset, positions=positions, seq_axis=1, inplace=True)
+                if isinstance(cache, KVCache) and positions is None:
+                    # keys are rotated by the cache write itself (one pass, at cache.positions)
+                    self.rope(q, offset=offset, seq_axis=1, inplace=True)
+                    rope_on_append = self.rope
+                else:
+                    self.rope.rotate_qk(q, k, offset=offset, positions=positions, seq_axis=1, inplace=True)
             elif positions is not None:
                 raise ValueError("positions= is only meaningful with positional RoPE")
         else:
@@ -292,7 +298,10 @@ class MultiHeadAttention:
         qT = q.transpose(0, 2, 1, 3)
         if cache is not None:
             if k is not None:
-                cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+                if rope_on_append is None:
+                    cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+                else:
+                    cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), rope=rope_on_append)
             o = cache.attend(qT, scale=self.scale, causal=bool(causal) and context is None)  # (B, H, L, d_h)
             merged = o.transpose(0, 2, 1, 3).reshape(B, L, nq)  # copies L·H·d_h values
         else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _cyloops, _loops
 from ._checks import shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
@@ -115,8 +116,8 @@ class RoPE:
         c, s = self._tables[dtype]
         return c[:n], s[:n]
 
-    def _angles_for(self, L, offset, positions, dtype):
-        """cos, sin of shape (L, r/2) or (B, L, r/2) for the requested positions."""
+    def _positions(self, L, offset, positions):
+        """Validated int64 positions (1 or B, L) and whether they are per sequence."""
         if positions is not None:
             pos = np.asarray(positions)
             if pos.dtype.kind not in "iu":
@@ -125,8 +126,7 @@ class RoPE:
                 raise ValueError(f"positions must have shape (L,) or (B, L) with L = {L}, got {shape_str(pos)}")
             if pos.size and pos.min() < 0:
                 raise ValueError("positions must be >= 0")
-            c, s = self.cos_sin(int(pos.max()) + 1 if pos.size else 0, dtype)
-            return c[pos], s[pos]
+            return pos.astype(np.int64, copy=False).reshape(-1, L), pos.ndim == 2
         off = np.asarray(offset)
         if off.dtype.kind not in "iu":
             raise TypeError(f"offset must be an int or an int array, got dtype {off.dtype}")
@@ -134,18 +134,56 @@ class RoPE:
             o = int(off)
             if o < 0:
                 raise ValueError(f"offset must be >= 0, got {o}")
-            c, s = self.cos_sin(o + L, dtype)
-            return c[o:], s[o:]  # a slice of the table: no gather
+            return (o + np.arange(L, dtype=np.int64))[None], False
         if off.ndim != 1:
             raise ValueError(f"offset must be an int or a (B,) int array, got shape {shape_str(off)}")
         if off.size and off.min() < 0:
             raise ValueError("offset must be >= 0")
         if off.size and np.all(off == off[0]):
-            return self._angles_for(L, int(off[0]), None, dtype)
-        pos = off[:, None] + np.arange(L)  # (B, L)
-        return self._angles_for(L, 0, pos, dtype)
+            return self._positions(L, int(off[0]), None)
+        return off.astype(np.int64)[:, None] + np.arange(L, dtype=np.int64), True
+
+    def _angles_for(self, L, offset, positions, dtype):
+        """cos, sin of shape (L, r/2) or (B, L, r/2) for the requested positions."""
+        pos, per_seq = self._positions(L, offset, positions)
+        c, s = self.cos_sin(int(pos.max()) + 1 if pos.size else 0, dtype)
+        if positions is None and not per_seq:
+            o = int(pos[0, 0]) if L else 0
+            return c[o:o + L], s[o:o + L]  # a slice of the table: no gather
+        if not per_seq:
+            return c[pos[0]], s[pos[0]]
+        return c[pos], s[pos]
 
     # -- application --------------------------------------------------------
+    def _check_x(self, x, seq_axis, name="x"):
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        if x.dtype.kind != "f":
+            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+        if x.ndim < 2 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"{name} has shape {shape_str(x)}, expected last axis head_dim = {self.head_dim}")
+        ax = seq_axis + x.ndim if seq_axis < 0 else seq_axis
+        if not 0 <= ax < x.ndim - 1:
+            raise ValueError(f"seq_axis={seq_axis} is not a position axis of {name} with shape {shape_str(x)}")
+        return x, ax
+
+    def _target(self, x, out, inplace, name="x"):
+        """The array the result goes to: x itself, out, or a new C-contiguous one (not yet filled)."""
+        if inplace:
+            if out is not None:
+                raise ValueError("pass either inplace=True or out=, not both")
+            if not x.flags.writeable:
+                raise ValueError(f"{name} is read-only; cannot rotate in place")
+            return x
+        if out is not None:
+            if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
+                raise ValueError(f"out has shape {shape_str(out)} dtype {getattr(out, 'dtype', None)}, "
+                                 f"expected {shape_str(x)} {x.dtype}")
+            if not out.flags.writeable:
+                raise ValueError("out is read-only")
+            return out
+        return np.empty(x.shape, dtype=x.dtype)
+
     def __call__(self, x, *, offset=0, positions=None, seq_axis=-3, out=None, inplace=False):
         """Rotate x by its positions; returns the rotated array.
 
@@ -158,44 +196,89 @@ class RoPE:
         positions : an explicit int array, (L,) or (B, L), instead of offset.
         inplace : rotate x itself (it must be writeable) and return it.
         out : write the result into this array (same shape and dtype as x).
-        Otherwise a new C-contiguous array is returned. Computed in x's dtype.
+        Otherwise a new C-contiguous array is returned. Computed in x's dtype,
+        in one pass by ``_cyloops.rope`` (float32/float64 in the layouts
+        above), else by the NumPy formula ``_rope_numpy``.
         """
-        if not isinstance(x, np.ndarray):
-            x = np.asarray(x)
-        if x.dtype.kind != "f":
-            raise TypeError(f"x must be a float array, got dtype {x.dtype}")
-        if x.ndim < 2 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"x has shape {shape_str(x)}, expected last axis head_dim = {self.head_dim}")
-        ax = seq_axis + x.ndim if seq_axis < 0 else seq_axis
-        if not 0 <= ax < x.ndim - 1:
-            raise ValueError(f"seq_axis={seq_axis} is not a position axis of x with shape {shape_str(x)}")
-        if inplace:
-            if out is not None:
-                raise ValueError("pass either inplace=True or out=, not both")
-            if not x.flags.writeable:
-                raise ValueError("x is read-only; cannot rotate in place")
-            y = x
-        elif out is not None:
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(f"out has shape {shape_str(out)} dtype {out.dtype}, expected {shape_str(x)} {x.dtype}")
-            out[...] = x
-            y = out
-        else:
-            y = np.array(x, order="C")
-        r = self.rotary_dim
-        if r == 0 or x.size == 0:
+        x, ax = self._check_x(x, seq_axis)
+        y = self._target(x, out, inplace)
+        if self.rotary_dim and x.size and _loops.USE_CYTHON:
+            if self._rope_cython([(x, y)], ax, offset, positions):
+                return y
+        if y is not x:
+            y[...] = x
+        if self.rotary_dim == 0 or x.size == 0:
             return y
-        L = x.shape[ax]
-        c, s = self._angles_for(L, offset, positions, x.dtype)  # (L, r/2) or (B, L, r/2)
+        return self._rope_numpy(y, ax, offset, positions)
+
+    def rotate_qk(self, q, k, *, offset=0, positions=None, seq_axis=-3, inplace=False):
+        """Rotate queries and keys at the same positions, in one pass; returns (q_rot, k_rot).
+
+        q : (…, L, H_q, d) and k : (…, L, H_kv, d) with seq_axis=-3 (or
+        (B, H, L, d) with seq_axis=-2): the same layout, dtype and positions,
+        head counts may differ (GQA). Each cos/sin row is loaded once for
+        both. inplace=True rotates q and k themselves; otherwise new
+        C-contiguous arrays are returned. Same result as two ``__call__``.
+        """
+        q, ax = self._check_x(q, seq_axis, "q")
+        k, axk = self._check_x(k, seq_axis, "k")
+        if q.dtype != k.dtype:
+            raise TypeError(f"q has dtype {q.dtype} but k has dtype {k.dtype}")
+        if q.ndim != k.ndim or q.shape[ax] != k.shape[axk]:
+            raise ValueError(f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: positions differ")
+        if self.rotary_dim and q.size and k.size and _loops.USE_CYTHON:
+            qy, ky = self._target(q, None, inplace, "q"), self._target(k, None, inplace, "k")
+            if self._rope_cython([(q, qy), (k, ky)], ax, offset, positions):
+                return qy, ky
+        kw = dict(offset=offset, positions=positions, seq_axis=seq_axis, inplace=inplace)
+        return self(q, **kw), self(k, **kw)
+
+    def _rope_cython(self, pairs, ax, offset, positions):
+        """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing done) if a layout needs NumPy."""
+        x0 = pairs[0][0]
+        if x0.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            return False
+        views = [(_loops.as_blhd(x, ax), _loops.as_blhd(y, ax)) for x, y in pairs]
+        if any(v is None for pair in views for v in pair):
+            return False
+        L = x0.shape[ax]
+        pos, per_seq = self._positions(L, offset, positions)
+        if per_seq:
+            if ax == 0:
+                raise ValueError("per-sequence positions need a batch axis before seq_axis")
+            for x, _ in pairs:
+                if pos.shape[0] != x.shape[0]:
+                    raise ValueError(
+                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}")
+        c, s = self.cos_sin(int(pos.max()) + 1, x0.dtype)
+        srcs = []
+        for (x, y), (xv, yv) in zip(pairs, views):
+            if y is not x and np.may_share_memory(x, y):  # overlapping out=: copy, then rotate in place
+                y[...] = x
+                xv = yv
+            srcs.append((xv, yv))
+        if len(srcs) == 2 and srcs[0][0].shape[:2] == srcs[1][0].shape[:2]:
+            (xq, yq), (xk, yk) = srcs
+            _cyloops.rope(xq, yq, xk, yk, c, s, pos, self.interleaved, num_threads=_loops.threads())
+        else:
+            for xv, yv in srcs:
+                _cyloops.rope(xv, yv, None, None, c, s, pos, self.interleaved, num_threads=_loops.threads())
+        return True
+
+    def _rope_numpy(self, y, ax, offset, positions):
+        """The NumPy formula (the reference the Cython loop is tested against): rotate y in place."""
+        r = self.rotary_dim
+        L = y.shape[ax]
+        c, s = self._angles_for(L, offset, positions, y.dtype)  # (L, r/2) or (B, L, r/2)
         # Broadcast the tables against y: positions on axis `ax`, batch (if
         # any) on axis 0, frequencies last, ones elsewhere.
-        shape = [1] * x.ndim
+        shape = [1] * y.ndim
         shape[ax], shape[-1] = L, r // 2
         if c.ndim == 3:
             if ax == 0:
                 raise ValueError("per-sequence positions need a batch axis before seq_axis")
-            if c.shape[0] != x.shape[0]:
-                raise ValueError(f"offset/positions give {c.shape[0]} sequences but x has shape {shape_str(x)}")
+            if c.shape[0] != y.shape[0]:
+                raise ValueError(f"offset/positions give {c.shape[0]} sequences but x has shape {shape_str(y)}")
             shape[0] = c.shape[0]
         c, s = c.reshape(shape), s.reshape(shape)
         if self.interleaved:
