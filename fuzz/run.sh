@@ -13,14 +13,22 @@ mkdir -p "$OUT/corpus"
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 FLAGS="-std=c++17 -O1 -g $SAN -fsanitize=fuzzer-no-link -Icsrc/include -Icsrc/kernels -Wno-unknown-pragmas"
 DEFS=""
-OBJS=("$OUT/k_scalar.o")
-"$CXX" $FLAGS -DATTN_ISA_SCALAR -c csrc/kernels/flash_fwd.cpp -o "$OUT/k_scalar.o"
+OBJS=()
+# Every per-ISA kernel source (the same list as ATTN_KERNEL_SRC in CMakeLists.txt).
+KERNELS=(flash_fwd decode)
+isa_objects() {  # isa-name define flags...
+  local name=$1 def=$2
+  shift 2
+  for k in "${KERNELS[@]}"; do
+    "$CXX" $FLAGS "-D$def" "$@" -c "csrc/kernels/$k.cpp" -o "$OUT/${k}_$name.o"
+    OBJS+=("$OUT/${k}_$name.o")
+  done
+}
+isa_objects scalar ATTN_ISA_SCALAR
 if [ "$(uname -m)" = x86_64 ]; then
-  "$CXX" $FLAGS -DATTN_ISA_AVX2 -mavx2 -mfma -mf16c -c csrc/kernels/flash_fwd.cpp -o "$OUT/k_avx2.o"
-  "$CXX" $FLAGS -DATTN_ISA_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma \
-    -c csrc/kernels/flash_fwd.cpp -o "$OUT/k_avx512.o"
+  isa_objects avx2 ATTN_ISA_AVX2 -mavx2 -mfma -mf16c
+  isa_objects avx512 ATTN_ISA_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma
   DEFS="-DATTN_HAVE_AVX2 -DATTN_HAVE_AVX512"
-  OBJS+=("$OUT/k_avx2.o" "$OUT/k_avx512.o")
 fi
 "$CXX" $FLAGS $DEFS -c csrc/dispatch.cpp -o "$OUT/dispatch.o"
 "$CXX" $FLAGS -c csrc/reference.cpp -o "$OUT/reference.o"
