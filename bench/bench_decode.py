@@ -25,27 +25,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 import attn_fast as af
 from attn_fast import _core, reference
 from attn_fast._config import config
+from attn_fast.bench import time_runs
 
 HQ, HKV, D = 32, 8, 128
 
 
 def best_time(fn, repeats, warmup=2):
     """Fastest of `repeats` runs after warm-up (the streaming probe is best-of too)."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return min(time_runs(fn, repeats, warmup))
 
 
 def check(o, q, k, v, causal=True):

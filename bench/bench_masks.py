@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -29,17 +28,11 @@ import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
 from attn_fast._config import config
+from attn_fast.bench import time_runs
 
 
 def median_time(fn, repeats, warmup=1):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(time_runs(fn, repeats, warmup))
 
 
 def _torch():

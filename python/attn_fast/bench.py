@@ -51,7 +51,8 @@ def _torch():
         return None
 
 
-def median_time(fn, repeats, warmup=1):
+def time_runs(fn, repeats, warmup=1):
+    """Wall times (s) of `repeats` calls of fn() after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -59,6 +60,11 @@ def median_time(fn, repeats, warmup=1):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def median_time(fn, repeats, warmup=1):
+    ts = time_runs(fn, repeats, warmup)
     return statistics.median(ts), min(ts), max(ts)
 
 
