@@ -42,6 +42,7 @@ SHAPES = [
     (3, 32, 8, 2, 300, 16, 16),
     (1, 3, 1, 7, 70, 3, 3),  # 21 rows: several row blocks
     (1, 2, 1, 20, 20, 8, 8),  # Lq == Lk
+    (1, 8, 2, 1, 333, 40, 24),  # G = 4: 4-row kernels, dv = one 3-vector pass
 ]
 
 

@@ -92,6 +92,7 @@ namespace {
 constexpr int kRB = 8;          // rows (query head x query token) per row block
 constexpr int64_t kBc = 64;     // keys per block
 constexpr int64_t kSplitDefault = 512;  // keys per split
+constexpr int64_t kLineBytes = 64;
 
 inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -150,15 +151,15 @@ inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int
   *jhi = hi;
 }
 
-// A list of cache lines to prefetch, issued one per inner-loop iteration of
-// the compute loops (so the next block's misses overlap this block's math).
-struct Pf {
-  const char** addr;
-  int64_t n, i;
-};
-inline void pf_step(Pf* p) {
-  if (p->i < p->n) __builtin_prefetch(p->addr[p->i++], 0, 3);
-}
+// Software prefetch of the next block's rows, issued from inside the compute
+// loops at the same position the loops are reading in the current block (QK:
+// one line of the next K row per line of the current one; PV: the next V
+// row's line for the columns of the pass), so the next block's misses overlap
+// this block's math and the prefetches cost no address bookkeeping.
+#ifndef ATTN_DECODE_PF_HINT
+#define ATTN_DECODE_PF_HINT 2
+#endif
+inline void pf_line(const void* p) { __builtin_prefetch(p, 0, ATTN_DECODE_PF_HINT); }
 
 // Horizontal sums of four registers: out[i] = sum of the lanes of a[i].
 template <typename T>
@@ -192,9 +193,10 @@ inline void reduce4<float>(const __m512* a, float* out) {
 // are reduced four at a time.
 template <typename T, int N, int KC>
 inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
-                    int64_t lds, Pf* pf) {
+                    int64_t lds, const T* const* kn) {
   using V = Vec<T>;
   constexpr int W = V::W, NK = N * KC;
+  constexpr int64_t kLine = kLineBytes / static_cast<int64_t>(sizeof(T));
   const int64_t dvec = d / W * W;
   int64_t c = 0;
   for (; c + KC <= cols; c += KC) {
@@ -203,7 +205,8 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      pf_step(pf);
+      if (kn && e % kLine == 0)
+        for (int j = 0; j < KC; ++j) pf_line(kn[c + j] + e);
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) kx[j] = V::load(kr[j] + e);
       for (int r = 0; r < N; ++r) {
@@ -223,7 +226,7 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
       }
   }
   if constexpr (KC > 1) {
-    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
+    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, kn ? kn + c : nullptr);
   }
 }
 
@@ -232,16 +235,18 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
 // first column not done (a multiple of E*W past e0).
 template <typename T, int N, int E>
 inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t e0, int64_t e1,
-                       T* O, int64_t ldo, Pf* pf) {
+                       T* O, int64_t ldo, const T* const* vn) {
   using V = Vec<T>;
   constexpr int W = V::W, NE = N * E;
+  constexpr int64_t kLine = kLineBytes / static_cast<int64_t>(sizeof(T));
   int64_t e = e0;
   for (; e + E * W <= e1; e += E * W) {
     typename V::R acc[NE];
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
     for (int64_t c = 0; c < cols; ++c) {
-      pf_step(pf);
+      if (vn)
+        for (int64_t x = 0; x < E * W; x += kLine) pf_line(vn[c] + e + x);
       const T* vr = vp[c] + e;
       typename V::R vx[E];
       for (int j = 0; j < E; ++j) vx[j] = V::load(vr + j * W);
@@ -259,11 +264,11 @@ inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
 template <typename T, int N, int E>
 inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
-                    int64_t ldo, Pf* pf) {
+                    int64_t ldo, const T* const* vn) {
   constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
-  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
-  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
+  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, vn);
+  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, vn);
   for (; e < dv; ++e)
     for (int r = 0; r < N; ++r) {
       T x = O[r * ldo + e];
@@ -275,31 +280,31 @@ inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, i
 // Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
 template <typename T>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
-                 int64_t lds, Pf* pf) {
+                 int64_t lds, const T* const* kn) {
   switch (nr) {
-    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 4: return qk_rows<T, 4, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 4: return qk_rows<T, 4, 3>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
+    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
   }
 }
 
 template <typename T>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
-                 int64_t ldo, Pf* pf) {
+                 int64_t ldo, const T* const* vn) {
   switch (nr) {
-    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 4: return pv_rows<T, 4, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 4: return pv_rows<T, 4, 3>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
+    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
   }
 }
 
@@ -339,7 +344,8 @@ struct DScratch {
   int64_t* lo;
   int64_t* hi;
   T* sink;
-  const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
+  const T** kn;      // the next block's row pointers (prefetched)
+  const T** vn;
 };
 
 // Process keys [c0, c1) of unit u, kv head hk; write the unnormalised partial
@@ -372,49 +378,56 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
   const T* kbase = a.k + u.b * a.sk.b + hk * a.sk.h;
   const T* vbase = a.v + u.b * a.sv.b + hk * a.sv.h;
   const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
-  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
-    const int64_t cols = dmin(kBc, c1 - j0);
-    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
-    int64_t slot = s.start + j0;
-    slot %= a.R;
+  // Row pointers of the block starting at logical key j0 (ring: slot =
+  // (start + j) mod R), packed copies for strided rows.
+  auto rows_of = [&](int64_t j0, int64_t cols, const T** kp, const T** vp) {
+    int64_t slot = (s.start + j0) % a.R;
     for (int64_t c = 0; c < cols; ++c) {
       if (kpack) {
         T* dst = sc.Kp + c * dp;
         const T* src = kbase + slot * a.sk.l;
         for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
-        sc.kp[c] = dst;
+        kp[c] = dst;
       } else {
-        sc.kp[c] = kbase + slot * a.sk.l;
+        kp[c] = kbase + slot * a.sk.l;
       }
       if (vpack) {
         T* dst = sc.Vpk + c * dvp;
         const T* src = vbase + slot * a.sv.l;
         for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
-        sc.vp[c] = dst;
+        vp[c] = dst;
       } else {
-        sc.vp[c] = vbase + slot * a.sv.l;
+        vp[c] = vbase + slot * a.sv.l;
       }
       if (++slot == a.R) slot = 0;
     }
-    // Touch every cache line of the block's K and V rows first, in a tight
-    // loop with many loads in flight (as a streaming read does): the misses
-    // overlap, and QK / PV below then hit L1/L2.
-    sc.sink[0] += touch_lines(sc.kp, cols, d) + touch_lines(sc.vp, cols, dv);
-    // The next block's lines, prefetched one per inner iteration of QK / PV.
-    Pf pf{sc.pfa, 0, 0};
-    if (!kpack && !vpack && j0 + kBc < c1) {
-      int64_t ns = (s.start + j0 + kBc) % a.R;
+  };
+  const T** kp = sc.kp;
+  const T** vp = sc.vp;
+  const T** kn = sc.kn;
+  const T** vn = sc.vn;
+  rows_of(c0, dmin(kBc, c1 - c0), kp, vp);
+  // The first block of the split was not prefetched: touch every cache line
+  // of its K and V rows in a tight loop with many loads in flight (as a
+  // streaming read does), so QK / PV below hit L1/L2.
+  sc.sink[0] += touch_lines(kp, dmin(kBc, c1 - c0), d) + touch_lines(vp, dmin(kBc, c1 - c0), dv);
+  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+    const int64_t cols = dmin(kBc, c1 - j0);
+    // The next block's rows, prefetched from inside QK / PV (not when rows
+    // are packed copies: those are read here, once).
+    const bool pf = !kpack && !vpack && j0 + kBc < c1;
+    if (pf) {
       const int64_t ncols = dmin(kBc, c1 - j0 - kBc);
-      for (int64_t c = 0; c < ncols; ++c) {
-        const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
-        const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = vr + off;
-        if (++ns == a.R) ns = 0;
+      rows_of(j0 + kBc, ncols, kn, vn);
+      // Keys of this block without a next-block partner prefetch a row of
+      // this block (already cached: harmless).
+      for (int64_t c = ncols; c < cols; ++c) {
+        kn[c] = kp[c];
+        vn[c] = vp[c];
       }
     }
     // S = Q K^T.
-    qk_dispatch<T>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc, &pf);
+    qk_dispatch<T>(nr, sc.Qs, dp, kp, cols, d, sc.S, kBc, pf ? kn : nullptr);
     // Masks and online softmax.
     bool partial = false;
     for (int r = 0; r < nr; ++r) {
@@ -456,16 +469,22 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
     }
     // O += P V.
     if (!partial) {
-      pv_dispatch<T>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp, &pf);
+      pv_dispatch<T>(nr, sc.S, kBc, vp, cols, dv, Op, dvp, pf ? vn : nullptr);
     } else {  // skip zero weights: a NaN in a masked V row must not leak
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const T p = sc.S[r * kBc + c];
           if (p == T(0)) continue;
           T* orow = Op + r * dvp;
-          const T* vr = sc.vp[c];
+          const T* vr = vp[c];
           for (int64_t e = 0; e < dv; ++e) orow[e] += p * vr[e];
         }
+    }
+    if (pf) {
+      const T** t = kp; kp = kn; kn = t;
+      t = vp; vp = vn; vn = t;
+    } else if (j0 + kBc < c1) {
+      rows_of(j0 + kBc, dmin(kBc, c1 - j0 - kBc), kp, vp);
     }
   }
 }
@@ -524,8 +543,8 @@ void decode_impl(const DecodeArgs<T>& a) {
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
     sc.sink = dalloc<T>(1);
-    sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(
-        kBc * ((a.d * static_cast<int64_t>(sizeof(T)) + 63) / 64 + (a.dv * static_cast<int64_t>(sizeof(T)) + 63) / 64))));
+    sc.kn = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+    sc.vn = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
     sc.sink[0] = T(0);
     // Units without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
@@ -551,7 +570,8 @@ void decode_impl(const DecodeArgs<T>& a) {
         merge_unit(a, un, hk, Opart, mpart, lpart);
     }
     std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
-    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.pfa);
+    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink);
+    std::free(sc.kn); std::free(sc.vn);
   }
   std::free(done);
   std::free(units);
