@@ -35,15 +35,16 @@
 // Memory traffic: K and V are read exactly once per kv head (the point: a long
 //   cache decode is memory-bound, about (d + dv) * 4 bytes per key per kv head
 //   for fp32). Per-item scratch (Q rows, S block, O_acc) is a few KiB, in L1.
-//   Each block's K and V rows (2 x 32 KiB at d = 128) are first touched by a
-//   tight loop that loads one element per cache line: its misses overlap the
-//   way a streaming read's do, and the compute loops then hit L1/L2. The
-//   compute loops alone stall on every miss (few loads in flight per FMA);
-//   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
-//   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
-//   The next block's lines are software-prefetched one per inner iteration of
-//   the QK / PV loops, spread over the block's math (a burst of prefetches at
-//   the block start measured worse; spread out, a small gain within noise).
+//   The first block of a split is touched by a tight loop that loads one
+//   element per cache line (its misses overlap the way a streaming read's do;
+//   the compute loops alone stall on every miss). Every later block was
+//   prefetched while the previous one was computed: the QK loop prefetches
+//   the next block's K row lines at the offsets it is reading, the PV loop the
+//   next V row lines of its column pass, so no address list is kept.
+//   Register blocking: 4 rows (GQA 32/8, one token) use 3 keys x 4 rows and
+//   4 rows x 3 vectors per pass, 12 independent FMA chains (8 chains, the
+//   former shape, just covers the 4-cycle latency of 2 FMA pipes and
+//   measured ~15 % slower on Zen 3).
 //
 // Masks: bottom-right (or top-left) causal and window_left/right on logical
 //   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
