@@ -151,4 +151,7 @@ def test_peak_memory_is_linear_in_L(window):
     r = run_json(PEAK_CODE.format(L=65536, window=window), timeout=900)
     print(f"L=65536 window={window}:", r)
     assert r["finite"]
-    assert r["extra_kib"] < 32 * 1024, r  # < 32 MiB, against 16 GiB for the scores
+    # Per thread: tiles of a few hundred KiB plus the packed K/V block cache,
+    # capped at 24 MiB (kCacheBytes in flash_fwd.cpp) whatever L is; 16 GiB
+    # for the textbook's scores.
+    assert r["extra_kib"] < r["threads"] * 25 * 1024 + 8 * 1024, r
