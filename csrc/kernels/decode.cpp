@@ -450,9 +450,11 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
         continue;
       }
       const typename V::R vmn = V::set1(m_new);
+      const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
       typename V::R vs = V::zero();
       for (int64_t c = 0; c < cols; c += W) {
-        const typename V::R p = V::exp(V::sub(V::load(srow + c), vmn));
+        // 2^((s - m) log2 e): the argument is <= 0 (or NaN), see exp2_neg.
+        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(srow + c), vmn), vl2e));
         V::store(srow + c, p);
         vs = V::add(vs, p);
       }
