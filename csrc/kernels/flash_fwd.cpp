@@ -440,9 +440,16 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
       }
       for (int64_t j = cols; j < cols_p; ++j) s[j] = NEG_INF;
 
-      typename V::R vm = V::set1(NEG_INF);
-      for (int64_t j = 0; j < cols_p; j += W) vm = V::max(vm, V::load(s + j));
-      const T mx = V::hmax(vm);
+      // cols_p is a multiple of 2W (kNR >= 2) or W (scalar): two chains each
+      // for the max and the sum, so neither loop waits on one dependency.
+      typename V::R vm = V::set1(NEG_INF), vm1 = vm;
+      int64_t j2 = 0;
+      for (; j2 + 2 * W <= cols_p; j2 += 2 * W) {
+        vm = V::max(vm, V::load(s + j2));
+        vm1 = V::max(vm1, V::load(s + j2 + W));
+      }
+      for (; j2 < cols_p; j2 += W) vm = V::max(vm, V::load(s + j2));
+      const T mx = V::hmax(V::max(vm, vm1));
       const T m_old = sc.m[r];
       const T m_new = mx > m_old ? mx : m_old;
       if (m_new == NEG_INF) {  // nothing visible in this row so far, or only NaN
@@ -455,13 +462,22 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
       // P = 2^((S - m) * log2 e): the same rounding as exp(S - m), cheaper.
       const typename V::R vmn = V::set1(m_new);
       const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
-      typename V::R vs = V::zero();
-      for (int64_t j = 0; j < cols_p; j += W) {
+      typename V::R vs = V::zero(), vs1 = V::zero();
+      int64_t j = 0;
+      for (; j + 2 * W <= cols_p; j += 2 * W) {
+        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
+        const typename V::R p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
+        V::store(s + j, p);
+        V::store(s + j + W, p1);
+        vs = V::add(vs, p);
+        vs1 = V::add(vs1, p1);
+      }
+      for (; j < cols_p; j += W) {
         const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
         V::store(s + j, p);
         vs = V::add(vs, p);
       }
-      const T rowsum = V::hsum(vs);
+      const T rowsum = V::hsum(V::add(vs, vs1));
       if (m_new != m_old) {
         const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
         sc.l[r] = sc.l[r] * alpha + rowsum;
