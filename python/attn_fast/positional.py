@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cyloops, _loops
-from ._checks import shape_str
+from ._checks import check_float_dtype, check_int, check_real, shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
 
@@ -35,12 +35,16 @@ def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
 
     L : number of positions; D : model dim (odd D allowed: the last column is
     a sine). offset : int, or an int array of shape (B,) of per-sequence start
-    positions (decode with a cache). Returns (L, D), or (B, L, D) when offset
-    is an array; computed in float64 and returned in ``dtype``.
+    positions (decode with a cache). base : a finite number > 0. Returns
+    (L, D), or (B, L, D) when offset is an array; computed in float64 and
+    returned in ``dtype`` (float32 or float64). Non-integer L, D or offset
+    raise TypeError; L < 0, D < 1 or a bad base raise ValueError.
     """
-    L, D = int(L), int(D)
+    L, D = check_int(L, "L"), check_int(D, "D")
     if L < 0 or D < 1:
         raise ValueError(f"sinusoidal needs L >= 0 and D >= 1, got L={L}, D={D}")
+    base = check_real(base, "base", positive=True)
+    dtype = check_float_dtype(dtype)
     off = np.asarray(offset)
     if off.dtype.kind not in "iu":
         raise TypeError(f"offset must be an int or an int array, got dtype {off.dtype}")
@@ -80,13 +84,11 @@ class RoPE:
     """
 
     def __init__(self, head_dim, base=10000.0, rotary_dim=None, interleaved=False):
-        head_dim = int(head_dim)
-        rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        head_dim = check_int(head_dim, "head_dim", 1)
+        rotary_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "rotary_dim")
         if rotary_dim < 0 or rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and in [0, head_dim={head_dim}], got {rotary_dim}")
-        base = float(base)
+        base = check_real(base, "base")
         if not base > 1.0:
             raise ValueError(f"base must be > 1, got {base}")
         self.head_dim = head_dim
