@@ -504,6 +504,22 @@ def test_kv_cache_attend_errors(rng):
     _assert_same(cache, snap)
 
 
+def test_kv_cache_window_attend_needs_keys_the_ring_dropped(rng):
+    """Queries reaching back past what the ring holds raise (they used to be
+    answered silently over the keys that were left)."""
+    B, H, d, w = 1, 1, 3, 2
+    k, v, q = randn(rng, (B, H, 4, d)), randn(rng, (B, H, 4, d)), randn(rng, (B, H, 4, d))
+    cache = af.KVCache(B, H, d, window=w, ring=2)
+    cache.append(k[:, :, :2], v[:, :, :2])  # grows the ring to 3 slots
+    cache.append(k[:, :, 2:], v[:, :, 2:])  # holds positions 1, 2, 3
+    snap = _snapshot(cache)
+    with pytest.raises(ValueError, match="reach back to positions \\[0\\]"):
+        cache.attend(q[:, :, 1:], q_lens=3)  # row at position 1 needs key 0
+    _assert_same(cache, snap)
+    o = cache.attend(q[:, :, 2:], q_lens=2)  # rows at positions 2, 3: keys 1..3 suffice
+    close(o, ref.sdpa(q[:, :, 2:], k, v, mask=ref.window_mask(2, 4, w - 1, 0)))
+
+
 def test_kv_cache_attend_out(rng):
     cache = _filled_cache(rng)
     q = randn(rng, (2, 4, 2, 4))
@@ -548,13 +564,16 @@ def test_kv_cache_attend_matches_oracle_after_truncate_and_ragged(rng):
 
 
 def test_layer_caches_truncate_is_all_or_nothing(rng):
+    """Layer 0 can roll back to position 4, layer 2's ring no longer can: no layer changes."""
     caches = af.LayerCaches(3, 1, 2, 4, window=2, ring=3)
-    for c in caches:
-        c.append(randn(rng, (1, 2, 1, 4)), randn(rng, (1, 2, 1, 4)))
-    caches[2].append(randn(rng, (1, 2, 2, 4)), randn(rng, (1, 2, 2, 4)))  # layer 2 runs ahead
+    for i, c in enumerate(caches):
+        for _ in range(5 if i < 2 else 7):
+            c.append(randn(rng, (1, 2, 1, 4)), randn(rng, (1, 2, 1, 4)))
+    caches[0].truncate(4)  # possible on its own (it changes layer 0)
+    caches[0].append(randn(rng, (1, 2, 1, 4)), randn(rng, (1, 2, 1, 4)))
     snaps = [_snapshot(c) for c in caches]
-    with pytest.raises(ValueError):
-        caches.truncate(2)  # fine for layers 0, 1 (nothing to drop? beyond) - fails somewhere
+    with pytest.raises(ValueError, match="no longer hold"):
+        caches.truncate(4)
     for c, s in zip(caches, snaps):
         _assert_same(c, s)
 

@@ -347,6 +347,16 @@ class KVCache:
             ql = _per_seq(q_lens, B, "q_lens", Lq)
         if (ql > self._n).any() and causal:
             raise ValueError(f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first")
+        if causal and self.window is not None:
+            # The first query row of sequence b sits at position pos - ql and sees
+            # keys from pos - ql - (window - 1): the ring must still hold them.
+            first_needed = np.maximum(0, self._pos - ql - (self.window - 1))
+            lost = (ql > 0) & (first_needed < self._pos - self._n)
+            if lost.any():
+                raise ValueError(
+                    f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, but the ring of "
+                    f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
+                    f"(window {self.window}); attend right after appending the chunk, or use a larger ring")
         scale = check_scale(scale, d)
         shape = (B, Hq, Lq, self.v_head_dim)
         target = None  # the caller's out when it shares memory with q or the storage
