@@ -118,6 +118,16 @@ def test_varlen_bad_cu_seqlens(rng, cu_q, match):
         af.varlen_attention(q, q, q, cu_q, cu_k if cu_k.size == cu_q.size else np.array([0, 10]))
 
 
+@pytest.mark.parametrize("window_size", [(2.5, 0), (True, 0), (0, np.float64(1.0)), (3, "0")])
+def test_window_size_entries_must_be_ints(rng, window_size):
+    """window_size=(2.5, 0) was int(2.5) = a window of 2, silently."""
+    q = randn(rng, (6, 2, 4))
+    with pytest.raises(TypeError, match=r"window_size\[[01]\] must be an int"):
+        af.scaled_dot_product_attention(q, q, q, window_size=window_size)
+    with pytest.raises(TypeError, match=r"window_size\[[01]\] must be an int"):
+        af.varlen_attention(q, q, q, [0, 6], [0, 6], window_size=window_size)
+
+
 def test_varlen_bad_arguments(rng):
     q = randn(rng, (10, 2, 4))
     cu = np.array([0, 4, 10])
@@ -413,6 +423,8 @@ def _bad_append_calls(rng):
         ("rope dim", (ValueError, "rope must be a RoPE with head_dim 4"),
          lambda c: c.append(k, v, rope=positional.RoPE(6))),
         ("k None", (TypeError, "k must be an array"), lambda c: c.append(None, v)),
+        ("rope duck", (TypeError, "rope must be a positional.RoPE"),  # was AttributeError
+         lambda c: c.append(k, v, rope=type("FakeRoPE", (), {"head_dim": 4})())),
     ]
 
 
@@ -442,6 +454,7 @@ def test_kv_cache_failing_truncate_leaves_it_unchanged(rng, window):
         ((TypeError, "n must be an int"), True),
         ((TypeError, "n must be an int"), np.array([1.5, 1.0])),
         ((ValueError, r"shape \(2,\)"), [1, 1, 1]),
+        ((ValueError, "beyond int64"), np.uint64(2**64 - 1)),  # was OverflowError
     ]
     if window is not None:
         bad.append(((ValueError, "no longer hold"), 0))
@@ -715,6 +728,10 @@ def test_rope_misaligned_in_place(rng):
         (lambda r, x: r(x, positions=np.arange(4)), ValueError, "positions must have shape"),
         (lambda r, x: r(x, positions=np.arange(5.0)), TypeError, "positions must be an int array"),
         (lambda r, x: r(x, positions=-np.arange(5)), ValueError, "positions must be >= 0"),
+        (lambda r, x: r(x, offset=np.uint64(2**64 - 1)), ValueError, "offset \\+ L must be <="),  # was OverflowError
+        (lambda r, x: r(x, offset=2**62), ValueError, "offset \\+ L must be <="),
+        (lambda r, x: r(x, offset=np.array([0, 2**40])), ValueError, "offset \\+ L must be <="),
+        (lambda r, x: r(x, positions=np.full(5, 2**40)), ValueError, "positions must be <"),
         (lambda r, x: r(x, out=readonly(x)), ValueError, "out is read-only"),
         (lambda r, x: r(x, out=x[..., :4]), ValueError, "out has shape"),
         (lambda r, x: r(readonly(x), inplace=True), ValueError, "read-only"),
@@ -1045,6 +1062,8 @@ def test_variants_unusual_layouts(rng, layout):
         (lambda q: variants.linear_attention(q, q, q, eps=-1.0), ValueError, "eps must be >= 0"),
         (lambda q: variants.linear_attention(q, q, q, feature_map="softmax"), ValueError, "unknown feature_map"),
         (lambda q: variants.linear_attention(q, q, q, state=(1, 2)), TypeError, "LinearAttentionState"),
+        (lambda q: variants.linear_attention(q, q, q, state=variants.LinearAttentionState(
+            np.zeros((2, 3, 4, 4)), np.zeros((2, 3, 4)), 2.5)), TypeError, "state.length must be an int"),
         (lambda q: variants.linear_attention_step(q[0, 0, 0], np.float32(1), q[0, 0, 0]), ValueError,
          r"k must be one token.*got shape \(\)"),  # was IndexError
         (lambda q: variants.linear_attention_step(q, q, q), ValueError, "q must be one token"),

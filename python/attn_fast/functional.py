@@ -80,8 +80,8 @@ def _window_kwargs(window_size):
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-    left = -1 if left is None else int(left)
-    right = -1 if right is None else int(right)
+    left = -1 if left is None else check_int(left, "window_size[0]")  # 2.5 and True are not sizes
+    right = -1 if right is None else check_int(right, "window_size[1]")
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
     left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result

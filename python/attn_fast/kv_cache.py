@@ -38,8 +38,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core, _cyloops, _loops
-from ._checks import alias_safe, as_float_array, check_float_dtype, check_int, check_out, check_same_dtype, check_scale, shape_str
+from ._checks import (
+    alias_safe, as_float_array, check_float_dtype, check_int, check_out, check_same_dtype, check_scale, shape_str,
+)
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
+from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
@@ -50,6 +53,8 @@ def _per_seq(x, B, name, upper=None):
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}")
+    if arr.size and arr.max() > np.iinfo(np.int64).max:  # uint64
+        raise ValueError(f"{name} holds values beyond int64, max {arr.max()}")
     if arr.ndim == 0:
         arr = np.full(B, int(arr), dtype=np.int64)
     elif arr.shape != (B,):
@@ -225,7 +230,9 @@ class KVCache:
         if v.shape[2] != L:
             raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ")
         new = np.full(self.batch, L, dtype=np.int64) if lengths is None else _per_seq(lengths, self.batch, "lengths", L)
-        if rope is not None and getattr(rope, "head_dim", None) != self.head_dim:
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
             raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
         R = self.capacity
         if self.window is None:

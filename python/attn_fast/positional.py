@@ -29,6 +29,10 @@ from ._checks import check_float_dtype, check_int, check_real, shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
 
+# RoPE's cos/sin tables cover positions 0 .. the largest one asked for; past
+# this a table could not be built (and offsets would overflow int64).
+MAX_POSITION = 2**31
+
 
 def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
     """The original Transformer's position table, to be added to embeddings.
@@ -128,6 +132,8 @@ class RoPE:
                 raise ValueError(f"positions must have shape (L,) or (B, L) with L = {L}, got {shape_str(pos)}")
             if pos.size and pos.min() < 0:
                 raise ValueError("positions must be >= 0")
+            if pos.size and pos.max() >= MAX_POSITION:
+                raise ValueError(f"positions must be < {MAX_POSITION}, got {pos.max()}")
             return pos.astype(np.int64, copy=False).reshape(-1, L), pos.ndim == 2
         off = np.asarray(offset)
         if off.dtype.kind not in "iu":
@@ -136,11 +142,15 @@ class RoPE:
             o = int(off)
             if o < 0:
                 raise ValueError(f"offset must be >= 0, got {o}")
+            if o + L > MAX_POSITION:
+                raise ValueError(f"offset + L must be <= {MAX_POSITION}, got {o} + {L}")
             return (o + np.arange(L, dtype=np.int64))[None], False
         if off.ndim != 1:
             raise ValueError(f"offset must be an int or a (B,) int array, got shape {shape_str(off)}")
         if off.size and off.min() < 0:
             raise ValueError("offset must be >= 0")
+        if off.size and int(off.max()) + L > MAX_POSITION:
+            raise ValueError(f"offset + L must be <= {MAX_POSITION}, got {int(off.max())} + {L}")
         if off.size and np.all(off == off[0]):
             return self._positions(L, int(off[0]), None)
         return off.astype(np.int64)[:, None] + np.arange(L, dtype=np.int64), True

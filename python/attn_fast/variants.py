@@ -248,7 +248,7 @@ def _check_state(state, lead, r, dv):
         )
     return LinearAttentionState(
         np.array(state.kv, dtype=np.float64, order="C"), np.array(state.k_sum, dtype=np.float64, order="C"),
-        int(state.length),
+        check_int(state.length, "state.length", 0),
     )
 
 
