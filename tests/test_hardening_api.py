@@ -177,6 +177,8 @@ def test_attention_weights_bad_input(rng):
         af.attention_weights(q, q, attn_mask=np.ones((4, 5), bool))
     with pytest.raises(ValueError, match="max_elements"):
         af.attention_weights(q, q, max_elements=10)
+    with pytest.raises(TypeError, match="max_elements must be an int"):
+        af.attention_weights(q, q, max_elements=True)
     with pytest.raises(ValueError, match="scale must be finite"):
         af.attention_weights(q, q, scale=float("nan"))
 
@@ -200,6 +202,8 @@ def test_attention_weights_bad_input(rng):
         (lambda: masks.BlockSparse.local(16, 4, 0), ValueError, "width must be >= 1"),
         (lambda: masks.BlockSparse.strided(16, 4, 1.5), ValueError, "stride must be an integer"),
         (lambda: masks.BlockSparse.global_tokens(16, 4, [7]), ValueError, "global_blocks must be block indices"),
+        (lambda: masks.BlockSparse.global_tokens(16, 4, 2.5), TypeError, "global_blocks must be an int"),  # was [2]
+        (lambda: masks.BlockSparse.global_tokens(16, 4, [True]), TypeError, "global_blocks must be an int"),
         (lambda: masks.Dense(np.ones((4, 4), np.int32)), TypeError, "boolean .* or float"),
         (lambda: masks.Dense(np.ones((4, 4), np.complex64)), TypeError, "boolean .* or float"),
         (lambda: masks.Dense(np.float32(1.0)), ValueError, "broadcastable"),

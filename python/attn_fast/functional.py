@@ -388,7 +388,7 @@ def attention_weights(
     scale = check_scale(scale, d)
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, int(max_elements), bool(force))
+    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force))
     return P.astype(q.dtype).reshape(q.shape[:-1] + (Lk,))
 
 

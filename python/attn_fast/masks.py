@@ -368,7 +368,10 @@ class BlockSparse(Mask):
         if isinstance(global_blocks, numbers.Integral) and not isinstance(global_blocks, (bool, np.bool_)):
             g = np.arange(min(_check_int(global_blocks, "global_blocks", 0), n))
         else:
-            g = np.asarray(global_blocks, dtype=np.int64).reshape(-1)
+            g = np.asarray(global_blocks)
+            if g.size and (g.dtype.kind not in "iu"):  # 2.5 or [True] are not block indices
+                raise MaskTypeError(f"global_blocks must be an int or block indices, got {global_blocks!r}")
+            g = g.astype(np.int64).reshape(-1)
             if g.size and (g.min() < 0 or g.max() >= n):
                 raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
         if _loops.USE_CYTHON:
