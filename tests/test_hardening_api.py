@@ -268,6 +268,22 @@ def test_broadcast_mask_views(rng):
     close(o, ref.sdpa(q, k, v, mask=m, bias=bias))
 
 
+@pytest.mark.parametrize("wrap", ["list", "Dense", "Dense & Causal"])
+def test_out_sharing_memory_with_a_wrapped_bias(rng, wrap):
+    """out overlapping a bias handed over in a list or a Dense object goes through
+    a temporary, as it did for a bare bias array (it was overwritten while being read)."""
+    L = 48
+    q, k, v = randn(rng, (1, 2, L, L)), randn(rng, (1, 2, L, L)), randn(rng, (1, 2, L, L))
+    bias = randn(rng, (1, 2, L, L))
+    causal = ref.causal_mask(L, L) if "Causal" in wrap else None
+    want = ref.sdpa(q, k, v, bias=bias.copy(), mask=causal)
+    mask = {"list": [bias, np.ones((L, L), bool)], "Dense": masks.Dense(bias),
+            "Dense & Causal": masks.Dense(bias) & masks.Causal()}[wrap]
+    out = bias.swapaxes(-1, -2)  # row i of out is column i of the bias
+    assert af.scaled_dot_product_attention(q, k, v, attn_mask=mask, out=out) is out
+    close(out, want)
+
+
 def test_mask_nan_bias_rows(rng):
     """A NaN in a bias makes only the rows that see it NaN; a NaN under False is never read."""
     q, k, v = randn(rng, (1, 2, 5, 4)), randn(rng, (1, 2, 6, 4)), randn(rng, (1, 2, 6, 4))

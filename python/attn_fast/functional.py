@@ -65,6 +65,22 @@ class KernelStats(NamedTuple):
     tiles_skipped: int
 
 
+def _mask_arrays(attn_mask):
+    """The arrays an attn_mask argument reads (alone, in a list, inside Dense /
+    BlockSparse objects), for the check that `out` does not overlap them."""
+    if attn_mask is None:
+        return []
+    if isinstance(attn_mask, (list, tuple)):
+        return [a for m in attn_mask for a in _mask_arrays(m)]
+    if isinstance(attn_mask, masks.Mask):
+        return [a for p in attn_mask._parts() for a in (getattr(p, "array", None), getattr(p, "layout", None))
+                if isinstance(a, np.ndarray)]
+    try:
+        return [np.asarray(attn_mask)]  # a tensor or other array-like: the memory the kernel will read
+    except Exception:  # noqa: BLE001 - reported by the mask checks themselves
+        return []
+
+
 def _block_size(b, name):
     if isinstance(b, bool) or not hasattr(b, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(b).__name__}")
@@ -269,7 +285,7 @@ def scaled_dot_product_attention(
     o = np.empty(out_shape, dtype=q.dtype) if out is None else check_out(out, out_shape, q.dtype)
     target = None  # the caller's out when it aliases an input: the kernel writes a temporary
     if out is not None:
-        o, target = alias_safe(o, q, k, v, attn_mask, alibi_slopes, sinks)
+        o, target = alias_safe(o, q, k, v, *_mask_arrays(attn_mask), alibi_slopes, sinks)
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
 
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
