@@ -756,6 +756,10 @@ def test_rope_misaligned_in_place(rng):
         (lambda r, x: r(x, out=x[..., :4]), ValueError, "out has shape"),
         (lambda r, x: r(readonly(x), inplace=True), ValueError, "read-only"),
         (lambda r, x: r(x, out=np.empty_like(x), inplace=True), ValueError, "either inplace"),
+        (lambda r, x: r(x, out=np.lib.stride_tricks.as_strided(np.zeros(8, F32), x.shape, (0, 0, 0, 4))),
+         ValueError, "out has overlapping memory"),  # was written by racing threads
+        (lambda r, x: r(np.lib.stride_tricks.as_strided(x, x.shape, (0, 32, 0, 4)), inplace=True),
+         ValueError, "overlapping memory"),
         (lambda r, x: r.rotate_qk(x, x.astype(F64)), TypeError, "q has dtype float32 but k has dtype float64"),
         (lambda r, x: r.rotate_qk(x, x[:, :4]), ValueError, "positions differ"),
     ],

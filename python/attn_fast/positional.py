@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cyloops, _loops
-from ._checks import check_float_dtype, check_int, check_real, shape_str
+from ._checks import check_float_dtype, check_int, check_real, self_overlapping, shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
 
@@ -186,6 +186,8 @@ class RoPE:
                 raise ValueError("pass either inplace=True or out=, not both")
             if not x.flags.writeable:
                 raise ValueError(f"{name} is read-only; cannot rotate in place")
+            if self_overlapping(x):
+                raise ValueError(f"{name} has overlapping memory (strides {x.strides}); cannot rotate in place")
             return x
         if out is not None:
             if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
@@ -193,6 +195,8 @@ class RoPE:
                                  f"expected {shape_str(x)} {x.dtype}")
             if not out.flags.writeable:
                 raise ValueError("out is read-only")
+            if self_overlapping(out):
+                raise ValueError(f"out has overlapping memory (strides {out.strides} for shape {shape_str(out)})")
             return out
         return np.empty(x.shape, dtype=x.dtype)
 
