@@ -1034,6 +1034,11 @@ def test_lm_forward_bad_cache_leaves_every_layer_unchanged(lm, rng):
         lm.forward(np.array([[4, 5, 6]]), cache=fixed)
     for c, s in zip(list(good) + list(fixed), snaps + fixed_snaps):
         _assert_same(c, s)
+    # Layer 0 could take the chunk, layer 1's fixed ring cannot: neither changes.
+    ring = [af.KVCache(1, 1, 4), af.KVCache(1, 1, 4, window=2, ring=2, growable=False)]
+    with pytest.raises(ValueError, match=r"cache\[1\]: a chunk of 2 tokens does not fit"):
+        lm.forward(np.array([[4, 5]]), cache=ring)
+    assert len(ring[0]) == len(ring[1]) == 0
 
 
 def test_lm_load_weights_is_all_or_nothing(lm):

@@ -382,10 +382,16 @@ class TinyTransformerLM(_Module):
         if any(not np.array_equal(p, pos[0]) for p in pos):
             raise ValueError(f"the layers' caches are at different positions {[p.tolist() for p in pos]}")
         for i, c in enumerate(cache):
-            if not c.growable and c.window is None and int(c.lengths.max()) + L > c.capacity:
+            if c.growable:
+                continue
+            if c.window is None and int(c.lengths.max()) + L > c.capacity:
                 raise ValueError(
                     f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity {c.capacity}: "
                     f"no room for {L} more (growable=False)")
+            if c.window is not None and L > c.capacity - c.window + 1:
+                raise ValueError(
+                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of {c.capacity} slots "
+                    f"with window {c.window} (growable=False)")
 
     def forward(self, tokens, cache=None):
         """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
