@@ -31,16 +31,47 @@ Strides4 strides4(const py::array& x, const char* name) {
   return {s[0], s[1], s[2], s[3]};
 }
 
+std::string shape_of(const py::array& x) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < x.ndim(); ++i) s += (i ? ", " : "") + std::to_string(x.shape(i));
+  return s + (x.ndim() == 1 ? ",)" : ")");
+}
+
+// A 4-D mask / bias / layout must have exactly the shape the kernel indexes
+// (broadcast views have it too, with zero strides): anything smaller would be
+// read out of bounds.
+void check_shape4(const py::array& x, const char* name, int64_t b, int64_t h, int64_t l, int64_t m) {
+  if (x.shape(0) != b || x.shape(1) != h || x.shape(2) != l || x.shape(3) != m)
+    throw py::value_error(std::string(name) + " has shape " + shape_of(x) + ", expected (" + std::to_string(b) +
+                          ", " + std::to_string(h) + ", " + std::to_string(l) + ", " + std::to_string(m) + ")");
+}
+
 template <typename T>
 const T* data_of(const py::object& obj, const char* name, int64_t n) {
   if (obj.is_none()) return nullptr;
   auto arr = py::cast<py::array>(obj);
   if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style))
     throw py::type_error(std::string(name) + ": expected a C-contiguous array of the right dtype");
+  if (reinterpret_cast<uintptr_t>(arr.data()) % alignof(T) != 0)
+    throw py::value_error(std::string(name) + " is not aligned to its itemsize");
   if (n >= 0 && arr.size() != n)
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements");
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements, got shape " +
+                          shape_of(arr));
   return static_cast<const T*>(arr.data());
 }
+
+// varlen offsets: n + 1 entries, non-decreasing, within [0, total] (the kernel
+// reads rows cu[s] .. cu[s+1] - 1 of the packed tensor).
+void check_cu(const int64_t* cu, int64_t n, int64_t total, const char* name) {
+  for (int64_t s = 0; s <= n; ++s)
+    if (cu[s] < 0 || cu[s] > total || (s > 0 && cu[s] < cu[s - 1]))
+      throw py::value_error(std::string(name) + " must be non-decreasing within [0, " + std::to_string(total) +
+                            "], got " + std::to_string(cu[s]) + " at index " + std::to_string(s));
+}
+
+// Window sides beyond any sequence mean "unbounded" anyway; clamping keeps the
+// kernels' i + off +- window arithmetic far from int64 overflow.
+int64_t clamp_window(int64_t w) { return w > (int64_t(1) << 62) ? (int64_t(1) << 62) : w; }
 
 template <typename T>
 py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
@@ -72,20 +103,27 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   a.scale = scale;
   a.causal = causal;
   a.top_left = top_left;
-  a.window_left = window_left;
-  a.window_right = window_right;
+  a.window_left = clamp_window(window_left);
+  a.window_right = clamp_window(window_right);
   a.softcap = softcap;
   a.block_q = block_q;
   a.block_k = block_k;
   a.num_threads = threads_for_call();
+  const int64_t batch_q = a.B;  // masks, biases and layouts are indexed by q's own batch axis
   if (varlen) {
+    if (cu_k.is_none()) throw py::value_error("cu_seqlens_q needs cu_seqlens_k");
     auto cq = py::cast<py::array>(cu_q);
     const int64_t nseq = static_cast<int64_t>(cq.size()) - 1;
     if (nseq < 0) throw py::value_error("cu_seqlens_q is empty");
     a.cu_q = data_of<int64_t>(cu_q, "cu_seqlens_q", -1);
     a.cu_k = data_of<int64_t>(cu_k, "cu_seqlens_k", nseq + 1);
-    if (a.B != 1) throw py::value_error("varlen q must have batch 1");
+    if (a.B != 1 || k.shape(0) != 1)
+      throw py::value_error("varlen q, k and v must have batch 1, got q " + shape_of(q) + ", k " + shape_of(k));
+    check_cu(a.cu_q, nseq, a.Lq, "cu_seqlens_q");
+    check_cu(a.cu_k, nseq, a.Lk, "cu_seqlens_k");
     a.B = nseq;
+  } else if (!cu_k.is_none()) {
+    throw py::value_error("cu_seqlens_k needs cu_seqlens_q");
   }
   a.q_lens = data_of<int64_t>(q_lens, "q_lens", varlen ? -1 : a.B);
   a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", varlen ? -1 : a.B);
@@ -109,19 +147,28 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
     a.layout_bk = layout_bk;
     a.layout_nq = layout_arr.shape(2);
     a.layout_nk = layout_arr.shape(3);
-    if (layout_bq < 1 || layout_bk < 1 || a.layout_nq * layout_bq < a.Lq || a.layout_nk * layout_bk < a.Lk)
-      throw py::value_error("layout does not cover the sequence");
+    if (layout_bq < 1 || layout_bk < 1) throw py::value_error("layout_bq and layout_bk must be >= 1");
+    // ceil(L / block) blocks, written without L + block - 1 (no overflow for huge blocks)
+    const int64_t nq = a.Lq / layout_bq + (a.Lq % layout_bq != 0);
+    const int64_t nk = a.Lk / layout_bk + (a.Lk % layout_bk != 0);
+    if (layout_arr.shape(0) != batch_q || layout_arr.shape(1) != a.Hq || a.layout_nq < nq || a.layout_nk < nk)
+      throw py::value_error("layout has shape " + shape_of(layout_arr) + ", expected (" + std::to_string(batch_q) +
+                            ", " + std::to_string(a.Hq) + ", >= " + std::to_string(nq) + ", >= " +
+                            std::to_string(nk) + ") to cover (Lq, Lk) = (" + std::to_string(a.Lq) + ", " +
+                            std::to_string(a.Lk) + ")");
   }
   if (!mask.is_none()) {
     mask_arr = py::cast<py::array>(mask);
     if (!py::isinstance<py::array_t<uint8_t>>(mask_arr)) throw py::type_error("mask must be uint8");
     a.smask = strides4(mask_arr, "mask");
+    check_shape4(mask_arr, "mask", batch_q, a.Hq, a.Lq, a.Lk);
     a.mask = static_cast<const uint8_t*>(mask_arr.data());
   }
   if (!bias.is_none()) {
     bias_arr = py::cast<py::array>(bias);
     if (!py::isinstance<py::array_t<T>>(bias_arr)) throw py::type_error("bias must have q's dtype");
     a.sbias = strides4(bias_arr, "bias");
+    check_shape4(bias_arr, "bias", batch_q, a.Hq, a.Lq, a.Lk);
     a.bias = static_cast<const T*>(bias_arr.data());
   }
   AttnStats st;
@@ -225,9 +272,9 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
   a.scale = scale;
   a.causal = causal;
   a.top_left = top_left;
-  a.window_left = window_left;
-  a.window_right = window_right;
-  a.split = split;
+  a.window_left = clamp_window(window_left);
+  a.window_right = clamp_window(window_right);
+  a.split = split > a.R ? a.R : split;  // a split longer than the keys is one split (no c0 + split overflow)
   a.num_threads = get_num_threads();
   a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
   a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);

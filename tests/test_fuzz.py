@@ -205,3 +205,147 @@ def test_fuzz_against_oracle(problem):
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
         fin = np.isfinite(LSE)
         np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+
+
+# ---------------------------------------------------------------- KVCache
+
+
+@st.composite
+def cache_programs(draw):
+    """A cache configuration and a random sequence of append / attend / truncate / bad calls."""
+    cfg = dict(
+        B=draw(st.integers(1, 3)), Hkv=draw(st.integers(1, 2)), G=draw(st.integers(1, 3)),
+        d=draw(st.sampled_from([1, 3, 8])), dv=draw(st.sampled_from([1, 4])),
+        dtype=draw(st.sampled_from([np.float32, np.float64])),
+        window=draw(st.one_of(st.none(), st.integers(1, 6))),
+        capacity=draw(st.integers(1, 8)), growable=draw(st.booleans()),
+    )
+    if cfg["window"] is not None:
+        cfg["ring"] = draw(st.one_of(st.none(), st.integers(cfg["window"], 2 * cfg["window"] + 2)))
+    ops = []
+    for _ in range(draw(st.integers(1, 10))):
+        kind = draw(st.sampled_from(["append"] * 3 + ["attend"] * 3 + ["truncate", "bad"]))
+        if kind == "append":
+            L = draw(st.integers(0, 6))
+            lens = draw(st.one_of(st.none(), st.lists(st.integers(0, L), min_size=cfg["B"], max_size=cfg["B"])))
+            ops.append(("append", L, lens))
+        elif kind == "attend":
+            ops.append(("attend", draw(st.integers(1, 5)), draw(st.booleans()), draw(st.integers(0, 2**31))))
+        elif kind == "truncate":
+            ops.append(("truncate", draw(st.lists(st.integers(0, 4), min_size=cfg["B"], max_size=cfg["B"]))))
+        else:
+            ops.append(("bad", draw(st.sampled_from(["dtype", "heads", "lengths", "scale", "q_dim"]))))
+    return cfg, ops, draw(st.integers(0, 2**31))
+
+
+def _cache_attend_oracle(q, hist_k, hist_v, pos, ql, window, causal):
+    """Rows i < ql[b] of sequence b sit at positions pos[b] - ql[b] + i; the rest get zeros / -inf."""
+    B, Hq, Lq, _ = q.shape
+    O = np.zeros((B, Hq, Lq, hist_v[0].shape[-1]))
+    LSE = np.full((B, Hq, Lq), -np.inf)
+    for b in range(B):
+        n = ql[b]
+        if n == 0:
+            continue
+        p = pos[b] - n + np.arange(n)[:, None]
+        j = np.arange(pos[b])[None, :]
+        vis = j <= p if causal else np.ones_like(j <= p)
+        if window is not None:
+            vis = vis & (j >= p - window + 1)
+        O[b, :, :n], LSE[b, :, :n] = ref.sdpa(q[b, :, :n], hist_k[b][:, :pos[b]], hist_v[b][:, :pos[b]],
+                                              mask=vis, return_lse=True)
+    return O, LSE
+
+
+@settings(max_examples=max(1, N_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(cache_programs())
+def test_fuzz_kv_cache_against_oracle(program):
+    """Random append / attend / truncate sequences against per-sequence histories
+    (concatenated arrays): lengths, positions, stored keys and attention all
+    match, and every call that raises leaves the cache unchanged."""
+    cfg, ops, seed = program
+    rng = np.random.default_rng(seed)
+    B, Hkv, d, dv, dt, w = cfg["B"], cfg["Hkv"], cfg["d"], cfg["dv"], cfg["dtype"], cfg["window"]
+    Hq = Hkv * cfg["G"]
+    kw = dict(capacity=cfg["capacity"], v_head_dim=dv, dtype=dt, window=w, growable=cfg["growable"])
+    if w is not None and cfg.get("ring") is not None:
+        kw["ring"] = cfg["ring"]
+    cache = af.KVCache(B, Hkv, d, **kw)
+    hist_k = [np.zeros((Hkv, 0, d)) for _ in range(B)]  # every key ever appended, by position
+    hist_v = [np.zeros((Hkv, 0, dv)) for _ in range(B)]
+    pos = np.zeros(B, np.int64)  # the model's positions and stored lengths
+    n = np.zeros(B, np.int64)
+    t = dict(rtol=3e-4, atol=3e-5) if dt == np.float32 else dict(rtol=1e-9, atol=1e-10)
+
+    def check_state():
+        np.testing.assert_array_equal(cache.positions, pos)
+        np.testing.assert_array_equal(cache.lengths, n)
+        assert len(cache) == int(pos.max())
+        for b in range(B):
+            np.testing.assert_array_equal(cache.keys(b), hist_k[b][:, pos[b] - n[b]:pos[b]].astype(dt))
+            np.testing.assert_array_equal(cache.values(b), hist_v[b][:, pos[b] - n[b]:pos[b]].astype(dt))
+
+    for op in ops:
+        if op[0] == "append":
+            _, L, lens = op
+            k = rng.standard_normal((B, Hkv, L, d)).astype(dt)
+            v = rng.standard_normal((B, Hkv, L, dv)).astype(dt)
+            new = np.full(B, L) if lens is None else np.array(lens)
+            room = cache.capacity - (w or 1) + 1 if w is not None else None
+            fits = cache.growable or (int((n + new).max()) <= cache.capacity if w is None else int(new.max()) <= room)
+            if not fits:
+                with pytest.raises(ValueError):
+                    cache.append(k, v, lengths=lens)
+            else:
+                cache.append(k, v, lengths=lens)
+                for b in range(B):
+                    hist_k[b] = np.concatenate([hist_k[b], k[b, :, :new[b]]], axis=1)
+                    hist_v[b] = np.concatenate([hist_v[b], v[b, :, :new[b]]], axis=1)
+                pos = pos + new
+                n = n + new if w is None else np.minimum(cache.capacity, n + new)
+        elif op[0] == "attend":
+            _, Lq, causal, qseed = op
+            if w is not None and not causal:
+                causal = True  # a windowed non-causal attend is bounded by the stored keys: not modelled here
+            qrng = np.random.default_rng(qseed)
+            ql = np.minimum(qrng.integers(0, Lq + 1, B), n if causal else Lq)
+            q = qrng.standard_normal((B, Hq, Lq, d)).astype(dt)
+            if w is not None and ((ql > 0) & (np.maximum(0, pos - ql - (w - 1)) < pos - n)).any():
+                with pytest.raises(ValueError, match="reach back"):  # the ring dropped keys these rows see
+                    cache.attend(q, q_lens=ql, causal=causal)
+                check_state()
+                continue
+            o, lse = cache.attend(q, q_lens=ql, causal=causal, return_lse=True)
+            O, LSE = _cache_attend_oracle(q, hist_k, hist_v, pos, ql, w, causal)
+            np.testing.assert_allclose(o, O, **t)
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
+            fin = np.isfinite(LSE)
+            np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+        elif op[0] == "truncate":
+            target = np.maximum(pos - np.array(op[1]), 0)
+            keep = n - (pos - target)
+            ok = (keep >= 0).all() and (w is None or (keep >= np.minimum(target, w - 1)).all())
+            if not ok:
+                with pytest.raises(ValueError):
+                    cache.truncate(target)
+            else:
+                cache.truncate(target)
+                pos, n = target, keep
+                hist_k = [h[:, :p] for h, p in zip(hist_k, pos)]
+                hist_v = [h[:, :p] for h, p in zip(hist_v, pos)]
+        else:
+            kind = op[1]
+            k1 = rng.standard_normal((B, Hkv, 1, d)).astype(dt)
+            v1 = rng.standard_normal((B, Hkv, 1, dv)).astype(dt)
+            with pytest.raises((TypeError, ValueError)):
+                if kind == "dtype":
+                    cache.append(k1.astype(np.float16), v1)
+                elif kind == "heads":
+                    cache.append(np.concatenate([k1, k1], axis=1), np.concatenate([v1, v1], axis=1))
+                elif kind == "lengths":
+                    cache.append(k1, v1, lengths=[2] * B)
+                elif kind == "scale":
+                    cache.forward(rng.standard_normal((B, Hq, 1, d)).astype(dt), k1, v1, scale=float("nan"))
+                else:
+                    cache.forward(rng.standard_normal((B, Hq, 1, d + 1)).astype(dt), k1, v1)
+        check_state()

@@ -10,6 +10,9 @@ without copying. Memory that is not on the CPU raises TypeError.
 
 from __future__ import annotations
 
+import math
+import operator
+
 import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -146,3 +149,109 @@ def check_same_dtype(**arrays):
 
 def shape_str(a):
     return str(tuple(a.shape))
+
+
+# ---------------------------------------------------------------- scalars and options
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A scalar argument of the wrong type (a float where a count goes, a string
+    where a scale goes). A TypeError, and a ValueError as well for callers that
+    caught what ``int(x)`` / ``float(x)`` used to raise."""
+
+
+def check_int(x, name, minimum=None, maximum=None):
+    """`x` as a Python int: TypeError unless it is an integer (bool, numpy.bool_,
+    floats and strings are refused, so 2.5 is never silently truncated to 2),
+    ValueError outside [minimum, maximum]."""
+    if isinstance(x, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be an int, got bool {x!r}")
+    try:
+        x = operator.index(x)  # ints, NumPy integers, 0-d integer arrays; not floats
+    except TypeError:
+        raise ArgumentTypeError(f"{name} must be an int, got {type(x).__name__} {x!r}") from None
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    if maximum is not None and x > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {x}")
+    return x
+
+
+def check_real(x, name, *, minimum=None, positive=False):
+    """`x` as a finite Python float: TypeError for what is not a real number
+    (bool and strings included), ValueError for NaN, inf, x < minimum, or
+    x <= 0 when ``positive``."""
+    if isinstance(x, (bool, np.bool_, str, bytes)) or np.iscomplexobj(x):
+        raise ArgumentTypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
+    try:
+        x = float(x)  # floats, ints, NumPy scalars, 0-d arrays
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if positive and not x > 0:
+        raise ValueError(f"{name} must be > 0, got {x}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def check_scale(scale, d):
+    """The softmax scale: 1/sqrt(d) when None, else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    return check_real(scale, "scale")
+
+
+def check_float_dtype(dtype, name="dtype"):
+    """np.dtype(dtype), which must be float32 or float64 (TypeError otherwise)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be float32 or float64, got {dtype!r}") from None
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64, got {dt}")
+    return dt
+
+
+# ---------------------------------------------------------------- out= arrays
+
+
+def self_overlapping(a):
+    """True unless the strides prove that no two elements of `a` share memory.
+
+    Sorted by stride, each axis must step past everything the smaller axes
+    span; zero strides (broadcast views) and as_strided tricks fail this.
+    """
+    if a.size <= 1:
+        return False
+    extent = a.itemsize
+    for stride, n in sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (n - 1)
+    return False
+
+
+def check_out(out, shape, dtype, name="out"):
+    """A writeable view of a caller's `out` (array or CPU tensor) that a kernel
+    may write in place: the given shape and dtype, aligned, native byte order,
+    no two elements sharing memory. ValueError / TypeError naming the shapes."""
+    o = as_out_array(out, name)
+    if o.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {shape_str(o)}, expected {tuple(shape)}")
+    if o.dtype != dtype:
+        raise TypeError(f"{name} has dtype {o.dtype}, expected {np.dtype(dtype)}")
+    if not o.flags.aligned or not o.dtype.isnative:
+        raise ValueError(f"{name} must be aligned and in native byte order")
+    if self_overlapping(o):
+        raise ValueError(f"{name} has overlapping memory (strides {o.strides} for shape {shape_str(o)})")
+    return o
+
+
+def alias_safe(o, *inputs):
+    """(o, target): a temporary to write into when `o` shares memory with an
+    input (target is then the caller's array, to copy the result to), else (o, None)."""
+    if any(isinstance(x, np.ndarray) and np.may_share_memory(o, x) for x in inputs):
+        return np.empty(o.shape, dtype=o.dtype), o
+    return o, None

@@ -26,10 +26,11 @@ def as_blhd(a, ax):
 
     (L, d) with ax 0, (L, H, d) with ax 0, (B, L, d) with ax 1, (B, L, H, d)
     with ax 1, (B, H, L, d) with ax 2. None for other layouts and for strides
-    that are not whole elements (the callers then use the NumPy formula).
+    that are not whole elements or data that is not aligned (the callers then
+    use the NumPy formula).
     """
-    if any(s % a.itemsize for s in a.strides):
-        return None
+    if not a.flags.aligned or any(s % a.itemsize for s in a.strides):
+        return None  # misaligned views (np.frombuffer(..., offset=1)) take the NumPy path
     if a.ndim == 2 and ax == 0:
         return a[None, :, None, :]
     if a.ndim == 3:

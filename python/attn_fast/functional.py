@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core, masks
-from ._checks import as_float_array, as_out_array, check_same_dtype, shape_str
+from ._checks import alias_safe, as_float_array, check_out, check_int, check_same_dtype, check_scale, shape_str
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -65,24 +65,20 @@ class KernelStats(NamedTuple):
     tiles_skipped: int
 
 
-def _check_out(out, shape, dtype):
-    o = as_out_array(out)  # a view of the caller's array or CPU tensor: written in place
-    if o.shape != shape:
-        raise ValueError(f"out has shape {shape_str(o)}, expected {shape}")
-    if o.dtype != dtype:
-        raise TypeError(f"out has dtype {o.dtype}, expected {dtype}")
-    if not o.flags.aligned or not o.dtype.isnative:
-        raise ValueError("out must be aligned and in native byte order")
-    if _self_overlapping(o):
-        raise ValueError(f"out has overlapping memory (strides {o.strides} for shape {shape_str(o)})")
-    return o
-
-
-def _alias_safe(o, *inputs):
-    """(o, target): write into a temporary when `o` shares memory with an input."""
-    if any(isinstance(x, np.ndarray) and np.may_share_memory(o, x) for x in inputs):
-        return np.empty(o.shape, dtype=o.dtype), o
-    return o, None
+def _mask_arrays(attn_mask):
+    """The arrays an attn_mask argument reads (alone, in a list, inside Dense /
+    BlockSparse objects), for the check that `out` does not overlap them."""
+    if attn_mask is None:
+        return []
+    if isinstance(attn_mask, (list, tuple)):
+        return [a for m in attn_mask for a in _mask_arrays(m)]
+    if isinstance(attn_mask, masks.Mask):
+        return [a for p in attn_mask._parts() for a in (getattr(p, "array", None), getattr(p, "layout", None))
+                if isinstance(a, np.ndarray)]
+    try:
+        return [np.asarray(attn_mask)]  # a tensor or other array-like: the memory the kernel will read
+    except Exception:  # noqa: BLE001 - reported by the mask checks themselves
+        return []
 
 
 def _block_size(b, name):
@@ -94,39 +90,14 @@ def _block_size(b, name):
     return b
 
 
-def _self_overlapping(a):
-    """True unless the strides prove that no two elements of `a` share memory.
-
-    Sorted by stride, each axis must step past everything the smaller axes
-    span; zero strides (broadcast views) and as_strided tricks fail this.
-    """
-    if a.size <= 1:
-        return False
-    extent = a.itemsize
-    for stride, n in sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1):
-        if stride < extent:
-            return True
-        extent += stride * (n - 1)
-    return False
-
-
-def _check_scale(scale, d):
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
-
-
 def _window_kwargs(window_size):
     """FlashAttention's window_size=(left, right) as kernel arguments (bottom-right)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-    left = -1 if left is None else int(left)
-    right = -1 if right is None else int(right)
+    left = -1 if left is None else check_int(left, "window_size[0]")  # 2.5 and True are not sizes
+    right = -1 if right is None else check_int(right, "window_size[1]")
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
     left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result
@@ -306,15 +277,15 @@ def scaled_dot_product_attention(
     if v is None:
         raise TypeError("v must be an array, got None")
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
-    scale = _check_scale(scale, d)
+    scale = check_scale(scale, d)
     _check_backend(backend)
 
     out_shape = q.shape[:-1] + (dv,)
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    o = np.empty(out_shape, dtype=q.dtype) if out is None else _check_out(out, out_shape, q.dtype)
+    o = np.empty(out_shape, dtype=q.dtype) if out is None else check_out(out, out_shape, q.dtype)
     target = None  # the caller's out when it aliases an input: the kernel writes a temporary
     if out is not None:
-        o, target = _alias_safe(o, q, k, v, attn_mask, alibi_slopes, sinks)
+        o, target = alias_safe(o, q, k, v, *_mask_arrays(attn_mask), alibi_slopes, sinks)
     lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
 
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
@@ -430,10 +401,10 @@ def attention_weights(
     force=True.
     """
     q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
-    scale = _check_scale(scale, d)
+    scale = check_scale(scale, d)
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, int(max_elements), bool(force))
+    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force))
     return P.astype(q.dtype).reshape(q.shape[:-1] + (Lk,))
 
 
@@ -446,13 +417,16 @@ def _cu_seqlens(cu, name, total):
         raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
     if a.ndim != 1 or a.size < 1:
         raise ValueError(f"{name} must be 1-D (num_seqs + 1,), got shape {shape_str(a)}")
+    if a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds values beyond int64, max {a.max()}")
+    a = a.astype(np.int64)  # before diff: a uint64 diff wraps around instead of going negative
     if a[0] != 0:
         raise ValueError(f"{name} must start at 0, got {a[0]}")
     if np.any(np.diff(a) < 0):
         raise ValueError(f"{name} must be non-decreasing, got {a.tolist() if a.size <= 20 else a}")
     if a[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {a[-1]}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return np.ascontiguousarray(a)
 
 
 def varlen_attention(
@@ -522,18 +496,18 @@ def varlen_attention(
             f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
         )
     for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        if mx is not None and cu.size > 1 and int(mx) < int(np.diff(cu).max()):
+        if mx is not None and cu.size > 1 and check_int(mx, name, 0) < int(np.diff(cu).max()):
             raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
-    scale = _check_scale(scale, d)
+    scale = check_scale(scale, d)
     _check_backend(backend)
     if backend == "decode":
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")
 
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else _check_out(out, (Tq, Hq, dv), q.dtype)
+    o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else check_out(out, (Tq, Hq, dv), q.dtype)
     target = None
     if out is not None:
-        o, target = _alias_safe(o, q, k, v, alibi_slopes, sinks)
+        o, target = alias_safe(o, q, k, v, alibi_slopes, sinks)
     lse = np.empty((Hq, Tq), dtype=q.dtype) if return_lse else None
     kw = {}
     if window_size is not None:

@@ -35,25 +35,17 @@ stored as given: rotate them (RoPE) before ``append``.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _core, _cyloops, _loops
-from ._checks import as_float_array, shape_str
+from ._checks import (
+    alias_safe, as_float_array, check_float_dtype, check_int, check_out, check_same_dtype, check_scale, shape_str,
+)
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
+from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
-
-
-def _int_arg(x, name, minimum=0):
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    x = int(x)
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
 
 
 def _per_seq(x, B, name, upper=None):
@@ -61,6 +53,8 @@ def _per_seq(x, B, name, upper=None):
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}")
+    if arr.size and arr.max() > np.iinfo(np.int64).max:  # uint64
+        raise ValueError(f"{name} holds values beyond int64, max {arr.max()}")
     if arr.ndim == 0:
         arr = np.full(B, int(arr), dtype=np.int64)
     elif arr.shape != (B,):
@@ -119,21 +113,19 @@ class KVCache:
 
     def __init__(self, batch, num_kv_heads, head_dim, capacity=256, v_head_dim=None, dtype=np.float32,
                  window=None, growable=True, ring=None):
-        self.batch = _int_arg(batch, "batch", 1)
-        self.num_kv_heads = _int_arg(num_kv_heads, "num_kv_heads", 1)
-        self.head_dim = _int_arg(head_dim, "head_dim", 1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else _int_arg(v_head_dim, "v_head_dim", 1)
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.batch = check_int(batch, "batch", 1)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
+        self.dtype = check_float_dtype(dtype)
         self.growable = bool(growable)
-        self.window = None if window is None else _int_arg(window, "window", 1)
+        self.window = None if window is None else check_int(window, "window", 1)
         if self.window is None:
             if ring is not None:
                 raise ValueError("ring is only meaningful with window=")
-            cap = _int_arg(capacity, "capacity", 1)
+            cap = check_int(capacity, "capacity", 1)
         else:
-            cap = 2 * self.window if ring is None else _int_arg(ring, "ring", 1)
+            cap = 2 * self.window if ring is None else check_int(ring, "ring", 1)
             if cap < self.window:
                 raise ValueError(f"ring ({cap}) must be >= window ({self.window})")
         B, H = self.batch, self.num_kv_heads
@@ -238,7 +230,9 @@ class KVCache:
         if v.shape[2] != L:
             raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ")
         new = np.full(self.batch, L, dtype=np.int64) if lengths is None else _per_seq(lengths, self.batch, "lengths", L)
-        if rope is not None and getattr(rope, "head_dim", None) != self.head_dim:
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
             raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
         R = self.capacity
         if self.window is None:
@@ -344,7 +338,10 @@ class KVCache:
             else L_new for every sequence.
         scale : default 1/sqrt(d).
         return_lse : also return lse (B, H_q, L_new).
-        out : optional (B, H_q, L_new, dv) array of the cache's dtype.
+        out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of
+            the cache's dtype, any strides; written in place and returned.
+            One that shares memory with q or the storage is filled through a
+            temporary; one whose elements overlap raises ValueError.
 
         Returns (B, H_q, L_new, dv), or (out, lse). Rows that see no key get
         zeros and lse = -inf.
@@ -357,23 +354,30 @@ class KVCache:
             ql = _per_seq(q_lens, B, "q_lens", Lq)
         if (ql > self._n).any() and causal:
             raise ValueError(f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first")
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        o = self._out(out, (B, Hq, Lq, self.v_head_dim))
+        if causal and self.window is not None:
+            # The first query row of sequence b sits at position pos - ql and sees
+            # keys from pos - ql - (window - 1): the ring must still hold them.
+            first_needed = np.maximum(0, self._pos - ql - (self.window - 1))
+            lost = (ql > 0) & (first_needed < self._pos - self._n)
+            if lost.any():
+                raise ValueError(
+                    f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, but the ring of "
+                    f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
+                    f"(window {self.window}); attend right after appending the chunk, or use a larger ring")
+        scale = check_scale(scale, d)
+        shape = (B, Hq, Lq, self.v_head_dim)
+        target = None  # the caller's out when it shares memory with q or the storage
+        if out is None:
+            o = np.empty(shape, dtype=self.dtype)
+        else:
+            o, target = alias_safe(check_out(out, shape, self.dtype), q, self._k, self._v)
         lse = np.empty((B, Hq, Lq), dtype=self.dtype) if return_lse else None
         if o.size or (lse is not None and lse.size):
             self._run(q, o, lse, ql, scale, causal)
-        return (o, lse) if return_lse else o
-
-    def _out(self, out, shape):
-        if out is None:
-            return np.empty(shape, dtype=self.dtype)
-        if not isinstance(out, np.ndarray) or out.shape != shape:
-            raise ValueError(f"out has shape {getattr(out, 'shape', None)}, expected {shape}")
-        if out.dtype != self.dtype:
-            raise TypeError(f"out has dtype {out.dtype}, expected {self.dtype}")
-        if not out.flags.writeable or not out.flags.aligned or not out.dtype.isnative:
-            raise ValueError("out must be writeable, aligned and in native byte order")
-        return out
+        if target is not None:
+            target[...] = o
+        res = o if out is None else out  # the caller's own object back (ndarray or tensor)
+        return (res, lse) if return_lse else res
 
     def _run(self, q, o, lse, ql, scale, causal):
         kw = dict(scale=scale, causal=bool(causal), q_lens=ql, kv_lens=self._n.copy())
@@ -400,6 +404,7 @@ class KVCache:
         q = self._check_q(q)
         k = self._check_chunk(k, "k", self.head_dim)
         v = self._check_chunk(v, "v", self.v_head_dim)
+        scale = check_scale(scale, self.head_dim)  # checked before anything is appended
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
             raise ValueError(f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
@@ -425,7 +430,7 @@ class LayerCaches:
     """
 
     def __init__(self, num_layers, *args, **kwargs):
-        num_layers = _int_arg(num_layers, "num_layers", 1)
+        num_layers = check_int(num_layers, "num_layers", 1)
         self._caches = [KVCache(*args, **kwargs) for _ in range(num_layers)]
 
     def __getitem__(self, i):
@@ -472,11 +477,15 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         lse = log(exp(lse_a) + exp(lse_b)),
         o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
     A part with lse = -inf contributes nothing (its o is not read, even if
-    NaN); both empty gives o = 0, lse = -inf. Same dtype as the
-    inputs (float32 or float64); new arrays.
+    NaN); both empty gives o = 0, lse = -inf; a NaN lse gives NaN o and lse. All four inputs share one
+    dtype (float32 or float64; mixed dtypes raise TypeError), which the new
+    arrays have.
     """
     o_a, o_b = as_float_array(o_a, "o_a"), as_float_array(o_b, "o_b")
     lse_a, lse_b = as_float_array(lse_a, "lse_a"), as_float_array(lse_b, "lse_b")
+    check_same_dtype(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    if o_a.ndim < 1:
+        raise ValueError(f"o_a must have at least one axis (..., dv), got shape {shape_str(o_a)}")
     if o_a.shape != o_b.shape:
         raise ValueError(f"o_a has shape {shape_str(o_a)} but o_b has shape {shape_str(o_b)}")
     if lse_a.shape != o_a.shape[:-1] or lse_b.shape != o_a.shape[:-1]:
@@ -492,8 +501,10 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         wb = np.exp(lse_b - m_safe)
         tot = wa + wb
         inv = np.where(empty, 0, 1 / np.where(empty, 1, tot))
-        ca = np.where((wa > 0)[..., None], o_a * (wa * inv)[..., None], 0)  # an empty part's o is ignored
-        cb = np.where((wb > 0)[..., None], o_b * (wb * inv)[..., None], 0)
+        # An empty part's o is ignored (as is one whose weight underflows to 0);
+        # a NaN weight (NaN lse) is kept, so the result is NaN, not 0.
+        ca = np.where(((wa > 0) | np.isnan(wa))[..., None], o_a * (wa * inv)[..., None], 0)
+        cb = np.where(((wb > 0) | np.isnan(wb))[..., None], o_b * (wb * inv)[..., None], 0)
         o = (ca + cb).astype(dt, copy=False)
         lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1, tot))).astype(dt, copy=False)
     return o, lse

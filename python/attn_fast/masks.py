@@ -129,10 +129,13 @@ class Mask:
 
 
 def as_mask(x):
-    """A Mask as is; a NumPy array (boolean or float) as ``Dense(x)``."""
+    """A Mask as is; a NumPy array (boolean or float) as ``Dense(x)``; a list or
+    tuple of masks and arrays as their intersection."""
     if isinstance(x, Mask):
         return x
-    if isinstance(x, (list, tuple)) and any(isinstance(e, Mask) for e in x):
+    # A list holding mask objects or NumPy arrays is their intersection (as
+    # scaled_dot_product_attention documents); a nested list of numbers is one array.
+    if isinstance(x, (list, tuple)) and x and any(isinstance(e, (Mask, np.ndarray)) for e in x):
         out = None
         for e in x:
             out = as_mask(e) if out is None else out & e
@@ -211,7 +214,7 @@ def _lens(x, name, B, L):
         raise ValueError(f"{name} must have one length per batch entry, shape ({B},), got shape {_shape_str(a.shape)}")
     if a.size and (a.min() < 0 or a.max() > L):
         raise ValueError(f"{name} must lie in [0, {L}], got values in [{a.min()}, {a.max()}]")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return a.astype(np.int64)  # a fresh copy: aligned, native, contiguous (the kernel reads it raw)
 
 
 class Padding(Mask):
@@ -365,7 +368,10 @@ class BlockSparse(Mask):
         if isinstance(global_blocks, numbers.Integral) and not isinstance(global_blocks, (bool, np.bool_)):
             g = np.arange(min(_check_int(global_blocks, "global_blocks", 0), n))
         else:
-            g = np.asarray(global_blocks, dtype=np.int64).reshape(-1)
+            g = np.asarray(global_blocks)
+            if g.size and (g.dtype.kind not in "iu"):  # 2.5 or [True] are not block indices
+                raise MaskTypeError(f"global_blocks must be an int or block indices, got {global_blocks!r}")
+            g = g.astype(np.int64).reshape(-1)
             if g.size and (g.min() < 0 or g.max() >= n):
                 raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
         if _loops.USE_CYTHON:

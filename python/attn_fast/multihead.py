@@ -34,26 +34,24 @@ import math
 
 import numpy as np
 
-from ._checks import shape_str
+from ._checks import as_float_array, check_float_dtype, check_int, check_scale, shape_str
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .positional import RoPE
 
 __all__ = ["MultiHeadAttention"]
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
 
 def _as_rng(rng):
-    if rng is None or isinstance(rng, (int, np.integer)):
+    if rng is None or isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
         return np.random.default_rng(rng)
     if isinstance(rng, np.random.Generator):
         return rng
     raise TypeError(f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}")
 
 
-def _load_into(dst, src, name, prefix=""):
-    """Copy array `src` into parameter `dst` with a clear error on mismatch."""
+def _checked_weight(dst, src, name, prefix=""):
+    """`src` as an array fit for parameter `dst` (shape, real dtype, finite), or a clear error."""
     a = np.asarray(src)
     if a.dtype.kind not in "fiu":
         raise TypeError(f"weight {prefix}{name} must be a real numeric array, got dtype {a.dtype}")
@@ -61,7 +59,15 @@ def _load_into(dst, src, name, prefix=""):
         raise ValueError(f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}")
     if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
         raise ValueError(f"weight {prefix}{name} contains NaN or inf")
-    dst[...] = a
+    return a
+
+
+def _load_all(pairs):
+    """Copy each (dst, src, name, prefix) after checking every one of them:
+    a bad weight raises before any parameter is changed."""
+    checked = [(dst, _checked_weight(dst, src, name, prefix)) for dst, src, name, prefix in pairs]
+    for dst, a in checked:
+        dst[...] = a
 
 
 class MultiHeadAttention:
@@ -102,27 +108,19 @@ class MultiHeadAttention:
         rng=None,
         dtype=np.float32,
     ):
-        D, H = int(d_model), int(num_heads)
-        if D < 1 or H < 1:
-            raise ValueError(f"d_model and num_heads must be >= 1, got d_model={d_model}, num_heads={num_heads}")
-        Hkv = H if num_kv_heads is None else int(num_kv_heads)
-        if Hkv < 1 or H % Hkv:
+        D, H = check_int(d_model, "d_model", 1), check_int(num_heads, "num_heads", 1)
+        Hkv = H if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", 1)
+        if H % Hkv:
             raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim is None:
             if D % H:
                 raise ValueError(f"d_model={D} is not divisible by num_heads={H}; pass head_dim")
             head_dim = D // H
-        dh = int(head_dim)
-        if dh < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-        Dkv = D if kv_dim is None else int(kv_dim)
-        if Dkv < 1:
-            raise ValueError(f"kv_dim must be >= 1, got {kv_dim}")
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in _DTYPES:
-            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        dh = check_int(head_dim, "head_dim", 1)
+        Dkv = D if kv_dim is None else check_int(kv_dim, "kv_dim", 1)
+        self.dtype = check_float_dtype(dtype)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = D, H, Hkv, dh, Dkv
-        self.scale = 1.0 / math.sqrt(dh) if scale is None else float(scale)
+        self.scale = check_scale(scale, dh)
         if positional is None:
             self.rope = None
         elif isinstance(positional, str):
@@ -182,7 +180,8 @@ class MultiHeadAttention:
         Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
         preceded by ``prefix``. With strict=True (default), missing names and
         unknown names under ``prefix`` raise KeyError (all of them listed);
-        wrong shapes always raise ValueError.
+        wrong shapes always raise ValueError. Every weight is checked before
+        any is copied: on error the parameters are unchanged.
         """
         missing = [prefix + n for n in self._params if prefix + n not in weights]
         if missing and strict:
@@ -192,9 +191,7 @@ class MultiHeadAttention:
             if unknown:
                 hint = "" if self.bias else " (biases need bias=True)"
                 raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
-        for n, p in self._params.items():
-            if prefix + n in weights:
-                _load_into(p, weights[prefix + n], n, prefix)
+        _load_all([(p, weights[prefix + n], n, prefix) for n, p in self._params.items() if prefix + n in weights])
 
     def __repr__(self):
         return (
@@ -205,13 +202,24 @@ class MultiHeadAttention:
 
     # -- forward ------------------------------------------------------------
     def _check_input(self, x, name, dim):
-        if not isinstance(x, np.ndarray):
-            x = np.asarray(x)
+        x = as_float_array(x, name)  # big-endian / misaligned data: copied once
         if x.dtype != self.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but the attention's weights are {self.dtype}")
         if x.ndim not in (2, 3) or x.shape[-1] != dim:
             raise ValueError(f"{name} must be (L, {dim}) or (B, L, {dim}), got shape {shape_str(x)}")
         return x
+
+    def _check_cache(self, cache, B):
+        """TypeError / ValueError unless `cache` is a KVCache this layer can use (before anything runs)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (one per layer; index a LayerCaches), got {type(cache).__name__}")
+        want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
+        got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
+        if got != want:
+            raise ValueError(
+                "cache has (batch, num_kv_heads, head_dim, v_head_dim, dtype) = "
+                f"({got[0]}, {got[1]}, {got[2]}, {got[3]}, {got[4]}) but this call needs "
+                f"({want[0]}, {want[1]}, {want[2]}, {want[3]}, {want[4]})")
 
     def _heads(self, y, n_heads):
         """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
@@ -248,6 +256,8 @@ class MultiHeadAttention:
         nq, nkv = H * dh, Hkv * dh
         if cache is not None and mask is not None:
             raise ValueError("mask= cannot be combined with cache= (the cache attends causally or fully)")
+        if cache is not None:
+            self._check_cache(cache, B)
 
         rope_on_append = None  # a RoPE the cache applies to the keys as it stores them
         if context is None:

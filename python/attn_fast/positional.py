@@ -25,9 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cyloops, _loops
-from ._checks import shape_str
+from ._checks import check_float_dtype, check_int, check_real, self_overlapping, shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
+
+# RoPE's cos/sin tables cover positions 0 .. the largest one asked for; past
+# this a table could not be built (and offsets would overflow int64).
+MAX_POSITION = 2**31
 
 
 def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
@@ -35,12 +39,16 @@ def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
 
     L : number of positions; D : model dim (odd D allowed: the last column is
     a sine). offset : int, or an int array of shape (B,) of per-sequence start
-    positions (decode with a cache). Returns (L, D), or (B, L, D) when offset
-    is an array; computed in float64 and returned in ``dtype``.
+    positions (decode with a cache). base : a finite number > 0. Returns
+    (L, D), or (B, L, D) when offset is an array; computed in float64 and
+    returned in ``dtype`` (float32 or float64). Non-integer L, D or offset
+    raise TypeError; L < 0, D < 1 or a bad base raise ValueError.
     """
-    L, D = int(L), int(D)
+    L, D = check_int(L, "L"), check_int(D, "D")
     if L < 0 or D < 1:
         raise ValueError(f"sinusoidal needs L >= 0 and D >= 1, got L={L}, D={D}")
+    base = check_real(base, "base", positive=True)
+    dtype = check_float_dtype(dtype)
     off = np.asarray(offset)
     if off.dtype.kind not in "iu":
         raise TypeError(f"offset must be an int or an int array, got dtype {off.dtype}")
@@ -80,13 +88,11 @@ class RoPE:
     """
 
     def __init__(self, head_dim, base=10000.0, rotary_dim=None, interleaved=False):
-        head_dim = int(head_dim)
-        rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        head_dim = check_int(head_dim, "head_dim", 1)
+        rotary_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "rotary_dim")
         if rotary_dim < 0 or rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and in [0, head_dim={head_dim}], got {rotary_dim}")
-        base = float(base)
+        base = check_real(base, "base")
         if not base > 1.0:
             raise ValueError(f"base must be > 1, got {base}")
         self.head_dim = head_dim
@@ -126,6 +132,8 @@ class RoPE:
                 raise ValueError(f"positions must have shape (L,) or (B, L) with L = {L}, got {shape_str(pos)}")
             if pos.size and pos.min() < 0:
                 raise ValueError("positions must be >= 0")
+            if pos.size and pos.max() >= MAX_POSITION:
+                raise ValueError(f"positions must be < {MAX_POSITION}, got {pos.max()}")
             return pos.astype(np.int64, copy=False).reshape(-1, L), pos.ndim == 2
         off = np.asarray(offset)
         if off.dtype.kind not in "iu":
@@ -134,11 +142,15 @@ class RoPE:
             o = int(off)
             if o < 0:
                 raise ValueError(f"offset must be >= 0, got {o}")
+            if o + L > MAX_POSITION:
+                raise ValueError(f"offset + L must be <= {MAX_POSITION}, got {o} + {L}")
             return (o + np.arange(L, dtype=np.int64))[None], False
         if off.ndim != 1:
             raise ValueError(f"offset must be an int or a (B,) int array, got shape {shape_str(off)}")
         if off.size and off.min() < 0:
             raise ValueError("offset must be >= 0")
+        if off.size and int(off.max()) + L > MAX_POSITION:
+            raise ValueError(f"offset + L must be <= {MAX_POSITION}, got {int(off.max())} + {L}")
         if off.size and np.all(off == off[0]):
             return self._positions(L, int(off[0]), None)
         return off.astype(np.int64)[:, None] + np.arange(L, dtype=np.int64), True
@@ -174,6 +186,8 @@ class RoPE:
                 raise ValueError("pass either inplace=True or out=, not both")
             if not x.flags.writeable:
                 raise ValueError(f"{name} is read-only; cannot rotate in place")
+            if self_overlapping(x):
+                raise ValueError(f"{name} has overlapping memory (strides {x.strides}); cannot rotate in place")
             return x
         if out is not None:
             if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
@@ -181,6 +195,8 @@ class RoPE:
                                  f"expected {shape_str(x)} {x.dtype}")
             if not out.flags.writeable:
                 raise ValueError("out is read-only")
+            if self_overlapping(out):
+                raise ValueError(f"out has overlapping memory (strides {out.strides} for shape {shape_str(out)})")
             return out
         return np.empty(x.shape, dtype=x.dtype)
 

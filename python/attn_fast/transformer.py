@@ -28,8 +28,8 @@ import math
 
 import numpy as np
 
-from ._checks import shape_str
-from .multihead import MultiHeadAttention, _as_rng, _load_into
+from ._checks import check_float_dtype, check_int, check_real, shape_str
+from .multihead import MultiHeadAttention, _as_rng, _load_all
 from .positional import RoPE, sinusoidal
 
 __all__ = ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "TransformerBlock", "TinyTransformerLM"]
@@ -58,6 +58,7 @@ class _Module:
         strict=True: every parameter must be present (KeyError listing all
         missing names) and no unknown name under ``prefix`` may appear
         (KeyError listing them). Shapes must match exactly (ValueError).
+        Every weight is checked before any is copied: on error nothing changes.
         """
         own = self.state_dict(prefix=prefix)
         if strict:
@@ -67,9 +68,7 @@ class _Module:
             unknown = [n for n in weights if n.startswith(prefix) and n not in own]
             if unknown:
                 raise KeyError(f"unknown weights: {', '.join(sorted(unknown))}")
-        for n, p in own.items():
-            if n in weights:
-                _load_into(p, weights[n], n)
+        _load_all([(p, weights[n], n, "") for n, p in own.items() if n in weights])
 
 
 def _init(gen, shape, dtype):
@@ -81,9 +80,9 @@ class LayerNorm(_Module):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
 
     def __init__(self, dim, eps=1e-5, dtype=np.float32):
-        self.eps = float(eps)
-        self.weight = np.ones(int(dim), dtype=dtype)
-        self.bias = np.zeros(int(dim), dtype=dtype)
+        self.eps = check_real(eps, "eps", minimum=0.0)
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
+        self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
 
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
@@ -99,8 +98,8 @@ class RMSNorm(_Module):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
 
     def __init__(self, dim, eps=1e-6, dtype=np.float32):
-        self.eps = float(eps)
-        self.weight = np.ones(int(dim), dtype=dtype)
+        self.eps = check_real(eps, "eps", minimum=0.0)
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
 
     def _own(self):
         return {"weight": self.weight}
@@ -222,10 +221,10 @@ class TransformerBlock(_Module):
         if ffn not in _FFNS:
             raise ValueError(f"ffn must be one of {sorted(_FFNS)}, got {ffn!r}")
         gen = _as_rng(rng)
-        D = int(d_model)
+        D = check_int(d_model, "d_model", 1)
         if d_ff is None:
             d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
-        self.d_model, self.d_ff, self.dtype = D, int(d_ff), np.dtype(dtype)
+        self.d_model, self.d_ff, self.dtype = D, check_int(d_ff, "d_ff", 1), check_float_dtype(dtype)
         neps = {} if eps is None else {"eps": eps}
         self.norm1 = _NORMS[norm](D, dtype=dtype, **neps)
         self.attn = MultiHeadAttention(
@@ -312,9 +311,8 @@ class TinyTransformerLM(_Module):
         seed=0,
         dtype=np.float32,
     ):
-        V, D, N, H = int(vocab_size), int(d_model), int(num_layers), int(num_heads)
-        if V < 1 or N < 1:
-            raise ValueError(f"vocab_size and num_layers must be >= 1, got {vocab_size}, {num_layers}")
+        V, D = check_int(vocab_size, "vocab_size", 1), check_int(d_model, "d_model", 1)
+        N, H = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
         if positional not in ("rope", "sinusoidal"):
             raise ValueError(f"positional must be 'rope' or 'sinusoidal', got {positional!r}")
         gen = np.random.default_rng(seed)
@@ -324,7 +322,7 @@ class TinyTransformerLM(_Module):
         self.embed = gen.standard_normal((V, D)).astype(dtype)
         rope = None
         if positional == "rope":
-            dh = int(head_dim) if head_dim is not None else D // H
+            dh = check_int(head_dim, "head_dim", 1) if head_dim is not None else D // H
             rope = RoPE(dh, base=rope_base, rotary_dim=rotary_dim, interleaved=rope_interleaved)  # shared tables
         self.blocks = [
             TransformerBlock(
@@ -370,6 +368,31 @@ class TinyTransformerLM(_Module):
 
         return LayerCaches(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=self.dtype, **kw)
 
+    def _check_cache(self, cache, B, L):
+        """Every layer's cache fits (checked before layer 0 appends anything, so
+        a bad cache leaves every layer unchanged)."""
+        if len(cache) != self.num_layers:
+            raise ValueError(f"cache has {len(cache)} layers but the model has {self.num_layers}")
+        for i, blk in enumerate(self.blocks):
+            try:
+                blk.attn._check_cache(cache[i], B)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"cache[{i}]: {e}") from None
+        pos = [c.positions for c in cache]
+        if any(not np.array_equal(p, pos[0]) for p in pos):
+            raise ValueError(f"the layers' caches are at different positions {[p.tolist() for p in pos]}")
+        for i, c in enumerate(cache):
+            if c.growable:
+                continue
+            if c.window is None and int(c.lengths.max()) + L > c.capacity:
+                raise ValueError(
+                    f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity {c.capacity}: "
+                    f"no room for {L} more (growable=False)")
+            if c.window is not None and L > c.capacity - c.window + 1:
+                raise ValueError(
+                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of {c.capacity} slots "
+                    f"with window {c.window} (growable=False)")
+
     def forward(self, tokens, cache=None):
         """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
 
@@ -381,8 +404,8 @@ class TinyTransformerLM(_Module):
         squeeze = t.ndim == 1
         t2 = t[None] if squeeze else t
         B, L = t2.shape
-        if cache is not None and len(cache) != self.num_layers:
-            raise ValueError(f"cache has {len(cache)} layers but the model has {self.num_layers}")
+        if cache is not None:
+            self._check_cache(cache, B, L)
         x = self.embed[t2]  # (B, L, D), a gather (copy)
         if self.positional == "sinusoidal":
             off = 0 if cache is None else np.asarray(cache[0].positions)
@@ -412,12 +435,8 @@ class TinyTransformerLM(_Module):
         B, Lp = seq.shape
         if Lp < 1:
             raise ValueError("prompt_tokens must hold at least one token")
-        n = int(max_new_tokens)
-        if n < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        temperature = float(temperature)
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        n = check_int(max_new_tokens, "max_new_tokens", 0)
+        temperature = check_real(temperature, "temperature", minimum=0.0)
         gen = np.random.default_rng(seed)
         out = np.empty((B, Lp + n), dtype=np.int64)
         out[:, :Lp] = seq

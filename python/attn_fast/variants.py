@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _core
-from ._checks import as_float_array, check_same_dtype, shape_str
+from ._checks import as_float_array, check_float_dtype, check_int, check_real, check_same_dtype, shape_str
 from .functional import scaled_dot_product_attention
 
 __all__ = [
@@ -130,14 +130,13 @@ class Linformer:
     """
 
     def __init__(self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None):
-        d_model, n_heads, seq_len, k = int(d_model), int(n_heads), int(seq_len), int(k)
-        if n_heads < 1 or d_model < 1 or d_model % n_heads != 0:
+        d_model, n_heads = check_int(d_model, "d_model", 1), check_int(n_heads, "n_heads", 1)
+        seq_len, k = check_int(seq_len, "seq_len", 1), check_int(k, "k", 1)
+        if d_model % n_heads != 0:
             raise ValueError(f"d_model = {d_model} must be a positive multiple of n_heads = {n_heads}")
         if seq_len < 1 or k < 1:
             raise ValueError(f"seq_len and k must be >= 1, got seq_len = {seq_len}, k = {k}")
-        dtype = np.dtype(dtype)
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        dtype = check_float_dtype(dtype)
         rng = np.random.default_rng(seed)
         self.d_model, self.n_heads, self.seq_len, self.k, self.dtype = d_model, n_heads, seq_len, k, dtype
         w = 1.0 / math.sqrt(d_model)
@@ -249,7 +248,7 @@ def _check_state(state, lead, r, dv):
         )
     return LinearAttentionState(
         np.array(state.kv, dtype=np.float64, order="C"), np.array(state.k_sum, dtype=np.float64, order="C"),
-        int(state.length),
+        check_int(state.length, "state.length", 0),
     )
 
 
@@ -276,9 +275,7 @@ def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, sta
     Returns (…, L, dv) in q's dtype, and the state if asked.
     """
     q, k, v = _check_qkv(q, k, v)
-    eps = float(eps)
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    eps = check_real(eps, "eps", minimum=0.0)
     fq, fk = _feature(q, k, feature_map)
     lead, r, dv, L = q.shape[:-2], fq.shape[-1], v.shape[-1], q.shape[-2]
     if state is None:
@@ -312,8 +309,9 @@ def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
-    if q.ndim not in (1, 2, 3):
-        raise ValueError(f"q must be one token, (d,), (H, d) or (B, H, d), got shape {shape_str(q)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim not in (1, 2, 3):
+            raise ValueError(f"{name} must be one token, (d,), (H, d) or (B, H, d), got shape {shape_str(x)}")
     o, st = linear_attention(
         q[..., None, :], k[..., None, :], v[..., None, :], feature_map, True,
         eps=eps, state=state, return_state=True,
