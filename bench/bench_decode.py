@@ -31,13 +31,14 @@ import numpy as np
 import attn_fast as af
 from attn_fast import _core, reference
 from attn_fast._config import config
-from attn_fast.bench import time_runs
+from attn_fast.bench import settle, time_runs
 
 HQ, HKV, D = 32, 8, 128
 
 
 def best_time(fn, repeats, warmup=2):
     """Fastest of `repeats` runs after warm-up (the streaming probe is best-of too)."""
+    settle()  # the oracle check's OpenBLAS threads spin for ~0.1 s after it
     return min(time_runs(fn, repeats, warmup))
 
 

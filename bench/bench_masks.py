@@ -28,10 +28,11 @@ import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
 from attn_fast._config import config
-from attn_fast.bench import time_runs
+from attn_fast.bench import settle, time_runs
 
 
 def median_time(fn, repeats, warmup=1):
+    settle()  # other libraries' worker threads stop spinning first
     return statistics.median(time_runs(fn, repeats, warmup))
 
 

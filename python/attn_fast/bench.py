@@ -68,6 +68,16 @@ def median_time(fn, repeats, warmup=1):
     return statistics.median(ts), min(ts), max(ts)
 
 
+def settle(seconds=0.15):
+    """Wait for other libraries' worker threads to stop spinning.
+
+    After a NumPy matmul (the oracle, the textbook peer) OpenBLAS's threads
+    spin for up to 2^28 cycles (~0.1 s) waiting for more work; onnxruntime's
+    and libgomp's for less. A kernel timed during that window shares the cores
+    with them."""
+    time.sleep(seconds)
+
+
 def check_against_oracle(o, q, k, v, causal):
     # Validate on a slice of heads to keep the float64 oracle cheap.
     h = min(2, q.shape[1])
@@ -102,12 +112,14 @@ def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
         o = scaled_dot_product_attention(q, k, v, is_causal=causal)
         check_against_oracle(o, q, k, v, causal)
         flops = 4.0 * B * H * L * L * d * (0.5 if causal else 1.0)
+        settle()
         t_af = median_time(lambda: scaled_dot_product_attention(q, k, v, is_causal=causal), repeats)
         row = {"B": B, "H": H, "L": L, "d": d, "causal": causal, "attn_fast_s": t_af[0],
                "attn_fast_gflops": flops / t_af[0] / 1e9}
         t_np = t_th = None
         if include_numpy and B * H * L * L * 4 <= 2 << 30:
             check_against_oracle(numpy_textbook(q, k, v, causal), q, k, v, causal)
+            settle()
             t_np = median_time(lambda: numpy_textbook(q, k, v, causal), max(1, repeats // 2))
             row["numpy_s"] = t_np[0]
         if torch is not None:
@@ -115,6 +127,7 @@ def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
             F = torch.nn.functional.scaled_dot_product_attention
             with torch.no_grad():
                 check_against_oracle(F(tq, tk, tv, is_causal=causal).numpy(), q, k, v, causal)
+                settle()
                 t_th = median_time(lambda: F(tq, tk, tv, is_causal=causal), repeats)
             row["torch_s"] = t_th[0]
         rows.append(row)

@@ -12,8 +12,10 @@ Measures, in one run and one process:
 
 Every result is first checked against the float64 oracle (a slice of heads
 and query rows); that call is also the warm-up. Implementations are then
-timed interleaved (one call of each per round, rotating the order); the
-table shows medians and attn_fast's min-max, the JSON file every sample.
+timed interleaved (one call of each per round, rotating the order, with a
+pause before each call so that the previous library's spinning worker
+threads have gone idle: COOLDOWN_S); the table shows medians and
+attn_fast's min-max, the JSON file every sample.
 An implementation slower than max_seconds in total stops after 3 samples. Prefill is reported in GFLOP/s and % of the FMA peak
 (FLOPs = 4·B·Hq·Lq·Lk·d, half of that for causal); decode in GB/s and % of
 the read bandwidth (bytes = the K and V caches read once). Ratios are
@@ -235,19 +237,34 @@ def machine_limits(threads, seconds=0.3, tries=2):
     return peak, bw
 
 
-def time_interleaved(fns, repeats, warmup=1, max_seconds=20.0):
+# Seconds to wait before each timed call. After a call, the previous library's
+# worker threads keep spinning for a while, waiting for more work: libgomp's
+# (attn_fast and torch) briefly, onnxruntime's thread pool for a few ms,
+# OpenBLAS's (the NumPy peer's matmuls) for up to 2^28 cycles, about 0.1 s.
+# Timed straight after, the next implementation would share the cores with
+# them (at two threads on two cores this halved some medians).
+COOLDOWN_S = {"numpy": 0.15}
+COOLDOWN_DEFAULT_S = 0.02
+
+
+def time_interleaved(fns, repeats, warmup=1, max_seconds=20.0, cooldown=True):
     """fns: {name: callable}. Rounds of one call each, rotating the order.
 
     An implementation whose calls are slow stops early (>= 3 samples) once it
-    has spent max_seconds. Returns {name: [seconds, ...]}."""
+    has spent max_seconds. Before each call, waits for the worker threads of
+    the previous call to go idle (COOLDOWN_S). Returns {name: [seconds, ...]}."""
     names = list(fns)
     samples = {n: [] for n in names}
     spent = {n: 0.0 for n in names}
+    prev = None
     for rnd in range(warmup + repeats):
         order = names[rnd % len(names):] + names[:rnd % len(names)]
         for n in order:
             if rnd >= warmup and len(samples[n]) >= 3 and spent[n] > max_seconds:
                 continue
+            if cooldown and prev is not None:
+                time.sleep(COOLDOWN_S.get(prev, COOLDOWN_DEFAULT_S))
+            prev = n
             t0 = time.perf_counter()
             fns[n]()
             dt = time.perf_counter() - t0
