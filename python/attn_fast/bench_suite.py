@@ -239,12 +239,14 @@ def machine_limits(threads, seconds=0.3, tries=2):
 
 # Seconds to wait before each timed call. After a call, the previous library's
 # worker threads keep spinning for a while, waiting for more work: libgomp's
-# (attn_fast and torch) briefly, onnxruntime's thread pool for a few ms,
-# OpenBLAS's (the NumPy peer's matmuls) for up to 2^28 cycles, about 0.1 s.
-# Timed straight after, the next implementation would share the cores with
-# them (at two threads on two cores this halved some medians).
-COOLDOWN_S = {"numpy": 0.15}
-COOLDOWN_DEFAULT_S = 0.02
+# (attn_fast and torch) briefly, onnxruntime's thread pool for tens of ms,
+# OpenBLAS's (the NumPy peer's matmuls) for up to 2^28 cycles, 0.1 s or more.
+# Timed straight after, the next implementation shares the cores with them.
+# Measured on 2 cores, (1, 12, 512, 64) at 2 threads: attn_fast took 24 ms
+# 0.02 s after an onnxruntime call, 10.5 ms 0.1 s after; 12.5 ms 0.1 s after
+# the NumPy peer, 10.8 ms 0.3 s after. Every implementation waits the same way.
+COOLDOWN_S = {"numpy": 0.3}
+COOLDOWN_DEFAULT_S = 0.1
 
 
 def time_interleaved(fns, repeats, warmup=1, max_seconds=20.0, cooldown=True):
