@@ -167,24 +167,32 @@ inline int64_t vp_index(int64_t c, int64_t e, int64_t Bc, int64_t dvp) {
   return col0 * Bc + c * width + (e - col0);
 }
 
+// Micro-panel p (rows p*kMR .. p*kMR + kMR-1) uses only the columns
+// [pc[2p], pc[2p+1]) of the tile: its weights outside are all zero (keys no
+// row of the panel sees), so they are skipped, not multiplied.
 template <typename T, int NR>
-inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vstrip,
+inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, const int64_t* pc, const T* Vstrip,
                      T* O, int64_t ldo, int64_t col0) {
   constexpr int W = Vec<T>::W;
-  for (int64_t i = 0; i < rows_p; i += kMR)
-    pv_micro<T, kMR, NR>(P + i * ldp, ldp, cols, Vstrip, NR * W, O + i * ldo + col0, ldo);
+  for (int64_t i = 0; i < rows_p; i += kMR) {
+    const int64_t c_lo = pc[2 * (i / kMR)], c_hi = pc[2 * (i / kMR) + 1];
+    if (c_hi > c_lo)
+      pv_micro<T, kMR, NR>(P + i * ldp + c_lo, ldp, c_hi - c_lo, Vstrip + c_lo * NR * W, NR * W,
+                           O + i * ldo + col0, ldo);
+  }
 }
 
 // O[rows_p][dvp] += P[rows_p][cols] * V[cols][dvp]; V packed in strips of a
-// Bc-row block (vp_index); rows_p % kMR == 0, dvp % W == 0.
+// Bc-row block (vp_index); rows_p % kMR == 0, dvp % W == 0; pc: the column
+// range of each micro-panel (pv_strip).
 template <typename T>
-void pv_block(const T* P, int64_t ldp, int64_t rows_p, int64_t cols, const T* Vp, int64_t Bc,
+void pv_block(const T* P, int64_t ldp, int64_t rows_p, const int64_t* pc, const T* Vp, int64_t Bc,
               int64_t dvp, T* O) {
   constexpr int W = Vec<T>::W;
   int64_t c0 = 0;
   for (; c0 + kNR * W <= dvp; c0 += kNR * W)
-    pv_strip<T, kNR>(P, ldp, rows_p, cols, Vp + c0 * Bc, O, dvp, c0);
-  for (; c0 < dvp; c0 += W) pv_strip<T, 1>(P, ldp, rows_p, cols, Vp + c0 * Bc, O, dvp, c0);
+    pv_strip<T, kNR>(P, ldp, rows_p, pc, Vp + c0 * Bc, O, dvp, c0);
+  for (; c0 < dvp; c0 += W) pv_strip<T, 1>(P, ldp, rows_p, pc, Vp + c0 * Bc, O, dvp, c0);
 }
 
 // NaN-safe P*V for tiles whose V block holds a non-finite value: weights that
@@ -214,6 +222,7 @@ struct Scratch {
   T* l;
   int64_t* lo;
   int64_t* hi;
+  int64_t* pc;  // 2 per micro-panel: the tile columns its rows can see
   T* Kc;       // nslots * Bc * d: panels of kNR*W keys, k-major
   T* Vc;       // nslots * Bc * dvp: rows
   int64_t* tag;         // nslots: block held by the slot, -1 = none
@@ -392,9 +401,34 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     // 2. S = Q K^T.
     // Key panel outer: one panel (d x kNR*W) stays in L1 while the Q block's
     // row panels stream past it.
+    // On tiles a structural mask cuts (causal diagonal, window edges) each
+    // micro-panel computes only the key panels its rows can see; the rest of
+    // its scores are set to -inf by the masking below.
+    const int64_t npanels = rows_p / kMR;
+    for (int64_t p = 0; p < npanels; ++p) {
+      int64_t c_lo = cols_p, c_hi = 0;
+      if (!partial) {
+        c_lo = 0;
+        c_hi = cols_p;
+      } else {
+        for (int64_t r = p * kMR; r < imin(rows, (p + 1) * kMR); ++r) {
+          const int64_t lo = imax(sc.lo[r] - j0, 0), hi = imin(sc.hi[r] - j0, cols);
+          if (hi > lo) {
+            c_lo = imin(c_lo, lo);
+            c_hi = imax(c_hi, hi);
+          }
+        }
+      }
+      if (c_hi <= c_lo) c_lo = c_hi = 0;
+      sc.pc[2 * p] = c_lo;
+      sc.pc[2 * p + 1] = c_hi;
+    }
     for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
-      for (int64_t i = 0; i < rows_p; i += kMR)
-        qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * Bc + jv, Bc);
+      for (int64_t i = 0; i < rows_p; i += kMR) {
+        const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
+        if (jv < c_hi && jv + kNR * W > c_lo)
+          qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * Bc + jv, Bc);
+      }
 
     // 3. Transforms and element masks, 4. online softmax.
     for (int64_t r = 0; r < rows; ++r) {
@@ -496,7 +530,7 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     if (nonfinite)
       pv_block_guarded<T>(sc.S, Bc, rows, cols, Vp, Bc, dvp, sc.O);
     else
-      pv_block<T>(sc.S, Bc, rows_p, cols_p, Vp, Bc, dvp, sc.O);
+      pv_block<T>(sc.S, Bc, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
   }
 
   // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
@@ -571,6 +605,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     sc.l = alloc_scratch<T>(Brp);
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
+    sc.pc = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (Brp / kMR + 1)));
     const int64_t slot_bytes = Bc * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
     sc.nslots = imax(1, imin((a.Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
     sc.Kc = alloc_scratch<T>(sc.nslots * Bc * a.d);
@@ -579,7 +614,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     sc.nonfinite = static_cast<uint8_t*>(std::malloc(sc.nslots));
     // A thread whose scratch could not be allocated computes nothing; the
     // call then throws std::bad_alloc (MemoryError) instead of crashing.
-    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.Kc && sc.Vc &&
+    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.pc && sc.Kc && sc.Vc &&
                     sc.tag && sc.nonfinite;
     failed += ok ? 0 : 1;
     AttnStats st;
@@ -602,7 +637,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
     std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);
-    std::free(sc.lo); std::free(sc.hi); std::free(sc.Kc); std::free(sc.Vc); std::free(sc.tag);
+    std::free(sc.lo); std::free(sc.hi); std::free(sc.pc); std::free(sc.Kc); std::free(sc.Vc); std::free(sc.tag);
     std::free(sc.nonfinite);
   }
   std::free(prefix);
