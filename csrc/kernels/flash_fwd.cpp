@@ -221,7 +221,8 @@ void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const
 template <typename T>
 struct Scratch {
   T* Qp;       // Brp * d: Q block scaled, MR-row panels, k-major
-  T* S;        // Brp * Bc: scores, then P
+  T* S;        // Brp * lds: scores, then P
+  int64_t lds;  // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
   T* O;        // Brp * dvp: unnormalised output accumulator
   T* m;
   T* l;
@@ -432,12 +433,12 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
       for (int64_t i = 0; i < rows_p; i += kMR) {
         const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
         if (jv < c_hi && jv + kNR * W > c_lo)
-          qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * Bc + jv, Bc);
+          qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds);
       }
 
     // 3. Transforms and element masks, 4. online softmax.
     for (int64_t r = 0; r < rows; ++r) {
-      T* s = sc.S + r * Bc;
+      T* s = sc.S + r * sc.lds;
       const int64_t i = i0 + r;
       if (transforms) {
         if (a.softcap > 0) {
@@ -529,13 +530,13 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
       sc.m[r] = m_new;
     }
     for (int64_t r = rows; r < rows_p; ++r)
-      for (int64_t j = 0; j < cols_p; ++j) sc.S[r * Bc + j] = T(0);
+      for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
 
     // 5. O += P V.
     if (nonfinite)
-      pv_block_guarded<T>(sc.S, Bc, rows, cols, Vp, Bc, dvp, sc.O);
+      pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
     else
-      pv_block<T>(sc.S, Bc, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+      pv_block<T>(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
   }
 
   // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
@@ -604,7 +605,8 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
     Scratch<T> sc;
     const int64_t Brp = round_up(Br, kMR);
     sc.Qp = alloc_scratch<T>(Brp * a.d);
-    sc.S = alloc_scratch<T>(Brp * Bc);
+    sc.lds = Bc + 64 / static_cast<int64_t>(sizeof(T));
+    sc.S = alloc_scratch<T>(Brp * sc.lds);
     sc.O = alloc_scratch<T>(Brp * dvp);
     sc.m = alloc_scratch<T>(Brp);
     sc.l = alloc_scratch<T>(Brp);
