@@ -36,16 +36,23 @@
 // Memory traffic: K and V are read exactly once per kv head (the point: a long
 //   cache decode is memory-bound, about (d + dv) * 4 bytes per key per kv head
 //   for fp32). Per-item scratch (Q rows, S block, O_acc) is a few KiB, in L1.
-//   The first block of a split is touched by a tight loop that loads one
-//   element per cache line (its misses overlap the way a streaming read's do;
-//   the compute loops alone stall on every miss). Every later block was
-//   prefetched while the previous one was computed: the QK loop prefetches
-//   the next block's K row lines at the offsets it is reading, the PV loop the
-//   next V row lines of its column pass, so no address list is kept.
-//   Register blocking: 4 rows (GQA 32/8, one token) use 3 keys x 4 rows and
-//   4 rows x 3 vectors per pass, 12 independent FMA chains (8 chains, the
-//   former shape, just covers the 4-cycle latency of 2 FMA pipes and
-//   measured ~15 % slower on Zen 3).
+//   Each block's K and V rows (2 x 32 KiB at d = 128) are first touched by a
+//   tight loop that loads one element per cache line: its misses overlap the
+//   way a streaming read's do, and the compute loops then hit L1/L2. The
+//   compute loops alone stall on every miss (few loads in flight per FMA);
+//   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
+//   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
+//   The next block's lines are software-prefetched one per inner iteration of
+//   the QK / PV loops, spread over the block's math (a burst of prefetches at
+//   the block start measured worse; spread out, a small gain within noise).
+//   An alternative that prefetched each next-block line from inside the loop
+//   reading the matching line (K during QK, V during PV) and touched only a
+//   split's first block was 15-30 % slower in paired runs at 4k-32k keys:
+//   the V lines were requested too late.
+//   Register blocking: 4 rows (GQA 32/8, one token) use 3 keys x 4 rows in QK
+//   and 4 rows x 3 vectors per PV pass, 12 independent FMA chains (8, the
+//   former shape, just covers the 4-cycle latency of the 2 FMA pipes):
+//   1.03-1.16x in paired runs, together with exp2_neg and 2048-key splits.
 //
 // Masks: bottom-right (or top-left) causal and window_left/right on logical
 //   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
@@ -99,7 +106,7 @@ constexpr int64_t kBc = 64;     // keys per block
 // keys, paired A/B), short ones otherwise. Depends on the shape only, never
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
-constexpr int64_t kLineBytes = 64;
+
 
 inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -158,15 +165,15 @@ inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int
   *jhi = hi;
 }
 
-// Software prefetch of the next block's rows, issued from inside the compute
-// loops at the same position the loops are reading in the current block (QK:
-// one line of the next K row per line of the current one; PV: the next V
-// row's line for the columns of the pass), so the next block's misses overlap
-// this block's math and the prefetches cost no address bookkeeping.
-#ifndef ATTN_DECODE_PF_HINT
-#define ATTN_DECODE_PF_HINT 2
-#endif
-inline void pf_line(const void* p) { __builtin_prefetch(p, 0, ATTN_DECODE_PF_HINT); }
+// A list of cache lines to prefetch, issued one per inner-loop iteration of
+// the compute loops (so the next block's misses overlap this block's math).
+struct Pf {
+  const char** addr;
+  int64_t n, i;
+};
+inline void pf_step(Pf* p) {
+  if (p->i < p->n) __builtin_prefetch(p->addr[p->i++], 0, 3);
+}
 
 // Horizontal sums of four registers: out[i] = sum of the lanes of a[i].
 template <typename T>
@@ -200,10 +207,9 @@ inline void reduce4<float>(const __m512* a, float* out) {
 // are reduced four at a time.
 template <typename T, int N, int KC>
 inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
-                    int64_t lds, const T* const* kn) {
+                    int64_t lds, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NK = N * KC;
-  constexpr int64_t kLine = kLineBytes / static_cast<int64_t>(sizeof(T));
   const int64_t dvec = d / W * W;
   int64_t c = 0;
   for (; c + KC <= cols; c += KC) {
@@ -212,8 +218,7 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      if (kn && e % kLine == 0)
-        for (int j = 0; j < KC; ++j) pf_line(kn[c + j] + e);
+      pf_step(pf);
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) kx[j] = V::load(kr[j] + e);
       for (int r = 0; r < N; ++r) {
@@ -233,7 +238,7 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
       }
   }
   if constexpr (KC > 1) {
-    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, kn ? kn + c : nullptr);
+    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
   }
 }
 
@@ -242,18 +247,16 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
 // first column not done (a multiple of E*W past e0).
 template <typename T, int N, int E>
 inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t e0, int64_t e1,
-                       T* O, int64_t ldo, const T* const* vn) {
+                       T* O, int64_t ldo, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NE = N * E;
-  constexpr int64_t kLine = kLineBytes / static_cast<int64_t>(sizeof(T));
   int64_t e = e0;
   for (; e + E * W <= e1; e += E * W) {
     typename V::R acc[NE];
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
     for (int64_t c = 0; c < cols; ++c) {
-      if (vn)
-        for (int64_t x = 0; x < E * W; x += kLine) pf_line(vn[c] + e + x);
+      pf_step(pf);
       const T* vr = vp[c] + e;
       typename V::R vx[E];
       for (int j = 0; j < E; ++j) vx[j] = V::load(vr + j * W);
@@ -271,11 +274,11 @@ inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
 template <typename T, int N, int E>
 inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
-                    int64_t ldo, const T* const* vn) {
+                    int64_t ldo, Pf* pf) {
   constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
-  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, vn);
-  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, vn);
+  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
+  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   for (; e < dv; ++e)
     for (int r = 0; r < N; ++r) {
       T x = O[r * ldo + e];
@@ -287,31 +290,31 @@ inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, i
 // Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
 template <typename T>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
-                 int64_t lds, const T* const* kn) {
+                 int64_t lds, Pf* pf) {
   switch (nr) {
-    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 4: return qk_rows<T, 4, 3>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
-    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
-    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds, kn);
+    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 4: return qk_rows<T, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
   }
 }
 
 template <typename T>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
-                 int64_t ldo, const T* const* vn) {
+                 int64_t ldo, Pf* pf) {
   switch (nr) {
-    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 4: return pv_rows<T, 4, 3>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
-    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
-    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo, vn);
+    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 4: return pv_rows<T, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
   }
 }
 
@@ -351,8 +354,7 @@ struct DScratch {
   int64_t* lo;
   int64_t* hi;
   T* sink;
-  const T** kn;      // the next block's row pointers (prefetched)
-  const T** vn;
+  const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
 };
 
 // Process keys [c0, c1) of unit u, kv head hk; write the unnormalised partial
@@ -385,56 +387,49 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
   const T* kbase = a.k + u.b * a.sk.b + hk * a.sk.h;
   const T* vbase = a.v + u.b * a.sv.b + hk * a.sv.h;
   const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
-  // Row pointers of the block starting at logical key j0 (ring: slot =
-  // (start + j) mod R), packed copies for strided rows.
-  auto rows_of = [&](int64_t j0, int64_t cols, const T** kp, const T** vp) {
-    int64_t slot = (s.start + j0) % a.R;
+  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+    const int64_t cols = dmin(kBc, c1 - j0);
+    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
+    int64_t slot = s.start + j0;
+    slot %= a.R;
     for (int64_t c = 0; c < cols; ++c) {
       if (kpack) {
         T* dst = sc.Kp + c * dp;
         const T* src = kbase + slot * a.sk.l;
         for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
-        kp[c] = dst;
+        sc.kp[c] = dst;
       } else {
-        kp[c] = kbase + slot * a.sk.l;
+        sc.kp[c] = kbase + slot * a.sk.l;
       }
       if (vpack) {
         T* dst = sc.Vpk + c * dvp;
         const T* src = vbase + slot * a.sv.l;
         for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
-        vp[c] = dst;
+        sc.vp[c] = dst;
       } else {
-        vp[c] = vbase + slot * a.sv.l;
+        sc.vp[c] = vbase + slot * a.sv.l;
       }
       if (++slot == a.R) slot = 0;
     }
-  };
-  const T** kp = sc.kp;
-  const T** vp = sc.vp;
-  const T** kn = sc.kn;
-  const T** vn = sc.vn;
-  rows_of(c0, dmin(kBc, c1 - c0), kp, vp);
-  // The first block of the split was not prefetched: touch every cache line
-  // of its K and V rows in a tight loop with many loads in flight (as a
-  // streaming read does), so QK / PV below hit L1/L2.
-  sc.sink[0] += touch_lines(kp, dmin(kBc, c1 - c0), d) + touch_lines(vp, dmin(kBc, c1 - c0), dv);
-  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
-    const int64_t cols = dmin(kBc, c1 - j0);
-    // The next block's rows, prefetched from inside QK / PV (not when rows
-    // are packed copies: those are read here, once).
-    const bool pf = !kpack && !vpack && j0 + kBc < c1;
-    if (pf) {
+    // Touch every cache line of the block's K and V rows first, in a tight
+    // loop with many loads in flight (as a streaming read does): the misses
+    // overlap, and QK / PV below then hit L1/L2.
+    sc.sink[0] += touch_lines(sc.kp, cols, d) + touch_lines(sc.vp, cols, dv);
+    // The next block's lines, prefetched one per inner iteration of QK / PV.
+    Pf pf{sc.pfa, 0, 0};
+    if (!kpack && !vpack && j0 + kBc < c1) {
+      int64_t ns = (s.start + j0 + kBc) % a.R;
       const int64_t ncols = dmin(kBc, c1 - j0 - kBc);
-      rows_of(j0 + kBc, ncols, kn, vn);
-      // Keys of this block without a next-block partner prefetch a row of
-      // this block (already cached: harmless).
-      for (int64_t c = ncols; c < cols; ++c) {
-        kn[c] = kp[c];
-        vn[c] = vp[c];
+      for (int64_t c = 0; c < ncols; ++c) {
+        const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
+        const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = kr + off;
+        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = vr + off;
+        if (++ns == a.R) ns = 0;
       }
     }
     // S = Q K^T.
-    qk_dispatch<T>(nr, sc.Qs, dp, kp, cols, d, sc.S, kBc, pf ? kn : nullptr);
+    qk_dispatch<T>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc, &pf);
     // Masks and online softmax.
     bool partial = false;
     for (int r = 0; r < nr; ++r) {
@@ -478,22 +473,16 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
     }
     // O += P V.
     if (!partial) {
-      pv_dispatch<T>(nr, sc.S, kBc, vp, cols, dv, Op, dvp, pf ? vn : nullptr);
+      pv_dispatch<T>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp, &pf);
     } else {  // skip zero weights: a NaN in a masked V row must not leak
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const T p = sc.S[r * kBc + c];
           if (p == T(0)) continue;
           T* orow = Op + r * dvp;
-          const T* vr = vp[c];
+          const T* vr = sc.vp[c];
           for (int64_t e = 0; e < dv; ++e) orow[e] += p * vr[e];
         }
-    }
-    if (pf) {
-      const T** t = kp; kp = kn; kn = t;
-      t = vp; vp = vn; vn = t;
-    } else if (j0 + kBc < c1) {
-      rows_of(j0 + kBc, dmin(kBc, c1 - j0 - kBc), kp, vp);
     }
   }
 }
@@ -556,8 +545,8 @@ void decode_impl(const DecodeArgs<T>& a) {
     sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
     sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
     sc.sink = dalloc<T>(1);
-    sc.kn = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
-    sc.vn = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+    sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(
+        kBc * ((a.d * static_cast<int64_t>(sizeof(T)) + 63) / 64 + (a.dv * static_cast<int64_t>(sizeof(T)) + 63) / 64))));
     sc.sink[0] = T(0);
     // Units without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
@@ -583,8 +572,7 @@ void decode_impl(const DecodeArgs<T>& a) {
         merge_unit(a, un, hk, Opart, mpart, lpart);
     }
     std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
-    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink);
-    std::free(sc.kn); std::free(sc.vn);
+    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.pfa);
   }
   std::free(done);
   std::free(units);
