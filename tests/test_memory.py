@@ -50,6 +50,27 @@ LEAK_CODE = """
     bias = rng.standard_normal((1, 2, 16, 16)).astype(np.float32)
     X, W = rng.standard_normal((16, 12)), rng.standard_normal((8, 12))
     sink = io.StringIO()
+    # The other entry points (decode kernel, KV cache, layers, variants).
+    q1 = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    kl, vl = (rng.standard_normal((1, 2, 96, 8)).astype(np.float32) for _ in range(2))
+    cache = af.KVCache(1, 2, 8, capacity=64)
+    k1, v1 = kl[:, :, :2], vl[:, :, :2]
+
+    def kv_step():
+        if len(cache) >= 60:
+            cache.truncate(4)
+        cache.append(k1, v1)
+        cache.attend(q1)
+
+    o1, lse1 = af.scaled_dot_product_attention(q1, kl, vl, enable_gqa=True, return_lse=True)
+    qp = rng.standard_normal((16, 2, 8)).astype(np.float32)
+    cu = np.array([0, 5, 16], np.int32)
+    E = rng.standard_normal((4, 16)).astype(np.float32)
+    rope = af.positional.RoPE(8)
+    mha = af.MultiHeadAttention(16, 4, 2, rng=0)
+    xm = rng.standard_normal((1, 6, 16)).astype(np.float32)
+    lm = af.TinyTransformerLM(50, 16, 1, 2, 1)
+    tokens = np.array([[1, 2, 3, 4]])
 
     def error(f):
         try:
@@ -77,6 +98,17 @@ LEAK_CODE = """
         "threads": lambda: (af.set_num_threads(af.get_num_threads()),),
         "isa": lambda: af.set_isa(af.get_isa()),
         "show_config": show,
+        "decode_gqa": lambda: af.scaled_dot_product_attention(q1, kl, vl, enable_gqa=True),
+        "kv_cache": kv_step,
+        "merge_states": lambda: af.merge_attention_states(o1, lse1, o1, lse1),
+        "varlen": lambda: af.varlen_attention(qp, qp, qp, cu, cu, causal=True),
+        "attention_weights": lambda: af.attention_weights(q, k, is_causal=True),
+        "linear_attention": lambda: af.variants.linear_attention(q, k, v, causal=True),
+        "linear_step": lambda: af.variants.linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0]),
+        "linformer": lambda: af.variants.linformer_attention(q, k, v, E),
+        "rope": lambda: rope(q),
+        "mha": lambda: mha(xm),
+        "tiny_lm": lambda: lm.forward(tokens),
     }
     af.set_num_threads(1)  # leaks do not depend on it; waking threads on a busy machine does
     for name, f in calls.items():  # warm up every path (allocator pools, caches) first
