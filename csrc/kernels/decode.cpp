@@ -533,6 +533,16 @@ void decode_impl(const DecodeArgs<T>& a) {
   int64_t* done = static_cast<int64_t*>(std::calloc(static_cast<size_t>(dmax(n_out, 1)), sizeof(int64_t)));
   int nt = a.num_threads > 0 ? a.num_threads : 1;
   if (dmax(n_items, n_out) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_out)));
+  // Small steps (a short cache: tens of microseconds of work) run on the
+  // calling thread, as in the prefill kernel. Waking a team costs more than it
+  // saves, and in a model that also calls NumPy's BLAS between attention
+  // calls the two libraries' idle-spinning workers fight over the cores:
+  // bench/bench_generate.py decoded 2.8x slower with a team per step.
+  double work = 0;
+  for (int64_t u = 0; u < n_units; ++u)
+    work += static_cast<double>(dmax(0, units[u].jhi - units[u].jlo)) * units[u].nr * a.Hkv *
+            static_cast<double>(a.d + a.dv);
+  if (work < double(1 << 21)) nt = 1;
 #pragma omp parallel num_threads(nt)
   {
     DScratch<T> sc;
