@@ -73,14 +73,13 @@ void check_cu(const int64_t* cu, int64_t n, int64_t total, const char* name) {
 // kernels' i + off +- window arithmetic far from int64 overflow.
 int64_t clamp_window(int64_t w) { return w > (int64_t(1) << 62) ? (int64_t(1) << 62) : w; }
 
-template <typename T>
-py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
-                    double scale, bool causal, bool top_left, int64_t window_left,
-                    int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
-                    py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
-                    py::object mask, py::object bias, py::object alibi, double softcap,
-                    py::object sinks, int block_q, int block_k, bool reference) {
-  AttnArgs<T> a;
+// What forward and decode share: q, k, v, o of one dtype T (o writeable),
+// their strides and data, and the causal / window options. Shapes are
+// checked by each caller (the key axis means Lk for one, ring slots for the
+// other).
+template <typename T, typename Args>
+void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, double scale, bool causal,
+               bool top_left, int64_t window_left, int64_t window_right) {
   for (auto* arr : {&q, &k, &v, &o})
     if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
@@ -88,14 +87,6 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   a.sk = strides4(k, "k");
   a.sv = strides4(v, "v");
   a.so = strides4(o, "o");
-  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
-  a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
-  if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
-      o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
-    throw py::value_error("inconsistent q/k/v/o shapes");
-  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
-  const bool varlen = !cu_q.is_none();
-  if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
   a.q = static_cast<const T*>(q.data());
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
@@ -105,6 +96,36 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   a.top_left = top_left;
   a.window_left = clamp_window(window_left);
   a.window_right = clamp_window(window_right);
+}
+
+// The optional lse output: a writeable C-contiguous array of n elements of T.
+template <typename T>
+T* lse_of(const py::object& lse, int64_t n, const char* expected) {
+  if (lse.is_none()) return nullptr;
+  auto arr = py::cast<py::array>(lse);
+  if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
+      arr.size() != n)
+    throw py::value_error(std::string("lse must be a writeable C-contiguous array of ") + expected + " elements");
+  return static_cast<T*>(arr.mutable_data());
+}
+
+template <typename T>
+py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
+                    double scale, bool causal, bool top_left, int64_t window_left,
+                    int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
+                    py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
+                    py::object mask, py::object bias, py::object alibi, double softcap,
+                    py::object sinks, int block_q, int block_k, bool reference) {
+  AttnArgs<T> a;
+  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
+  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
+  a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
+  if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
+      o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  const bool varlen = !cu_q.is_none();
+  if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
   a.softcap = softcap;
   a.block_q = block_q;
   a.block_k = block_k;
@@ -130,13 +151,7 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   a.alibi = data_of<T>(alibi, "alibi_slopes", a.Hq);
   a.sinks = data_of<T>(sinks, "sinks", a.Hq);
   const int64_t lse_rows = varlen ? a.Lq : a.B * a.Lq;
-  if (!lse.is_none()) {
-    auto arr = py::cast<py::array>(lse);
-    if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
-        arr.size() != a.Hq * lse_rows)
-      throw py::value_error("lse must be a writeable C-contiguous array of Hq * rows elements");
-    a.lse = static_cast<T*>(arr.mutable_data());
-  }
+  a.lse = lse_of<T>(lse, a.Hq * lse_rows, "Hq * rows");
   py::array layout_arr, mask_arr, bias_arr;
   if (!layout.is_none()) {
     layout_arr = py::cast<py::array>(layout);
@@ -221,7 +236,7 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
   a.o = static_cast<T*>(o.mutable_data());
   a.causal = causal;
   a.eps = eps;
-  a.num_threads = get_num_threads();
+  a.num_threads = threads_for_call();  // records the pool for the fork handler
   py::array kv_arr, z_arr;
   if (kv.is_none() != k_sum.is_none()) throw py::value_error("kv and k_sum go together");
   if (!kv.is_none()) {
@@ -251,13 +266,7 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
               bool causal, bool top_left, int64_t window_left, int64_t window_right,
               py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
   DecodeArgs<T> a;
-  for (auto* arr : {&q, &k, &v, &o})
-    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
-  if (!o.writeable()) throw py::value_error("o is read-only");
-  a.sq = strides4(q, "q");
-  a.sk = strides4(k, "k");
-  a.sv = strides4(v, "v");
-  a.so = strides4(o, "o");
+  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
   a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
   a.Hkv = k.shape(1); a.R = k.shape(2); a.dv = v.shape(3);
   if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
@@ -265,17 +274,8 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
       o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
-  a.q = static_cast<const T*>(q.data());
-  a.k = static_cast<const T*>(k.data());
-  a.v = static_cast<const T*>(v.data());
-  a.o = static_cast<T*>(o.mutable_data());
-  a.scale = scale;
-  a.causal = causal;
-  a.top_left = top_left;
-  a.window_left = clamp_window(window_left);
-  a.window_right = clamp_window(window_right);
   a.split = split > a.R ? a.R : split;  // a split longer than the keys is one split (no c0 + split overflow)
-  a.num_threads = get_num_threads();
+  a.num_threads = threads_for_call();  // 1 in a forked child of a libgomp process, as for forward
   a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
   a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
   a.kv_start = data_of<int64_t>(kv_start, "kv_start", a.B);
@@ -283,13 +283,7 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
     for (int64_t b = 0; b < a.B; ++b)
       if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
         throw py::value_error("kv_start entries must lie in [0, R)");
-  if (!lse.is_none()) {
-    auto arr = py::cast<py::array>(lse);
-    if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
-        arr.size() != a.B * a.Hq * a.Lq)
-      throw py::value_error("lse must be a writeable C-contiguous array of B * Hq * Lq elements");
-    a.lse = static_cast<T*>(arr.mutable_data());
-  }
+  a.lse = lse_of<T>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
   py::gil_scoped_release release;
   decode_forward(a);
 }
