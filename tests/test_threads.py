@@ -121,11 +121,19 @@ FORK_CODE = """
     import multiprocessing as mp, numpy as np, attn_fast as af
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, 4, 300, 32)).astype(np.float32)
+    q1 = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+    kv = rng.standard_normal((1, 8, 4096, 128)).astype(np.float32)
+    calls = {{
+        "prefill": lambda: af.scaled_dot_product_attention(q, q, q, is_causal=True),
+        "decode": lambda: af.scaled_dot_product_attention(q1, kv, kv, enable_gqa=True),
+        "linear": lambda: af.variants.linear_attention(q, q, q, causal=True),
+    }}
+    call = calls["{entry}"]
     af.set_num_threads(2)
-    expect = af.scaled_dot_product_attention(q, q, q, is_causal=True)  # starts the OpenMP pool
+    expect = call()  # starts the OpenMP pool
 
     def child(_):
-        o = af.scaled_dot_product_attention(q, q, q, is_causal=True)
+        o = call()
         return bool(np.array_equal(o, expect)), af.get_num_threads(), af._core.forked_child_serial()
 
     with mp.get_context("fork").Pool(2) as pool:
@@ -135,10 +143,12 @@ FORK_CODE = """
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
-def test_fork_after_a_threaded_call_does_not_hang():
+@pytest.mark.parametrize("entry", ["prefill", "decode", "linear"])
+def test_fork_after_a_threaded_call_does_not_hang(entry):
     # GNU libgomp's thread pool does not survive fork(): a child that opens a
-    # parallel region hangs. attn_fast runs single-threaded in such a child.
-    r = run_py(FORK_CODE, timeout=90, OMP_NUM_THREADS="2")
+    # parallel region hangs. attn_fast runs single-threaded in such a child,
+    # whichever kernel started the pool.
+    r = run_py(FORK_CODE.format(entry=entry), timeout=90, OMP_NUM_THREADS="2")
     assert r.returncode == 0, r.stderr
     children, parent = r.stdout.strip().splitlines()
     results = eval(children)  # noqa: S307 - our own subprocess's repr
