@@ -68,33 +68,18 @@
 #include <cstring>
 #include <limits>
 
-#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "attn_fast/attention.h"
 
-#if defined(ATTN_ISA_AVX512)
-#define ATTN_NS isa_avx512
-#elif defined(ATTN_ISA_AVX2)
-#define ATTN_NS isa_avx2
-#else
-#define ATTN_NS isa_scalar
-#endif
+#include "isa.h"
 
 namespace attn_fast {
 namespace ATTN_NS {
 
-#if defined(ATTN_ISA_AVX512)
-#include "vec_avx512.h"
-#elif defined(ATTN_ISA_AVX2)
-#include "vec_avx2.h"
-#else
-#include "vec_scalar.h"
-#endif
+#include ATTN_VEC_HEADER
 
 namespace {
 

@@ -69,9 +69,6 @@
 #include <limits>
 #include <new>
 
-#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -79,25 +76,17 @@
 #include "attn_fast/attention.h"
 #include "attn_fast/seq.h"
 
-#if defined(ATTN_ISA_AVX512)
-#define ATTN_NS isa_avx512
-#elif defined(ATTN_ISA_AVX2)
-#define ATTN_NS isa_avx2
-#else
-#define ATTN_NS isa_scalar
-#endif
+#include "isa.h"
 
 namespace attn_fast {
 namespace ATTN_NS {
 
+#include ATTN_VEC_HEADER
 #if defined(ATTN_ISA_AVX512)
-#include "vec_avx512.h"
 constexpr int kMR = 6, kNR = 4;  // 24 accumulators of 32 zmm
 #elif defined(ATTN_ISA_AVX2)
-#include "vec_avx2.h"
 constexpr int kMR = 6, kNR = 2;  // 12 accumulators of 16 ymm
 #else
-#include "vec_scalar.h"
 constexpr int kMR = 4, kNR = 4;
 #endif
 

@@ -1,0 +1,26 @@
+// Per-ISA compilation of a kernel source (flash_fwd.cpp, decode.cpp): the
+// build compiles each once with ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or
+// ATTN_ISA_AVX512 defined (CMakeLists.txt). This header picks the namespace
+// the source's code goes into and the vector header to include inside it:
+//
+//   #include "isa.h"
+//   namespace attn_fast {
+//   namespace ATTN_NS {
+//   #include ATTN_VEC_HEADER
+//   ...
+//
+// Not `#pragma once`: each kernel source is its own translation unit.
+#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
+#include <immintrin.h>
+#endif
+
+#if defined(ATTN_ISA_AVX512)
+#define ATTN_NS isa_avx512
+#define ATTN_VEC_HEADER "vec_avx512.h"
+#elif defined(ATTN_ISA_AVX2)
+#define ATTN_NS isa_avx2
+#define ATTN_VEC_HEADER "vec_avx2.h"
+#else
+#define ATTN_NS isa_scalar
+#define ATTN_VEC_HEADER "vec_scalar.h"
+#endif
