@@ -527,7 +527,7 @@ void decode_impl(const DecodeArgs<T>& a) {
   for (int64_t u = 0; u < n_units; ++u)
     work += static_cast<double>(dmax(0, units[u].jhi - units[u].jlo)) * units[u].nr * a.Hkv *
             static_cast<double>(a.d + a.dv);
-  if (work < double(1 << 21)) nt = 1;
+  if (work < kSerialWork) nt = 1;
 #pragma omp parallel num_threads(nt)
   {
     DScratch<T> sc;

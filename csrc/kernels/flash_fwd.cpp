@@ -588,7 +588,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   // Tiny calls (a few microseconds of work) run on the calling thread: waking
   // a team costs more than it saves, and on a loaded machine much more.
   const double work = static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
-  if (work < double(1 << 21)) nt = 1;
+  if (work < kSerialWork) nt = 1;
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
     Scratch<T> sc;

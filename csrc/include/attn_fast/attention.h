@@ -86,6 +86,11 @@ struct AttnArgs {
 };
 
 // Statistics reported by the kernel (for tests and benchmarks).
+// Calls with fewer multiply-adds than this (tens of microseconds) run on the
+// calling thread in both kernels: waking an OpenMP team costs more than it
+// saves, and between NumPy BLAS calls it fights BLAS's spinning workers.
+constexpr double kSerialWork = double(1 << 21);
+
 struct AttnStats {
   int64_t tiles_computed = 0;  // (Br x Bc) tiles whose scores were computed
   int64_t tiles_skipped = 0;   // tiles inside the key range skipped by a mask
