@@ -194,7 +194,7 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
     else
       st = flash_forward(a);
   }
-  return py::make_tuple(st.tiles_computed, st.tiles_skipped);
+  return py::make_tuple(st.tiles_computed, st.tiles_skipped, st.block_q, st.block_k);
 }
 
 py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,

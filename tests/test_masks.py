@@ -410,8 +410,37 @@ def test_block_sparse_constructors_run(isa, rng, ctor):
 # ---------------------------------------------------------------- kernel statistics
 
 
+# The kernel reports the tile it used (KernelStats.block_q / block_k): block_q
+# as asked, block_k rounded up to the active path's key-panel width. Every
+# expected count below is computed from the reported tile, never from the
+# sizes asked, so the tests hold on every ISA and dtype.
+
+
+def kernel_tiles(kept, Br, Bc):
+    """Number of (Br x Bc) tiles of an (Lq, Lk) boolean array holding any True."""
+    Lq, Lk = kept.shape
+    rows = np.logical_or.reduceat(kept, np.arange(0, Lq, Br), axis=0)
+    return int(np.logical_or.reduceat(rows, np.arange(0, Lk, Bc), axis=1).sum())
+
+
+def band_tiles(L, Br, Bc, left):
+    """Key blocks the kernel walks for a causal band of `left` keys (Lq == Lk):
+    each query block [i0, i1) visits the Bc-aligned blocks covering [i0 - left, i1)."""
+    n = 0
+    for i0 in range(0, L, Br):
+        lo, hi = max(0, i0 - left), min(L, i0 + Br)
+        n += -(-hi // Bc) - lo // Bc
+    return n
+
+
+def check_reported_tile(s, block_q, block_k, L):
+    """The tile used: block_q as asked, block_k the smallest allowed multiple >= the ask."""
+    assert s.block_q == min(block_q, L)
+    assert s.block_k >= min(block_k, L) and s.block_k % 4 == 0  # panel widths are multiples of 4
+
+
 def test_stats_count_kept_blocks_exactly(rng):
-    """With layout blocks equal to the kernel tiles, tiles_computed = kept blocks."""
+    """tiles_computed = tiles holding a kept layout block; + skipped = all tiles."""
     B, H, L, d, blk = 1, 2, 256, 8, 64
     q, k, v = qkv(rng, B, H, H, L, L, d, d, np.float32)
     n = L // blk
@@ -419,10 +448,37 @@ def test_stats_count_kept_blocks_exactly(rng):
     layout[:, 0, 0] = True
     _, s = af.scaled_dot_product_attention(q, k, v, attn_mask=M.BlockSparse(layout, blk), return_stats=True,
                                            block_q=blk, block_k=blk)
-    assert s.tiles_computed == layout.sum() * B
-    assert s.tiles_computed + s.tiles_skipped == n * n * H * B
+    check_reported_tile(s, blk, blk, L)
+    Br, Bc = s.block_q, s.block_k
+    kept = [dense_layout(layout[h], blk, blk, L, L) for h in range(H)]
+    assert s.tiles_computed == B * sum(kernel_tiles(kp, Br, Bc) for kp in kept)
+    all_tiles = -(-L // Br) * -(-L // Bc)
+    assert s.tiles_computed + s.tiles_skipped == all_tiles * H * B
     _, full = af.scaled_dot_product_attention(q, k, v, return_stats=True, block_q=blk, block_k=blk)
-    assert full == af.KernelStats(n * n * H * B, 0)
+    assert full == af.KernelStats(all_tiles * H * B, 0, Br, Bc)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stats_report_the_tile_used(rng, isa, dtype):
+    """block_q is honoured as asked; block_k is rounded up (never down) to the path's
+    panel width; the defaults are reported too; results do not depend on the tile."""
+    L, d = 300, 8
+    q, k, v = qkv(rng, 1, 2, 2, L, L, d, d, dtype)
+    base = af.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for bq, bk in [(1, 1), (7, 5), (32, 32), (48, 100), (0, 0), (4096, 4096)]:
+        o, s = af.scaled_dot_product_attention(q, k, v, is_causal=True, return_stats=True, block_q=bq, block_k=bk)
+        assert 1 <= s.block_q <= L and 1 <= s.block_k <= 4096
+        if bq:
+            assert s.block_q == min(bq, L)
+        if bk:
+            assert s.block_k >= min(bk, L)
+        # causal, Lq == Lk: exactly the tiles on or below the diagonal
+        assert s.tiles_computed == 2 * kernel_tiles(np.tri(L, dtype=bool), s.block_q, s.block_k)
+        np.testing.assert_allclose(o, base, **tol(dtype))
+    o, s = af.scaled_dot_product_attention(q[:, :, :0], k, v, return_stats=True)
+    assert s == af.KernelStats(0, 0, 0, 0)
+    _, s = af.scaled_dot_product_attention(q, k, v, return_stats=True, backend="reference")
+    assert s == af.KernelStats(0, 0, 0, 0)
 
 
 def test_stats_window_grows_linearly(rng):
@@ -433,26 +489,29 @@ def test_stats_window_grows_linearly(rng):
         q, k, v = qkv(rng, 1, H, H, L, L, d, d, np.float32)
         _, s = af.scaled_dot_product_attention(q, k, v, attn_mask=M.SlidingWindow(w), return_stats=True,
                                                block_q=blk, block_k=blk)
+        check_reported_tile(s, blk, blk, L)
         counts.append(s.tiles_computed)
-        # each query block of 32 rows meets at most 3 key blocks of a 33-key band
-        assert s.tiles_computed <= 3 * (L // blk)
+        # the key blocks covering each query block's band, and no others
+        assert s.tiles_computed == band_tiles(L, s.block_q, s.block_k, w)
     assert counts[1] <= 2 * counts[0] + 2 and counts[2] <= 2 * counts[1] + 2
     _, dense = af.scaled_dot_product_attention(q, k, v, return_stats=True, block_q=blk, block_k=blk)
-    assert dense.tiles_computed == (1024 // blk) ** 2 > 10 * counts[2]
+    assert dense.tiles_computed == -(-1024 // dense.block_q) * -(-1024 // dense.block_k) > 4 * counts[2]
 
 
 def _check_stats_fall_with_density(data_layouts, blk=16):
     rng = np.random.default_rng(0)
     L = blk * data_layouts[0].shape[-1]
     q, k, v = qkv(rng, 1, 1, 1, L, L, 4, 4, np.float32)
-    counts = [
+    stats = [
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.BlockSparse(lay, blk), return_stats=True,
-                                        block_q=blk, block_k=blk)[1].tiles_computed
+                                        block_q=blk, block_k=blk)[1]
         for lay in data_layouts
     ]
+    counts = [s.tiles_computed for s in stats]
     # nested layouts (each a subset of the next): computed tiles never rise as blocks are removed
     assert counts == sorted(counts)
-    assert counts == [int(lay.sum()) for lay in data_layouts]
+    assert counts == [kernel_tiles(dense_layout(lay, blk, blk, L, L), s.block_q, s.block_k)
+                      for lay, s in zip(data_layouts, stats)]
 
 
 if given is not None:

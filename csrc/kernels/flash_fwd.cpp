@@ -640,6 +640,8 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
   if (failed) throw std::bad_alloc();
   total.tiles_computed = computed;
   total.tiles_skipped = skipped;
+  total.block_q = Br;
+  total.block_k = Bc;
   return total;
 }
 

@@ -56,13 +56,22 @@ class KernelStats(NamedTuple):
     tiles_computed : (Br x Bc) query-by-key tiles whose scores were computed.
     tiles_skipped : tiles inside the structural key range that a block-sparse
         layout or a dense boolean mask left empty, skipped without computing.
+    block_q, block_k : the tile (Br x Bc) the kernel actually used. ``block_q``
+        is honoured as asked; ``block_k`` is rounded up to a multiple of the
+        active instruction set's key-panel width (for float32: 4 on scalar, 16
+        on AVX2, 64 on AVX-512; half that for float64), and both are capped by
+        the problem size (and 4096). The defaults (0) pick the kernel's own
+        sizes, reported here. Count tiles with these, never with the sizes asked.
     Tiles outside the causal / window / length range are never visited and are
     counted in neither. FLOPs ~= tiles_computed * Br * Bc * 2 * (d + dv).
-    The reference backend reports (0, 0).
+    The reference backend, and calls with nothing to compute, report
+    (0, 0, 0, 0).
     """
 
     tiles_computed: int
     tiles_skipped: int
+    block_q: int = 0
+    block_k: int = 0
 
 
 def _mask_arrays(attn_mask):
@@ -258,7 +267,9 @@ def scaled_dot_product_attention(
         (force the split-KV decode kernel) or "reference" (the plain-loop C++
         kernel, slow; for testing).
     block_q, block_k : tile sizes in [0, 4096] (0 = default); results do not
-        depend on them beyond float rounding.
+        depend on them beyond float rounding. ``block_k`` is rounded up to the
+        active path's key-panel width; ``return_stats`` reports the sizes used
+        (``KernelStats.block_q``, ``.block_k``).
 
     Non-finite inputs follow IEEE arithmetic of the formula: a NaN or +inf
     visible score makes its row NaN; keys a row does not see are never read
@@ -290,7 +301,7 @@ def scaled_dot_product_attention(
 
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    stats = KernelStats(0, 0)
+    stats = KernelStats(0, 0, 0, 0)
     use_decode = backend == "decode"
     if use_decode and (return_stats or not _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
         raise ValueError(
@@ -516,7 +527,7 @@ def varlen_attention(
     if causal:
         kw["causal"] = True
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    stats = KernelStats(0, 0)
+    stats = KernelStats(0, 0, 0, 0)
     if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
         # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
         stats = KernelStats(*_core.forward(

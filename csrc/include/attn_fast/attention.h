@@ -94,6 +94,10 @@ constexpr double kSerialWork = double(1 << 21);
 struct AttnStats {
   int64_t tiles_computed = 0;  // (Br x Bc) tiles whose scores were computed
   int64_t tiles_skipped = 0;   // tiles inside the key range skipped by a mask
+  // The tile actually used (Br x Bc): block_q is honoured as asked, block_k is
+  // rounded up to the active path's key-panel width (kNR * W) and both are
+  // capped by the problem size. 0 when no tile was chosen (empty call).
+  int64_t block_q = 0, block_k = 0;
 };
 
 // Split-KV decode (flash-decoding) over a plain K/V array or a KV cache's
