@@ -100,7 +100,7 @@ def test_non_cpu_memory_is_a_type_error():
         af.scaled_dot_product_attention(DLPackOnly(x, device=(2, 0)), x, x)  # kDLCUDA
     with pytest.raises(TypeError, match="k .*GPU memory"):
         af.scaled_dot_product_attention(x, CudaArrayInterface(), x)
-    with pytest.raises(TypeError, match="v must be an array, got None"):
+    with pytest.raises(TypeError, match=r"v \(value\) must be an array, got None"):
         af.scaled_dot_product_attention(x, x, None)
 
 
@@ -127,7 +127,9 @@ def test_torch_tensors_read_in_place(rng, kernel_inputs, dtype):
     q, k, v = qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2)
     assert not q.is_contiguous()
     o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
-    assert isinstance(o, np.ndarray) and isinstance(lse, np.ndarray)
+    assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)  # torch in, torch out
+    assert o.dtype == q.dtype and lse.dtype == q.dtype and o.shape == (B, H, Lq, d) and lse.shape == (B, H, Lq)
+    o, lse = o.numpy(), lse.numpy()  # zero-copy views of the same result
     qn, kn, vn = q.numpy(), np.repeat(k.numpy(), 2, axis=1), np.repeat(v.numpy(), 2, axis=1)
     O, LSE = ref.sdpa(qn, kn, vn, mask=ref.causal_mask(Lq, Lk), return_lse=True)
     np.testing.assert_allclose(o, O, **tol(o.dtype))
@@ -157,10 +159,10 @@ def test_torch_out_written_in_place(rng, kernel_inputs):
 
 def test_torch_requires_grad_policy(rng):
     q = torch.from_numpy(randn(rng, (1, 2, 6, 8))).requires_grad_()
-    o = af.scaled_dot_product_attention(q, q, q)  # read through detach(): a NumPy result, no gradient
-    assert isinstance(o, np.ndarray)
+    o = af.scaled_dot_product_attention(q, q, q)  # read through detach(): a tensor with no gradient
+    assert isinstance(o, torch.Tensor) and not o.requires_grad
     qd = q.detach().numpy()
-    np.testing.assert_allclose(o, ref.sdpa(qd, qd, qd), **tol(np.float32))
+    np.testing.assert_allclose(o.numpy(), ref.sdpa(qd, qd, qd), **tol(np.float32))
     with pytest.raises(TypeError, match="out is a torch tensor that requires grad"):
         af.scaled_dot_product_attention(q, q, q, out=torch.empty(1, 2, 6, 8, requires_grad=True))
 

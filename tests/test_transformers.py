@@ -47,7 +47,7 @@ def calls(monkeypatch):
                 window=kw.get("window_size"), softcap=kw.get("softcap"), sinks=kw.get("sinks") is not None,
             )
         )
-        return real(q, k, v, attn_mask, is_causal, scale, enable_gqa, **kw)
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
     return seen

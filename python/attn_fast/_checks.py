@@ -255,3 +255,31 @@ def alias_safe(o, *inputs):
     if any(isinstance(x, np.ndarray) and np.may_share_memory(o, x) for x in inputs):
         return np.empty(o.shape, dtype=o.dtype), o
     return o, None
+
+
+# ---------------------------------------------------------------- flags and results
+
+
+def check_bool(x, name):
+    """`x` as a Python bool: True/False or a NumPy bool; anything else (0.1, 1,
+    "yes", None) is a TypeError naming the argument, never a silent truth test."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise ArgumentTypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
+
+
+def to_input_kind(result, like):
+    """`result` in the kind of array `like` is: unchanged for NumPy (and other
+    array-likes), zero-copy torch tensors (``torch.from_numpy``) when `like` is
+    a torch tensor. A tuple is converted element-wise (arrays only; a
+    ``KernelStats`` or other non-array passes through)."""
+    if not _is_torch_tensor(like):
+        return result
+    import torch  # already imported: `like` is a tensor
+
+    def conv(r):
+        return torch.from_numpy(r) if isinstance(r, np.ndarray) else r
+
+    if isinstance(result, tuple) and not hasattr(result, "_fields"):
+        return tuple(conv(r) for r in result)
+    return conv(result)

@@ -14,7 +14,18 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core, masks
-from ._checks import alias_safe, as_float_array, check_out, check_int, check_same_dtype, check_scale, shape_str
+from ._checks import (
+    alias_safe,
+    as_float_array,
+    check_bool,
+    check_int,
+    check_out,
+    check_real,
+    check_same_dtype,
+    check_scale,
+    shape_str,
+    to_input_kind,
+)
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -192,15 +203,41 @@ def _check_backend(backend):
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
+def _qkv_names(q, k, v, query, key, value):
+    """q/k/v given positionally (or as q=, k=, v=) or under torch's names query=, key=, value=."""
+    got = []
+    for short, long_name, a, b in (("q", "query", q, query), ("k", "key", k, key), ("v", "value", v, value)):
+        if a is not None and b is not None:
+            raise TypeError(f"got both {short} and {long_name}; pass one of them")
+        got.append(a if b is None else b)
+    for name, x in zip(("q (query)", "k (key)", "v (value)"), got):
+        if x is None:
+            raise TypeError(f"{name} must be an array, got None")
+    return got
+
+
+def _check_dropout(dropout_p):
+    p = check_real(dropout_p, "dropout_p", minimum=0.0)
+    if p != 0.0:
+        raise ValueError(
+            f"dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got {dropout_p!r}; "
+            "apply dropout to the output or call torch's own SDPA when training with attention dropout")
+    return p
+
+
 def scaled_dot_product_attention(
-    q,
-    k,
-    v,
+    q=None,
+    k=None,
+    v=None,
     attn_mask=None,
+    dropout_p=0.0,
     is_causal=False,
     scale=None,
     enable_gqa=False,
     *,
+    query=None,
+    key=None,
+    value=None,
     return_lse=False,
     return_weights=False,
     return_stats=False,
@@ -214,6 +251,11 @@ def scaled_dot_product_attention(
     block_k=0,
 ):
     """softmax(scale · q kᵀ + mask) v, exact, computed block by block.
+
+    The positional order is torch's: ``(query, key, value, attn_mask=None,
+    dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)``; everything
+    after it is keyword-only. q, k, v may also be passed as ``query=``,
+    ``key=``, ``value=``.
 
     Parameters
     ----------
@@ -232,12 +274,15 @@ def scaled_dot_product_attention(
         and arrays, meaning their intersection. Combines with ``is_causal``
         and ``window_size`` (torch refuses attn_mask with is_causal; here they
         intersect, which is what a padded decoder batch needs).
-    is_causal : bool. Causal mask aligned bottom-right: query i sees keys
+    dropout_p : must be 0 (accepted for torch's positional order; any other
+        value raises ValueError: attn_fast computes exact attention).
+    is_causal : bool (a NumPy bool is fine; anything else is a TypeError).
+        Causal mask aligned bottom-right: query i sees keys
         j <= i + Lk - Lq (FlashAttention and KV-cache convention). torch's
         ``is_causal`` is aligned top-left instead (``masks.Causal("top_left")``);
         the two agree when Lq == Lk.
     scale : float, default 1/sqrt(d).
-    enable_gqa : allow H_kv < H (H % H_kv == 0); head h reads kv head
+    enable_gqa : bool; allow H_kv < H (H % H_kv == 0); head h reads kv head
         h // (H // H_kv), torch's order. K and V are not copied or repeated.
     window_size : (left, right) or None. Sliding window: query i sees keys
         j with i' - left <= j <= i' + right, where i' = i + Lk - Lq is the
@@ -279,14 +324,21 @@ def scaled_dot_product_attention(
     Returns
     -------
     out : (…, Lq, dv) array of q's dtype (a new array unless ``out`` given).
-        With any of return_lse / return_weights / return_stats, a tuple
-        (out, lse, weights, stats) holding only the ones asked for, in that
-        order. Query rows that see no key (for any mask kind) get zeros and
+        The kind follows q: NumPy arrays for NumPy (or other array-like)
+        input, torch tensors sharing the result's memory (zero-copy) for a
+        torch tensor q; lse and weights likewise; a given ``out`` is returned
+        as the caller's own object. With any of return_lse / return_weights /
+        return_stats, a tuple (out, lse, weights, stats) holding only the
+        ones asked for, in that order. Query rows that see no key (for any mask kind) get zeros and
         lse = -inf, never NaN; a NaN or inf in a masked-out K/V row never
         reaches the output.
     """
-    if v is None:
-        raise TypeError("v must be an array, got None")
+    q, k, v = _qkv_names(q, k, v, query, key, value)
+    _check_dropout(dropout_p)
+    is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
+    return_lse, return_weights = check_bool(return_lse, "return_lse"), check_bool(return_weights, "return_weights")
+    return_stats = check_bool(return_stats, "return_stats")
+    like = q
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
     scale = check_scale(scale, d)
     _check_backend(backend)
@@ -330,8 +382,9 @@ def scaled_dot_product_attention(
         extra.append(stats)
     if target is not None:
         target[...] = o
-    res = o if out is None else out  # the caller's own object back (ndarray or tensor)
-    return (res, *extra) if extra else res
+    if out is not None:  # the caller's own object back (ndarray or tensor); lse etc. in q's kind
+        return (out, *to_input_kind(tuple(extra), like)) if extra else out
+    return to_input_kind((o, *extra) if extra else o, like)
 
 
 # ---------------------------------------------------------------- weights
@@ -482,7 +535,12 @@ def varlen_attention(
     Returns out (total_q, H, dv) in q's dtype (or ``out``); with return_lse /
     return_stats a tuple (out, lse, stats) of those asked for, lse of shape
     (H, total_q) as in FlashAttention. Rows that see no key: zeros, lse -inf.
+    A torch tensor q gives torch tensors back (zero-copy), as
+    ``scaled_dot_product_attention`` does.
     """
+    causal = check_bool(causal, "causal")
+    return_lse, return_stats = check_bool(return_lse, "return_lse"), check_bool(return_stats, "return_stats")
+    like = q
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
@@ -543,8 +601,9 @@ def varlen_attention(
     extra = [x for x, want in ((lse, return_lse), (stats, return_stats)) if want]
     if target is not None:
         target[...] = o
-    res = o if out is None else out  # the caller's own object back (ndarray or tensor)
-    return (res, *extra) if extra else res
+    if out is not None:  # the caller's own object back (ndarray or tensor); lse etc. in q's kind
+        return (out, *to_input_kind(tuple(extra), like)) if extra else out
+    return to_input_kind((o, *extra) if extra else o, like)
 
 
 def check_textbook_args(X, Wq, Wk, Wv):
@@ -571,10 +630,13 @@ def attention(X, Wq, Wk, Wv, causal=False):
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.
     Computes Q = X Wqᵀ, K = X Wkᵀ, V = X Wvᵀ, then softmax(Q Kᵀ / √d) V with a
-    causal mask if asked. Returns (L, dv) or (B, L, dv) in X's dtype.
+    causal mask if asked. Returns (L, dv) or (B, L, dv) in X's dtype: a NumPy
+    array, or a torch tensor (zero-copy) when X is one.
     """
+    like = X
+    causal = check_bool(causal, "causal")
     X, Wq, Wk, Wv = check_textbook_args(X, Wq, Wk, Wv)
     Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (…, L, d): three personas
     # (…, L, d) -> (…, 1, L, d): one head, a view.
     O = scaled_dot_product_attention(Q[..., None, :, :], K[..., None, :, :], V[..., None, :, :], is_causal=causal)
-    return O[..., 0, :, :]
+    return to_input_kind(np.ascontiguousarray(O[..., 0, :, :]), like)

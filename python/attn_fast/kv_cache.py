@@ -40,6 +40,7 @@ import numpy as np
 from . import _core, _cyloops, _loops
 from ._checks import (
     alias_safe, as_float_array, check_float_dtype, check_int, check_out, check_same_dtype, check_scale, shape_str,
+    to_input_kind,
 )
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
 from .positional import RoPE
@@ -346,6 +347,7 @@ class KVCache:
         Returns (B, H_q, L_new, dv), or (out, lse). Rows that see no key get
         zeros and lse = -inf.
         """
+        like = q
         q = self._check_q(q)
         B, Hq, Lq, d = q.shape
         if q_lens is None:
@@ -376,8 +378,9 @@ class KVCache:
             self._run(q, o, lse, ql, scale, causal)
         if target is not None:
             target[...] = o
-        res = o if out is None else out  # the caller's own object back (ndarray or tensor)
-        return (res, lse) if return_lse else res
+        if out is not None:  # the caller's own object back (ndarray or tensor)
+            return (out, to_input_kind(lse, like)) if return_lse else out
+        return to_input_kind((o, lse) if return_lse else o, like)
 
     def _run(self, q, o, lse, ql, scale, causal):
         kw = dict(scale=scale, causal=bool(causal), q_lens=ql, kv_lens=self._n.copy())
@@ -401,6 +404,7 @@ class KVCache:
         tokens. Equivalent to ``append(k, v); attend(q)`` but never grows a
         sliding-window ring: a chunk longer than the ring's room is split.
         """
+        like = q
         q = self._check_q(q)
         k = self._check_chunk(k, "k", self.head_dim)
         v = self._check_chunk(v, "v", self.v_head_dim)
@@ -419,7 +423,7 @@ class KVCache:
                 o[:, :, sl], lse[:, :, sl] = res
             else:
                 o[:, :, sl] = res
-        return (o, lse) if return_lse else o
+        return to_input_kind((o, lse) if return_lse else o, like)
 
 
 class LayerCaches:
@@ -481,6 +485,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     dtype (float32 or float64; mixed dtypes raise TypeError), which the new
     arrays have.
     """
+    like = o_a
     o_a, o_b = as_float_array(o_a, "o_a"), as_float_array(o_b, "o_b")
     lse_a, lse_b = as_float_array(lse_a, "lse_a"), as_float_array(lse_b, "lse_b")
     check_same_dtype(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
@@ -507,4 +512,4 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         cb = np.where(((wb > 0) | np.isnan(wb))[..., None], o_b * (wb * inv)[..., None], 0)
         o = (ca + cb).astype(dt, copy=False)
         lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1, tot))).astype(dt, copy=False)
-    return o, lse
+    return to_input_kind((o, lse), like)

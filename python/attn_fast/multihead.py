@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from ._checks import as_float_array, check_float_dtype, check_int, check_scale, shape_str
+from ._checks import as_float_array, check_float_dtype, check_int, check_scale, shape_str, to_input_kind
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .positional import RoPE
@@ -248,6 +248,7 @@ class MultiHeadAttention:
 
         Returns (L, D) or (B, L, D), a new array.
         """
+        like = x
         x = self._check_input(x, "x", self.d_model)
         squeeze = x.ndim == 2
         x3 = x[None] if squeeze else x
@@ -325,4 +326,4 @@ class MultiHeadAttention:
         y = merged @ self._w_o.T
         if self.bias:
             y += self._b_o
-        return y[0] if squeeze else y
+        return to_input_kind(y[0] if squeeze else y, like)

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from ._checks import check_float_dtype, check_int, check_real, shape_str
+from ._checks import check_float_dtype, check_int, check_real, shape_str, to_input_kind
 from .multihead import MultiHeadAttention, _as_rng, _load_all
 from .positional import RoPE, sinusoidal
 
@@ -259,11 +259,12 @@ class TransformerBlock(_Module):
             raise ValueError(
                 "context= is required by a block with cross_attention=True and not accepted otherwise"
             )
+        like = x
         x = self.attn._check_input(x, "x", self.d_model)
         h = x + self.attn(self.norm1(x), mask=mask, cache=cache, causal=causal)
         if self.cross is not None:
             h = h + self.cross(self.norm_cross(h), context=context, cache=cross_cache)
-        return h + self.ffn(self.norm2(h))
+        return to_input_kind(h + self.ffn(self.norm2(h)), like)
 
 
 class TinyTransformerLM(_Module):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _core
-from ._checks import as_float_array, check_float_dtype, check_int, check_real, check_same_dtype, shape_str
+from ._checks import as_float_array, check_float_dtype, check_int, check_bool, check_real, check_same_dtype, shape_str, to_input_kind
 from .functional import scaled_dot_product_attention
 
 __all__ = [
@@ -102,6 +102,7 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
     positions, so a query sees (a summary of) the future. There is no
     ``is_causal``; use sliding-window or linear attention for decoders.
     """
+    like = q
     q, k, v = _check_qkv(q, k, v, same_len=False)
     Lk = k.shape[-2]
     E = _check_projection(E, "E", Lk, q.dtype)
@@ -110,7 +111,7 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
         raise ValueError(f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k")
     Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
     Vp = np.matmul(F, v)  # (…, kp, dv)
-    return scaled_dot_product_attention(q, Kp, Vp, scale=scale)
+    return to_input_kind(scaled_dot_product_attention(q, Kp, Vp, scale=scale), like)
 
 
 class Linformer:
@@ -148,6 +149,7 @@ class Linformer:
         self.F = self.E if share_kv else (rng.standard_normal((k, seq_len)) * p).astype(dtype)
 
     def __call__(self, X):
+        like = X
         X = as_float_array(X, "X").astype(self.dtype, copy=False)
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
             raise ValueError(f"X must be (L, {self.d_model}) or (B, L, {self.d_model}), got shape {shape_str(X)}")
@@ -164,7 +166,7 @@ class Linformer:
         F = E if self.F is self.E else self.F[:, :L]
         o = linformer_attention(q, k, v, E, F)  # (…, H, L, dh)
         o = np.swapaxes(o, -2, -3).reshape(X.shape[:-1] + (self.d_model,))
-        return o @ self.Wo.T
+        return to_input_kind(o @ self.Wo.T, like)
 
 
 # --------------------------------------------------------------------------
@@ -274,6 +276,9 @@ def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, sta
     so float32 stays accurate for long sequences (see csrc/linear_attn.cpp).
     Returns (…, L, dv) in q's dtype, and the state if asked.
     """
+    like = q
+    causal = check_bool(causal, "causal")
+    return_state = check_bool(return_state, "return_state")
     q, k, v = _check_qkv(q, k, v)
     eps = check_real(eps, "eps", minimum=0.0)
     fq, fk = _feature(q, k, feature_map)
@@ -286,6 +291,7 @@ def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, sta
     if o.size or st.kv.size:
         _core.linear_attention(_to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps)
     st.length += L
+    o = to_input_kind(o, like)
     return (o, st) if return_state else o
 
 
@@ -306,6 +312,7 @@ def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
     Returns (o, new_state): o (…, dv) in q's dtype, equal to row n of
     ``linear_attention(..., causal=True)`` over the n + 1 tokens so far.
     """
+    like = q
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
@@ -316,4 +323,4 @@ def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
         q[..., None, :], k[..., None, :], v[..., None, :], feature_map, True,
         eps=eps, state=state, return_state=True,
     )
-    return o[..., 0, :], st
+    return to_input_kind(np.ascontiguousarray(o[..., 0, :]), like), st
