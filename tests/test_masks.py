@@ -122,15 +122,60 @@ def test_padding(isa, rng, shape):
     q, k, v = qkv(rng, *shape)
     kv_lens = rng.integers(0, Lk + 1, B)
     q_lens = rng.integers(0, Lq + 1, B)
-    # keys only
-    dense = dense_causal(B, Lq, Lk, [Lq] * B, kv_lens, causal=False, right=None)
-    run_and_check(q, k, v, M.Padding(kv_lens), dense, enable_gqa=True)
+    # keys only: with Lq == Lk the queries are the same padded tokens (q_lens = kv_lens)
+    q_default = kv_lens if Lq == Lk else np.full(B, Lq)
+    dense = dense_causal(B, Lq, Lk, q_default, kv_lens, causal=False, right=None)
+    valid0 = np.arange(Lq).reshape(1, 1, Lq) < q_default.reshape(B, 1, 1)
+    run_and_check(q, k, v, M.Padding(kv_lens), dense, row_valid=np.broadcast_to(valid0, (B, Hq, Lq)),
+                  enable_gqa=True)
     # queries and keys, with causal: each sequence has its own diagonal
     dense = dense_causal(B, Lq, Lk, q_lens, kv_lens)
     valid = np.arange(Lq).reshape(1, 1, Lq) < q_lens.reshape(B, 1, 1)
     o, lse = run_and_check(q, k, v, M.Padding(kv_lens, q_lens) & M.Causal(), dense,
                            row_valid=np.broadcast_to(valid, (B, Hq, Lq)), enable_gqa=True)
     assert np.all(o[~np.broadcast_to(valid, (B, Hq, Lq))] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_causal_and_kv_padding_is_what_torch_gives(rng, isa, dtype):
+    """Causal() & Padding(kv_lens=lens) on a right-padded self-attention batch (Lq == Lk):
+    valid query i of sequence b sees keys j <= i, j < lens[b], as torch and transformers
+    compute it; the padding rows are zeros. (It once aligned each sequence's queries to
+    the end of its keys, so the first rows of a short sequence saw nothing.)"""
+    B, H, L, d = 3, 2, 64, 16
+    lens = np.array([30, 64, 1])
+    q, k, v = qkv(rng, B, H, H, L, L, d, d, dtype)
+    for mask in (M.Causal() & M.Padding(kv_lens=lens), M.Padding(lens) & M.Causal(), [M.Padding(lens), M.Causal()]):
+        o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+        o2 = af.scaled_dot_product_attention(q, k, v, attn_mask=M.Padding(lens), is_causal=True)
+        np.testing.assert_array_equal(o, o2)
+        vis = np.tril(np.ones((L, L), bool))[None] & (np.arange(L)[None, None, :] < lens[:, None, None])
+        O, LSE = ref.sdpa(q, k, v, mask=vis[:, None], return_lse=True)
+        for b, n in enumerate(lens):
+            np.testing.assert_allclose(o[b, :, :n], O[b, :, :n], **tol(dtype))
+            np.testing.assert_allclose(lse[b, :, :n], LSE[b, :, :n], **tol(dtype))
+            assert np.all(o[b, :, n:] == 0) and np.all(np.isneginf(lse[b, :, n:]))
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy
+    vis_t = t(vis[:, None].copy())
+    want = torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=vis_t).numpy()
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(o[b, :, :n], want[b, :, :n], **tol(dtype) if dtype == np.float64 else
+                                   dict(rtol=1e-4, atol=1e-5))
+
+
+def test_kv_padding_with_fewer_queries_stays_bottom_right(rng):
+    """Lq != Lk (a chunk of queries against a padded cache): all Lq rows are valid and the
+    last query row of sequence b is aligned with its last valid key."""
+    B, H, Lq, Lk, d = 2, 2, 4, 40, 8
+    lens = np.array([40, 23])
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d)
+    o = af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal() & M.Padding(lens))
+    for b, n in enumerate(lens):
+        one = af.scaled_dot_product_attention(q[b], k[b, :, :n], v[b, :, :n], is_causal=True)
+        np.testing.assert_allclose(o[b], one, rtol=1e-12, atol=1e-12)
+    dense = dense_causal(B, Lq, Lk, [Lq] * B, lens)
+    run_and_check(q, k, v, M.Causal() & M.Padding(lens), dense)
 
 
 def test_padded_decoder_batch_equals_separate_calls(rng):
@@ -219,10 +264,12 @@ def test_merge_rules(rng):
     run_and_check(q, k, v, M.Dense(m1) & m2, m1 & m2)
     b1, b2 = rng.standard_normal((Lq, Lk)), rng.standard_normal((H, Lq, Lk))
     run_and_check(q, k, v, M.Dense(b1) & M.Dense(b2), None, bias=b1 + b2)
-    # two paddings: element-wise minimum
+    # two paddings: element-wise minimum (Lq == Lk: of the query rows too)
     p = M.Padding([60, 20]) & M.Padding([30, 50])
-    dense = np.arange(Lk).reshape(1, 1, 1, Lk) < np.array([30, 20]).reshape(B, 1, 1, 1)
-    run_and_check(q, k, v, p, np.broadcast_to(dense, (B, 1, Lq, Lk)))
+    n = np.array([30, 20])
+    dense = np.arange(Lk).reshape(1, 1, 1, Lk) < n.reshape(B, 1, 1, 1)
+    rows = np.broadcast_to(np.arange(Lq).reshape(1, 1, Lq) < n.reshape(B, 1, 1), (B, H, Lq))
+    run_and_check(q, k, v, p, np.broadcast_to(dense, (B, 1, Lq, Lk)), row_valid=rows)
     # two layouts with different block sizes: AND at gcd(block sizes)
     l1, l2 = rng.random((4, 4)) < 0.7, rng.random((10, 6)) < 0.7
     dense = dense_layout(l1, 15, 15, Lq, Lk) & dense_layout(l2, 6, 10, Lq, Lk)
@@ -243,10 +290,16 @@ def test_alignment_conflict(rng):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left") & M.SlidingWindow(3))
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), window_size=(3, 0))
-    # Same lengths but padded differently: the diagonals differ, so it is refused too.
+    # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused too.
     q2, k2, v2 = qkv(rng, 2, 1, 1, 10, 10, 4, 4)
     with pytest.raises(ValueError, match="alignment"):
-        af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4]), is_causal=True)
+        af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4], [10, 10]),
+                                        is_causal=True)
+    # kv_lens alone with Lq == Lk: q_lens = kv_lens, both diagonals are i = j, no conflict
+    o = af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4]),
+                                        is_causal=True)
+    np.testing.assert_allclose(o, af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Padding([10, 4]),
+                                                                  is_causal=True), rtol=1e-12, atol=1e-12)
 
 
 def test_alibi_softcap_sinks_with_masks(isa, rng):

@@ -222,12 +222,24 @@ class Padding(Mask):
 
     kv_lens : (B,) integers in [0, Lk] (or one integer for all): keys j >=
         kv_lens[b] are padding and never seen.
-    q_lens : (B,) integers in [0, Lq] or None (all Lq rows valid): query rows
-        i >= q_lens[b] are padding and get zeros (lse = -inf).
+    q_lens : (B,) integers in [0, Lq], or None: query rows i >= q_lens[b]
+        are padding and get zeros (lse = -inf). None means:
+        - Lq == Lk (self-attention over a padded batch): the queries are the
+          sequence's own tokens, so q_lens = kv_lens;
+        - Lq != Lk (cross-attention, a chunk against a longer cache): all Lq
+          rows are valid.
     Valid tokens are at the start of each row (right padding). With ``Causal``
     or ``SlidingWindow`` aligned bottom-right, sequence b's diagonal is
-    off = kv_lens[b] - q_lens[b], so a right-padded decoder batch is
-    ``Padding(lens, lens) & Causal()``.
+    off = kv_lens[b] - q_lens[b]. So for a right-padded batch with Lq == Lk,
+    ``Causal() & Padding(kv_lens=lens)`` is what torch and transformers give:
+    valid query i of sequence b sees keys j <= i, j < lens[b] (off = 0);
+    its padding rows are zeros. With Lq != Lk the last query row of sequence
+    b is aligned with its last valid key (bottom-right; KV caches)::
+
+        lens = np.array([30, 64])                       # x: (2, H, 64, d)
+        o = sdpa(x, x, x, attn_mask=Causal() & Padding(lens))   # rows >= 30 of b=0: 0
+        # a 4-query chunk against 64 cached keys, of which lens are valid:
+        o = sdpa(q4, k, v, attn_mask=Causal() & Padding(lens))  # query 3 sees keys < lens[b]
     """
 
     def __init__(self, kv_lens, q_lens=None):
@@ -235,9 +247,12 @@ class Padding(Mask):
         self.q_lens = None if q_lens is None else np.asarray(q_lens)
 
     def _kw(self, B, H, Lq, Lk, dtype):
-        kw = {"kv_lens": _lens(self.kv_lens, "kv_lens", B, Lk)}
+        kv = _lens(self.kv_lens, "kv_lens", B, Lk)
+        kw = {"kv_lens": kv}
         if self.q_lens is not None:
             kw["q_lens"] = _lens(self.q_lens, "q_lens", B, Lq)
+        elif Lq == Lk:  # self-attention over a padded batch: the queries are the same tokens
+            kw["q_lens"] = kv.copy()
         return kw
 
     def __repr__(self):
