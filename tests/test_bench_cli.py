@@ -69,7 +69,7 @@ def _suite(tmp_path, capsys, *args):
 def test_suite_honours_omp_num_threads(tmp_path):
     """OMP_NUM_THREADS=1 python -m attn_fast bench --quick: one section, at 1 thread."""
     r = subprocess.run([sys.executable, "-m", "attn_fast", "bench", "--quick", "--tiny", "--impls", "attn_fast",
-                        "numpy", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                        "numpy", "--out", str(tmp_path)], capture_output=True, check=False, text=True, timeout=300,
                        env=_env(OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     assert list(_sections(r.stdout)) == [1], r.stdout
@@ -82,7 +82,7 @@ def test_suite_honours_omp_num_threads(tmp_path):
 
 def test_plain_bench_honours_omp_num_threads():
     r = subprocess.run([sys.executable, "-m", "attn_fast", "bench", "--tiny", "--no-numpy"], capture_output=True,
-                       text=True, timeout=300, env=_env(OMP_NUM_THREADS="1"))
+                       check=False, text=True, timeout=300, env=_env(OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     assert re.search(r"\bthreads 1\b", r.stdout), r.stdout
     assert "FMA peak on 1 thread(s)" in r.stdout
@@ -143,7 +143,7 @@ def test_bad_options_exit_2(tmp_path, capsys):
 
 def test_plot_legend_lists_only_what_was_measured(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    text, res = _suite(tmp_path, capsys, "--threads", "1")
+    _text, res = _suite(tmp_path, capsys, "--threads", "1")
     assert glob.glob(str(tmp_path / "suite-tiny-*.png"))
     # pretend onnxruntime and torch were asked for but skipped every case (not installed)
     for row in res["results"]:
@@ -196,9 +196,10 @@ def test_console_script_help():
     script = os.path.join(os.path.dirname(sys.executable), "attn-fast")
     if not os.path.exists(script):
         pytest.skip("the attn-fast console script is not installed next to this Python")
-    r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120, env=_env())
+    r = subprocess.run([script, "--help"], capture_output=True, check=False, text=True, timeout=120, env=_env())
     assert r.returncode == 0 and r.stdout.startswith("usage: attn-fast COMMAND"), r.stdout
-    r = subprocess.run([sys.executable, "-m", "attn_fast", "--help"], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-m", "attn_fast", "--help"], capture_output=True, check=False, text=True,
+                       timeout=120,
                        env=_env())
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m attn_fast COMMAND"), r.stdout
 

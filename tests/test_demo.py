@@ -396,7 +396,7 @@ def test_step_when_reading_stdin_fails_midway(capsys):
 def test_step_cli_with_closed_stdin(stdin):
     redirect = "<&-" if stdin == "closed" else "</dev/null"
     cmd = f'exec "{sys.executable}" -m attn_fast demo --step --lang en {redirect}'
-    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=120,
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, check=False, text=True, timeout=120,
                        env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert r.returncode == 0, r.stderr
     assert "④" in r.stdout and "lost sys.stdin" not in r.stderr
@@ -455,7 +455,8 @@ def test_plot_bad_paths_fail_first(tmp_path, capsys):
 def test_plot_bad_path_cli_subprocess(tmp_path):
     pytest.importorskip("matplotlib")
     r = subprocess.run([sys.executable, "-m", "attn_fast", "demo", "--plot", "/nonexistent/x.png"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+                       capture_output=True, check=False, text=True, timeout=120,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == ["error: --plot /nonexistent/x.png: folder /nonexistent does not exist"]
 

@@ -66,7 +66,7 @@ def test_readme_block_runs(line, heading, source, reason, tmp_path, monkeypatch)
     if reason is not None:
         pytest.skip(f"README.md:{line} is marked not-run: {reason}")
     for mod in ("torch", "transformers"):
-        if re.search(rf"^\s*(import|from)\s+[\w., ]*\b{mod}\b", source, re.M):
+        if re.search(rf"^\s*(import|from)\s+[\w., ]*\b{mod}\b", source, re.MULTILINE):
             pytest.importorskip(mod)
     monkeypatch.chdir(tmp_path)  # a block may write files (np.savez ...)
     code = compile(source, f"README.md:{line} ({heading})", "exec")
