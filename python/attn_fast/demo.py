@@ -707,7 +707,8 @@ def main(argv=None, prog=None):
     p.add_argument("--step", action="store_true", help="pause between the steps (press Enter)")
     p.add_argument("--causal", action="store_true", help="apply the causal mask (lower triangle)")
     p.add_argument("--lang", choices=("en", "zh"), default=None, help="labels and commentary (default: from $LANG)")
-    p.add_argument("--plot", metavar="PNG", default=None, help="also draw S and P as heatmaps (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="also draw S and P as heatmaps into FILE (.png, .svg, .pdf, ...; needs matplotlib)")
     args = p.parse_args(argv)
     stream = sys.stdout
     enc = getattr(stream, "encoding", None) or "ascii"
