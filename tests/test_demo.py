@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
 import sys
 import textwrap
 import unicodedata
@@ -237,14 +240,16 @@ def test_plot_writes_png(tmp_path, capsys):
     assert str(path) in capsys.readouterr().out
 
 
-def test_plot_falls_back_to_english_without_cjk_font(tmp_path, monkeypatch):
+def test_plot_falls_back_to_english_without_cjk_font(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(demo, "find_cjk_font", lambda text=None: None)
     buf = io.StringIO()
     path = tmp_path / "en.png"
     # pytest turns warnings into errors: a CJK label drawn without a font would fail here
     assert demo.run(lang="zh", plot=str(path), file=buf) == 0
-    assert "no CJK font" in buf.getvalue()
+    err = capsys.readouterr().err
+    assert "no CJK font" in err and len(err.strip().splitlines()) == 1  # the note: one line, on stderr
+    assert "no CJK font" not in buf.getvalue()
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -265,3 +270,200 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_pa
     cap = capsys.readouterr()
     assert "pip install 'attn_fast[plot]'" in cap.err
     assert "①" not in cap.out  # it fails before the walk-through, not after
+
+
+# ---------------------------------------------------------------------------
+# A fresh machine: placeholder fonts, no CJK font, no terminal, bad --plot paths
+# ---------------------------------------------------------------------------
+
+_CJK = re.compile(r"[\u2e80-\u9fff\uf900-\ufaff\uff00-\uffef]")
+
+
+def _placeholder_fonts():
+    from matplotlib import font_manager
+
+    return [f for f in font_manager.fontManager.ttflist if "last resort" in f.name.lower()]
+
+
+def test_placeholder_font_is_not_a_cjk_font(monkeypatch):
+    """matplotlib >= 3.11 ships Last Resort, which maps every code point to a box glyph."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib import font_manager
+
+    dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False)
+    assert demo._font_has(dejavu, "éü√ᵀ①")  # a real font with real glyphs passes (the check can say yes)
+    assert not demo._font_has(dejavu, "猫")  # and one without the glyph does not
+    lr = _placeholder_fonts()
+    if not lr:
+        assert tuple(int(x) for x in matplotlib.__version__.split(".")[:2]) < (3, 11)
+        pytest.skip("this matplotlib ships no Last Resort font")
+    for f in lr:
+        assert not demo._font_has(f.fname, "猫追红色激光点")
+    # rejected by its glyphs (one box for a whole block), not only by its name
+    monkeypatch.setattr(demo, "_is_placeholder_family", lambda name: False)
+    for f in lr:
+        assert not demo._font_has(f.fname, "猫追红色激光点")
+    # a font list of DejaVu and Last Resort only has no CJK font
+    monkeypatch.setattr(font_manager.fontManager, "ttflist",
+                        [f for f in font_manager.fontManager.ttflist if f.fname == dejavu] + lr)
+    assert demo.find_cjk_font() is None
+
+
+def test_found_cjk_font_is_real():
+    pytest.importorskip("matplotlib")
+    from matplotlib import font_manager
+
+    name = demo.find_cjk_font()
+    if name is None:
+        # nothing found: then matplotlib knows none of the usual CJK families either
+        known = {f.name for f in font_manager.fontManager.ttflist} & set(demo._CJK_FAMILIES)
+        assert not known, known
+        pytest.skip("no CJK font on this machine")
+    assert "last resort" not in name.lower()
+
+
+def _figure_texts(monkeypatch):
+    """Record every text drawn into figures saved while the returned list is alive."""
+    from matplotlib.figure import Figure
+
+    texts = []
+    real = Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        texts.extend(t.get_text() for t in self.findobj(lambda a: hasattr(a, "get_text")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return texts
+
+
+def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, capsys):
+    """Only matplotlib's own fonts (DejaVu, Last Resort, ...): English labels, the note on stderr."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    from matplotlib import font_manager
+
+    own = os.path.dirname(matplotlib.get_data_path())
+    monkeypatch.setattr(font_manager.fontManager, "ttflist",
+                        [f for f in font_manager.fontManager.ttflist if f.fname.startswith(own)])
+    texts = _figure_texts(monkeypatch)
+    path = tmp_path / "zh.png"
+    assert cli_main(["demo", "--lang", "zh", "--plot", str(path)]) == 0
+    cap = capsys.readouterr()
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    (note,) = cap.err.strip().splitlines()
+    assert "no CJK font" in note and "English labels" in note
+    assert "cat" in texts and "laser-dot" in texts
+    assert not any(_CJK.search(t) for t in texts), [t for t in texts if _CJK.search(t)]
+    dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False)
+    assert demo._font_has(dejavu, "".join(texts))  # every glyph drawn is a real DejaVu glyph
+
+
+def test_plot_zh_with_cjk_font_uses_chinese_labels(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    if demo.find_cjk_font() is None:
+        pytest.skip("no CJK font on this machine (apt install fonts-noto-cjk to run this)")
+    texts = _figure_texts(monkeypatch)
+    assert cli_main(["demo", "--lang", "zh", "--plot", str(tmp_path / "zh.png")]) == 0
+    assert "no CJK font" not in capsys.readouterr().err
+    assert "猫" in texts and "激光点" in texts
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_step_without_stdin_runs_through(monkeypatch, capsys, lang):
+    monkeypatch.setattr(sys, "stdin", None)  # what Python sets when fd 0 is closed
+    assert cli_main(["demo", "--step", "--lang", lang]) == 0
+    cap = capsys.readouterr()
+    assert "④" in cap.out and demo.TEXT[lang]["press"].strip() not in cap.out
+    assert cap.err.strip().splitlines() == [demo.TEXT[lang]["no_pause"]]
+
+
+def test_step_when_reading_stdin_fails_midway(capsys):
+    calls = []
+
+    def lost(prompt):  # input() with sys.stdin gone
+        calls.append(prompt)
+        raise RuntimeError("input(): lost sys.stdin")
+
+    buf = io.StringIO()
+    assert demo.run(lang="en", step=True, file=buf, input_fn=lost) == 0
+    assert len(calls) == 1  # it stops asking after the first failure
+    assert "④" in buf.getvalue()
+    assert capsys.readouterr().err.strip().splitlines() == [demo.TEXT["en"]["no_pause"]]
+
+
+@pytest.mark.parametrize("stdin", ["closed", "devnull"])
+def test_step_cli_with_closed_stdin(stdin):
+    redirect = "<&-" if stdin == "closed" else "</dev/null"
+    cmd = f'exec "{sys.executable}" -m attn_fast demo --step --lang en {redirect}'
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, check=False, text=True, timeout=120,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert r.returncode == 0, r.stderr
+    assert "④" in r.stdout and "lost sys.stdin" not in r.stderr
+    assert r.stderr.strip().splitlines() == [demo.TEXT["en"]["no_pause"]]
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_step_numbers_run_in_order(lang, causal):
+    """① ② ③ ④ each start a line once, in that order (the observations are a. and b.)."""
+    buf = io.StringIO()
+    demo.run(lang=lang, causal=causal, file=buf)
+    marks = [line.lstrip()[0] for line in buf.getvalue().splitlines() if line.lstrip()[:1] in set("①②③④⑤")]
+    assert marks == ["①", "②", "③", "④"]
+
+
+def test_zh_text_uses_full_width_punctuation():
+    buf = io.StringIO()
+    demo.run(lang="zh", causal=True, file=buf)
+    texts = [buf.getvalue(), *demo.PLOT_TEXT["zh"].values()]
+    han = "[\u3400-\u9fff]"  # ideographs (not the full-width punctuation itself)
+    ascii_next_to_cjk = re.compile(rf"{han}[:,;?!()]|[:,;?!()]{han}")
+    for text in texts:
+        for line in text.splitlines():
+            assert not ascii_next_to_cjk.search(line), line
+    assert "attention：猫" in buf.getvalue()
+
+
+def _bad_plot_paths(tmp_path):
+    (tmp_path / "adir.png").mkdir()
+    paths = {
+        "missing folder": tmp_path / "nonexistent" / "x.png",
+        "bad extension": tmp_path / "x.xyz",
+        "no extension": tmp_path / "x",
+        "a folder": tmp_path / "adir.png",
+    }
+    if os.path.isdir("/proc/self"):
+        paths["not writable"] = "/proc/attn_fast_demo.png"  # even root cannot create files in /proc
+    return paths
+
+
+def test_plot_bad_paths_fail_first(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for why, path in _bad_plot_paths(tmp_path).items():
+        assert cli_main(["demo", "--plot", str(path)]) == 2, why
+        cap = capsys.readouterr()
+        assert cap.out == "", why  # nothing of the walk-through
+        (line,) = cap.err.strip().splitlines()
+        assert line.startswith(f"error: --plot {path}"), (why, line)
+        assert "Traceback" not in cap.err
+        with pytest.raises(ValueError, match="--plot"):
+            demo.run(plot=str(path), file=io.StringIO())
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.xyz").exists()
+
+
+def test_plot_bad_path_cli_subprocess(tmp_path):
+    pytest.importorskip("matplotlib")
+    r = subprocess.run([sys.executable, "-m", "attn_fast", "demo", "--plot", "/nonexistent/x.png"],
+                       capture_output=True, check=False, text=True, timeout=120,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["error: --plot /nonexistent/x.png: folder /nonexistent does not exist"]
+
+
+def test_plot_other_formats(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.svg"
+    assert cli_main(["demo", "--lang", "en", "--plot", str(path)]) == 0
+    assert path.read_text()[:200].lstrip().startswith("<?xml")
+    capsys.readouterr()

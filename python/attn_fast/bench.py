@@ -30,6 +30,11 @@ DEFAULT_CASES = [
     (1, 32, 2048, 128, True),
 ]
 
+# `--tiny`: checks that the command runs, in seconds; the figures mean nothing
+TINY_CASES = [(1, 2, 64, 16, False), (1, 2, 64, 16, True)]
+
+INSTALL_HINT = "pip install 'attn_fast[bench]'"
+
 
 def numpy_textbook(q, k, v, causal):
     """The chapter's code, batched over (B, H): softmax(QKᵀ/√d) V."""
@@ -89,7 +94,22 @@ def check_against_oracle(o, q, k, v, causal):
     return err
 
 
-def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
+def run(cases, repeats=5, threads=None, include_numpy=True, out=None, probe_seconds=0.3):
+    """Time `cases` ((B, H, L, d, causal) tuples); print a table to `out`; return the figures.
+
+    threads: attn_fast's and torch's thread count for the run (default:
+    attn_fast.get_num_threads(), which honours OMP_NUM_THREADS); the count in
+    effect before is restored afterwards.
+    """
+    out = sys.stdout if out is None else out
+    threads_before = get_num_threads()
+    try:
+        return _run(cases, repeats, threads, include_numpy, out, probe_seconds)
+    finally:
+        set_num_threads(threads_before)
+
+
+def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
     if threads:
         set_num_threads(threads)
     nt = get_num_threads()
@@ -98,10 +118,10 @@ def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
         torch.set_num_threads(nt)
     cfg = config()
     print(f"attn_fast {cfg['version']}  ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}", file=out)
-    peak = _core.fma_peak_gflops(nt, 0.3)
+    peak = _core.fma_peak_gflops(nt, probe_seconds)
     print(f"measured FP32 FMA peak on {nt} thread(s): {peak:.0f} GFLOP/s", file=out)
     if torch is None:
-        print("torch not installed: its column is skipped (pip install '.[bench]')", file=out)
+        print(f"torch not installed: its column is skipped ({INSTALL_HINT})", file=out)
     hdr = f"{'B':>2} {'H':>3} {'L':>5} {'d':>4} {'causal':>6} | {'attn_fast ms':>12} {'GFLOP/s':>8} {'%peak':>6} | {'numpy ms':>9} {'x':>6} | {'torch ms':>9} {'x':>6}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -139,19 +159,34 @@ def run(cases, repeats=5, threads=None, include_numpy=True, out=sys.stdout):
     return {"config": cfg, "threads": nt, "peak_gflops": peak, "rows": rows}
 
 
-def main(argv=None):
+def main(argv=None, prog=None):
+    """`bench [--threads N] [--repeats N] [--no-numpy] [--tiny]`; `--full`/`--quick` run the suite."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or "python -m attn_fast bench"
     if "--full" in argv or "--quick" in argv:
         from .bench_suite import main as suite_main
 
-        return suite_main(argv)
-    p = argparse.ArgumentParser(prog="python -m attn_fast bench", description=__doc__,
+        return suite_main(argv, prog=prog)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=None, help="threads for attn_fast and torch (default: all)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for attn_fast and torch (default: attn_fast.get_num_threads(), "
+                        "which honours OMP_NUM_THREADS)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-numpy", action="store_true", help="skip the textbook NumPy peer")
-    p.add_argument("--full", action="store_true", help="the full suite (python -m attn_fast bench --full -h)")
+    p.add_argument("--tiny", action="store_true",
+                   help="two tiny cases and a short probe: checks that the command runs (seconds); "
+                        "its figures mean nothing")
+    p.add_argument("--full", action="store_true", help=f"the full suite ({prog} --full -h)")
     p.add_argument("--quick", action="store_true", help="the suite's quick subset (about a minute)")
     args = p.parse_args(argv)
-    run(DEFAULT_CASES, repeats=args.repeats, threads=args.threads, include_numpy=not args.no_numpy)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.tiny:
+        run(TINY_CASES, repeats=min(args.repeats, 1), threads=args.threads, include_numpy=not args.no_numpy,
+            probe_seconds=0.02)
+    else:
+        run(DEFAULT_CASES, repeats=args.repeats, threads=args.threads, include_numpy=not args.no_numpy)
     return 0

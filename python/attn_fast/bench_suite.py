@@ -7,8 +7,8 @@ Measures, in one run and one process:
   - attn_fast against its peers on prefill, GQA-prefill and decode cases:
     the textbook NumPy code, torch's scaled_dot_product_attention (CPU) and
     onnxruntime's MultiHeadAttention / GroupQueryAttention contrib ops when
-    they are installed (`pip install '.[bench]'`; missing peers are skipped
-    with a note).
+    they are installed (`pip install 'attn_fast[bench]'`; missing peers are
+    skipped with a note).
 
 Every result is first checked against the float64 oracle (a slice of heads
 and query rows); that call is also the warm-up. Implementations are then
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import _core, reference
-from ._config import config, set_num_threads
+from ._config import config, get_num_threads, set_num_threads
 from .functional import scaled_dot_product_attention
 
 IMPLS = ("attn_fast", "numpy", "torch", "onnxruntime")
@@ -90,6 +90,17 @@ def quick_cases():
     cases = [Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in PREFILL_SHAPES[:2] for c in (False, True)]
     cases.append(Case("decode", 1, 32, 8, 1, 4096, 128, False))
     return cases
+
+
+def tiny_cases():
+    """`--tiny`: one small case of each kind, to check that the command runs (seconds)."""
+    cases = [Case("prefill", 1, 2, 2, 64, 64, 16, c) for c in (False, True)]
+    cases.append(Case("gqa", 1, 4, 2, 64, 64, 16, True))
+    cases.append(Case("decode", 1, 4, 2, 1, 96, 16, False))
+    return cases
+
+
+INSTALL_HINT = "pip install 'attn_fast[bench]'"
 
 
 # --------------------------------------------------------------------------- peers
@@ -230,10 +241,10 @@ def check(o, case, q, k, v):
     return err
 
 
-def machine_limits(threads, seconds=0.3, tries=2):
+def machine_limits(threads, seconds=0.3, tries=2, nbytes=512 << 20):
     """Best of a few probes: noise from other processes only lowers them."""
     peak = max(_core.fma_peak_gflops(threads, seconds) for _ in range(tries))
-    bw = max(_core.read_bandwidth_gbs(threads, 512 << 20, seconds) for _ in range(tries))
+    bw = max(_core.read_bandwidth_gbs(threads, nbytes, seconds) for _ in range(tries))
     return peak, bw
 
 
@@ -320,7 +331,18 @@ def _fmt_ms(s):
     return f"{s * 1e3:8.1f}" if s < 10 else f"{s:7.1f}s"
 
 
-def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=sys.stdout, max_seconds=20.0):
+def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=None, max_seconds=20.0,
+        probe_seconds=0.3, probe_bytes=512 << 20):
+    """Measure `cases` at each of `thread_counts`; print the tables to `out`; return the result dict.
+
+    One section per thread count: each row is printed as its case finishes
+    (times, rates and peer ratios), and the machine's limits are probed before
+    the section and next to every case. The limits of a section are the
+    highest of its probes (other processes can only lower a probe); they are
+    printed once per section, in the final table of % of the limits. The
+    attn_fast thread count in effect before the call is restored afterwards.
+    """
+    out = sys.stdout if out is None else out
     cfg = config()
     versions = {"python": platform.python_version(), "numpy": np.__version__}
     for mod in ("torch", "onnxruntime", "onnx"):
@@ -337,16 +359,52 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=sys.stdou
     active = [i for i in impls]
     for peer, mod in (("torch", "torch"), ("onnxruntime", "onnxruntime")):
         if peer in active and _import(mod) is None:
-            note = f"{peer} not installed: its column is skipped (pip install '.[bench]')"
+            note = f"{peer} not installed: its column is skipped ({INSTALL_HINT})"
             print(note, file=out)
             result["notes"].append(note)
             active.remove(peer)
+    threads_before = get_num_threads()
+    try:
+        _run_sections(result, cases, thread_counts, repeats, active, out, max_seconds, probe_seconds, probe_bytes)
+    finally:
+        set_num_threads(threads_before)
+    measured = measured_impls(result)
+    print("\n== % of this machine's limits: prefill of the FP32 FMA peak, decode of the read bandwidth "
+          "(each section: the highest of its probes)", file=out)
     for nt in thread_counts:
-        peak, bw = machine_limits(nt)
-        print(f"\n== {nt} thread(s): FP32 FMA peak {peak:.0f} GFLOP/s, read bandwidth {bw:.1f} GB/s "
-              "(probed again before each case; %lim uses the highest probe so far)", file=out)
-        hdr = (f"{'case':34s} | {'attn_fast ms [min-max]':>25s} {'rate':>10s} {'%lim':>5s} | "
-               + " | ".join(f"{p[:11]:>11s} {'x':>5s}" for p in active if p != "attn_fast"))
+        lim = result["limits"][str(nt)]
+        print(f"-- {nt} thread(s): FP32 FMA peak {lim['fma_peak_gflops']:.0f} GFLOP/s, "
+              f"read bandwidth {lim['read_bandwidth_gbs']:.1f} GB/s", file=out)
+        hdr = f"{'case':34s} | {'rate':>10s} | " + " ".join(f"{p[:11]:>11s}" for p in measured)
+        print(hdr, file=out)
+        for row in result["results"]:
+            if row["threads"] == nt:
+                print(_format_pct_row(row, measured), file=out)
+    if memory:
+        nt = max(thread_counts)
+        print(f"\n== peak memory of one call (fresh process, RSS above inputs, {nt} threads), MiB", file=out)
+        print(f"{'case':34s} | " + " ".join(f"{p[:11]:>11s}" for p in active), file=out, flush=True)
+        for case in cases:
+            mem = {}
+            for impl in active:
+                row = next(r for r in result["results"] if r["name"] == case.name and r["threads"] == nt)
+                mem[impl] = None if "skipped" in row["impls"][impl] else peak_memory(case, impl, nt)
+                row["impls"][impl]["peak_extra_rss_bytes"] = mem[impl]
+            print(f"{case.name:34s} | " + " ".join(
+                f"{m / 2**20:11.1f}" if m is not None else f"{'-':>11s}" for m in mem.values()), file=out, flush=True)
+    print("\nx = peer time / attn_fast time (above 1: attn_fast is faster); rate: attn_fast's GFLOP/s "
+          "(prefill) or GB/s of K and V read (decode)", file=out)
+    # The maintainers' performance checks, judged on this run: kept in the JSON only.
+    result["targets"] = evaluate_targets(result)
+    return result
+
+
+def _run_sections(result, cases, thread_counts, repeats, active, out, max_seconds, probe_seconds, probe_bytes):
+    for nt in thread_counts:
+        peak, bw = machine_limits(nt, probe_seconds, nbytes=probe_bytes)
+        print(f"\n== {nt} thread(s)", file=out)
+        hdr = f"{'case':34s} | {'attn_fast ms [min-max]':>25s} {'rate':>10s}" + "".join(
+            f" | {p[:11]:>11s} {'x':>5s}" for p in active if p != "attn_fast")
         print(hdr, file=out)
         print("-" * len(hdr), file=out, flush=True)
         for case in cases:
@@ -367,10 +425,10 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=sys.stdou
             # changes by the minute, and only lowers a probe, so the section's
             # limit is the highest probe seen (the final table uses it).
             if case.kind == "decode":
-                row["probe_read_bandwidth_gbs"] = _core.read_bandwidth_gbs(nt, 512 << 20, 0.15)
+                row["probe_read_bandwidth_gbs"] = _core.read_bandwidth_gbs(nt, probe_bytes, probe_seconds / 2)
                 bw = max(bw, row["probe_read_bandwidth_gbs"])
             else:
-                row["probe_fma_peak_gflops"] = _core.fma_peak_gflops(nt, 0.15)
+                row["probe_fma_peak_gflops"] = _core.fma_peak_gflops(nt, probe_seconds / 2)
                 peak = max(peak, row["probe_fma_peak_gflops"])
             # The oracle check above was each callable's warm-up call.
             samples = time_interleaved(fns, repeats, warmup=0, max_seconds=max_seconds)
@@ -383,36 +441,15 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=sys.stdou
             result["results"].append(row)
             print(_format_row(row, active), file=out, flush=True)
         result["limits"][str(nt)] = {"fma_peak_gflops": peak, "read_bandwidth_gbs": bw}
-    # Final table: every row against its section's highest probe.
-    print(f"\n== summary: % of the highest probe of each section", file=out)
-    for nt in thread_counts:
-        lim = result["limits"][str(nt)]
-        print(f"-- {nt} thread(s): FP32 FMA peak {lim['fma_peak_gflops']:.0f} GFLOP/s, "
-              f"read bandwidth {lim['read_bandwidth_gbs']:.1f} GB/s", file=out)
-        print(hdr, file=out)
-        for row in result["results"]:
+        for row in result["results"]:  # % of the section's final limits, the only ones printed
             if row["threads"] == nt:
-                _rates(row, lim["fma_peak_gflops"], lim["read_bandwidth_gbs"])
-                print(_format_row(row, active), file=out)
-    if memory:
-        nt = max(thread_counts)
-        print(f"\n== peak memory of one call (fresh process, RSS above inputs, {nt} threads), MiB", file=out)
-        print(f"{'case':34s} | " + " ".join(f"{p[:11]:>11s}" for p in active), file=out, flush=True)
-        for case in cases:
-            mem = {}
-            for impl in active:
-                row = next(r for r in result["results"] if r["name"] == case.name and r["threads"] == nt)
-                mem[impl] = None if "skipped" in row["impls"][impl] else peak_memory(case, impl, nt)
-                row["impls"][impl]["peak_extra_rss_bytes"] = mem[impl]
-            print(f"{case.name:34s} | " + " ".join(
-                f"{m / 2**20:11.1f}" if m is not None else f"{'-':>11s}" for m in mem.values()), file=out, flush=True)
-    print("\nx = peer time / attn_fast time (above 1: attn_fast is faster); %lim = % of the FMA peak "
-          "(prefill) or of the read bandwidth (decode)", file=out)
-    result["targets"] = evaluate_targets(result)
-    print("\n== targets (issue 3)", file=out)
-    for t in result["targets"]:
-        print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}", file=out)
-    return result
+                _rates(row, peak, bw)
+
+
+def measured_impls(result):
+    """Implementations with at least one timed result, in IMPLS order."""
+    seen = {impl for row in result["results"] for impl, r in row["impls"].items() if "median_s" in r}
+    return [impl for impl in IMPLS if impl in seen]
 
 
 def _rates(row, peak, bw):
@@ -439,7 +476,15 @@ def _format_row(row, active):
         cols.append(f"{_fmt_ms(r['median_s']):>11s} {r['speedup_attn_fast']:4.2f}x" if "median_s" in r
                     else f"{'skip':>11s} {'-':>5s}")
     span = f"{_fmt_ms(a['median_s'])} [{a['min_s']*1e3:.0f}-{a['max_s']*1e3:.0f}]"
-    return f"{row['name']:34s} | {span:>25s} {rate:>10s} {a['pct_limit']:4.0f}% | " + " | ".join(cols)
+    return f"{row['name']:34s} | {span:>25s} {rate:>10s}" + "".join(" | " + c for c in cols)
+
+
+def _format_pct_row(row, impls):
+    a = row["impls"]["attn_fast"]
+    rate = f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
+    cols = [f"{row['impls'][p]['pct_limit']:10.0f}%" if "pct_limit" in row["impls"].get(p, {}) else f"{'-':>11s}"
+            for p in impls]
+    return f"{row['name']:34s} | {rate:>10s} | " + " ".join(cols)
 
 
 def evaluate_targets(result):
@@ -488,22 +533,25 @@ def evaluate_targets(result):
     return out
 
 
-def plot(result, path):
-    """Bar chart: % of the machine limit per case and implementation, one panel per thread count."""
-    import matplotlib
+def plot_figure(result):
+    """Bar chart: % of the machine limit per case and implementation, one panel per thread count.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Only implementations with at least one measured case get bars and a
+    legend entry. Returns a matplotlib Figure (no pyplot state).
+    """
+    from matplotlib.figure import Figure
 
     counts = sorted({r["threads"] for r in result["results"]})
     names = list(dict.fromkeys(r["name"] for r in result["results"]))
-    fig, axes = plt.subplots(len(counts), 1, figsize=(max(8, 0.9 * len(names)), 4 * len(counts)), squeeze=False)
-    w = 0.8 / len(IMPLS)
+    impls = measured_impls(result)
+    fig = Figure(figsize=(max(8, 0.9 * len(names)), 4 * len(counts)), layout="tight")
+    axes = fig.subplots(len(counts), 1, squeeze=False)
+    w = 0.8 / max(1, len(impls))
     for ax, nt in zip(axes[:, 0], counts):
         rows = {r["name"]: r for r in result["results"] if r["threads"] == nt}
-        for i, impl in enumerate(IMPLS):
+        for i, impl in enumerate(impls):
             ys = [rows[n]["impls"].get(impl, {}).get("pct_limit", 0) if n in rows else 0 for n in names]
-            ax.bar(np.arange(len(names)) + (i - (len(IMPLS) - 1) / 2) * w, ys, w, label=impl)
+            ax.bar(np.arange(len(names)) + (i - (len(impls) - 1) / 2) * w, ys, w, label=impl)
         ax.set_xticks(np.arange(len(names)))
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         lim = result["limits"][str(nt)]
@@ -511,38 +559,58 @@ def plot(result, path):
         ax.set_title(f"{nt} thread(s): prefill as % of FMA peak ({lim['fma_peak_gflops']:.0f} GFLOP/s), "
                      f"decode as % of read bandwidth ({lim['read_bandwidth_gbs']:.1f} GB/s)", fontsize=9)
         ax.axhline(100, color="grey", lw=0.5)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        if impls:
+            ax.legend(fontsize=8)
+    return fig
 
 
-def main(argv=None, mode=None):
-    p = argparse.ArgumentParser(prog="python -m attn_fast bench --full|--quick", description=__doc__,
+def plot(result, path):
+    """Save plot_figure(result) to `path` (needs matplotlib)."""
+    plot_figure(result).savefig(path, dpi=110)
+
+
+def main(argv=None, prog=None):
+    """`bench --full` / `--quick` / `--tiny`; returns the process exit code."""
+    prog = prog or "python -m attn_fast bench"
+    p = argparse.ArgumentParser(prog=f"{prog} --full|--quick", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="every case, 1 and all threads, peak memory")
     p.add_argument("--quick", action="store_true", help="a few cases at all threads (about a minute)")
-    p.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default 1 and all cores)")
+    p.add_argument("--tiny", action="store_true",
+                   help="one tiny case of each kind, 1 repeat, short probes: checks that the command runs "
+                        "(seconds); its figures mean nothing")
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="thread counts (default: attn_fast.get_num_threads(), which honours OMP_NUM_THREADS; "
+                        "--full also runs 1)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG files")
     args = p.parse_args(argv)
-    quick = args.quick and not args.full
-    cases = quick_cases() if quick else full_cases()
+    if args.threads and min(args.threads) < 1:
+        p.error(f"--threads must be >= 1, got {' '.join(map(str, args.threads))}")
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if "attn_fast" not in args.impls:
+        p.error("--impls must include attn_fast (the peers are timed against it)")
+    mode = "tiny" if args.tiny else "quick" if args.quick and not args.full else "full"
+    cases = {"tiny": tiny_cases, "quick": quick_cases, "full": full_cases}[mode]()
     if args.cases:
         cases = [c for c in cases if args.cases in c.name]
-    ncores = os.cpu_count() or 1
-    threads = args.threads or ([ncores] if quick else sorted({1, ncores}))
-    repeats = args.repeats or (3 if quick else 5)
+        if not cases:
+            p.error(f"--cases {args.cases!r} matches no case of --{mode}")
+    nt = get_num_threads()  # set_num_threads(), else OMP_NUM_THREADS, else all cores
+    threads = args.threads or ([nt] if mode != "full" else sorted({1, nt}))
+    repeats = args.repeats or {"tiny": 1, "quick": 3, "full": 5}[mode]
+    probes = {"probe_seconds": 0.02, "probe_bytes": 8 << 20} if mode == "tiny" else {}
     t0 = time.perf_counter()
-    result = run(cases, threads, repeats=repeats, memory=not (quick or args.no_memory), impls=args.impls,
-                 max_seconds=4.0 if quick else 20.0)
+    result = run(cases, threads, repeats=repeats, memory=mode == "full" and not args.no_memory, impls=args.impls,
+                 max_seconds={"tiny": 1.0, "quick": 4.0, "full": 20.0}[mode], **probes)
     result["wall_s"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join(args.out, f"suite-{'quick' if quick else 'full'}-{stamp}")
+    base = os.path.join(args.out, f"suite-{mode}-{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     msg = f"\nwrote {base}.json"
@@ -550,7 +618,7 @@ def main(argv=None, mode=None):
         plot(result, base + ".png")
         msg += f" and {base}.png"
     except ImportError:
-        msg += " (matplotlib not installed: no plot)"
+        msg += f" (matplotlib not installed: no plot; {INSTALL_HINT})"
     print(msg + f"  ({result['wall_s']:.0f} s)")
     return 0
 

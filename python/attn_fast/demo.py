@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import unicodedata
 from typing import NamedTuple
 
@@ -221,18 +222,19 @@ TEXT = {
         "sums_ok": "   every row sums to 1 (max |sum - 1| = {err:.1e}); the smallest weight is {mn:.3f}: none is negative.",
         "sums_causal": "   the weights above the diagonal are exactly 0: the future is invisible.",
         "absorbed": "   What each token absorbed (its weights, largest first):",
+        "obs_head": "What the numbers show:",
         "obs2": (
-            "② Look at the 追 (chase) row: it looks deep at both 猫 (cat, {w_cat:.0%}) and 激光点\n"
+            "a. Look at the 追 (chase) row: it looks deep at both 猫 (cat, {w_cat:.0%}) and 激光点\n"
             "   (laser-dot, {w_dot:.0%}). The verb pulls its subject and its object into its new vector:\n"
             "   animal {a:.2f} (from cat), motion {m:.2f} and colour {c:.2f} (mostly from laser-dot)."
         ),
         "obs2_causal": (
-            "② Look at the 追 (chase) row: with the mask it sees only 猫 (cat, {w_cat:.0%}) and itself;\n"
+            "a. Look at the 追 (chase) row: with the mask it sees only 猫 (cat, {w_cat:.0%}) and itself;\n"
             "   激光点 (laser-dot) comes later, so its weight is exactly {w_dot:.0f}. The verb cannot look\n"
             "   ahead for its object: that is what a GPT-style model lives with."
         ),
         "obs3": (
-            "③ Look at the 激光点 (laser-dot) row: {w_red:.0%} of its weight goes to 红色 (red). The\n"
+            "b. Look at the 激光点 (laser-dot) row: {w_red:.0%} of its weight goes to 红色 (red). The\n"
             "   modifier relation is captured: its colour rises from {c0:.2f} to {c1:.2f}; the dot is now red."
         ),
         "obs4": (
@@ -268,51 +270,53 @@ TEXT = {
             "    af.attention(X, Wq, Wk, Wv{causal_arg})   # the fused kernel: the same O"
         ),
         "press": "   [press Enter for the next step] ",
+        "no_pause": "note: stdin is not a terminal, so --step runs through without pausing",
         "plot_saved": "picture: {path}",
     },
     "zh": {
-        "title": "徒手跑 attention:猫 追 红色 激光点",
+        "title": "徒手跑 attention：猫 追 红色 激光点",
         "intro": (
-            "四个 token,d = 3。Q、K、V 都是手工设定的(真模型里它们由训练得来),为了让因果\n"
-            "看得见,把「动词找名词」「名词找修饰语」的倾向直接写进了数字。Q、K 的三个维度:\n"
-            "名词、修饰、动词;V 的三个维度:动物、运动、颜色。"
+            "四个 token，d = 3。Q、K、V 都是手工设定的（真模型里它们由训练得来），为了让因果\n"
+            "看得见，把「动词找名词」「名词找修饰语」的倾向直接写进了数字。Q、K 的三个维度：\n"
+            "名词、修饰、动词；V 的三个维度：动物、运动、颜色。"
         ),
-        "causal_note": "因果掩码已打开:第 i 个词只能看 j <= i 的词(下三角通行证)。",
-        "qkv": ("Q:我在找什么", "K:我能被什么找到", "V:找到我后能带走什么"),
-        "step1": "① 分数表  S = Q Kᵀ / √d   (d = 3;行 = 查询的词,列 = 被查的词)",
-        "guess1": "   先猜再看:分数表里哪几格该深?(动词找名词,名词找修饰语)",
-        "step2": "② 权重  P = softmax(S),逐行",
-        "guess2": "   先猜再看:softmax 后每行是不是非负、和为 1?",
-        "step3": "③ 输出  O = P V:每一行都是 V 各行的加权混合(凸组合)",
-        "guess3": "   先猜再看:「追」的新向量里混进了谁的成分?",
+        "causal_note": "因果掩码已打开：第 i 个词只能看 j <= i 的词（下三角通行证）。",
+        "qkv": ("Q：我在找什么", "K：我能被什么找到", "V：找到我后能带走什么"),
+        "step1": "① 分数表  S = Q Kᵀ / √d   （d = 3；行 = 查询的词，列 = 被查的词）",
+        "guess1": "   先猜再看：分数表里哪几格该深？（动词找名词，名词找修饰语）",
+        "step2": "② 权重  P = softmax(S)，逐行",
+        "guess2": "   先猜再看：softmax 后每行是不是非负、和为 1？",
+        "step3": "③ 输出  O = P V：每一行都是 V 各行的加权混合（凸组合）",
+        "guess3": "   先猜再看：「追」的新向量里混进了谁的成分？",
         "masked": "-inf",
         "sum": "行和",
-        "sums_ok": "   每行和为 1(max |行和 - 1| = {err:.1e});最小的权重是 {mn:.3f}:没有负权重。",
-        "sums_causal": "   对角线以上的权重精确为 0:未来看不见。",
-        "absorbed": "   每个词吸收了谁(权重从大到小):",
+        "sums_ok": "   每行和为 1（max |行和 - 1| = {err:.1e}）；最小的权重是 {mn:.3f}：没有负权重。",
+        "sums_causal": "   对角线以上的权重精确为 0：未来看不见。",
+        "absorbed": "   每个词吸收了谁（权重从大到小）：",
+        "obs_head": "数字里看到了什么：",
         "obs2": (
-            "② 盯「追」那一行:它同时深看「猫」({w_cat:.0%})与「激光点」({w_dot:.0%})——动词把主语\n"
-            "   宾语的信息抓进自己的新向量:动物 {a:.2f}(来自猫),运动 {m:.2f}、颜色 {c:.2f}(主要来自激光点)。"
+            "a. 盯「追」那一行：它同时深看「猫」（{w_cat:.0%}）与「激光点」（{w_dot:.0%}）——动词把主语\n"
+            "   宾语的信息抓进自己的新向量：动物 {a:.2f}（来自猫），运动 {m:.2f}、颜色 {c:.2f}（主要来自激光点）。"
         ),
         "obs2_causal": (
-            "② 盯「追」那一行:加了掩码,它只能看「猫」({w_cat:.0%})和自己;「激光点」在它后面,\n"
+            "a. 盯「追」那一行：加了掩码，它只能看「猫」（{w_cat:.0%}）和自己；「激光点」在它后面，\n"
             "   权重精确为 {w_dot:.0f}。动词没法往后找宾语——GPT 式模型就是这样生成的。"
         ),
         "obs3": (
-            "③ 盯「激光点」那一行:{w_red:.0%} 的权重给了「红色」——修饰关系被捕捉:\n"
-            "   它的颜色分量从 {c0:.2f} 升到 {c1:.2f},激光点变红了。"
+            "b. 盯「激光点」那一行：{w_red:.0%} 的权重给了「红色」——修饰关系被捕捉：\n"
+            "   它的颜色分量从 {c0:.2f} 升到 {c1:.2f}，激光点变红了。"
         ),
         "obs4": (
-            "④ 复盘:整个过程只有矩阵乘和一个 softmax,而「谁看谁」的智能,全部来自 Q、K 里的\n"
-            "   数字(这里手工设定,真模型里是训练出来的)。机制是死的,权重是学的。"
+            "④ 复盘：整个过程只有矩阵乘和一个 softmax，而「谁看谁」的智能，全部来自 Q、K 里的\n"
+            "   数字（这里手工设定，真模型里是训练出来的）。机制是死的，权重是学的。"
         ),
         "code": (
-            "整个机制就是本章那十行代码(attn_fast.reference.attention,float64):\n"
+            "整个机制就是本章那十行代码（attn_fast.reference.attention，float64）：\n"
             "\n"
             "    import numpy as np\n"
             "\n"
             "    def softmax(x, axis=-1):\n"
-            "        x = x - x.max(axis=axis, keepdims=True)   # 减去行最大值,指数不会溢出\n"
+            "        x = x - x.max(axis=axis, keepdims=True)   # 减去行最大值，指数不会溢出\n"
             "        e = np.exp(x)\n"
             "        return e / e.sum(axis=axis, keepdims=True)\n"
             "\n"
@@ -323,18 +327,19 @@ TEXT = {
             "            S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # 下三角通行证\n"
             "        return softmax(S) @ V                     # 第二、三步"
         ),
-        "check": "核对:融合内核({isa})算出的 O 与 float64 参考实现一致:max |diff| = {err:.1e}",
-        "check_bad": "核对失败:融合内核({isa})与参考实现不一致:max |diff| = {err:.1e}",
+        "check": "核对：融合内核（{isa}）算出的 O 与 float64 参考实现一致：max |diff| = {err:.1e}",
+        "check_bad": "核对失败：融合内核（{isa}）与参考实现不一致：max |diff| = {err:.1e}",
         "try": (
-            "在 REPL 里亲手跑一遍(本章的练习,L = 4、d = 3):\n"
+            "在 REPL 里亲手跑一遍（本章的练习，L = 4、d = 3）：\n"
             "    import attn_fast as af\n"
             "    from attn_fast.demo import sentence\n"
             "    X, Wq, Wk, Wv = sentence()            # 或者换成你自己的小随机矩阵\n"
             "    Q, K, V, S, P, O = af.explain(X, Wq, Wk, Wv{causal_arg})\n"
-            "    af.attention(X, Wq, Wk, Wv{causal_arg})   # 融合内核:同一个 O"
+            "    af.attention(X, Wq, Wk, Wv{causal_arg})   # 融合内核：同一个 O"
         ),
         "press": "   [按回车进入下一步] ",
-        "plot_saved": "图:{path}",
+        "no_pause": "提示：标准输入不是终端，--step 不暂停，一次跑完",
+        "plot_saved": "图：{path}",
     },
 }
 
@@ -363,15 +368,18 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
     """Print the walk-through; return a process exit code (0 = all checks passed).
 
     lang : "en" or "zh" (labels and commentary). causal : apply the causal
-    mask. step : pause for Enter between the steps. plot : a path; also draw
-    the score and weight tables as heatmaps there (needs matplotlib).
+    mask. step : pause for Enter between the steps; if reading stdin fails
+    (closed: EOFError, or no sys.stdin at all) the rest runs through, with a
+    one-line note on stderr. plot : a path; also draw the score and weight
+    tables as heatmaps there (needs matplotlib; the path is checked before
+    the walk-through, see check_plot_path: ValueError, RuntimeError).
     """
     if lang not in TEXT:
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
     out = sys.stdout if file is None else file
     T = TEXT[lang]
     if plot is not None:
-        _require_matplotlib()  # fail before the walk-through, not after it
+        check_plot_path(plot)  # fail before the walk-through, not after it
     tokens, qk_axes, v_axes = TOKENS[lang], QK_AXES[lang], V_AXES[lang]
     ex = explain(*sentence(), causal=causal)
 
@@ -379,13 +387,17 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
         for line in lines:
             print(line, file=out)
 
+    pausing = [bool(step)]
+
     def pause():
-        if step:
-            try:
-                input_fn(T["press"])
-            except EOFError:
-                pass
-            say("")
+        if not pausing[0]:
+            return
+        try:
+            input_fn(T["press"])
+        except (EOFError, RuntimeError, OSError):  # stdin closed or gone (input(): lost sys.stdin)
+            pausing[0] = False
+            print(T["no_pause"], file=sys.stderr)
+        say("")
 
     def table(M, cols, corner=""):
         cells = [[_num(x, T["masked"]) for x in row] for row in M]
@@ -423,8 +435,9 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
     say(*("   " + x for x in table(ex.O, v_axes)), "", T["absorbed"], *_readout(ex.P, tokens), "")
     pause()
 
-    # the guided observations ② ③ ④, with the numbers just computed
+    # the guided observations a. and b., with the numbers just computed, then ④ the recap
     cat, chase, red, dot = range(4)
+    say(T["obs_head"])
     if causal:
         say(T["obs2_causal"].format(w_cat=ex.P[chase, cat], w_dot=ex.P[chase, dot]), "")
     else:
@@ -440,7 +453,7 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
     if plot is not None:
         note = plot_tables(ex, path=plot, lang=lang, causal=causal)
         if note:
-            say("", note)
+            print(note, file=sys.stderr)
         say("", T["plot_saved"].format(path=plot))
     return 0 if ok else 1
 
@@ -471,6 +484,40 @@ _CJK_FAMILIES = (
 )
 
 
+def check_plot_path(path):
+    """Check, before any work, that a picture can be written at `path`.
+
+    Raises RuntimeError (with an install hint) without matplotlib, and a
+    one-line ValueError naming the path when its folder does not exist or
+    cannot be written, when it is a folder, or when its extension is not a
+    format matplotlib writes (.png, .svg, .pdf, ...).
+    """
+    _require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path}: is a folder; give a file name such as demo.png")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext not in kinds:
+        what = f"a .{ext} file" if ext else "a file name without an extension"
+        raise ValueError(f"--plot {path}: matplotlib cannot write {what}; use one of "
+                         + ", ".join("." + k for k in ("png", "svg", "pdf") if k in kinds) + ", ...")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: folder {folder} does not exist")
+    try:  # os.access says yes to root on a read-only file system; try it
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as e:
+        raise ValueError(f"--plot {path}: cannot write there ({e.strerror or e})") from None
+
+
 def _require_matplotlib():
     try:
         import matplotlib  # noqa: F401
@@ -480,14 +527,54 @@ def _require_matplotlib():
         ) from None
 
 
+# Fonts that map (nearly) every code point to a placeholder glyph: a box
+# naming the Unicode block. matplotlib >= 3.11 ships Last Resort as its final
+# fallback, so a charmap test alone would pick it and draw boxes.
+_PLACEHOLDER_FAMILIES = ("last resort", "lastresort", "adobe blank", "unifont replacement")
+
+
+def _no_hinting():
+    from matplotlib import ft2font
+
+    flags = getattr(ft2font, "LoadFlags", None)  # an enum from matplotlib 3.10 on
+    return flags.NO_HINTING if flags is not None else ft2font.LOAD_NO_HINTING
+
+
+def _is_placeholder_family(name):
+    name = (name or "").lower()
+    return any(p in name for p in _PLACEHOLDER_FAMILIES)
+
+
 def _font_has(path, text):
+    """True if the font file at `path` draws every non-ASCII character of `text` with a real glyph.
+
+    Real means: mapped in the font's charmap, a glyph with an outline (not an
+    empty one), and distinct characters get distinct glyphs with distinct
+    outlines. A placeholder font such as Last Resort maps a whole Unicode
+    block to one box glyph, so 猫 and 追 would share it: rejected.
+    """
     from matplotlib.ft2font import FT2Font
 
+    chars = [ch for ch in dict.fromkeys(text) if not ch.isascii() and not ch.isspace()]
     try:
-        cmap = FT2Font(path).get_charmap()
+        font = FT2Font(path)
+        if _is_placeholder_family(font.family_name) or _is_placeholder_family(font.postscript_name):
+            return False
+        cmap = font.get_charmap()
+        if not all(ord(ch) in cmap for ch in chars):
+            return False
+        if len({cmap[ord(ch)] for ch in chars}) < len(chars):
+            return False  # one glyph for different characters: a placeholder
+        outlines = set()
+        for ch in chars:
+            font.load_glyph(cmap[ord(ch)], _no_hinting())
+            vertices, _codes = font.get_path()
+            if len(vertices) == 0:
+                return False  # an empty glyph (no contours)
+            outlines.add(np.asarray(vertices).tobytes())
+        return len(outlines) == len(chars)
     except Exception:  # noqa: BLE001 - an unreadable font simply does not qualify
         return False
-    return all(ord(ch) in cmap for ch in text if not ch.isascii())
 
 
 def find_cjk_font(text=None):
@@ -500,6 +587,8 @@ def find_cjk_font(text=None):
     candidates = sorted((f for f in fonts if f.name in known), key=lambda f: known[f.name])
     candidates += [f for f in fonts if f.name not in known]
     for f in candidates:
+        if _is_placeholder_family(f.name):
+            continue
         if _font_has(f.fname, text):
             return f.name
     return None
@@ -518,10 +607,10 @@ PLOT_TEXT = {
     "zh": {
         "S": "① 分数  S = Q Kᵀ / √d",
         "P": "② 权重  P = softmax(S)",
-        "q": "查询(行)",
-        "k": "被查(列)",
-        "title": "猫 追 红色 激光点:徒手跑 attention",
-        "causal": "(因果掩码)",
+        "q": "查询（行）",
+        "k": "被查（列）",
+        "title": "猫 追 红色 激光点：徒手跑 attention",
+        "causal": "（因果掩码）",
     },
 }
 
@@ -531,9 +620,10 @@ def plot_tables(ex, path, lang="en", causal=False):
 
     Chinese labels need a CJK font; if none is found, the labels fall back to
     English and the returned note says so (otherwise returns None).
-    Raises RuntimeError with an install hint when matplotlib is missing.
+    Raises RuntimeError with an install hint when matplotlib is missing, and
+    ValueError when matplotlib cannot write `path` (check_plot_path).
     """
-    _require_matplotlib()
+    check_plot_path(path)
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -541,7 +631,8 @@ def plot_tables(ex, path, lang="en", causal=False):
     note = None
     if font is None:
         if lang == "zh":
-            note = "note: no CJK font found for matplotlib (e.g. apt install fonts-noto-cjk); the picture uses English labels."
+            note = ("note: no CJK font found for matplotlib (e.g. apt install fonts-noto-cjk); "
+                    "the picture uses English labels.")
         lang = "en"
         tokens = TOKENS["en"]
         title = PLOT_TEXT["en"]["title_ascii"]
@@ -600,15 +691,24 @@ def _default_lang():
     return "en"
 
 
-def main(argv=None):
+def _stdin_is_terminal():
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):  # closed
+        return False
+
+
+def main(argv=None, prog=None):
+    """`demo [--step] [--causal] [--lang en|zh] [--plot PATH]`; returns the process exit code."""
     p = argparse.ArgumentParser(
-        prog="python -m attn_fast demo",
+        prog=prog or "python -m attn_fast demo",
         description="The chapter's demo: attention by hand on 猫 追 红色 激光点 (cat chase red laser-dot).",
     )
     p.add_argument("--step", action="store_true", help="pause between the steps (press Enter)")
     p.add_argument("--causal", action="store_true", help="apply the causal mask (lower triangle)")
     p.add_argument("--lang", choices=("en", "zh"), default=None, help="labels and commentary (default: from $LANG)")
-    p.add_argument("--plot", metavar="PNG", default=None, help="also draw S and P as heatmaps (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="also draw S and P as heatmaps into FILE (.png, .svg, .pdf, ...; needs matplotlib)")
     args = p.parse_args(argv)
     stream = sys.stdout
     enc = getattr(stream, "encoding", None) or "ascii"
@@ -617,8 +717,19 @@ def main(argv=None):
     except (UnicodeEncodeError, LookupError):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")  # a terminal that cannot show CJK: keep going
+    lang = args.lang or _default_lang()
+    step = args.step
+    if step and not _stdin_is_terminal():  # a pipe, CI, closed stdin: nobody to press Enter
+        print(TEXT[lang]["no_pause"], file=sys.stderr)
+        step = False
     try:
-        return run(lang=args.lang or _default_lang(), causal=args.causal, step=args.step, plot=args.plot)
+        if args.plot is not None:
+            check_plot_path(args.plot)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(lang=lang, causal=args.causal, step=step, plot=args.plot)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -239,6 +239,16 @@ class LinearAttentionState:
     def copy(self):
         return LinearAttentionState(self.kv.copy(), self.k_sum.copy(), self.length)
 
+    def __repr__(self):
+        # Short: shapes, dtypes and the position, never the arrays themselves.
+        def desc(x):
+            shape = getattr(x, "shape", None)
+            if shape is None:
+                return type(x).__name__
+            return f"{shape_str(x)} {getattr(x, 'dtype', '')}".rstrip()
+
+        return f"LinearAttentionState(kv {desc(self.kv)}, k_sum {desc(self.k_sum)}, length={self.length!r})"
+
 
 def _check_state(state, lead, r, dv):
     if not isinstance(state, LinearAttentionState):
