@@ -68,12 +68,14 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -93,6 +95,61 @@ constexpr int kMR = 4, kNR = 4;
 namespace {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
+// types are read into fp32 where the kernel packs (Q block, K/V panels) and
+// written back once, in the finalize step; every other step is the fp32 kernel.
+inline float ld(const float* p) { return *p; }
+inline double ld(const double* p) { return *p; }
+inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
+inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
+inline void put(float* p, float x) { *p = x; }
+inline void put(double* p, double x) { *p = x; }
+inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
+inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
+inline const uint16_t* bits_of(const bf16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const uint16_t* bits_of(const fp16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bits_of(bf16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+inline uint16_t* bits_of(fp16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+
+// dst[0..n) = src[0..n) in the compute type (unit stride both sides).
+template <typename T>
+inline void ld_row(const T* src, T* dst, int64_t n) {
+  if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
+}
+template <typename S>
+inline void ld_row16(const S* src, float* dst, int64_t n) {
+  using V = Vec<float>;
+  int64_t e = 0;
+  for (; e + V::W <= n; e += V::W)
+    V::store(dst + e, std::is_same<S, bf16_t>::value ? V::load_bf16(bits_of(src + e))
+                                                                       : V::load_f16(bits_of(src + e)));
+  for (; e < n; ++e) dst[e] = ld(src + e);
+}
+inline void ld_row(const bf16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
+inline void ld_row(const fp16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
+
+// dst[0..n) = src[0..n) * f in the storage type (unit stride both sides).
+template <typename T>
+inline void st_row(T* dst, const T* src, T f, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
+}
+template <typename S>
+inline void st_row16(S* dst, const float* src, float f, int64_t n) {
+  using V = Vec<float>;
+  const V::R vf = V::set1(f);
+  int64_t e = 0;
+  for (; e + V::W <= n; e += V::W) {
+    const V::R x = V::mul(V::load(src + e), vf);
+    if (std::is_same<S, bf16_t>::value)
+      V::store_bf16(bits_of(dst + e), x);
+    else
+      V::store_f16(bits_of(dst + e), x);
+  }
+  for (; e < n; ++e) put(dst + e, src[e] * f);
+}
+inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
+inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 
 template <typename T>
 T* alloc_scratch(int64_t n) {
@@ -231,9 +288,10 @@ constexpr int64_t kCacheBytes = int64_t(24) << 20;
 // Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
 // packing it on a miss. Columns past the sequence end are zero up to the
 // panel width.
-template <typename T>
-int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk, int64_t blk,
-                 int64_t Bc, Scratch<T>& sc) {
+template <typename S>
+int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk, int64_t blk,
+                 int64_t Bc, Scratch<compute_t<S>>& sc) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
   constexpr int NRW = kNR * W;
@@ -247,14 +305,14 @@ int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk,
   const int64_t d = a.d, dv = a.dv, dvp = round_up(dv, W);
   const int64_t j0 = blk * Bc;
   const int64_t cols = imin(Bc, si.k_len - j0), cols_p = round_up(cols, NRW);
-  const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
-  const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
+  const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
+  const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
   T* Kt = sc.Kc + slot * Bc * d;
   for (int64_t c = 0; c < cols_p; ++c) {
     T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
     if (c < cols) {
-      const T* src = kbase + c * a.sk.l;
-      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = src[e * a.sk.d];
+      const S* src = kbase + c * a.sk.l;
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
     } else {
       for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
     }
@@ -267,11 +325,11 @@ int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk,
     for (int64_t c = 0; c < cols_p; ++c) {
       T* dst = panel + c * width;
       const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
-      const T* src = vbase + c * a.sv.l + col0 * a.sv.d;
+      const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
       if (a.sv.d == 1) {
-        if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
+        ld_row(src, dst, n);
       } else {
-        for (int64_t e = 0; e < n; ++e) dst[e] = src[e * a.sv.d];
+        for (int64_t e = 0; e < n; ++e) dst[e] = ld(src + e * a.sv.d);
       }
       for (int64_t e = n; e < width; ++e) dst[e] = T(0);
       for (int64_t e = 0; e < width; e += W) bad = V::add(bad, V::mul(V::load(dst + e), V::zero()));
@@ -319,9 +377,10 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
   return all ? 1 : 2;
 }
 
-template <typename T>
-void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
-                  int64_t Br, int64_t Bc, Scratch<T>& sc, AttnStats& st) {
+template <typename S>
+void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
+                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
@@ -332,8 +391,8 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
   const int64_t rows = imax(0, imin(rows_all, si.q_len - i0));  // rows to compute
   const int64_t hk = h / (a.Hq / a.Hkv);
 
-  const T* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
-  T* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+  const S* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
+  S* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
   T* lsebase = nullptr;
   if (a.lse) lsebase = a.cu_q ? a.lse + h * a.Lq + si.q0 : a.lse + (si.b * a.Hq + h) * a.Lq;
 
@@ -358,8 +417,8 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     for (int64_t r = 0; r < rows_p; ++r) {
       T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
       if (r < rows) {
-        const T* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = src[e * a.sq.d] * scale;
+        const S* src = qbase + (i0 + r) * a.sq.l;
+        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
       } else {
         for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
       }
@@ -530,7 +589,7 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
 
   // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
   for (int64_t r = 0; r < rows_all; ++r) {
-    T* dst = obase + (i0 + r) * a.so.l;
+    S* dst = obase + (i0 + r) * a.so.l;
     T m = r < rows ? sc.m[r] : NEG_INF;
     T l = r < rows ? sc.l[r] : T(0);
     const bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
@@ -547,16 +606,20 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     }
     if (has_o) {
       const T* src = sc.O + r * dvp;
-      for (int64_t e = 0; e < dv; ++e) dst[e * a.so.d] = src[e] * factor;
+      if (a.so.d == 1)
+        st_row(dst, src, factor, dv);
+      else
+        for (int64_t e = 0; e < dv; ++e) put(dst + e * a.so.d, src[e] * factor);
     } else {
-      for (int64_t e = 0; e < dv; ++e) dst[e * a.so.d] = T(0);
+      for (int64_t e = 0; e < dv; ++e) put(dst + e * a.so.d, T(0));
     }
     if (lsebase) lsebase[i0 + r] = (l > T(0) || l != l) ? m + std::log(l) : NEG_INF;
   }
 }
 
-template <typename T>
-AttnStats forward_impl(const AttnArgs<T>& a) {
+template <typename S>
+AttnStats forward_impl(const AttnArgs<S>& a) {
+  using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
@@ -647,6 +710,8 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
 
 AttnStats flash_forward_f32(const AttnArgs<float>& a) { return forward_impl<float>(a); }
 AttnStats flash_forward_f64(const AttnArgs<double>& a) { return forward_impl<double>(a); }
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
+AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a) { return forward_impl<fp16_t>(a); }
 
 // Peak-FMA probe: 10 independent accumulator chains held in registers (named
 // variables, not an array, so the compiler never spills them), no memory.

@@ -13,6 +13,7 @@
 #if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
 #include <immintrin.h>
 #endif
+#include "attn_fast/half.h"  // scalar bf16 / fp16 conversions used by the vector headers
 
 #if defined(ATTN_ISA_AVX512)
 #define ATTN_NS isa_avx512
