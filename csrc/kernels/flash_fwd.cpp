@@ -182,6 +182,48 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp,
     for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, acc[r][n]);
 }
 
+// The vdpbf16ps path (the avx512_bf16 object, bf16 storage only): Q and K stay
+// bf16 and are packed as pairs along d (one 32-bit word = elements 2k, 2k+1;
+// an odd d is padded with a zero), Qw[k2*MR + r] and Kw[k2*NR*W + c]; each
+// vdpbf16ps does W keys x 2 dims, twice the multiply-adds of an fp32 FMA.
+// Products are exact in fp32 and accumulate in fp32; the scale (and nothing
+// else) multiplies S in fp32 at the store, so scale * Q is never rounded to
+// bf16. P V stays the fp32 kernel (P is not rounded to bf16 either).
+#if defined(ATTN_ISA_AVX512_BF16)
+constexpr bool kDotBf16 = true;
+template <int MR, int NR>
+inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw, float scale,
+                         float* __restrict S, int64_t lds) {
+  using V = Vec<float>;
+  constexpr int W = V::W;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d2; ++k) {
+    __m512bh b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Kw + k * (NR * W) + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Qw[k * MR + r]));
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
+}
+#else
+constexpr bool kDotBf16 = false;
+#endif
+// The bf16 pair (x[e], x[e + 1]) of a strided row as one word; e + 1 == d pads with 0.
+inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d) {
+  const uint32_t lo = x[e * stride].bits, hi = e + 1 < d ? x[(e + 1) * stride].bits : 0u;
+  return lo | (hi << 16);
+}
+template <typename S>
+constexpr bool dot_path() {
+  return kDotBf16 && std::is_same<S, bf16_t>::value;
+}
+
 // O[MR][NR*W] += P[MR][cols] * Vp[cols][ldv].
 template <typename T, int MR, int NR>
 inline void pv_micro(const T* __restrict P, int64_t ldp, int64_t cols, const T* __restrict Vp,
@@ -308,13 +350,24 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
   const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
   const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
   T* Kt = sc.Kc + slot * Bc * d;
-  for (int64_t c = 0; c < cols_p; ++c) {
-    T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
-    if (c < cols) {
+  if constexpr (dot_path<S>()) {
+    // bf16 pairs along d (see qk_micro_dot): the slot's Bc * d floats hold Bc * d2 words.
+    const int64_t d2 = (d + 1) / 2;
+    uint32_t* Kw = reinterpret_cast<uint32_t*>(Kt);
+    for (int64_t c = 0; c < cols_p; ++c) {
+      uint32_t* dst = Kw + (c / NRW) * d2 * NRW + c % NRW;
       const S* src = kbase + c * a.sk.l;
-      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
-    } else {
-      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+      for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+    }
+  } else {
+    for (int64_t c = 0; c < cols_p; ++c) {
+      T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
+      if (c < cols) {
+        const S* src = kbase + c * a.sk.l;
+        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
+      } else {
+        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+      }
     }
   }
   T* Vp = sc.Vc + slot * Bc * dvp;
@@ -414,13 +467,24 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     std::memset(sc.O, 0, sizeof(T) * rows_p * dvp);
     // Pack Q (scaled) as MR-row panels, k-major; zero rows up to rows_p.
     const T scale = static_cast<T>(a.scale);
-    for (int64_t r = 0; r < rows_p; ++r) {
-      T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
-      if (r < rows) {
+    if constexpr (dot_path<S>()) {
+      // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
+      const int64_t d2 = (d + 1) / 2;
+      uint32_t* Qw = reinterpret_cast<uint32_t*>(sc.Qp);
+      for (int64_t r = 0; r < rows_p; ++r) {
+        uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
         const S* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+        for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+      }
+    } else {
+      for (int64_t r = 0; r < rows_p; ++r) {
+        T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
+        if (r < rows) {
+          const S* src = qbase + (i0 + r) * a.sq.l;
+          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
+        } else {
+          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+        }
       }
     }
   }
@@ -480,8 +544,18 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
       for (int64_t i = 0; i < rows_p; i += kMR) {
         const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
-        if (jv < c_hi && jv + kNR * W > c_lo)
+        if (jv < c_hi && jv + kNR * W > c_lo) {
+#if defined(ATTN_ISA_AVX512_BF16)
+          if constexpr (dot_path<S>()) {
+            const int64_t d2 = (d + 1) / 2;
+            qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
+                                   reinterpret_cast<const uint32_t*>(Kt) + jv * d2, static_cast<float>(a.scale),
+                                   sc.S + i * sc.lds + jv, sc.lds);
+            continue;
+          }
+#endif
           qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds);
+        }
       }
 
     // 3. Transforms and element masks, 4. online softmax.
@@ -708,6 +782,33 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 
 }  // namespace
 
+#if defined(ATTN_ISA_AVX512_BF16)
+// The avx512_bf16 object holds only the bf16 kernel and its probe loop.
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
+
+// vdpbf16ps throughput probe for dispatch (the shape of fma_loop): 10
+// independent accumulator chains in registers; returns the FLOPs done
+// (2 per bf16 pair).
+double dpbf16_loop(int64_t iters) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33803380);  // (2^-24, 2^-24)
+  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1e-3f), c2 = _mm512_set1_ps(2e-3f),
+         c3 = _mm512_set1_ps(3e-3f), c4 = _mm512_set1_ps(4e-3f), c5 = _mm512_set1_ps(5e-3f),
+         c6 = _mm512_set1_ps(6e-3f), c7 = _mm512_set1_ps(7e-3f), c8 = _mm512_set1_ps(8e-3f),
+         c9 = _mm512_set1_ps(9e-3f);
+  for (int64_t it = 0; it < iters; ++it) {
+    c0 = _mm512_dpbf16_ps(c0, a, b); c1 = _mm512_dpbf16_ps(c1, a, b); c2 = _mm512_dpbf16_ps(c2, a, b);
+    c3 = _mm512_dpbf16_ps(c3, a, b); c4 = _mm512_dpbf16_ps(c4, a, b); c5 = _mm512_dpbf16_ps(c5, a, b);
+    c6 = _mm512_dpbf16_ps(c6, a, b); c7 = _mm512_dpbf16_ps(c7, a, b); c8 = _mm512_dpbf16_ps(c8, a, b);
+    c9 = _mm512_dpbf16_ps(c9, a, b);
+  }
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                   _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
+                                                 _mm512_add_ps(c8, c9)));
+  const float sink = _mm512_reduce_add_ps(sum);
+  return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
+}
+#else
 AttnStats flash_forward_f32(const AttnArgs<float>& a) { return forward_impl<float>(a); }
 AttnStats flash_forward_f64(const AttnArgs<double>& a) { return forward_impl<double>(a); }
 AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
@@ -745,6 +846,7 @@ double read_loop(const float* p, int64_t n) {
   }
   return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
 }
+#endif  // ATTN_ISA_AVX512_BF16
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast
