@@ -211,6 +211,81 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
 }
+
+// O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
+// along the keys (Pw[r*ldp + c2], Vw[c2*ldv + e]).
+template <int MR, int NR>
+inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n, const uint32_t* __restrict Vw,
+                         int64_t ldv, float* __restrict O, int64_t ldo) {
+  constexpr int W = Vec<float>::W;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_loadu_ps(O + r * ldo + n * W);
+  for (int64_t c = 0; c < c2n; ++c) {
+    __m512bh b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Vw + c * ldv + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pw[r * ldp + c]));
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(O + r * ldo + n * W, acc[r][n]);
+}
+
+// P rows (fp32, cols_p % 32 == 0) rounded to bf16 in place: row r's first
+// cols_p / 2 words become its pairs (each chunk is read before it is overwritten).
+inline void p_to_bf16(float* S, int64_t lds, int64_t rows_p, int64_t cols_p) {
+  for (int64_t r = 0; r < rows_p; ++r) {
+    float* s = S + r * lds;
+    uint16_t* h = reinterpret_cast<uint16_t*>(s);
+    for (int64_t j = 0; j < cols_p; j += 32) {
+      const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
+      _mm512_storeu_si512(h + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// O[rows_p][dvp] += P V on the bf16-pair layouts; column ranges pc as pv_block,
+// widened to whole pairs (the weights there are exactly 0).
+inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int64_t* pc, const float* Vp,
+                         int64_t Bc, int64_t dvp, float* O) {
+  constexpr int W = Vec<float>::W, NRW = kNR * W;
+  const uint32_t* Pw = reinterpret_cast<const uint32_t*>(S);
+  const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
+  for (int64_t c0 = 0; c0 < dvp;) {
+    const int64_t width = c0 + NRW <= dvp ? NRW : W;
+    const uint32_t* strip = reinterpret_cast<const uint32_t*>(Vh + c0 * Bc);
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int64_t c2lo = pc[2 * (i / kMR)] / 2, c2hi = (pc[2 * (i / kMR) + 1] + 1) / 2;
+      if (c2hi <= c2lo) continue;
+      if (width == NRW)
+        pv_micro_dot<kMR, kNR>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * NRW, NRW, O + i * dvp + c0, dvp);
+      else
+        pv_micro_dot<kMR, 1>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * W, W, O + i * dvp + c0, dvp);
+    }
+    c0 += width;
+  }
+}
+
+// NaN-safe P V for a V block holding inf/NaN (pv_block_guarded on the pair layout):
+// P stays fp32, zero weights are skipped.
+inline void pv_block_guarded_dot(const float* P, int64_t ldp, int64_t rows, int64_t cols, const float* Vp,
+                                 int64_t Bc, int64_t dvp, float* O) {
+  constexpr int W = Vec<float>::W, NRW = kNR * W;
+  const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float p = P[r * ldp + c];
+      if (p == 0.f) continue;
+      for (int64_t c0 = 0; c0 < dvp;) {
+        const int64_t width = c0 + NRW <= dvp ? NRW : W;
+        const uint16_t* col = Vh + c0 * Bc + (c / 2) * width * 2 + (c & 1);
+        for (int64_t e = 0; e < width; ++e) O[r * dvp + c0 + e] += p * bf16_to_f32(col[2 * e]);
+        c0 += width;
+      }
+    }
+}
 #else
 constexpr bool kDotBf16 = false;
 #endif
@@ -371,6 +446,29 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     }
   }
   T* Vp = sc.Vc + slot * Bc * dvp;
+  if constexpr (dot_path<S>()) {
+    // bf16 pairs along the keys (pv_micro_dot): strip words (c2, e) = (v[2 c2][e], v[2 c2 + 1][e]).
+    uint16_t* Vh = reinterpret_cast<uint16_t*>(Vp);
+    bool bad16 = false;
+    for (int64_t col0 = 0; col0 < dvp;) {
+      const int64_t width = col0 + NRW <= dvp ? NRW : W;
+      uint16_t* panel = Vh + col0 * Bc;
+      for (int64_t c = 0; c < cols_p; ++c) {
+        uint16_t* dst = panel + (c / 2) * width * 2 + (c & 1);
+        const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
+        const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
+        for (int64_t e = 0; e < width; ++e) {
+          const uint16_t h = e < n ? src[e * a.sv.d].bits : uint16_t(0);
+          dst[2 * e] = h;
+          bad16 = bad16 || (h & 0x7F80u) == 0x7F80u;  // inf or NaN
+        }
+      }
+      col0 += width;
+    }
+    sc.nonfinite[slot] = bad16;
+    sc.tag[slot] = blk;
+    return slot;
+  }
   typename V::R bad = V::zero();
   for (int64_t col0 = 0; col0 < dvp;) {
     const int64_t width = col0 + NRW <= dvp ? NRW : W;
@@ -655,6 +753,17 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
       for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
 
     // 5. O += P V.
+#if defined(ATTN_ISA_AVX512_BF16)
+    if constexpr (dot_path<S>()) {
+      if (nonfinite) {
+        pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
+      } else {
+        p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+        pv_block_dot(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+      }
+      continue;
+    }
+#endif
     if (nonfinite)
       pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
     else
