@@ -82,7 +82,8 @@ CpuFeatures detect() {
   const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
   f.avx2 = os_ymm && avx2 && fma;
   f.avx512 = f.avx2 && os_zmm && f512 && dq && bw && vl;
-  if (f.avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = a & (1u << 5);
+  const unsigned max_subleaf7 = a;  // EAX of leaf 7, subleaf 0
+  if (f.avx512 && max_subleaf7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = a & (1u << 5);
 #endif
   return f;
 }

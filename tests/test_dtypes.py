@@ -352,3 +352,45 @@ def test_error_within_1p5x_of_torch_bf16(isa, rng, causal, shape):
     e_ours, e_torch = np.abs(ours - O), np.abs(theirs - O)
     assert np.sqrt(np.mean(e_ours**2)) <= 1.5 * np.sqrt(np.mean(e_torch**2))
     assert e_ours.max() <= 1.5 * e_torch.max()
+
+
+# ---------------------------------------------------------------- threads and ISA choice
+
+
+@pytest.mark.parametrize("src", ["numpy_f16", "ml_bf16", "torch_bf16"])
+def test_thread_count_does_not_change_bits(isa, rng, src):
+    q, k, v = gen(rng, src, (2, 4, 150, 64), (2, 4, 150, 64), (2, 4, 150, 64))
+    old = af.get_num_threads()
+    try:
+        af.set_num_threads(1)
+        o1 = f64(sdpa(q, k, v, is_causal=True))
+        af.set_num_threads(3)
+        o3 = f64(sdpa(q, k, v, is_causal=True))
+    finally:
+        af.set_num_threads(old)
+    np.testing.assert_array_equal(o1, o3)
+
+
+def _isa_in_subprocess(**env):
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import attn_fast as af; print(af.get_isa())"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_avx512_bf16_choice():
+    """avx512_bf16 is listed where CPUID says AVX512-BF16; the probe can be overridden; the
+    environment variable forces either path."""
+    isas = af._core.available_isas()
+    if "avx512_bf16" not in isas:
+        assert af.get_isa() != "avx512_bf16"
+        pytest.skip("no AVX512-BF16 on this CPU (or not compiled)")
+    assert "avx512" in isas
+    assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="0", ATTN_FAST_ISA="") == "avx512"
+    assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="1", ATTN_FAST_ISA="") == "avx512_bf16"
+    assert _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
+    assert _isa_in_subprocess(ATTN_FAST_ISA="avx512") == "avx512"
