@@ -1,6 +1,6 @@
 """bf16 / fp16 vs fp32 attn_fast in one run: medians of interleaved repetitions.
 
-    python bench/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16]
+    python bench/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16] [--threads 1]
 
 Each line: shape, causal, ISA, threads, median ms per dtype and the fp32/x
 ratio. Every dtype is first checked against the float64 oracle on a slice.
@@ -51,7 +51,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--isa", default=None)
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        af.set_num_threads(args.threads)
     if args.isa:
         af.set_isa(args.isa)
     cpu = platform.processor() or platform.machine()

@@ -59,6 +59,17 @@
 //   is not multiplied by 0: tiles whose packed V holds a non-finite value use a
 //   path that skips zero weights, so masked rows cannot leak NaN.
 //
+// Storage types: q, k, v, o are float, double, bf16_t or fp16_t (the template
+//   parameter S); the kernel computes in compute_t<S> (fp32 for the 16-bit
+//   types). 16-bit values are widened where they are packed (Q block, K/V
+//   panels: bf16 by a 16-bit shift, fp16 by F16C) and O is rounded once
+//   (round to nearest even, NaN kept) in the finalize step; everything between
+//   is the fp32 kernel, and lse, bias, alibi and sinks are fp32. Compiled as
+//   the avx512_bf16 object (ATTN_ISA_AVX512_BF16), bf16 instead keeps Q, K, V
+//   as bf16 pairs and runs vdpbf16ps micro-kernels for S = Q K^T (scale
+//   applied to S in fp32) and O += P V (P rounded to bf16, as torch's bf16
+//   SDPA does); the tiling, masking and softmax are unchanged.
+//
 // Nothing here touches Python or the C++ standard containers (see seq.h for
 // why per-ISA objects keep to plain functions).
 
