@@ -250,13 +250,13 @@ def test_fully_masked_rows_and_nan_in_masked_v(isa, rng, src):
 
 @pytest.mark.parametrize("src", SOURCES)
 def test_one_key_returns_v_bit_exact(isa, rng, src):
-    """One visible key: O = V exactly, so every 16-bit value (subnormals, inf, extremes) survives the
-    widen-on-pack and the round-on-write unchanged."""
+    """One visible key: O = V exactly, so every 16-bit value (subnormals, inf, NaN, extremes) survives
+    the widen-on-pack and the round-on-write unchanged (NaN stays NaN; assert_array_equal matches NaNs)."""
     need(src)
     if kind_of(src) == "f16":
-        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf], np.float32)
+        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
     else:
-        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf], np.float32)
+        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
     dv = 80
     vrow = np.resize(vals, dv) * np.where(rng.random(dv) < 0.5, 1, -1).astype(np.float32)
     q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, 1, 8)), src)
