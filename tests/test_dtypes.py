@@ -122,7 +122,7 @@ def result_dtype_ok(o, src):
 @pytest.mark.parametrize(
     "Lq, Lk, d, dv",
     [(1, 1, 64, 64), (7, 7, 80, 80), (129, 129, 128, 128), (7, 129, 256, 256), (129, 7, 48, 40),
-     (33, 65, 40, 72), (1, 300, 64, 64)],
+     (33, 65, 40, 72), (1, 300, 64, 64), (5, 9, 1, 1), (3, 70, 5, 3), (20, 20, 33, 17)],
 )
 def test_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
     q, k, v = gen(rng, src, (2, 3, Lq, d), (2, 3, Lk, d), (2, 3, Lk, dv))
