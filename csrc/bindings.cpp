@@ -73,6 +73,22 @@ void check_cu(const int64_t* cu, int64_t n, int64_t total, const char* name) {
 // kernels' i + off +- window arithmetic far from int64 overflow.
 int64_t clamp_window(int64_t w) { return w > (int64_t(1) << 62) ? (int64_t(1) << 62) : w; }
 
+// q, k, v, o of storage type T: float32 / float64 arrays as themselves, fp16
+// as NumPy float16, bf16 as its uint16 bit patterns (NumPy has no bfloat16;
+// the Python layer views torch.bfloat16 / ml_dtypes.bfloat16 data as uint16).
+template <typename T>
+bool has_dtype(const py::array& x) {
+  return py::isinstance<py::array_t<T>>(x);
+}
+template <>
+bool has_dtype<bf16_t>(const py::array& x) {
+  return py::isinstance<py::array_t<uint16_t>>(x);
+}
+template <>
+bool has_dtype<fp16_t>(const py::array& x) {
+  return x.dtype().kind() == 'f' && x.itemsize() == 2;
+}
+
 // What forward and decode share: q, k, v, o of one dtype T (o writeable),
 // their strides and data, and the causal / window options. Shapes are
 // checked by each caller (the key axis means Lk for one, ring slots for the
@@ -81,7 +97,7 @@ template <typename T, typename Args>
 void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, double scale, bool causal,
                bool top_left, int64_t window_left, int64_t window_right) {
   for (auto* arr : {&q, &k, &v, &o})
-    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
+    if (!has_dtype<T>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
   a.sq = strides4(q, "q");
   a.sk = strides4(k, "k");
@@ -148,10 +164,11 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   }
   a.q_lens = data_of<int64_t>(q_lens, "q_lens", varlen ? -1 : a.B);
   a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", varlen ? -1 : a.B);
-  a.alibi = data_of<T>(alibi, "alibi_slopes", a.Hq);
-  a.sinks = data_of<T>(sinks, "sinks", a.Hq);
+  using C = compute_t<T>;  // lse, bias, alibi, sinks: fp32 for 16-bit storage
+  a.alibi = data_of<C>(alibi, "alibi_slopes", a.Hq);
+  a.sinks = data_of<C>(sinks, "sinks", a.Hq);
   const int64_t lse_rows = varlen ? a.Lq : a.B * a.Lq;
-  a.lse = lse_of<T>(lse, a.Hq * lse_rows, "Hq * rows");
+  a.lse = lse_of<C>(lse, a.Hq * lse_rows, "Hq * rows");
   py::array layout_arr, mask_arr, bias_arr;
   if (!layout.is_none()) {
     layout_arr = py::cast<py::array>(layout);
@@ -181,10 +198,11 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   }
   if (!bias.is_none()) {
     bias_arr = py::cast<py::array>(bias);
-    if (!py::isinstance<py::array_t<T>>(bias_arr)) throw py::type_error("bias must have q's dtype");
+    if (!py::isinstance<py::array_t<C>>(bias_arr))
+      throw py::type_error("bias must have q's dtype (float32 for float16 / bfloat16 q)");
     a.sbias = strides4(bias_arr, "bias");
     check_shape4(bias_arr, "bias", batch_q, a.Hq, a.Lq, a.Lk);
-    a.bias = static_cast<const T*>(bias_arr.data());
+    a.bias = static_cast<const C*>(bias_arr.data());
   }
   AttnStats st;
   {
@@ -211,7 +229,15 @@ py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object
     return forward_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
                              q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
                              alibi, softcap, sinks, block_q, block_k, reference);
-  throw py::type_error("q must be float32 or float64");
+  if (has_dtype<fp16_t>(q))
+    return forward_t<fp16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                             q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                             alibi, softcap, sinks, block_q, block_k, reference);
+  if (has_dtype<bf16_t>(q))
+    return forward_t<bf16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                             q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                             alibi, softcap, sinks, block_q, block_k, reference);
+  throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
 template <typename T>
@@ -313,7 +339,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("mask") = py::none(), py::arg("bias") = py::none(),
         py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("reference") = false,
-        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped).");
+        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped). "
+        "float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, alibi and sinks are "
+        "float32 for both.");
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); });
   m.def("available_isas", [] {

@@ -34,6 +34,8 @@ namespace attn_fast {
   void decode_forward_f64(const DecodeArgs<double>& a);           \
   float stream_read(const float* p, int64_t n);                   \
   double read_loop(const float* p, int64_t n);                    \
+  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);        \
+  AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a);         \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -42,11 +44,19 @@ ATTN_DECLARE_ISA(isa_avx2)
 #ifdef ATTN_HAVE_AVX512
 ATTN_DECLARE_ISA(isa_avx512)
 #endif
+#ifdef ATTN_HAVE_AVX512_BF16
+// The vdpbf16ps object: only the bf16 fused kernel and its probe loop.
+namespace isa_avx512_bf16 {
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);
+double dpbf16_loop(int64_t iters);
+}  // namespace isa_avx512_bf16
+#endif
 
 namespace {
 
 struct CpuFeatures {
   bool avx2 = false, avx512 = false;
+  bool avx512_bf16 = false;  // CPUID.(EAX=7, ECX=1):EAX bit 5, on top of avx512
 };
 
 #ifdef ATTN_X86
@@ -72,6 +82,8 @@ CpuFeatures detect() {
   const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
   f.avx2 = os_ymm && avx2 && fma;
   f.avx512 = f.avx2 && os_zmm && f512 && dq && bw && vl;
+  const unsigned max_subleaf7 = a;  // EAX of leaf 7, subleaf 0
+  if (f.avx512 && max_subleaf7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = a & (1u << 5);
 #endif
   return f;
 }
@@ -86,6 +98,7 @@ bool supported(Isa isa) {
     case Isa::scalar: return true;
     case Isa::avx2: return features().avx2;
     case Isa::avx512: return features().avx512;
+    case Isa::avx512_bf16: return features().avx512_bf16;
   }
   return false;
 }
@@ -99,6 +112,9 @@ bool compiled(Isa isa) {
 #ifdef ATTN_HAVE_AVX512
     case Isa::avx512: return true;
 #endif
+#ifdef ATTN_HAVE_AVX512_BF16
+    case Isa::avx512_bf16: return true;
+#endif
     default: return false;
   }
 }
@@ -107,6 +123,9 @@ Isa best_isa() {
   Isa best = Isa::scalar;
   for (Isa i : {Isa::avx2, Isa::avx512})
     if (compiled(i) && supported(i)) best = i;
+  // avx512_bf16 only where its dot product measured faster (dispatch's end).
+  if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) && bf16_dot_preferred())
+    best = Isa::avx512_bf16;
   return best;
 }
 
@@ -147,6 +166,7 @@ const char* isa_name(Isa isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -155,12 +175,13 @@ Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::scalar;
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
-  throw std::invalid_argument("unknown ISA '" + name + "' (expected scalar, avx2 or avx512)");
+  if (name == "avx512_bf16") return Isa::avx512_bf16;
+  throw std::invalid_argument("unknown ISA '" + name + "' (expected scalar, avx2, avx512 or avx512_bf16)");
 }
 
 std::vector<Isa> compiled_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512})
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (compiled(i)) out.push_back(i);
   return out;
 }
@@ -244,7 +265,7 @@ std::string openmp_runtime() {
     default: return isa_scalar::fn(__VA_ARGS__);                        \
   }
 #ifdef ATTN_HAVE_AVX512
-#define AVX512_CASE(fn, ...) case Isa::avx512: return isa_avx512::fn(__VA_ARGS__);
+#define AVX512_CASE(fn, ...) case Isa::avx512: case Isa::avx512_bf16: return isa_avx512::fn(__VA_ARGS__);
 #else
 #define AVX512_CASE(fn, ...)
 #endif
@@ -354,5 +375,58 @@ double read_bandwidth_gbs(int threads, int64_t bytes, double seconds) {
   std::free(buf);
   return sink == -1.0 ? 0.0 : best;
 }
+
+// ---------------------------------------------------------------- 16-bit storage
+
+// Whether vdpbf16ps beats fp32 FMA on this core, measured once: the same
+// register-only loop shape (10 independent chains) for both, best of three
+// short runs each (~10 ms in all), vdpbf16ps counted as 2 FLOPs per bf16 pair.
+// It wins by ~2x on AMD Zen 4 and loses by ~2x on Sapphire Rapids, where the
+// flag alone would pick the slow path. ATTN_FAST_BF16_PROBE=0/1 skips the
+// measurement (forces the convert path / the vdpbf16ps path).
+// Decides whether the default ISA is avx512_bf16 rather than avx512 (at the
+// first kernel call or get_isa()); ATTN_FAST_ISA=avx512 / avx512_bf16 choose
+// without measuring.
+static bool measure_bf16_dot() {
+#ifdef ATTN_HAVE_AVX512_BF16
+  if (!features().avx512_bf16) return false;
+  if (const char* env = std::getenv("ATTN_FAST_BF16_PROBE")) {
+    if (env[0] == '0') return false;
+    if (env[0] == '1') return true;
+  }
+  auto rate = [](double (*loop)(int64_t)) {
+    const int64_t iters = int64_t(1) << 17;
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double flops = loop(iters);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (dt > 0 && flops / dt > best) best = flops / dt;
+    }
+    return best;
+  };
+  const double fma = rate(&isa_avx512::fma_loop);
+  const double dot = rate(&isa_avx512_bf16::dpbf16_loop);
+  // The dot product must win clearly: it only speeds up S = Q K^T (P V stays fp32).
+  return dot > 1.3 * fma;
+#else
+  return false;
+#endif
+}
+
+bool bf16_dot_preferred() {
+  static const bool preferred = measure_bf16_dot();
+  return preferred;
+}
+
+// bf16 on avx512_bf16: the vdpbf16ps object; on every other ISA (avx512
+// included) the convert-on-pack kernel of that ISA.
+AttnStats flash_forward(const AttnArgs<bf16_t>& a) {
+#ifdef ATTN_HAVE_AVX512_BF16
+  if (active_isa() == Isa::avx512_bf16) return isa_avx512_bf16::flash_forward_bf16(a);
+#endif
+  ATTN_DISPATCH(flash_forward_bf16, a)
+}
+AttnStats flash_forward(const AttnArgs<fp16_t>& a) { ATTN_DISPATCH(flash_forward_f16, a) }
 
 }  // namespace attn_fast

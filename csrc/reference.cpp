@@ -12,13 +12,29 @@
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 #include "attn_fast/seq.h"
 
 namespace attn_fast {
 namespace {
 
+// Storage types read as double; results rounded once into the storage type
+// (the 16-bit types through fp32: a double rounding that can differ from a
+// direct one only on exact ties of the fp32 value, immaterial for an oracle).
+inline double dbl(float x) { return x; }
+inline double dbl(double x) { return x; }
+inline double dbl(bf16_t x) { return bf16_to_f32(x.bits); }
+inline double dbl(fp16_t x) { return fp16_to_f32(x.bits); }
+template <typename S>
+inline S from_dbl(double x) { return static_cast<S>(x); }
+template <>
+inline bf16_t from_dbl<bf16_t>(double x) { return bf16_t{f32_to_bf16(static_cast<float>(x))}; }
+template <>
+inline fp16_t from_dbl<fp16_t>(double x) { return fp16_t{f32_to_fp16(static_cast<float>(x))}; }
+
 template <typename T>
 void reference_impl(const AttnArgs<T>& a) {
+  using C = compute_t<T>;  // lse, bias, alibi, sinks
   const double NEG_INF = -std::numeric_limits<double>::infinity();
   // Scratch for every thread, allocated before any thread starts: a failed
   // allocation throws std::bad_alloc here (MemoryError in Python) instead of
@@ -58,7 +74,7 @@ void reference_impl(const AttnArgs<T>& a) {
           }
           const T* k = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j) * a.sk.l;
           double dot = 0;
-          for (int64_t e = 0; e < a.d; ++e) dot += double(q[e * a.sq.d]) * double(k[e * a.sk.d]);
+          for (int64_t e = 0; e < a.d; ++e) dot += dbl(q[e * a.sq.d]) * dbl(k[e * a.sk.d]);
           double sc = a.scale * dot;
           if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
           if (a.alibi) sc -= double(a.alibi[h]) * std::fabs(double(i + si.off - j));
@@ -87,16 +103,16 @@ void reference_impl(const AttnArgs<T>& a) {
             const double p = std::exp(score[j] - m);
             l += p;
             const T* v = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j) * a.sv.l;
-            for (int64_t e = 0; e < a.dv; ++e) out[e] += p * double(v[e * a.sv.d]);
+            for (int64_t e = 0; e < a.dv; ++e) out[e] += p * dbl(v[e * a.sv.d]);
           }
         }
         const double visible_l = l;
         if (sink && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
         for (int64_t e = 0; e < a.dv; ++e)
-          o[e * a.so.d] = (visible_l == 0) ? T(0) : T(out[e] / l);
+          o[e * a.so.d] = from_dbl<T>((visible_l == 0) ? 0.0 : out[e] / l);
         if (a.lse) {
-          T* lse = a.cu_q ? a.lse + h * a.Lq + si.q0 + i : a.lse + (si.b * a.Hq + h) * a.Lq + i;
-          *lse = (l > 0 || l != l) ? T(m + std::log(l)) : T(NEG_INF);
+          C* lse = a.cu_q ? a.lse + h * a.Lq + si.q0 + i : a.lse + (si.b * a.Hq + h) * a.Lq + i;
+          *lse = (l > 0 || l != l) ? C(m + std::log(l)) : C(NEG_INF);
         }
       }
     }
@@ -107,5 +123,7 @@ void reference_impl(const AttnArgs<T>& a) {
 
 void reference_forward(const AttnArgs<float>& a) { reference_impl<float>(a); }
 void reference_forward(const AttnArgs<double>& a) { reference_impl<double>(a); }
+void reference_forward(const AttnArgs<bf16_t>& a) { reference_impl<bf16_t>(a); }
+void reference_forward(const AttnArgs<fp16_t>& a) { reference_impl<fp16_t>(a); }
 
 }  // namespace attn_fast

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump not installed"),
 ]
 
-AVX_NAMESPACES = ("attn_fast::isa_avx2::", "attn_fast::isa_avx512::")
+AVX_NAMESPACES = ("attn_fast::isa_avx2::", "attn_fast::isa_avx512::", "attn_fast::isa_avx512_bf16::")
 LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 
 

@@ -141,8 +141,10 @@ def test_varlen_bad_arguments(rng):
         af.varlen_attention(q, q, q[:9], cu, cu)
     with pytest.raises(TypeError, match="mixed dtypes"):
         af.varlen_attention(q, q, q.astype(F64), cu, cu)
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(TypeError, match="mixed dtypes"):  # float16 itself is supported
         af.varlen_attention(q.astype(np.float16), q, q, cu, cu)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        af.varlen_attention(q.astype(np.int16), q, q, cu, cu)
     with pytest.raises(ValueError, match="2 sequences but cu_seqlens_k has 1"):
         af.varlen_attention(q, q, q, cu, np.array([0, 10]))
     with pytest.raises(ValueError, match="scale must be finite"):

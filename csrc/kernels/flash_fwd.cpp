@@ -59,6 +59,17 @@
 //   is not multiplied by 0: tiles whose packed V holds a non-finite value use a
 //   path that skips zero weights, so masked rows cannot leak NaN.
 //
+// Storage types: q, k, v, o are float, double, bf16_t or fp16_t (the template
+//   parameter S); the kernel computes in compute_t<S> (fp32 for the 16-bit
+//   types). 16-bit values are widened where they are packed (Q block, K/V
+//   panels: bf16 by a 16-bit shift, fp16 by F16C) and O is rounded once
+//   (round to nearest even, NaN kept) in the finalize step; everything between
+//   is the fp32 kernel, and lse, bias, alibi and sinks are fp32. Compiled as
+//   the avx512_bf16 object (ATTN_ISA_AVX512_BF16), bf16 instead keeps Q, K, V
+//   as bf16 pairs and runs vdpbf16ps micro-kernels for S = Q K^T (scale
+//   applied to S in fp32) and O += P V (P rounded to bf16, as torch's bf16
+//   SDPA does); the tiling, masking and softmax are unchanged.
+//
 // Nothing here touches Python or the C++ standard containers (see seq.h for
 // why per-ISA objects keep to plain functions).
 
@@ -68,12 +79,14 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -93,6 +106,61 @@ constexpr int kMR = 4, kNR = 4;
 namespace {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
+// types are read into fp32 where the kernel packs (Q block, K/V panels) and
+// written back once, in the finalize step; every other step is the fp32 kernel.
+inline float ld(const float* p) { return *p; }
+inline double ld(const double* p) { return *p; }
+inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
+inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
+inline void put(float* p, float x) { *p = x; }
+inline void put(double* p, double x) { *p = x; }
+inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
+inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
+inline const uint16_t* bits_of(const bf16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const uint16_t* bits_of(const fp16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bits_of(bf16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+inline uint16_t* bits_of(fp16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+
+// dst[0..n) = src[0..n) in the compute type (unit stride both sides).
+template <typename T>
+inline void ld_row(const T* src, T* dst, int64_t n) {
+  if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
+}
+template <typename S>
+inline void ld_row16(const S* src, float* dst, int64_t n) {
+  using V = Vec<float>;
+  int64_t e = 0;
+  for (; e + V::W <= n; e += V::W)
+    V::store(dst + e, std::is_same<S, bf16_t>::value ? V::load_bf16(bits_of(src + e))
+                                                                       : V::load_f16(bits_of(src + e)));
+  for (; e < n; ++e) dst[e] = ld(src + e);
+}
+inline void ld_row(const bf16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
+inline void ld_row(const fp16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
+
+// dst[0..n) = src[0..n) * f in the storage type (unit stride both sides).
+template <typename T>
+inline void st_row(T* dst, const T* src, T f, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
+}
+template <typename S>
+inline void st_row16(S* dst, const float* src, float f, int64_t n) {
+  using V = Vec<float>;
+  const V::R vf = V::set1(f);
+  int64_t e = 0;
+  for (; e + V::W <= n; e += V::W) {
+    const V::R x = V::mul(V::load(src + e), vf);
+    if (std::is_same<S, bf16_t>::value)
+      V::store_bf16(bits_of(dst + e), x);
+    else
+      V::store_f16(bits_of(dst + e), x);
+  }
+  for (; e < n; ++e) put(dst + e, src[e] * f);
+}
+inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
+inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 
 template <typename T>
 T* alloc_scratch(int64_t n) {
@@ -123,6 +191,123 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp,
   }
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, acc[r][n]);
+}
+
+// The vdpbf16ps path (the avx512_bf16 object, bf16 storage only): Q and K stay
+// bf16 and are packed as pairs along d (one 32-bit word = elements 2k, 2k+1;
+// an odd d is padded with a zero), Qw[k2*MR + r] and Kw[k2*NR*W + c]; each
+// vdpbf16ps does W keys x 2 dims, twice the multiply-adds of an fp32 FMA.
+// Products are exact in fp32 and accumulate in fp32; the scale (and nothing
+// else) multiplies S in fp32 at the store, so scale * Q is never rounded to
+// bf16. P V stays the fp32 kernel (P is not rounded to bf16 either).
+#if defined(ATTN_ISA_AVX512_BF16)
+constexpr bool kDotBf16 = true;
+template <int MR, int NR>
+inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw, float scale,
+                         float* __restrict S, int64_t lds) {
+  using V = Vec<float>;
+  constexpr int W = V::W;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d2; ++k) {
+    __m512bh b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Kw + k * (NR * W) + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Qw[k * MR + r]));
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
+}
+
+// O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
+// along the keys (Pw[r*ldp + c2], Vw[c2*ldv + e]).
+template <int MR, int NR>
+inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n, const uint32_t* __restrict Vw,
+                         int64_t ldv, float* __restrict O, int64_t ldo) {
+  constexpr int W = Vec<float>::W;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_loadu_ps(O + r * ldo + n * W);
+  for (int64_t c = 0; c < c2n; ++c) {
+    __m512bh b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Vw + c * ldv + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pw[r * ldp + c]));
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(O + r * ldo + n * W, acc[r][n]);
+}
+
+// P rows (fp32, cols_p % 32 == 0) rounded to bf16 in place: row r's first
+// cols_p / 2 words become its pairs (each chunk is read before it is overwritten).
+inline void p_to_bf16(float* S, int64_t lds, int64_t rows_p, int64_t cols_p) {
+  for (int64_t r = 0; r < rows_p; ++r) {
+    float* s = S + r * lds;
+    uint16_t* h = reinterpret_cast<uint16_t*>(s);
+    for (int64_t j = 0; j < cols_p; j += 32) {
+      const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
+      _mm512_storeu_si512(h + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// O[rows_p][dvp] += P V on the bf16-pair layouts; column ranges pc as pv_block,
+// widened to whole pairs (the weights there are exactly 0).
+inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int64_t* pc, const float* Vp,
+                         int64_t Bc, int64_t dvp, float* O) {
+  constexpr int W = Vec<float>::W, NRW = kNR * W;
+  const uint32_t* Pw = reinterpret_cast<const uint32_t*>(S);
+  const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
+  for (int64_t c0 = 0; c0 < dvp;) {
+    const int64_t width = c0 + NRW <= dvp ? NRW : W;
+    const uint32_t* strip = reinterpret_cast<const uint32_t*>(Vh + c0 * Bc);
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int64_t c2lo = pc[2 * (i / kMR)] / 2, c2hi = (pc[2 * (i / kMR) + 1] + 1) / 2;
+      if (c2hi <= c2lo) continue;
+      if (width == NRW)
+        pv_micro_dot<kMR, kNR>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * NRW, NRW, O + i * dvp + c0, dvp);
+      else
+        pv_micro_dot<kMR, 1>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * W, W, O + i * dvp + c0, dvp);
+    }
+    c0 += width;
+  }
+}
+
+// NaN-safe P V for a V block holding inf/NaN (pv_block_guarded on the pair layout):
+// P stays fp32, zero weights are skipped.
+inline void pv_block_guarded_dot(const float* P, int64_t ldp, int64_t rows, int64_t cols, const float* Vp,
+                                 int64_t Bc, int64_t dvp, float* O) {
+  constexpr int W = Vec<float>::W, NRW = kNR * W;
+  const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float p = P[r * ldp + c];
+      if (p == 0.f) continue;
+      for (int64_t c0 = 0; c0 < dvp;) {
+        const int64_t width = c0 + NRW <= dvp ? NRW : W;
+        const uint16_t* col = Vh + c0 * Bc + (c / 2) * width * 2 + (c & 1);
+        for (int64_t e = 0; e < width; ++e) O[r * dvp + c0 + e] += p * bf16_to_f32(col[2 * e]);
+        c0 += width;
+      }
+    }
+}
+#else
+constexpr bool kDotBf16 = false;
+#endif
+// The bf16 pair (x[e], x[e + 1]) of a strided row as one word; e + 1 == d pads with 0.
+inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d) {
+  const uint32_t lo = x[e * stride].bits, hi = e + 1 < d ? x[(e + 1) * stride].bits : 0u;
+  return lo | (hi << 16);
+}
+template <typename S>
+constexpr bool dot_path() {
+  return kDotBf16 && std::is_same<S, bf16_t>::value;
 }
 
 // O[MR][NR*W] += P[MR][cols] * Vp[cols][ldv].
@@ -231,9 +416,10 @@ constexpr int64_t kCacheBytes = int64_t(24) << 20;
 // Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
 // packing it on a miss. Columns past the sequence end are zero up to the
 // panel width.
-template <typename T>
-int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk, int64_t blk,
-                 int64_t Bc, Scratch<T>& sc) {
+template <typename S>
+int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk, int64_t blk,
+                 int64_t Bc, Scratch<compute_t<S>>& sc) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
   constexpr int NRW = kNR * W;
@@ -247,19 +433,53 @@ int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk,
   const int64_t d = a.d, dv = a.dv, dvp = round_up(dv, W);
   const int64_t j0 = blk * Bc;
   const int64_t cols = imin(Bc, si.k_len - j0), cols_p = round_up(cols, NRW);
-  const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
-  const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
+  const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
+  const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
   T* Kt = sc.Kc + slot * Bc * d;
-  for (int64_t c = 0; c < cols_p; ++c) {
-    T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
-    if (c < cols) {
-      const T* src = kbase + c * a.sk.l;
-      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = src[e * a.sk.d];
-    } else {
-      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+  if constexpr (dot_path<S>()) {
+    // bf16 pairs along d (see qk_micro_dot): the slot's Bc * d floats hold Bc * d2 words.
+    const int64_t d2 = (d + 1) / 2;
+    uint32_t* Kw = reinterpret_cast<uint32_t*>(Kt);
+    for (int64_t c = 0; c < cols_p; ++c) {
+      uint32_t* dst = Kw + (c / NRW) * d2 * NRW + c % NRW;
+      const S* src = kbase + c * a.sk.l;
+      for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+    }
+  } else {
+    for (int64_t c = 0; c < cols_p; ++c) {
+      T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
+      if (c < cols) {
+        const S* src = kbase + c * a.sk.l;
+        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
+      } else {
+        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+      }
     }
   }
   T* Vp = sc.Vc + slot * Bc * dvp;
+  if constexpr (dot_path<S>()) {
+    // bf16 pairs along the keys (pv_micro_dot): strip words (c2, e) = (v[2 c2][e], v[2 c2 + 1][e]).
+    uint16_t* Vh = reinterpret_cast<uint16_t*>(Vp);
+    bool bad16 = false;
+    for (int64_t col0 = 0; col0 < dvp;) {
+      const int64_t width = col0 + NRW <= dvp ? NRW : W;
+      uint16_t* panel = Vh + col0 * Bc;
+      for (int64_t c = 0; c < cols_p; ++c) {
+        uint16_t* dst = panel + (c / 2) * width * 2 + (c & 1);
+        const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
+        const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
+        for (int64_t e = 0; e < width; ++e) {
+          const uint16_t h = e < n ? src[e * a.sv.d].bits : uint16_t(0);
+          dst[2 * e] = h;
+          bad16 = bad16 || (h & 0x7F80u) == 0x7F80u;  // inf or NaN
+        }
+      }
+      col0 += width;
+    }
+    sc.nonfinite[slot] = bad16;
+    sc.tag[slot] = blk;
+    return slot;
+  }
   typename V::R bad = V::zero();
   for (int64_t col0 = 0; col0 < dvp;) {
     const int64_t width = col0 + NRW <= dvp ? NRW : W;
@@ -267,11 +487,11 @@ int64_t kv_block(const AttnArgs<T>& a, const SeqInfo& si, int64_t s, int64_t hk,
     for (int64_t c = 0; c < cols_p; ++c) {
       T* dst = panel + c * width;
       const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
-      const T* src = vbase + c * a.sv.l + col0 * a.sv.d;
+      const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
       if (a.sv.d == 1) {
-        if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
+        ld_row(src, dst, n);
       } else {
-        for (int64_t e = 0; e < n; ++e) dst[e] = src[e * a.sv.d];
+        for (int64_t e = 0; e < n; ++e) dst[e] = ld(src + e * a.sv.d);
       }
       for (int64_t e = n; e < width; ++e) dst[e] = T(0);
       for (int64_t e = 0; e < width; e += W) bad = V::add(bad, V::mul(V::load(dst + e), V::zero()));
@@ -319,9 +539,10 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
   return all ? 1 : 2;
 }
 
-template <typename T>
-void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
-                  int64_t Br, int64_t Bc, Scratch<T>& sc, AttnStats& st) {
+template <typename S>
+void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
+                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
@@ -332,8 +553,8 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
   const int64_t rows = imax(0, imin(rows_all, si.q_len - i0));  // rows to compute
   const int64_t hk = h / (a.Hq / a.Hkv);
 
-  const T* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
-  T* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+  const S* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
+  S* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
   T* lsebase = nullptr;
   if (a.lse) lsebase = a.cu_q ? a.lse + h * a.Lq + si.q0 : a.lse + (si.b * a.Hq + h) * a.Lq;
 
@@ -355,13 +576,24 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     std::memset(sc.O, 0, sizeof(T) * rows_p * dvp);
     // Pack Q (scaled) as MR-row panels, k-major; zero rows up to rows_p.
     const T scale = static_cast<T>(a.scale);
-    for (int64_t r = 0; r < rows_p; ++r) {
-      T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
-      if (r < rows) {
-        const T* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = src[e * a.sq.d] * scale;
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+    if constexpr (dot_path<S>()) {
+      // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
+      const int64_t d2 = (d + 1) / 2;
+      uint32_t* Qw = reinterpret_cast<uint32_t*>(sc.Qp);
+      for (int64_t r = 0; r < rows_p; ++r) {
+        uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
+        const S* src = qbase + (i0 + r) * a.sq.l;
+        for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+      }
+    } else {
+      for (int64_t r = 0; r < rows_p; ++r) {
+        T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
+        if (r < rows) {
+          const S* src = qbase + (i0 + r) * a.sq.l;
+          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
+        } else {
+          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+        }
       }
     }
   }
@@ -421,8 +653,18 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
       for (int64_t i = 0; i < rows_p; i += kMR) {
         const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
-        if (jv < c_hi && jv + kNR * W > c_lo)
+        if (jv < c_hi && jv + kNR * W > c_lo) {
+#if defined(ATTN_ISA_AVX512_BF16)
+          if constexpr (dot_path<S>()) {
+            const int64_t d2 = (d + 1) / 2;
+            qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
+                                   reinterpret_cast<const uint32_t*>(Kt) + jv * d2, static_cast<float>(a.scale),
+                                   sc.S + i * sc.lds + jv, sc.lds);
+            continue;
+          }
+#endif
           qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds);
+        }
       }
 
     // 3. Transforms and element masks, 4. online softmax.
@@ -522,6 +764,17 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
       for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
 
     // 5. O += P V.
+#if defined(ATTN_ISA_AVX512_BF16)
+    if constexpr (dot_path<S>()) {
+      if (nonfinite) {
+        pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
+      } else {
+        p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+        pv_block_dot(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+      }
+      continue;
+    }
+#endif
     if (nonfinite)
       pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
     else
@@ -530,7 +783,7 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
 
   // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
   for (int64_t r = 0; r < rows_all; ++r) {
-    T* dst = obase + (i0 + r) * a.so.l;
+    S* dst = obase + (i0 + r) * a.so.l;
     T m = r < rows ? sc.m[r] : NEG_INF;
     T l = r < rows ? sc.l[r] : T(0);
     const bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
@@ -547,16 +800,20 @@ void process_item(const AttnArgs<T>& a, const SeqInfo& si, int64_t s_idx, int64_
     }
     if (has_o) {
       const T* src = sc.O + r * dvp;
-      for (int64_t e = 0; e < dv; ++e) dst[e * a.so.d] = src[e] * factor;
+      if (a.so.d == 1)
+        st_row(dst, src, factor, dv);
+      else
+        for (int64_t e = 0; e < dv; ++e) put(dst + e * a.so.d, src[e] * factor);
     } else {
-      for (int64_t e = 0; e < dv; ++e) dst[e * a.so.d] = T(0);
+      for (int64_t e = 0; e < dv; ++e) put(dst + e * a.so.d, T(0));
     }
     if (lsebase) lsebase[i0 + r] = (l > T(0) || l != l) ? m + std::log(l) : NEG_INF;
   }
 }
 
-template <typename T>
-AttnStats forward_impl(const AttnArgs<T>& a) {
+template <typename S>
+AttnStats forward_impl(const AttnArgs<S>& a) {
+  using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
@@ -647,8 +904,37 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
 
 }  // namespace
 
+#if defined(ATTN_ISA_AVX512_BF16)
+// The avx512_bf16 object holds only the bf16 kernel and its probe loop.
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
+
+// vdpbf16ps throughput probe for dispatch (the shape of fma_loop): 10
+// independent accumulator chains in registers; returns the FLOPs done
+// (2 per bf16 pair).
+double dpbf16_loop(int64_t iters) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33803380);  // (2^-24, 2^-24)
+  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1e-3f), c2 = _mm512_set1_ps(2e-3f),
+         c3 = _mm512_set1_ps(3e-3f), c4 = _mm512_set1_ps(4e-3f), c5 = _mm512_set1_ps(5e-3f),
+         c6 = _mm512_set1_ps(6e-3f), c7 = _mm512_set1_ps(7e-3f), c8 = _mm512_set1_ps(8e-3f),
+         c9 = _mm512_set1_ps(9e-3f);
+  for (int64_t it = 0; it < iters; ++it) {
+    c0 = _mm512_dpbf16_ps(c0, a, b); c1 = _mm512_dpbf16_ps(c1, a, b); c2 = _mm512_dpbf16_ps(c2, a, b);
+    c3 = _mm512_dpbf16_ps(c3, a, b); c4 = _mm512_dpbf16_ps(c4, a, b); c5 = _mm512_dpbf16_ps(c5, a, b);
+    c6 = _mm512_dpbf16_ps(c6, a, b); c7 = _mm512_dpbf16_ps(c7, a, b); c8 = _mm512_dpbf16_ps(c8, a, b);
+    c9 = _mm512_dpbf16_ps(c9, a, b);
+  }
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                   _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
+                                                 _mm512_add_ps(c8, c9)));
+  const float sink = _mm512_reduce_add_ps(sum);
+  return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
+}
+#else
 AttnStats flash_forward_f32(const AttnArgs<float>& a) { return forward_impl<float>(a); }
 AttnStats flash_forward_f64(const AttnArgs<double>& a) { return forward_impl<double>(a); }
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
+AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a) { return forward_impl<fp16_t>(a); }
 
 // Peak-FMA probe: 10 independent accumulator chains held in registers (named
 // variables, not an array, so the compiler never spills them), no memory.
@@ -682,6 +968,7 @@ double read_loop(const float* p, int64_t n) {
   }
   return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
 }
+#endif  // ATTN_ISA_AVX512_BF16
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

@@ -1,6 +1,7 @@
 // Per-ISA compilation of a kernel source (flash_fwd.cpp, decode.cpp): the
 // build compiles each once with ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or
-// ATTN_ISA_AVX512 defined (CMakeLists.txt). This header picks the namespace
+// ATTN_ISA_AVX512 defined (CMakeLists.txt); flash_fwd.cpp once more with
+// ATTN_ISA_AVX512 and ATTN_ISA_AVX512_BF16 (its vdpbf16ps bf16 kernel). This header picks the namespace
 // the source's code goes into and the vector header to include inside it:
 //
 //   #include "isa.h"
@@ -13,8 +14,12 @@
 #if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
 #include <immintrin.h>
 #endif
+#include "attn_fast/half.h"  // scalar bf16 / fp16 conversions used by the vector headers
 
-#if defined(ATTN_ISA_AVX512)
+#if defined(ATTN_ISA_AVX512_BF16)  // defined together with ATTN_ISA_AVX512 (CMakeLists.txt)
+#define ATTN_NS isa_avx512_bf16
+#define ATTN_VEC_HEADER "vec_avx512.h"
+#elif defined(ATTN_ISA_AVX512)
 #define ATTN_NS isa_avx512
 #define ATTN_VEC_HEADER "vec_avx512.h"
 #elif defined(ATTN_ISA_AVX2)

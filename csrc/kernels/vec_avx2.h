@@ -76,6 +76,30 @@ struct Vec<float> {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(r), 23)));
   }
+  // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
+  // narrows with round to nearest even (NaN kept NaN, quieted); fp16 by F16C.
+  static R load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static R load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_bf16(uint16_t* p, R x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan),
+                                             _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void store_f16(uint16_t* p, R x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
+  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
+  static uint16_t to_f16(float x) { return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 };
 
 // Same scheme in double: magic 1.5 * 2^52, Taylor series of 2^f to degree 12

@@ -2,6 +2,7 @@
 // as vec_avx2.h / vec_avx512.h so the kernel source is shared.
 #pragma once
 #include <cmath>
+#include <cstdint>
 
 template <typename T>
 struct Vec {
@@ -20,4 +21,14 @@ struct Vec {
   static T hsum(R a) { return a; }
   static R exp(R x) { return std::exp(x); }
   static R exp2_neg(R t) { return std::exp2(t); }  // t <= 0: softmax weights
+  // 16-bit storage <-> fp32 (T = float only): W elements, and one element.
+  // Bit manipulation (attn_fast/half.h): round to nearest even, NaN kept.
+  static R load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static R load_f16(const uint16_t* p) { return fp16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, R x) { *p = f32_to_bf16(x); }
+  static void store_f16(uint16_t* p, R x) { *p = f32_to_fp16(x); }
+  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
+  static float from_f16(uint16_t h) { return fp16_to_f32(h); }
+  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
+  static uint16_t to_f16(float x) { return f32_to_fp16(x); }
 };

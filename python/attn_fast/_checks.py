@@ -6,6 +6,12 @@ Array interop: ``as_array`` reads NumPy arrays, CPU torch tensors and anything
 exposing ``__array_interface__``, the buffer protocol or DLPack (JAX CPU arrays,
 CuPy's CPU peers, ...) as a NumPy view of the same memory, through its strides,
 without copying. Memory that is not on the CPU raises TypeError.
+
+16-bit dtypes (``as_float_array(..., half=True)``): float16 (NumPy, torch) is
+read as NumPy float16; bfloat16 (torch.bfloat16, ``ml_dtypes.bfloat16``),
+which NumPy lacks, is read zero-copy as its uint16 bit patterns: after
+``as_float_array`` a uint16 array (``BF16``) means bfloat16. ``to_float``,
+``from_float``, ``half_result`` and ``to_input_kind`` convert at the edges.
 """
 
 from __future__ import annotations
@@ -16,6 +22,103 @@ import operator
 import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+F16 = np.dtype(np.float16)
+BF16 = np.dtype(np.uint16)  # bfloat16 held as its bit patterns (after as_float_array)
+HALF_DTYPES = (F16, BF16)
+_HALF_HINT = (
+    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention and varlen_attention "
+    "only; cast to float32 here (x.float() / x.astype(np.float32))"
+)
+
+
+def _ml_bfloat16():
+    """ml_dtypes.bfloat16 when ml_dtypes is importable (optional), else None."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _BF16Bits(np.ndarray):
+    """Internal: uint16 data that holds bfloat16 bits, passed from one public
+    function to another (attention -> scaled_dot_product_attention)."""
+
+
+def bf16_bits(a):
+    """Tag a uint16 array of bfloat16 bits so ``as_float_array`` reads it as bfloat16."""
+    return np.asarray(a).view(_BF16Bits)
+
+
+def dtype_name(dt):
+    """The name of a kernel dtype, bfloat16 for BF16 bits."""
+    dt = np.dtype(dt)
+    return "bfloat16" if dt == BF16 else str(dt)
+
+
+def compute_dtype(dt):
+    """What lse, biases, ALiBi slopes and sinks use for storage dtype dt: float32 for the 16-bit types."""
+    dt = np.dtype(dt)
+    return np.dtype(np.float32) if dt in HALF_DTYPES else dt
+
+
+def bf16_to_f32(bits):
+    """float32 values of uint16 bfloat16 bit patterns (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x):
+    """uint16 bfloat16 bits of float32 values, round to nearest even, NaN kept NaN (as the kernels)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), r)
+
+
+def to_float(a, dtype=np.float64):
+    """`a` (a kernel array: float16/32/64 or BF16 bits) as floating values of `dtype` (a copy)."""
+    a = np.asarray(a)
+    if a.dtype == BF16:
+        return bf16_to_f32(a).astype(dtype)
+    return a.astype(dtype)
+
+
+def from_float(x, dtype):
+    """Float values `x` in the kernel dtype `dtype` (BF16 bits: rounded to nearest even)."""
+    if np.dtype(dtype) == BF16:
+        return f32_to_bf16(np.asarray(x, dtype=np.float32))
+    return np.asarray(x).astype(dtype)
+
+
+def half_result(a):
+    """A result array for NumPy callers: BF16 bits become an ``ml_dtypes.bfloat16``
+    view (no copy) when ml_dtypes is importable, else stay uint16 bits; any other
+    array is returned unchanged."""
+    if isinstance(a, np.ndarray) and a.dtype == BF16:
+        bf = _ml_bfloat16()
+        return a.view(np.ndarray).view(bf) if bf is not None else a.view(np.ndarray)
+    return a
+
+
+def to_input_kind(result, like):
+    """`result` (a NumPy array from attn_fast, or a tuple of them) in the kind of
+    the caller's input `like`: a torch tensor for torch input (bfloat16 bits /
+    ml_dtypes bfloat16 become a torch.bfloat16 tensor sharing the memory,
+    float16 a torch.float16 one), an ``ml_dtypes.bfloat16`` array for ml_dtypes
+    input, else unchanged. Tensors and non-arrays (KernelStats, None) pass
+    through; a plain tuple is converted element by element."""
+    if type(result) is tuple:
+        return tuple(to_input_kind(r, like) for r in result)
+    if not isinstance(result, np.ndarray):
+        return result
+    if _is_torch_tensor(like):
+        import torch
+
+        a = result.view(np.ndarray)
+        if a.dtype == BF16 or a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return half_result(result)
 
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 
@@ -74,6 +177,8 @@ def as_array(x, name):
     _check_on_cpu(x, name)
     if _is_torch_tensor(x):
         t = x.detach() if x.requires_grad else x
+        if str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its bits, same memory
+            return t.view(_torch_int16()).numpy().view(np.uint16)
         try:
             return t.numpy()  # shares memory, keeps strides
         except (TypeError, RuntimeError) as e:
@@ -94,6 +199,19 @@ def as_array(x, name):
         raise TypeError(f"{name}: cannot read {type(x).__name__} as an array ({e})") from None
 
 
+def _torch_int16():
+    import torch
+
+    return torch.int16
+
+
+def _is_bf16_input(x, arr):
+    """True when `x` (read as `arr` by as_array) holds bfloat16."""
+    if isinstance(x, _BF16Bits) or arr.dtype.name == "bfloat16":
+        return True
+    return _is_torch_tensor(x) and str(x.dtype) == "torch.bfloat16"
+
+
 def _has_buffer(x):
     try:
         memoryview(x)
@@ -102,14 +220,28 @@ def _has_buffer(x):
     return True
 
 
-def as_float_array(x, name):
+def as_float_array(x, name, half=False):
     """View `x` as a NumPy float32/float64 array without copying when possible.
 
     Accepts what ``as_array`` accepts. Copies only big-endian or misaligned
     data. Raises TypeError for other dtypes and non-CPU memory.
+    With ``half=True`` float16 (NumPy or torch) and bfloat16 (torch.bfloat16,
+    ``ml_dtypes.bfloat16``) are accepted too, zero-copy: float16 as a NumPy
+    float16 array, bfloat16 as a uint16 array of its bits (``BF16``).
+    Without it they raise TypeError with a cast hint.
     """
     arr = as_array(x, name)
-    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
+    if _is_bf16_input(x, arr):
+        if not half:
+            raise TypeError(f"{name} must be float32 or float64, got dtype bfloat16 ({_HALF_HINT})")
+        arr = arr.view(np.ndarray).view(np.uint16)
+        if not arr.flags.aligned or any(s % 2 for s in arr.strides):
+            arr = arr.copy()
+        return arr
+    if arr.dtype.kind == "f" and arr.dtype.itemsize == 2:
+        if not half:
+            raise TypeError(f"{name} must be float32 or float64, got dtype float16 ({_HALF_HINT})")
+    elif arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
         raise TypeError(f"{name} must be float32 or float64, got dtype {arr.dtype}")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
@@ -132,6 +264,8 @@ def as_out_array(out, name="out"):
             "pass a tensor that does not require grad"
         )
     o = as_array(out, name)
+    if o.dtype.name == "bfloat16":  # ml_dtypes: its bits, the same memory
+        o = o.view(np.uint16)
     if not isinstance(out, np.ndarray) and o.base is None:
         # np.asarray made a fresh copy (a list, say): results written there would be lost.
         raise TypeError(f"{name} must be a numpy.ndarray (or expose its memory), got {type(out).__name__}")
@@ -143,8 +277,12 @@ def as_out_array(out, name="out"):
 def check_same_dtype(**arrays):
     dts = {name: a.dtype for name, a in arrays.items() if a is not None}
     if len(set(dts.values())) > 1:
-        desc = ", ".join(f"{n} {d}" for n, d in dts.items())
-        raise TypeError(f"mixed dtypes are not supported ({desc}); cast them to one float dtype")
+        desc = ", ".join(f"{n} {dtype_name(d)}" for n, d in dts.items())
+        first = next(iter(dts))
+        raise TypeError(
+            f"mixed dtypes are not supported ({desc}); cast them to one float dtype, "
+            f"e.g. x.to({first}.dtype) for torch tensors or x.astype({first}.dtype) for NumPy arrays"
+        )
 
 
 def shape_str(a):
@@ -241,7 +379,7 @@ def check_out(out, shape, dtype, name="out"):
     if o.shape != tuple(shape):
         raise ValueError(f"{name} has shape {shape_str(o)}, expected {tuple(shape)}")
     if o.dtype != dtype:
-        raise TypeError(f"{name} has dtype {o.dtype}, expected {np.dtype(dtype)}")
+        raise TypeError(f"{name} has dtype {dtype_name(o.dtype)}, expected {dtype_name(dtype)}")
     if not o.flags.aligned or not o.dtype.isnative:
         raise ValueError(f"{name} must be aligned and in native byte order")
     if self_overlapping(o):
@@ -266,20 +404,3 @@ def check_bool(x, name):
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     raise ArgumentTypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
-
-
-def to_input_kind(result, like):
-    """`result` in the kind of array `like` is: unchanged for NumPy (and other
-    array-likes), zero-copy torch tensors (``torch.from_numpy``) when `like` is
-    a torch tensor. A tuple is converted element-wise (arrays only; a
-    ``KernelStats`` or other non-array passes through)."""
-    if not _is_torch_tensor(like):
-        return result
-    import torch  # already imported: `like` is a tensor
-
-    def conv(r):
-        return torch.from_numpy(r) if isinstance(r, np.ndarray) else r
-
-    if isinstance(result, tuple) and not hasattr(result, "_fields"):
-        return tuple(conv(r) for r in result)
-    return conv(result)

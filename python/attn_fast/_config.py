@@ -11,15 +11,17 @@ __all__ = ["set_isa", "get_isa", "set_num_threads", "get_num_threads", "show_con
 
 
 def set_isa(name):
-    """Force the kernel instruction set: "scalar", "avx2" or "avx512".
+    """Force the kernel instruction set: "scalar", "avx2", "avx512" or
+    "avx512_bf16" (avx512 plus vdpbf16ps micro-kernels for bfloat16 calls;
+    chosen by default only where a timing probe finds them faster).
 
     Raises ValueError for an unknown name and RuntimeError when this CPU/OS
     (CPUID and XCR0) or this build does not support it. Affects the whole
     process; the environment variable ATTN_FAST_ISA does the same at import.
     """
     name = str(name).strip().lower()
-    if name not in ("scalar", "avx2", "avx512"):
-        raise ValueError(f"ISA must be one of 'scalar', 'avx2', 'avx512', got {name!r}")
+    if name not in ("scalar", "avx2", "avx512", "avx512_bf16"):
+        raise ValueError(f"ISA must be one of 'scalar', 'avx2', 'avx512', 'avx512_bf16', got {name!r}")
     try:
         _core.set_isa(name)
     except RuntimeError as e:

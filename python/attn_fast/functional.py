@@ -4,6 +4,15 @@ Layouts: q is (L, d), (H, L, d) or (B, H, L, d); k and v have the same number
 of dimensions, with Lk keys and, for grouped-query attention, H_kv heads.
 Arrays are read through their strides (no copy); the result is a new
 C-contiguous array of q's dtype, or is written into `out`.
+
+Dtypes: float32 and float64, and (scaled_dot_product_attention, attention,
+varlen_attention, attention_weights) float16 and bfloat16: torch.float16 /
+torch.bfloat16 CPU tensors and NumPy float16 arrays read zero-copy, NumPy
+arrays of ``ml_dtypes.bfloat16`` too (ml_dtypes is optional). 16-bit inputs
+are widened to fp32 as the kernel packs them, scores, softmax and the
+accumulation run in fp32, the output is rounded once to q's dtype; lse is
+float32, and float additive masks, ALiBi slopes and sinks are used in float32
+(cast from any float dtype). float16 is never rounded to bfloat16 or back.
 """
 
 from __future__ import annotations
@@ -15,15 +24,22 @@ import numpy as np
 
 from . import _core, masks
 from ._checks import (
+    HALF_DTYPES,
     alias_safe,
     as_float_array,
+    bf16_bits,
     check_bool,
     check_int,
     check_out,
     check_real,
     check_same_dtype,
     check_scale,
+    compute_dtype,
+    dtype_name,
+    from_float,
+    half_result,
     shape_str,
+    to_float,
     to_input_kind,
 )
 
@@ -158,12 +174,27 @@ def _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, dtype):
     return masks.add_block_summary(masks.merge_kwargs(parts, B, Lq, Lk))
 
 
+def _half_mask(attn_mask):
+    """A float16 / bfloat16 additive attn_mask tensor or array (torch, ml_dtypes;
+    NumPy float16 is read as is), which the mask objects cannot read, as float32
+    (a copy at its own shape); anything else unchanged."""
+    if attn_mask is None or isinstance(attn_mask, (list, tuple, masks.Mask)):
+        return attn_mask
+    if type(attn_mask).__module__.startswith("torch") and str(getattr(attn_mask, "dtype", "")) in (
+            "torch.bfloat16", "torch.float16"):
+        return attn_mask.detach().float().cpu().numpy()
+    if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.name == "bfloat16":
+        return attn_mask.astype(np.float32)
+    return attn_mask
+
+
 def _check_qkv(q, k, v, enable_gqa):
-    """Common shape checks; returns 4-D views and (B, Hq, Hkv, Lq, Lk, d, dv)."""
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
+    """Common shape checks; returns 4-D views and (B, Hq, Hkv, Lq, Lk, d, dv).
+    float16 / bfloat16 are accepted (bfloat16 as uint16 bits, see _checks)."""
+    q = as_float_array(q, "q", half=True)
+    k = as_float_array(k, "k", half=True)
     if v is not None:
-        v = as_float_array(v, "v")
+        v = as_float_array(v, "v", half=True)
     check_same_dtype(q=q, k=k, v=v)
     if not (q.ndim == k.ndim and (v is None or v.ndim == q.ndim)):
         vs = "" if v is None else f", v {shape_str(v)}"
@@ -259,10 +290,12 @@ def scaled_dot_product_attention(
 
     Parameters
     ----------
-    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64 array: NumPy, a CPU
-        torch tensor, or anything exposing the buffer protocol,
+    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64/float16/bfloat16
+        array: NumPy (bfloat16 as ``ml_dtypes.bfloat16``), a CPU torch
+        tensor, or anything exposing the buffer protocol,
         ``__array_interface__`` or DLPack on the CPU; read in place through its
-        strides, never copied (GPU memory raises TypeError).
+        strides, never copied (GPU memory raises TypeError). 16-bit inputs
+        compute in fp32 (see the module docstring).
     k : (Lk, d), (H_kv, Lk, d) or (B, H_kv, Lk, d), same dtype and ndim as q.
         Lk may differ from Lq either way (cross-attention).
     v : (Lk, dv), (H_kv, Lk, dv) or (B, H_kv, Lk, dv); dv may differ from d.
@@ -308,9 +341,10 @@ def scaled_dot_product_attention(
         transpose); it is written in place and returned as is.
     backend : "fused" (the SIMD kernels; short query chunks, Lq <= 4, against
         Lk >= 64 keys go to the split-KV decode kernel when only causal /
-        window / length masks are used and no stats are asked for), "decode"
-        (force the split-KV decode kernel) or "reference" (the plain-loop C++
-        kernel, slow; for testing).
+        window / length masks are used and no stats are asked for; float16 /
+        bfloat16 calls always stay on the fused kernel), "decode"
+        (force the split-KV decode kernel; float32/float64 only) or
+        "reference" (the plain-loop C++ kernel, slow; for testing).
     block_q, block_k : tile sizes in [0, 4096] (0 = default); results do not
         depend on them beyond float rounding. ``block_k`` is rounded up to the
         active path's key-panel width; ``return_stats`` reports the sizes used
@@ -323,13 +357,16 @@ def scaled_dot_product_attention(
 
     Returns
     -------
-    out : (…, Lq, dv) array of q's dtype (a new array unless ``out`` given).
-        The kind follows q: NumPy arrays for NumPy (or other array-like)
-        input, torch tensors sharing the result's memory (zero-copy) for a
-        torch tensor q; lse and weights likewise; a given ``out`` is returned
-        as the caller's own object. With any of return_lse / return_weights /
-        return_stats, a tuple (out, lse, weights, stats) holding only the
-        ones asked for, in that order. Query rows that see no key (for any mask kind) get zeros and
+    out : (…, Lq, dv) array of q's dtype (a new array unless ``out`` given;
+        for bfloat16 NumPy input an ``ml_dtypes.bfloat16`` array when
+        ml_dtypes is importable, else its uint16 bits). lse is float32 for
+        16-bit q. The kind follows q: NumPy arrays for NumPy (or other
+        array-like) input, torch tensors sharing the result's memory
+        (zero-copy) for a torch tensor q; lse and weights likewise; a given
+        ``out`` is returned as the caller's own object. With any of
+        return_lse / return_weights / return_stats, a tuple (out, lse,
+        weights, stats) holding only the ones asked for, in that order.
+        Query rows that see no key (for any mask kind) get zeros and
         lse = -inf, never NaN; a NaN or inf in a masked-out K/V row never
         reaches the output.
     """
@@ -343,23 +380,30 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, d)
     _check_backend(backend)
 
+    half = q.dtype in HALF_DTYPES
+    cdt = compute_dtype(q.dtype)  # lse, biases, slopes, sinks
+    if half:
+        attn_mask = _half_mask(attn_mask)
+        if backend == "decode":
+            raise TypeError(f"backend='decode' supports float32/float64 only, got q of dtype {dtype_name(q.dtype)}; "
+                            "use backend='fused'")
     out_shape = q.shape[:-1] + (dv,)
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     o = np.empty(out_shape, dtype=q.dtype) if out is None else check_out(out, out_shape, q.dtype)
     target = None  # the caller's out when it aliases an input: the kernel writes a temporary
     if out is not None:
         o, target = alias_safe(o, q, k, v, *_mask_arrays(attn_mask), alibi_slopes, sinks)
-    lse = np.empty(q.shape[:-1], dtype=q.dtype) if return_lse else None
+    lse = np.empty(q.shape[:-1], dtype=cdt) if return_lse else None
 
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
     stats = KernelStats(0, 0, 0, 0)
     use_decode = backend == "decode"
     if use_decode and (return_stats or not _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
         raise ValueError(
             "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
             f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}")
-    if (backend == "fused" and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
+    if (backend == "fused" and not half and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
             and _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
         use_decode = True
     if use_decode:
@@ -377,7 +421,7 @@ def scaled_dot_product_attention(
         extra.append(lse)
     if return_weights:
         w = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements=_MAX_WEIGHTS, force=False)
-        extra.append(w.astype(q.dtype).reshape(q.shape[:-1] + (Lk,)))
+        extra.append(half_result(from_float(w, q.dtype).reshape(q.shape[:-1] + (Lk,))))
     if return_stats:
         extra.append(stats)
     if target is not None:
@@ -403,8 +447,8 @@ def _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements, force):
     Hkv = k4.shape[1]
     g = Hq // Hkv
     d = q4.shape[-1]
-    qf = q4.astype(np.float64).reshape(B, Hkv, g, Lq, d)
-    kf = k4.astype(np.float64)
+    qf = to_float(q4).reshape(B, Hkv, g, Lq, d)
+    kf = to_float(k4)
     S = np.einsum("bhgid,bhjd->bhgij", qf, kf).reshape(B, Hq, Lq, Lk) * scale
     if kw.get("softcap"):
         c = kw["softcap"]
@@ -464,12 +508,17 @@ def attention_weights(
     Raises ValueError if B·H·Lq·Lk > max_elements (default 2**22) unless
     force=True.
     """
+    like = q
+    is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
     q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
     scale = check_scale(scale, d)
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    cdt = compute_dtype(q.dtype)
+    if q.dtype in HALF_DTYPES:
+        attn_mask = _half_mask(attn_mask)
+    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
     P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force))
-    return P.astype(q.dtype).reshape(q.shape[:-1] + (Lk,))
+    return to_input_kind(from_float(P, q.dtype).reshape(q.shape[:-1] + (Lk,)), like)
 
 
 # ---------------------------------------------------------------- varlen
@@ -523,7 +572,8 @@ def varlen_attention(
     Each sequence attends only within itself; ``causal`` and ``window_size``
     apply per sequence, aligned bottom-right (its last query sees its last key).
 
-    q : (total_q, H, d) float32/float64;  k : (total_k, H_kv, d);  v : (total_k, H_kv, dv).
+    q : (total_q, H, d) float32/float64/float16/bfloat16 (as in
+        ``scaled_dot_product_attention``);  k : (total_k, H_kv, d);  v : (total_k, H_kv, dv).
         H % H_kv == 0 (grouped-query heads are always allowed here). Any strides.
     cu_seqlens_q, cu_seqlens_k : (num_seqs + 1,) integers, starting at 0,
         non-decreasing (empty sequences allowed), ending at total_q / total_k.
@@ -541,9 +591,9 @@ def varlen_attention(
     causal = check_bool(causal, "causal")
     return_lse, return_stats = check_bool(return_lse, "return_lse"), check_bool(return_stats, "return_stats")
     like = q
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
+    q = as_float_array(q, "q", half=True)
+    k = as_float_array(k, "k", half=True)
+    v = as_float_array(v, "v", half=True)
     check_same_dtype(q=q, k=k, v=v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
@@ -577,14 +627,15 @@ def varlen_attention(
     target = None
     if out is not None:
         o, target = alias_safe(o, q, k, v, alibi_slopes, sinks)
-    lse = np.empty((Hq, Tq), dtype=q.dtype) if return_lse else None
+    cdt = compute_dtype(q.dtype)  # lse, slopes, sinks: float32 for 16-bit q
+    lse = np.empty((Hq, Tq), dtype=cdt) if return_lse else None
     kw = {}
     if window_size is not None:
         kw.update(_window_kwargs(window_size))
         del kw["_align"]
     if causal:
         kw["causal"] = True
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
     stats = KernelStats(0, 0, 0, 0)
     if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
         # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
@@ -609,10 +660,10 @@ def varlen_attention(
 def check_textbook_args(X, Wq, Wk, Wv):
     """Read and check the textbook's arguments: X (L, D) or (B, L, D), Wq and
     Wk (d, D), Wv (dv, D), one float dtype. Returns them as NumPy arrays."""
-    X = as_float_array(X, "X")
-    Wq = as_float_array(Wq, "Wq")
-    Wk = as_float_array(Wk, "Wk")
-    Wv = as_float_array(Wv, "Wv")
+    X = as_float_array(X, "X", half=True)
+    Wq = as_float_array(Wq, "Wq", half=True)
+    Wk = as_float_array(Wk, "Wk", half=True)
+    Wv = as_float_array(Wv, "Wv", half=True)
     check_same_dtype(X=X, Wq=Wq, Wk=Wk, Wv=Wv)
     if X.ndim not in (2, 3):
         raise ValueError(f"X must be (L, D) or (B, L, D), got shape {shape_str(X)}")
@@ -631,12 +682,21 @@ def attention(X, Wq, Wk, Wv, causal=False):
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.
     Computes Q = X Wqᵀ, K = X Wkᵀ, V = X Wvᵀ, then softmax(Q Kᵀ / √d) V with a
     causal mask if asked. Returns (L, dv) or (B, L, dv) in X's dtype: a NumPy
-    array, or a torch tensor (zero-copy) when X is one.
+    array, or a torch tensor (zero-copy) when X is one. For float16 /
+    bfloat16 the projections are computed in float32 and rounded to X's
+    dtype (as a 16-bit matmul would), the attention as in
+    ``scaled_dot_product_attention``.
     """
     like = X
     causal = check_bool(causal, "causal")
     X, Wq, Wk, Wv = check_textbook_args(X, Wq, Wk, Wv)
-    Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (…, L, d): three personas
+    if X.dtype in HALF_DTYPES:
+        Xf, dt = to_float(X, np.float32), X.dtype
+        Q, K, V = (from_float(Xf @ to_float(W, np.float32).T, dt) for W in (Wq, Wk, Wv))
+        if dt not in (np.float16,):
+            Q, K, V = bf16_bits(Q), bf16_bits(K), bf16_bits(V)
+    else:
+        Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (…, L, d): three personas
     # (…, L, d) -> (…, 1, L, d): one head, a view.
     O = scaled_dot_product_attention(Q[..., None, :, :], K[..., None, :, :], V[..., None, :, :], is_causal=causal)
     return to_input_kind(np.ascontiguousarray(O[..., 0, :, :]), like)

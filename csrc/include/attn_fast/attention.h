@@ -24,7 +24,34 @@ struct Strides4 {
   int64_t b = 0, h = 0, l = 0, d = 0;
 };
 
-// Everything one call of the fused forward kernel needs. T is float or double.
+// 16-bit storage types: the bits of a bfloat16 / IEEE binary16 value. They are
+// storage only: kernels read them into fp32 (compute_t), accumulate and take
+// the softmax in fp32, and round back once when writing O.
+struct bf16_t {
+  uint16_t bits;
+};
+struct fp16_t {
+  uint16_t bits;
+};
+template <typename S>
+struct compute_type {
+  using type = S;
+};
+template <>
+struct compute_type<bf16_t> {
+  using type = float;
+};
+template <>
+struct compute_type<fp16_t> {
+  using type = float;
+};
+// The type a kernel computes in for storage type S (bf16/fp16 -> float).
+template <typename S>
+using compute_t = typename compute_type<S>::type;
+
+// Everything one call of the fused forward kernel needs. T is the storage type
+// of q, k, v and o: float, double, bf16_t or fp16_t. lse, bias, alibi and
+// sinks are in the compute type compute_t<T> (fp32 for the 16-bit types).
 //
 // Visibility of key j for query i of sequence s (all must hold):
 //   j < k_len(s)                                   (padding / varlen)
@@ -48,7 +75,7 @@ struct AttnArgs {
   const T* k = nullptr;
   const T* v = nullptr;
   T* o = nullptr;
-  T* lse = nullptr;  // optional, contiguous (B, Hq, Lq) / (Hq, total_q) for varlen
+  compute_t<T>* lse = nullptr;  // optional, contiguous (B, Hq, Lq) / (Hq, total_q) for varlen
 
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, d = 0, dv = 0;
   Strides4 sq, sk, sv, so;
@@ -72,12 +99,12 @@ struct AttnArgs {
 
   const uint8_t* mask = nullptr;  // dense boolean, 1 = attend
   Strides4 smask;
-  const T* bias = nullptr;        // dense additive
+  const compute_t<T>* bias = nullptr;  // dense additive
   Strides4 sbias;
 
-  const T* alibi = nullptr;  // (Hq,) slopes
+  const compute_t<T>* alibi = nullptr;  // (Hq,) slopes
   double softcap = 0.0;
-  const T* sinks = nullptr;  // (Hq,) logits
+  const compute_t<T>* sinks = nullptr;  // (Hq,) logits
 
   int num_threads = 1;
   // Tiling override for tests (0 = kernel default). Results do not depend on it
@@ -127,7 +154,9 @@ struct DecodeArgs {
   int64_t split = 0;  // keys per split (0 = kernel default); results depend on it only by rounding
 };
 
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+// avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16
+// storage (CPUID.(7,1):EAX bit 5). Other dtypes run the avx512 kernels.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 
 const char* isa_name(Isa isa);
 // ISAs compiled into this build AND supported by this CPU/OS, in ascending order.
@@ -151,6 +180,19 @@ std::string openmp_runtime();
 // Entry points: dispatch to the active ISA's fused kernel.
 AttnStats flash_forward(const AttnArgs<float>& a);
 AttnStats flash_forward(const AttnArgs<double>& a);
+
+// 16-bit storage: q, k, v, o in bf16 / fp16, everything else fp32.
+// Without AVX512-BF16 (or when the probe finds it slower) the fused kernel
+// converts on pack and runs the fp32 kernel.
+AttnStats flash_forward(const AttnArgs<bf16_t>& a);
+AttnStats flash_forward(const AttnArgs<fp16_t>& a);
+void reference_forward(const AttnArgs<bf16_t>& a);
+void reference_forward(const AttnArgs<fp16_t>& a);
+// bf16 calls take the vdpbf16ps path when the active ISA is avx512_bf16: the
+// default where AVX512-BF16 is present and this short timing probe (run once,
+// vdpbf16ps vs fp32 FMA; ATTN_FAST_BF16_PROBE=0/1 overrides it) finds the dot
+// product faster; set_active_isa / ATTN_FAST_ISA choose either way.
+bool bf16_dot_preferred();
 
 // Plain-loop reference kernel (two-pass softmax in double): the slow readable
 // fallback and second oracle. Same arguments and semantics.

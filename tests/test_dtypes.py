@@ -1,0 +1,401 @@
+"""float16 and bfloat16 inputs: every source kind, every ISA, against the float64 oracle.
+
+The oracle runs in float64 on the *same rounded* 16-bit inputs, so what is
+left is the kernel's own error: fp32 accumulation plus one rounding of O to
+the 16-bit dtype (half an ulp: 2^-9 relative for bfloat16, 2^-12 for float16),
+and for bfloat16 on avx512_bf16 the rounding of P to bfloat16 for the
+vdpbf16ps P V product (as torch's bf16 SDPA does), at most 2^-9 of
+Σ_j P_ij |v_j|, which the oracle computes too (`A`). lse is float32. Sources: torch.bfloat16 / torch.float16 tensors, NumPy
+float16 arrays and ml_dtypes.bfloat16 arrays (each skipped where its library
+is missing).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from conftest import poisoned
+
+import attn_fast as af
+from attn_fast import masks
+from attn_fast import reference as ref
+from attn_fast._checks import _BF16Bits, to_input_kind
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is optional
+    torch = None
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is optional
+    ml_dtypes = None
+
+sdpa = af.scaled_dot_product_attention
+
+SOURCES = ["numpy_f16", "torch_f16", "torch_bf16", "ml_bf16"]
+# |got - O| <= RTOL |O| + PTOL A + ATOL: one rounding of O, fp32 accumulation,
+# and (bf16) P rounded to bf16, A = Σ_j P_ij |v_j|.
+RTOL = {"f16": 2.0**-11, "bf16": 2.0**-8}
+PTOL = {"f16": 0.0, "bf16": 2.0**-8}
+ATOL = 2e-5
+
+
+class Want(NamedTuple):
+    O: np.ndarray
+    A: np.ndarray  # Σ_j P_ij |v_j|
+
+
+def orc(q, k, v, return_lse=False, **kw):
+    """The float64 oracle (reference.sdpa) on float64 inputs, with A beside O."""
+    O, LSE = ref.sdpa(q, k, v, return_lse=True, **kw)
+    want = Want(O, ref.sdpa(q, k, np.abs(v), **kw))
+    return (want, LSE) if return_lse else want
+
+
+def kind_of(src):
+    return "bf16" if src.endswith("bf16") else "f16"
+
+
+def need(src):
+    if src.startswith("torch") and torch is None:
+        pytest.skip("torch not installed")
+    if src.startswith("ml") and ml_dtypes is None:
+        pytest.skip("ml_dtypes not installed")
+
+
+def make(x, src):
+    """float32 NumPy `x` rounded to the 16-bit dtype, as the source kind."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if src == "numpy_f16":
+        return x.astype(np.float16)
+    if src == "ml_bf16":
+        return x.astype(ml_dtypes.bfloat16)
+    t = torch.from_numpy(x)
+    return t.to(torch.float16 if src == "torch_f16" else torch.bfloat16)
+
+
+def f64(x):
+    """Any result or input (torch tensor, ml_dtypes, float16, bf16 uint16 bits) as float64 NumPy."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().double().numpy()
+    x = np.asarray(x)
+    if x.dtype == np.uint16:  # bfloat16 bits (no ml_dtypes)
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def gen(rng, src, *shapes):
+    need(src)
+    return [make(rng.standard_normal(s), src) for s in shapes]
+
+
+def close(got, want, src, what="out"):
+    kind = kind_of(src)
+    got, A, want = f64(got), np.asarray(want.A, np.float64), np.asarray(want.O, np.float64)
+    bad = ~(np.abs(got - want) <= RTOL[kind] * np.abs(want) + PTOL[kind] * A + ATOL)
+    assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {np.nanmax(np.abs(got - want)):.3g}"
+
+
+def check_lse(lse, LSE):
+    assert np.asarray(lse).dtype == np.float32
+    np.testing.assert_allclose(np.asarray(lse, np.float64), LSE, rtol=1e-5, atol=1e-5)
+
+
+def result_dtype_ok(o, src):
+    """NumPy result of the input's dtype (the lead's wrapper turns torch input into torch output)."""
+    o = to_input_kind(o, make(np.zeros(1), src))
+    if src == "numpy_f16":
+        assert isinstance(o, np.ndarray) and o.dtype == np.float16
+    elif src == "ml_bf16":
+        assert isinstance(o, np.ndarray) and o.dtype == ml_dtypes.bfloat16
+    else:
+        assert isinstance(o, torch.Tensor) and o.dtype == (torch.float16 if src == "torch_f16" else torch.bfloat16)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "Lq, Lk, d, dv",
+    [(1, 1, 64, 64), (7, 7, 80, 80), (129, 129, 128, 128), (7, 129, 256, 256), (129, 7, 48, 40),
+     (33, 65, 40, 72), (1, 300, 64, 64), (5, 9, 1, 1), (3, 70, 5, 3), (20, 20, 33, 17)],
+)
+def test_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
+    q, k, v = gen(rng, src, (2, 3, Lq, d), (2, 3, Lk, d), (2, 3, Lk, dv))
+    o, lse = sdpa(q, k, v, is_causal=causal, return_lse=True)
+    result_dtype_ok(o, src)
+    O, LSE = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_reference_backend(rng, src):
+    q, k, v = gen(rng, src, (1, 2, 9, 24), (1, 2, 13, 24), (1, 2, 13, 8))
+    o, lse = sdpa(q, k, v, is_causal=True, return_lse=True, backend="reference")
+    O, LSE = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(9, 13), return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_short_queries_use_fused_kernel(isa, rng, src):
+    """Lq <= 4 against long keys goes to the decode kernel for fp32; 16-bit stays fused."""
+    q, k, v = gen(rng, src, (2, 4, 1, 64), (2, 2, 200, 64), (2, 2, 200, 64))
+    o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    O = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(1, 200))
+    close(o, O, src)
+    with pytest.raises(TypeError, match="backend='decode' supports float32/float64 only"):
+        sdpa(q, k, v, enable_gqa=True, backend="decode")
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_non_contiguous_and_gqa(isa, rng, src):
+    """(B, L, H, d) buffers read as their (B, H, L, d) transposes; 4 query heads on 2 kv heads."""
+    q, k, v = gen(rng, src, (2, 17, 4, 80), (2, 23, 2, 80), (2, 23, 2, 56))
+    tr = (lambda x: x.transpose(1, 2)) if src.startswith("torch") else (lambda x: x.transpose(0, 2, 1, 3))
+    qt, kt, vt = tr(q), tr(k), tr(v)
+    o = sdpa(qt, kt, vt, enable_gqa=True, window_size=(5, 3))
+    O = orc(f64(qt), f64(kt), f64(vt), mask=ref.window_mask(17, 23, 5, 3))
+    close(o, O, src)
+
+
+@pytest.mark.parametrize("src", ["torch_bf16", "ml_bf16", "numpy_f16"])
+def test_out_written_in_place(isa, rng, src):
+    q, k, v = gen(rng, src, (1, 2, 10, 16), (1, 2, 10, 16), (1, 2, 10, 16))
+    out = make(np.full((1, 10, 2, 16), np.nan, np.float32), src)
+    o_view = out.transpose(1, 2) if src.startswith("torch") else out.transpose(0, 2, 1, 3)
+    got = sdpa(q, k, v, is_causal=True, out=o_view)
+    assert got is o_view
+    close(o_view, orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(10, 10)), src)
+
+
+def test_torch_result_shares_memory():
+    if torch is None:
+        pytest.skip("torch not installed")
+    x = torch.randn(1, 2, 5, 8).bfloat16()
+    o, lse = sdpa(x, x, x, return_lse=True)  # torch in, torch out
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape == (1, 2, 5, 8)
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    xn = x.view(torch.int16).numpy().view(np.uint16)
+    on = np.asarray(sdpa(xn.view(_BF16Bits), xn.view(_BF16Bits), xn.view(_BF16Bits))).view(np.uint16)
+    np.testing.assert_array_equal(o.view(torch.int16).numpy().view(np.uint16), on)
+    t = to_input_kind(on, x)
+    assert t.dtype == torch.bfloat16 and t.shape == (1, 2, 5, 8)
+    assert t.data_ptr() == on.__array_interface__["data"][0]  # no copy
+    assert to_input_kind(t, x) is t  # tensors pass through
+
+
+# ---------------------------------------------------------------- masks and scores
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_masks_and_score_transforms(isa, rng, src):
+    B, H, Lq, Lk, d = 2, 2, 19, 37, 32
+    q, k, v = gen(rng, src, (B, H, Lq, d), (B, H, Lk, d), (B, H, Lk, d))
+    Q, K, V = f64(q), f64(k), f64(v)
+    keep = rng.random((B, H, Lq, Lk)) < 0.6
+    bias = rng.standard_normal((B, 1, Lq, Lk)).astype(np.float32)
+    kv_lens = np.array([Lk, 20])
+    pad = np.arange(Lk)[None, None, None, :] < kv_lens[:, None, None, None]
+
+    close(sdpa(q, k, v, attn_mask=keep), orc(Q, K, V, mask=keep), src, "bool mask")
+    close(sdpa(q, k, v, attn_mask=bias), orc(Q, K, V, bias=bias), src, "additive mask")
+    close(sdpa(q, k, v, attn_mask=masks.Padding(kv_lens=kv_lens)), orc(Q, K, V, mask=pad), src, "padding")
+    close(sdpa(q, k, v, attn_mask=[keep, bias]), orc(Q, K, V, mask=keep, bias=bias), src, "mask + bias")
+    sinks = np.array([0.5, -1.0])
+    o, lse = sdpa(q, k, v, softcap=3.0, sinks=sinks, return_lse=True)
+    O, LSE = orc(Q, K, V, softcap=3.0, sinks=sinks, return_lse=True)
+    close(o, O, src, "softcap + sinks")
+    check_lse(lse, LSE)
+    slopes = np.array([0.25, 0.5])
+    dist = np.abs(np.arange(Lq)[:, None] + (Lk - Lq) - np.arange(Lk)[None, :])
+    close(sdpa(q, k, v, alibi_slopes=slopes), orc(Q, K, V, bias=-slopes[:, None, None] * dist), src, "alibi")
+
+
+@pytest.mark.parametrize("src", ["torch_bf16", "torch_f16", "ml_bf16"])
+def test_additive_mask_in_input_dtype(rng, src):
+    """An additive mask of q's own 16-bit dtype is used (in float32)."""
+    q, k, v = gen(rng, src, (1, 2, 6, 16), (1, 2, 9, 16), (1, 2, 9, 16))
+    bias = make(rng.standard_normal((1, 1, 6, 9)), src)
+    close(sdpa(q, k, v, attn_mask=bias), orc(f64(q), f64(k), f64(v), bias=f64(bias)), src)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_fully_masked_rows_and_nan_in_masked_v(isa, rng, src):
+    B, H, L, d = 1, 2, 40, 24
+    need(src)
+    q = make(rng.standard_normal((B, H, L, d)), src)
+    kf, vf = rng.standard_normal((B, H, L, d)), rng.standard_normal((B, H, L, d))
+    kf[..., 30:, :] = np.nan  # padding keys past kv_len = 30 hold garbage
+    vf[..., 30:, :] = np.nan
+    vf[..., 3, :] = np.inf  # a key that the boolean mask hides from every query
+    k, v = make(kf, src), make(vf, src)
+    keep = np.ones((B, H, L, L), bool)
+    keep[..., 3] = False
+    keep[:, :, 5, :] = False  # row 5 sees nothing
+    o, lse = sdpa(q, k, v, attn_mask=[keep, masks.Padding(kv_lens=[30], q_lens=[L])], return_lse=True)
+    o = f64(o)
+    assert np.isfinite(o).all()
+    assert (o[:, :, 5] == 0).all() and np.isneginf(np.asarray(lse)[:, :, 5]).all()
+    vis = keep & (np.arange(L) < 30)
+    # the oracle multiplies P by V densely: give it zeros where the kernel must never look
+    K, V = (np.where(np.isfinite(f64(x)), f64(x), 0.0) for x in (k, v))
+    O, LSE = orc(f64(q), K, V, mask=vis, return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+
+
+# ---------------------------------------------------------------- conversions, exactly
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_one_key_returns_v_bit_exact(isa, rng, src):
+    """One visible key: O = V exactly, so every 16-bit value (subnormals, inf, NaN, extremes) survives
+    the widen-on-pack and the round-on-write unchanged (NaN stays NaN; assert_array_equal matches NaNs)."""
+    need(src)
+    if kind_of(src) == "f16":
+        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    else:
+        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    dv = 80
+    vrow = np.resize(vals, dv) * np.where(rng.random(dv) < 0.5, 1, -1).astype(np.float32)
+    q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, 1, 8)), src)
+    v = make(vrow.reshape(1, 1, 1, dv), src)
+    o = sdpa(q, k, v)
+    np.testing.assert_array_equal(f64(o), np.broadcast_to(f64(v), (1, 1, 3, dv)))
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_output_rounds_to_nearest_even(isa, rng, src):
+    """Two keys of equal score: O = (v1 + v2) / 2 in fp32, then one rounding to the dtype,
+    ties to even (compared with NumPy's / torch's own conversion)."""
+    need(src)
+    dv = 96
+    v = make(rng.standard_normal((1, 1, 2, dv)), src)
+    q, k = make(np.zeros((1, 1, 2, 8)), src), make(np.ones((1, 1, 2, 8)), src)
+    o = sdpa(q, k, v)
+    vv = f64(v).astype(np.float32)
+    want = (vv[:, :, 0] + vv[:, :, 1]) * np.float32(0.5)
+    np.testing.assert_array_equal(f64(o)[:, :, 0], f64(make(want, src)))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_mixed_dtypes_raise_with_cast_hint(rng):
+    q32 = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    q16 = q32.astype(np.float16)
+    with pytest.raises(TypeError, match=r"mixed dtypes .*q float16, k float32.*astype\(q.dtype\)"):
+        sdpa(q16, q32, q32)
+    if torch is not None:
+        t = torch.from_numpy(q32)
+        with pytest.raises(TypeError, match=r"mixed dtypes .*q bfloat16, k float16.*\.to\(q.dtype\)"):
+            sdpa(t.bfloat16(), t.half(), t.half())
+        with pytest.raises(TypeError, match=r"out has dtype float16, expected bfloat16"):
+            sdpa(t.bfloat16(), t.bfloat16(), t.bfloat16(), out=t.half())
+    with pytest.raises(TypeError, match="float32 or float64, got dtype uint16"):  # uint16 is not bfloat16
+        sdpa(q32.view(np.uint16)[..., :8], q32, q32)
+
+
+def test_other_modules_refuse_16bit():
+    if torch is None:
+        pytest.skip("torch not installed")
+    x = torch.randn(1, 2, 4, 8).bfloat16()
+    cache = af.KVCache(1, 2, 8)
+    with pytest.raises(TypeError, match="bfloat16 and float16 are supported by scaled_dot_product_attention"):
+        cache.append(x, x)
+
+
+# ---------------------------------------------------------------- varlen and the textbook function
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_varlen(isa, rng, src):
+    cu = np.array([0, 5, 5, 22])
+    q, k, v = gen(rng, src, (22, 4, 40), (22, 2, 40), (22, 2, 24))
+    o, lse = af.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    assert np.asarray(lse).dtype == np.float32
+    Q, K, V = f64(q), f64(k), f64(v)
+    for s in range(3):
+        a, b = cu[s], cu[s + 1]
+        if a == b:
+            continue
+        O = orc(Q[a:b].transpose(1, 0, 2), K[a:b].transpose(1, 0, 2), V[a:b].transpose(1, 0, 2),
+                     mask=ref.causal_mask(b - a, b - a))
+        close(f64(o)[a:b].transpose(1, 0, 2), O, src)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_textbook_attention(rng, src):
+    X, Wq, Wk, Wv = gen(rng, src, (9, 16), (8, 16), (8, 16), (6, 16))
+    o = af.attention(X, Wq, Wk, Wv, causal=True)
+    # Projections in fp32, rounded to the dtype (as a 16-bit matmul would), then attention.
+    P = [f64(make(f64(X).astype(np.float32) @ f64(W).astype(np.float32).T, src)) for W in (Wq, Wk, Wv)]
+    close(o, orc(*P, mask=ref.causal_mask(9, 9)), src)
+
+
+# ---------------------------------------------------------------- against torch's own bf16 SDPA
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 129, 64), (1, 8, 256, 128), (1, 2, 77, 80)])
+def test_error_within_1p5x_of_torch_bf16(isa, rng, causal, shape):
+    """attn_fast's bf16 error against the float64 oracle (on the same bf16 inputs) is at most
+    1.5x that of torch's bf16 scaled_dot_product_attention, by RMS and by max."""
+    if torch is None:
+        pytest.skip("torch not installed")
+    q, k, v = gen(rng, "torch_bf16", shape, shape, shape)
+    L = shape[2]
+    ours = f64(to_input_kind(sdpa(q, k, v, is_causal=causal), q))
+    theirs = f64(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    O = ref.sdpa(f64(q), f64(k), f64(v), mask=ref.causal_mask(L, L) if causal else None)
+    e_ours, e_torch = np.abs(ours - O), np.abs(theirs - O)
+    assert np.sqrt(np.mean(e_ours**2)) <= 1.5 * np.sqrt(np.mean(e_torch**2))
+    assert e_ours.max() <= 1.5 * e_torch.max()
+
+
+# ---------------------------------------------------------------- threads and ISA choice
+
+
+@pytest.mark.parametrize("src", ["numpy_f16", "ml_bf16", "torch_bf16"])
+def test_thread_count_does_not_change_bits(isa, rng, src):
+    q, k, v = gen(rng, src, (2, 4, 150, 64), (2, 4, 150, 64), (2, 4, 150, 64))
+    old = af.get_num_threads()
+    try:
+        af.set_num_threads(1)
+        o1 = f64(sdpa(q, k, v, is_causal=True))
+        af.set_num_threads(3)
+        o3 = f64(sdpa(q, k, v, is_causal=True))
+    finally:
+        af.set_num_threads(old)
+    np.testing.assert_array_equal(o1, o3)
+
+
+def _isa_in_subprocess(**env):
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import attn_fast as af; print(af.get_isa())"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_avx512_bf16_choice():
+    """avx512_bf16 is listed where CPUID says AVX512-BF16; the probe can be overridden; the
+    environment variable forces either path."""
+    isas = af._core.available_isas()
+    if "avx512_bf16" not in isas:
+        assert af.get_isa() != "avx512_bf16"
+        pytest.skip("no AVX512-BF16 on this CPU (or not compiled)")
+    assert "avx512" in isas
+    assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="0", ATTN_FAST_ISA="") == "avx512"
+    assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="1", ATTN_FAST_ISA="") == "avx512_bf16"
+    assert _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
+    assert _isa_in_subprocess(ATTN_FAST_ISA="avx512") == "avx512"
