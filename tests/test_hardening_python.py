@@ -264,3 +264,140 @@ def test_rotate_qk_inplace_refuses_overlapping_q_and_k(rng):
     a, b = rope.rotate_qk(x, x)
     np.testing.assert_array_equal(a, rope(x))
     np.testing.assert_array_equal(b, rope(x))
+
+
+# ---------------------------------------------------------------- item 5: Ctrl-C in the Cython loops
+
+# In a child: a watcher thread sends SIGINT to the process as soon as the loop
+# has written its first element (the loops release the GIL while they run).
+# KeyboardInterrupt must come out of the call before the loop finished (its
+# last element still unwritten). Without the chunked checks it never does:
+# the loop runs to its end and the interrupt comes after. With them, a signal
+# sent while the loop runs stops it; a watcher scheduled too late on a busy
+# machine only costs another attempt (the signal then lands in join()).
+SIGINT_CODE = """
+    import os, signal, sys, threading, time
+    import numpy as np
+    import attn_fast as af
+    from attn_fast import _cyloops, masks, positional
+    af.set_num_threads({threads})
+    kind = "{kind}"
+    captured = []
+
+    class NpShim:  # _cyloops allocates its results with np.zeros: keep a handle on them
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def zeros(self, *a, **kw):
+            captured.append(np.zeros(*a, **kw))
+            return captured[-1]
+
+    if kind == "rope":
+        x = np.ones((1, 4096, 32, 128), np.float32)
+        out = np.full_like(x, np.nan)
+        reset = lambda: out.fill(np.nan)
+        call = lambda: positional.RoPE(128)(x, out=out)
+        started = lambda: not np.isnan(out[0, 0, 0, 0])
+        finished = lambda: not np.isnan(out[0, -1, -1, -1])
+    elif kind == "kv_append":
+        cache = af.KVCache(1, 32, 128, capacity=4096 + 8)
+        k0 = np.random.default_rng(0).standard_normal((1, 32, 8, 128)).astype(np.float32)
+        cache.append(k0, k0)
+        k = np.ones((1, 32, 4096, 128), np.float32)
+
+        def reset():
+            cache.truncate(8)
+            cache._v[:, :, 8:] = np.nan
+
+        call = lambda: cache.append(k, k)
+        started = lambda: not np.isnan(cache._v[0, 0, 8, 0])  # the keys are written first, then the values
+        finished = lambda: not np.isnan(cache._v[0, -1, -1, -1])
+    else:
+        _cyloops.np = NpShim()
+        reset = captured.clear
+        if kind == "band_layout":
+            call = lambda: masks.BlockSparse.local(8192 * 16, 16, 8192)  # every block kept
+            started = lambda: bool(captured) and bool(captured[-1][0, 0])
+            finished = lambda: bool(captured[-1][-1, -1])
+        else:
+            m = np.ones((1, 1, 8192, 8192), np.bool_)
+            call = lambda: masks.block_summary(m, 16)
+            started = lambda: bool(captured) and captured[-1][0, 0, 0, 0] == 2
+            finished = lambda: captured[-1][0, 0, -1, -1] == 2
+
+    def watcher():
+        while not started():
+            time.sleep(0.0001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    for attempt in range(40):
+        reset()
+        w = threading.Thread(target=watcher, daemon=True)
+        try:
+            w.start()
+            call()
+            w.join()  # the watcher was late: its signal is raised here
+            time.sleep(1)
+            sys.exit("no KeyboardInterrupt at all")
+        except KeyboardInterrupt:
+            w.join()
+            if not finished():
+                print("interrupted inside the loop", attempt)
+                break
+    else:
+        print("never interrupted inside the loop")
+    if kind == "kv_append":  # the cache is as before the interrupted append, and usable
+        assert cache.lengths.tolist() == [8] and cache.positions.tolist() == [8]
+        np.testing.assert_array_equal(cache.keys(0), k0[0])
+        q = k0[:, :, -1:]
+        np.testing.assert_allclose(cache.attend(q), af.scaled_dot_product_attention(q, k0, k0), rtol=1e-5, atol=1e-6)
+        print("cache ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["rope", "kv_append", "band_layout", "block_summary"])
+def test_ctrl_c_interrupts_the_long_cython_loops(kind, threads):
+    code = textwrap.dedent(SIGINT_CODE.format(kind=kind, threads=threads))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0].startswith("interrupted inside the loop"), (lines, r.stderr)  # stopped before its end
+    if kind == "kv_append":
+        assert lines[1] == "cache ok"
+
+
+def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, monkeypatch):
+    # A Ctrl-C inside the copy into a full ring: the new rows are not stored and
+    # the oldest keys whose slots were (maybe) overwritten are dropped; the
+    # rest of the cache is intact and consistent.
+    from attn_fast import kv_cache
+
+    cache = KVCache(2, 1, 4, window=3, ring=6, dtype=np.float64, growable=False)
+    ks = randn(rng, (2, 1, 5, 4))
+    cache.append(ks[:, :, :4], ks[:, :, :4], lengths=[4, 2])  # seq 0 holds 4 of 6 slots, seq 1 holds 2
+    real = kv_cache._cyloops.cache_write
+
+    def interrupted(dst, src, first, count, *a, **kw):
+        real(dst, src, first, count, *a, **kw)  # every row written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kv_cache._cyloops, "cache_write", interrupted)
+    new = randn(rng, (2, 1, 3, 4))
+    with pytest.raises(KeyboardInterrupt):
+        cache.append(new, new)
+    monkeypatch.setattr(kv_cache._cyloops, "cache_write", real)
+    # seq 0: 4 stored + 3 new > 6 slots: its oldest key was overwritten; seq 1 fits
+    assert cache.positions.tolist() == [4, 2]
+    assert cache.lengths.tolist() == [3, 2]
+    np.testing.assert_array_equal(cache.keys(0), ks[0, :, 1:4])
+    np.testing.assert_array_equal(cache.keys(1), ks[1, :, :2])
+    q = randn(rng, (2, 1, 1, 4))
+    cache.append(new[:, :, :1], new[:, :, :1])
+    got = cache.attend(q)
+    for b, hist in enumerate([np.concatenate([ks[0, :, 1:4], new[0, :, :1]], 1),
+                              np.concatenate([ks[1, :, :2], new[1, :, :1]], 1)]):
+        hist = hist[:, -3:]  # the window: the query sees its last 3 positions
+        np.testing.assert_allclose(got[b], ref.sdpa(q[b], hist, hist), rtol=1e-12, atol=1e-12)
