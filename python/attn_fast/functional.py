@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core, masks
-from ._checks import alias_safe, as_float_array, check_out, check_int, check_same_dtype, check_scale, detached, shape_str
+from ._checks import (alias_safe, as_float_array, check_int, check_out, check_same_dtype, check_scale, detached,
+                      shape_str)
 
 __all__ = [
     "scaled_dot_product_attention",
