@@ -360,6 +360,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("openmp_runtime", &openmp_runtime);
   m.def("forked_child_serial", &forked_child_serial,
         "True in a forked child of a libgomp process that ran threads: kernels run single-threaded.");
+  m.def("threads_for_call", &threads_for_call,
+        "Threads for one parallel call (get_num_threads(), 1 in a serial forked child); notes a pool for the fork guard.");
   m.def("fma_peak_gflops", [](int threads, double seconds) {
     py::gil_scoped_release release;
     return fma_peak_gflops(threads, seconds);

@@ -20,6 +20,9 @@
 #include <pthread.h>
 #define ATTN_POSIX 1
 #endif
+#ifdef __linux__
+#include <dirent.h>
+#endif
 
 #include "attn_fast/attention.h"
 
@@ -135,11 +138,20 @@ std::atomic<int> g_threads{0};
 // fork() safety. GNU libgomp keeps its worker threads in a pool that does not
 // survive fork(): a forked child that opens a parallel region with more than
 // one thread waits forever for workers that no longer exist (LLVM's libomp
-// re-initialises itself in an atfork handler instead). So: remember whether a
-// multi-threaded region may have run, and in a forked child of such a process
-// run single-threaded (a one-thread region never touches the pool).
+// re-initialises itself in an atfork handler instead). The pool may have been
+// started by anyone sharing the runtime: these kernels, the Cython prange
+// loops of attn_fast._cyloops, torch, the bandwidth probes. So the prepare
+// handler (run in the parent, just before fork) notes whether the parent had
+// more than one thread (libgomp's workers are threads, whoever started them),
+// or ran a pool here, or was itself a serial child; in the child of such a
+// parent everything runs single-threaded (a one-thread region never touches
+// the pool), and so do the child's own children. The thread count is an
+// over-approximation (OpenBLAS or Python threads count too): a child of a
+// threaded parent runs serially even when no OpenMP pool existed. libgomp
+// offers no way to ask whether the forking thread owns a pool.
 std::atomic<bool> g_pool_used{false};
 std::atomic<bool> g_forked_child{false};
+std::atomic<bool> g_fork_parent_threaded{false};
 
 #if defined(ATTN_POSIX) && defined(_OPENMP)
 bool runtime_is_libgomp() {
@@ -148,12 +160,29 @@ bool runtime_is_libgomp() {
     return std::string(info.dli_fname).find("libgomp") != std::string::npos;
   return true;  // unknown: assume the fork-unsafe runtime
 }
+// True unless this process is known to have exactly one thread (the caller).
+bool process_has_other_threads() {
+#ifdef __linux__
+  DIR* dir = opendir("/proc/self/task");  // one entry per thread
+  if (!dir) return true;
+  int n = 0;
+  while (const dirent* e = readdir(dir))
+    if (e->d_name[0] != '.' && ++n > 1) break;
+  closedir(dir);
+  return n != 1;
+#else
+  return true;  // no cheap count: assume threads
+#endif
+}
+void on_fork_prepare() {
+  g_fork_parent_threaded.store(g_pool_used.load() || g_forked_child.load() || process_has_other_threads());
+}
 void on_fork_child() {
-  if (g_pool_used.load()) g_forked_child.store(true);
+  if (g_fork_parent_threaded.load()) g_forked_child.store(true);
 }
 struct ForkGuard {
   ForkGuard() {
-    if (runtime_is_libgomp()) pthread_atfork(nullptr, nullptr, &on_fork_child);
+    if (runtime_is_libgomp()) pthread_atfork(&on_fork_prepare, nullptr, &on_fork_child);
   }
 };
 const ForkGuard g_fork_guard;
@@ -309,7 +338,8 @@ void decode_forward(const DecodeArgs<double>& a) { ATTN_DISPATCH(decode_forward_
 static float stream_read_active(const float* p, int64_t n) { ATTN_DISPATCH(stream_read, p, n) }
 
 double stream_read_gbps(int threads, int64_t nbytes, int reps) {
-  if (threads < 1) threads = 1;
+  if (threads < 1 || g_forked_child.load()) threads = 1;  // see ForkGuard
+  if (threads > 1) g_pool_used.store(true);
   if (reps < 1) reps = 1;
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(float)) / threads / 16 * 16;
   if (n <= 0) return 0.0;
@@ -349,7 +379,8 @@ double stream_read_gbps(int threads, int64_t nbytes, int reps) {
 static double read_loop_active(const float* p, int64_t n) { ATTN_DISPATCH(read_loop, p, n) }
 
 double read_bandwidth_gbs(int threads, int64_t bytes, double seconds) {
-  if (threads < 1) threads = 1;
+  if (threads < 1 || g_forked_child.load()) threads = 1;  // see ForkGuard
+  if (threads > 1) g_pool_used.store(true);
   const int64_t chunk = 64 * 1024;  // floats per work unit, a multiple of 4 * W
   int64_t n = bytes / static_cast<int64_t>(sizeof(float)) / chunk * chunk;
   if (n < chunk) n = chunk;

@@ -349,3 +349,67 @@ def test_fuzz_kv_cache_against_oracle(program):
                 else:
                     cache.forward(rng.standard_normal((B, Hq, 1, d + 1)).astype(dt), k1, v1)
         check_state()
+
+
+# ---------------------------------------------------------------- forked child
+
+FORK_FUZZ_CODE = """
+    import os, sys, time, traceback
+    sys.path.insert(0, {tests_dir!r})
+    import numpy as np
+    import attn_fast as af
+    from attn_fast import positional
+    from hypothesis import HealthCheck, given, settings
+    import test_fuzz as tf
+
+    af.set_num_threads(2)
+    q = np.random.default_rng(0).standard_normal((1, 4, 512, 64)).astype(np.float32)
+    af.scaled_dot_product_attention(q, q, q, is_causal=True)  # libgomp's pool, started by a kernel
+    positional.RoPE(64)(np.ones((1, 4096, 8, 64), np.float32))  # ... and used by a Cython loop
+    few = settings(max_examples={n}, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    runs = [few(given(tf.problems())(tf.test_fuzz_against_oracle.hypothesis.inner_test)),
+            few(given(tf.cache_programs())(tf.test_fuzz_kv_cache_against_oracle.hypothesis.inner_test))]
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            for run in runs:
+                run()
+            if {libgomp} and not af._core.forked_child_serial():
+                code = 3
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < {deadline}:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print(os.waitstatus_to_exitcode(status))
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("hang")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_fuzz_in_a_forked_child_after_threaded_calls():
+    # A few examples of both fuzzers in a child forked after a threaded kernel
+    # call and a threaded Cython loop (libgomp's pool does not survive fork:
+    # attn_fast must run serially there, with the same answers).
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(FORK_FUZZ_CODE.format(
+        tests_dir=os.path.dirname(os.path.abspath(__file__)), n=max(4, N_EXAMPLES // 8),
+        libgomp="libgomp" in af._core.openmp_runtime(), deadline=240))
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0", r.stdout + r.stderr

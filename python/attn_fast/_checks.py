@@ -137,6 +137,14 @@ def _is_torch_tensor(x):
     return False
 
 
+def detached(x):
+    """`x`, or ``x.detach()`` for a torch tensor that requires grad (read, never
+    differentiated: q, k, v, masks, slopes, sinks, scales and RoPE inputs alike)."""
+    if _is_torch_tensor(x) and x.requires_grad:
+        return x.detach()
+    return x
+
+
 def _check_on_cpu(x, name):
     """TypeError unless `x` (not a NumPy array) lives in CPU memory."""
     if _is_torch_tensor(x):
@@ -318,7 +326,8 @@ def check_int(x, name, minimum=None, maximum=None):
 def check_real(x, name, *, minimum=None, positive=False):
     """`x` as a finite Python float: TypeError for what is not a real number
     (bool and strings included), ValueError for NaN, inf, x < minimum, or
-    x <= 0 when ``positive``."""
+    x <= 0 when ``positive``. A torch scalar that requires grad is read detached."""
+    x = detached(x)
     if isinstance(x, (bool, np.bool_, str, bytes)) or np.iscomplexobj(x):
         raise ArgumentTypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
     try:

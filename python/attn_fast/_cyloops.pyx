@@ -8,8 +8,14 @@ data, no temporaries, the GIL released, OpenMP ``prange`` over the independent
 rows when there is enough work to share.
 
 ``num_threads`` is the OpenMP team size (the callers pass
-``attn_fast.get_num_threads()``, as the C++ kernels use); small inputs run on
+``attn_fast._loops.threads()``, the C++ kernels' rule); small inputs run on
 the calling thread whatever it says.
+
+Ctrl-C: a loop over more than ``CHUNK_WORK`` elements runs in chunks of about
+that size; between chunks it takes the GIL back and calls
+``PyErr_CheckSignals``, so SIGINT raises KeyboardInterrupt within a chunk
+(a few milliseconds) however big the array. What was written before the
+interrupt stays written (an interrupted in-place RoPE leaves x partly rotated).
 
 These are private kernels: the public callers check dtypes, shapes and ranges
 and build the strided 4-D views; only the cheap checks that guard memory
@@ -21,6 +27,7 @@ Shape legend: B batch, L positions, H heads, d head dim, r rotary dims
 
 from cython.parallel cimport prange
 cimport cython
+from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int64_t
 import numpy as np
 
@@ -34,6 +41,18 @@ ctypedef fused floating:
 # little from a second thread, so they need far more work to be shared.
 cdef Py_ssize_t PAR_MIN_WORK = 1 << 18
 cdef Py_ssize_t PAR_MIN_COPY = 1 << 23
+# Elements per chunk between two signal checks (Ctrl-C): a few milliseconds of
+# work, far more than the cost of a GIL round trip and a team wake-up.
+cdef Py_ssize_t CHUNK_WORK = 1 << 22
+
+
+cdef inline Py_ssize_t _chunk_rows(Py_ssize_t rows, Py_ssize_t work) noexcept nogil:
+    """Rows per chunk so that a chunk holds about CHUNK_WORK of `work` elements (>= 1)."""
+    if rows <= 0 or work <= CHUNK_WORK:
+        return rows if rows > 0 else 1
+    cdef Py_ssize_t per_row = (work + rows - 1) // rows
+    cdef Py_ssize_t n = CHUNK_WORK // (per_row if per_row > 0 else 1)
+    return n if n > 0 else 1
 
 
 cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t ssd, Py_ssize_t dsd,
@@ -142,18 +161,23 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
     cdef const int64_t* pp = &pos[0, 0]
     cdef Py_ssize_t ps0 = pos.strides[0] // sizeof(int64_t), ps1 = pos.strides[1] // sizeof(int64_t)
     cdef Py_ssize_t work = B * L * (H + H2) * d
-    with nogil:
-        for bl in prange(B * L, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_WORK,
-                         num_threads=num_threads if num_threads > 1 else 1):
-            b = bl // L
-            l = bl % L
-            p = pp[b * pb * ps0 + l * ps1]
-            for h in range(H):
-                _rotate_row(xp + b * xs0 + l * xs1 + h * xs2, yp + b * ys0 + l * ys1 + h * ys2, xs3, ys3,
-                            cp + p * half, sp + p * half, half, sa, ob, r, d, tail)
-            for h in range(H2):
-                _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2, yp2 + b * ws0 + l * ws1 + h * ws2, zs3, ws3,
-                            cp + p * half, sp + p * half, half, sa, ob, r, d, tail2)
+    cdef Py_ssize_t step = _chunk_rows(B * L, work), c0, c1
+    for c0 in range(0, B * L, step):
+        c1 = min(B * L, c0 + step)
+        with nogil:
+            for bl in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_WORK,
+                             num_threads=num_threads if num_threads > 1 else 1):
+                b = bl // L
+                l = bl % L
+                p = pp[b * pb * ps0 + l * ps1]
+                for h in range(H):
+                    _rotate_row(xp + b * xs0 + l * xs1 + h * xs2, yp + b * ys0 + l * ys1 + h * ys2, xs3, ys3,
+                                cp + p * half, sp + p * half, half, sa, ob, r, d, tail)
+                for h in range(H2):
+                    _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2, yp2 + b * ws0 + l * ws1 + h * ws2, zs3, ws3,
+                                cp + p * half, sp + p * half, half, sa, ob, r, d, tail2)
+        if c1 < B * L:
+            PyErr_CheckSignals()  # raises KeyboardInterrupt on Ctrl-C
 
 
 def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
@@ -209,35 +233,42 @@ def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
     cdef const floating* row
     cdef floating* out
     cdef int64_t p
-    cdef Py_ssize_t work = 0
+    cdef Py_ssize_t work = 0, tmax = 0
     for b in range(B):
         work += count[b]
+        tmax = max(tmax, <Py_ssize_t>count[b])
     work *= H * d
-    with nogil:
-        for bh in prange(B * H, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_COPY,
-                         num_threads=num_threads if num_threads > 1 else 1):
-            b = bh // H
-            h = bh % H
-            for t in range(count[b]):
-                slot = (first_slot[b] + t) % R
-                row = sp_ + b * ss0 + h * ss1 + t * ss2
-                out = dp + b * ds0 + h * ds1 + slot * ds2
-                if rot:
-                    p = pos0[b] + t
-                    for i in range(half):
-                        ia = i * sa
-                        ib = ia + ob
-                        xa = row[ia * ss3]
-                        xb = row[ib * ss3]
-                        c = cp[p * half + i]
-                        s = snp[p * half + i]
-                        out[ia * ds3] = xa * c - xb * s
-                        out[ib * ds3] = xb * c + xa * s
-                    for j in range(2 * half, d):
-                        out[j * ds3] = row[j * ss3]
-                else:
-                    for j in range(d):
-                        out[j * ds3] = row[j * ss3]
+    # Chunks of rows t0 .. t1-1 of every (b, h), a signal check between chunks.
+    cdef Py_ssize_t tstep = _chunk_rows(tmax, work), t0, t1
+    for t0 in range(0, tmax, tstep):
+        t1 = min(tmax, t0 + tstep)
+        with nogil:
+            for bh in prange(B * H, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_COPY,
+                             num_threads=num_threads if num_threads > 1 else 1):
+                b = bh // H
+                h = bh % H
+                for t in range(t0, min(t1, <Py_ssize_t>count[b])):
+                    slot = (first_slot[b] + t) % R
+                    row = sp_ + b * ss0 + h * ss1 + t * ss2
+                    out = dp + b * ds0 + h * ds1 + slot * ds2
+                    if rot:
+                        p = pos0[b] + t
+                        for i in range(half):
+                            ia = i * sa
+                            ib = ia + ob
+                            xa = row[ia * ss3]
+                            xb = row[ib * ss3]
+                            c = cp[p * half + i]
+                            s = snp[p * half + i]
+                            out[ia * ds3] = xa * c - xb * s
+                            out[ib * ds3] = xb * c + xa * s
+                        for j in range(2 * half, d):
+                            out[j * ds3] = row[j * ss3]
+                    else:
+                        for j in range(d):
+                            out[j * ds3] = row[j * ss3]
+        if t1 < tmax:
+            PyErr_CheckSignals()  # raises KeyboardInterrupt on Ctrl-C
 
 
 def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block, int num_threads=1):
@@ -259,26 +290,32 @@ def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block, int nu
     cdef Py_ssize_t ms0 = mask.strides[0], ms1 = mask.strides[1], ms2 = mask.strides[2], ms3 = mask.strides[3]
     cdef Py_ssize_t task, b, h, bi, bj, i, j, i1, j1, vis, tot
     cdef const unsigned char* rowp
-    with nogil:
-        for task in prange(B * H * nq, schedule="static", use_threads_if=num_threads > 1 and B * H * Lq * Lk >= 4 * PAR_MIN_WORK,
-                         num_threads=num_threads if num_threads > 1 else 1):
-            bi = task % nq
-            h = (task // nq) % H
-            b = task // (nq * H)
-            i1 = min(Lq, (bi + 1) * block)
-            for bj in range(nk):
-                j1 = min(Lk, (bj + 1) * block)
-                vis = 0
-                for i in range(bi * block, i1):
-                    rowp = mp + b * ms0 + h * ms1 + i * ms2
-                    if ms3 == 1:  # contiguous rows: a loop the compiler vectorises
-                        for j in range(bj * block, j1):
-                            vis = vis + (rowp[j] != 0)
-                    else:
-                        for j in range(bj * block, j1):
-                            vis = vis + (rowp[j * ms3] != 0)
-                tot = (i1 - bi * block) * (j1 - bj * block)
-                out[b, h, bi, bj] = 0 if vis == 0 else (2 if vis == tot else 1)
+    cdef Py_ssize_t ntask = B * H * nq
+    cdef Py_ssize_t step = _chunk_rows(ntask, B * H * Lq * Lk), c0, c1
+    for c0 in range(0, ntask, step):
+        c1 = min(ntask, c0 + step)
+        with nogil:
+            for task in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and B * H * Lq * Lk >= 4 * PAR_MIN_WORK,
+                             num_threads=num_threads if num_threads > 1 else 1):
+                bi = task % nq
+                h = (task // nq) % H
+                b = task // (nq * H)
+                i1 = min(Lq, (bi + 1) * block)
+                for bj in range(nk):
+                    j1 = min(Lk, (bj + 1) * block)
+                    vis = 0
+                    for i in range(bi * block, i1):
+                        rowp = mp + b * ms0 + h * ms1 + i * ms2
+                        if ms3 == 1:  # contiguous rows: a loop the compiler vectorises
+                            for j in range(bj * block, j1):
+                                vis = vis + (rowp[j] != 0)
+                        else:
+                            for j in range(bj * block, j1):
+                                vis = vis + (rowp[j * ms3] != 0)
+                    tot = (i1 - bi * block) * (j1 - bj * block)
+                    out[b, h, bi, bj] = 0 if vis == 0 else (2 if vis == tot else 1)
+        if c1 < ntask:
+            PyErr_CheckSignals()  # raises KeyboardInterrupt on Ctrl-C
     return out_arr
 
 
@@ -297,16 +334,21 @@ def band_layout(Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t stride, b
         return out_arr
     cdef unsigned char[:, ::1] out = out_arr.view(np.uint8)
     cdef Py_ssize_t x, y, dist
-    with nogil:
-        for x in prange(n, schedule="static", use_threads_if=num_threads > 1 and n * n >= PAR_MIN_WORK,
-                         num_threads=num_threads if num_threads > 1 else 1):
-            for y in range(n):
-                dist = x - y
-                if lo <= dist <= hi:
-                    out[x, y] = 1
-                elif stride > 0:
-                    if absolute and dist < 0:
-                        dist = -dist
-                    if dist >= 0 and dist % stride == 0:
+    cdef Py_ssize_t step = _chunk_rows(n, n * n), c0, c1
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        with nogil:
+            for x in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and n * n >= PAR_MIN_WORK,
+                             num_threads=num_threads if num_threads > 1 else 1):
+                for y in range(n):
+                    dist = x - y
+                    if lo <= dist <= hi:
                         out[x, y] = 1
+                    elif stride > 0:
+                        if absolute and dist < 0:
+                            dist = -dist
+                        if dist >= 0 and dist % stride == 0:
+                            out[x, y] = 1
+        if c1 < n:
+            PyErr_CheckSignals()  # raises KeyboardInterrupt on Ctrl-C
     return out_arr

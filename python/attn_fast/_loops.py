@@ -17,8 +17,9 @@ USE_CYTHON = os.environ.get("ATTN_FAST_NUMPY_LOOPS", "0").strip() in ("", "0")
 
 
 def threads():
-    """OpenMP threads for a loop: the same setting as the C++ kernels (``attn_fast.set_num_threads``)."""
-    return _core.get_num_threads()
+    """OpenMP threads for a loop: the same rule as the C++ kernels (``attn_fast.set_num_threads``,
+    1 in a forked child of a threaded process, see ``_core.forked_child_serial``)."""
+    return _core.threads_for_call()
 
 
 def as_blhd(a, ax):

@@ -35,6 +35,7 @@ from ._checks import (
     check_same_dtype,
     check_scale,
     compute_dtype,
+    detached,
     dtype_name,
     from_float,
     half_result,
@@ -112,7 +113,7 @@ def _mask_arrays(attn_mask):
         return [a for p in attn_mask._parts() for a in (getattr(p, "array", None), getattr(p, "layout", None))
                 if isinstance(a, np.ndarray)]
     try:
-        return [np.asarray(attn_mask)]  # a tensor or other array-like: the memory the kernel will read
+        return [np.asarray(detached(attn_mask))]  # a tensor or other array-like: the memory the kernel will read
     except Exception:  # noqa: BLE001 - reported by the mask checks themselves
         return []
 
@@ -150,6 +151,9 @@ def _score_kwargs(Hq, dtype, softcap, alibi_slopes, sinks):
         kw["softcap"] = softcap
     for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if val is not None:
+            val = detached(val)
+            if np.iscomplexobj(val):  # np.asarray(dtype=float) would drop the imaginary part
+                raise TypeError(f"{name} must be real, got a complex {type(val).__name__}")
             arr = np.ascontiguousarray(np.asarray(val, dtype=dtype).reshape(-1))
             if arr.shape != (Hq,):
                 raise ValueError(f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}")

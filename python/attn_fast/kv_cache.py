@@ -256,22 +256,33 @@ class KVCache:
                 self._resize(self.window - 1 + big)
         R = self.capacity
         first = (self._start + self._n) % R  # first slot to write, per sequence
-        if rope is not None and rope.rotary_dim and L:
-            if _loops.USE_CYTHON:
-                c, s = rope.cos_sin(int((self._pos + new).max()), self.dtype)
-                _cyloops.cache_write(self._k, k, first, new, c, s, self._pos, rope.interleaved,
-                                     num_threads=_loops.threads())
+        try:
+            if rope is not None and rope.rotary_dim and L:
+                if _loops.USE_CYTHON:
+                    # Row t of sequence b is at position pos[b] + t; beyond RoPE's cached
+                    # table the rows are computed for these B x L positions only.
+                    c, s, idx = rope._rows(self._pos[:, None] + np.arange(L, dtype=np.int64), self.dtype)
+                    _cyloops.cache_write(self._k, k, first, new, c, s, np.ascontiguousarray(idx[:, 0]),
+                                         rope.interleaved, num_threads=_loops.threads())
+                else:
+                    pos = self._pos[:, None] + np.arange(L)
+                    _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
+            elif _loops.USE_CYTHON:
+                _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
             else:
-                pos = self._pos[:, None] + np.arange(L)
-                _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
-        elif _loops.USE_CYTHON:
-            _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
-        else:
-            _write_numpy(self._k, k, first, new)
-        if _loops.USE_CYTHON:
-            _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
-        else:
-            _write_numpy(self._v, v, first, new)
+                _write_numpy(self._k, k, first, new)
+            if _loops.USE_CYTHON:
+                _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
+            else:
+                _write_numpy(self._v, v, first, new)
+        except KeyboardInterrupt:
+            # Ctrl-C inside the copy (the Cython loops check for it between chunks):
+            # the counters still say the chunk is not stored. Only a full ring may
+            # have lost its oldest keys to the new rows: drop them, keep the rest.
+            over = np.maximum(0, self._n + new - R)
+            self._start = (self._start + over) % R
+            self._n = self._n - over
+            raise
         n_new = np.minimum(R, self._n + new)
         self._start = (self._start + self._n + new - n_new) % R
         self._n = n_new
@@ -356,9 +367,10 @@ class KVCache:
             ql = _per_seq(q_lens, B, "q_lens", Lq)
         if (ql > self._n).any() and causal:
             raise ValueError(f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first")
-        if causal and self.window is not None:
+        if self.window is not None:
             # The first query row of sequence b sits at position pos - ql and sees
             # keys from pos - ql - (window - 1): the ring must still hold them.
+            # Causal or not (causal=False only lifts the right side).
             first_needed = np.maximum(0, self._pos - ql - (self.window - 1))
             lost = (ql > 0) & (first_needed < self._pos - self._n)
             if lost.any():

@@ -41,6 +41,7 @@ import numbers
 import numpy as np
 
 from . import _cyloops, _loops
+from ._checks import detached
 
 __all__ = [
     "Mask",
@@ -194,9 +195,10 @@ class SlidingWindow(Mask):
         self.align = _check_align(align)
 
     def _kw(self, B, H, Lq, Lk, dtype):
+        # Sides wider than any sequence (even >= 2^63) are clamped, as window_size= is: same result.
         return {
-            "window_left": -1 if self.left is None else self.left,
-            "window_right": -1 if self.right is None else self.right,
+            "window_left": -1 if self.left is None else min(self.left, 2**62),
+            "window_right": -1 if self.right is None else min(self.right, 2**62),
             "_align": self.align,
         }
 
@@ -278,7 +280,7 @@ class BlockSparse(Mask):
     """
 
     def __init__(self, layout, block_q, block_k=None):
-        lay = np.asarray(layout)
+        lay = np.asarray(detached(layout))
         if lay.dtype != np.bool_:
             raise MaskTypeError(f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}")
         if lay.ndim < 2 or lay.ndim > 4:
@@ -454,7 +456,7 @@ class Dense(Mask):
     """
 
     def __init__(self, array):
-        a = np.asarray(array)
+        a = np.asarray(detached(array))
         if a.dtype != np.bool_ and a.dtype.kind != "f":
             raise MaskTypeError(
                 f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {a.dtype}"

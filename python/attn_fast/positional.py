@@ -25,13 +25,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cyloops, _loops
-from ._checks import check_float_dtype, check_int, check_real, self_overlapping, shape_str
+from ._checks import as_array, check_float_dtype, check_int, check_real, self_overlapping, shape_str
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
 
-# RoPE's cos/sin tables cover positions 0 .. the largest one asked for; past
-# this a table could not be built (and offsets would overflow int64).
+# Positions RoPE accepts (offset + L included): below 2^31, as the kernels'
+# position arithmetic and the KV cache expect.
 MAX_POSITION = 2**31
+# RoPE caches cos/sin for positions 0 .. TABLE_MAX - 1 at most (doubling as
+# needed; 8192 x 64 frequencies x (cos, sin) is 8 MiB in float64). Calls that
+# reach past it compute cos/sin for the positions they rotate only, O(tokens * r)
+# per call: memory stays bounded however long a generation runs.
+TABLE_MAX = 8192
 
 
 def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
@@ -81,10 +86,14 @@ class RoPE:
         True for GPT-J / RoFormer (pairs (2i, 2i+1)).
 
     The tables cos(pθ_i), sin(pθ_i) (positions p × r/2 frequencies) are
-    computed once in float64 and cached per dtype; they grow (doubling) when a
-    larger position is asked for. ``rope(x, offset=...)`` rotates a block of
-    consecutive positions (a slice of the table, no gather); ``positions=``
-    takes an explicit int array for ragged batches or ring buffers.
+    computed in float64 (the angle p·θ_i too: at p = 10^6 float32 would be off
+    by radians) and cached per dtype for positions below ``TABLE_MAX``; they
+    grow (doubling) up to it. A call that reaches a larger position computes
+    cos/sin for its own positions only (O(tokens · r), nothing cached), with
+    the same formula, so results are identical. ``rope(x, offset=...)``
+    rotates a block of consecutive positions (a slice of the table, no
+    gather); ``positions=`` takes an explicit int array for ragged batches or
+    ring buffers.
     """
 
     def __init__(self, head_dim, base=10000.0, rotary_dim=None, interleaved=False):
@@ -109,18 +118,43 @@ class RoPE:
 
     # -- tables -------------------------------------------------------------
     def cos_sin(self, n, dtype=np.float64):
-        """The cached tables for positions 0 … n-1: (cos, sin), each (n, r/2)."""
+        """Tables for positions 0 … n-1: (cos, sin), each (n, r/2) of dtype.
+
+        Views of the cache when n <= ``TABLE_MAX``; computed (and not kept)
+        beyond it.
+        """
         dtype = np.dtype(dtype)
+        n = int(n)
+        if n > TABLE_MAX:
+            return self._cos_sin_at(np.arange(n, dtype=np.int64), dtype)
         if n > self._n:
-            size = max(int(n), 2 * self._n, 64)
-            angle = np.arange(size, dtype=np.float64)[:, None] * self.inv_freq  # (size, r/2)
-            self._tables = {np.dtype(np.float64): (np.cos(angle), np.sin(angle))}
+            size = min(max(n, 2 * self._n, 64), TABLE_MAX)
+            c, s = self._cos_sin_at(np.arange(size, dtype=np.int64), np.float64)
+            self._tables = {np.dtype(np.float64): (c, s)}
             self._n = size
         if dtype not in self._tables:
             c, s = self._tables[np.dtype(np.float64)]
             self._tables[dtype] = (c.astype(dtype), s.astype(dtype))
         c, s = self._tables[dtype]
         return c[:n], s[:n]
+
+    def _cos_sin_at(self, pos, dtype):
+        """cos, sin of p·θ_i for the int64 positions pos (any shape): pos.shape + (r/2,), dtype.
+
+        The angle is formed in float64 (as the cached tables are), then cast."""
+        angle = pos.astype(np.float64)[..., None] * self.inv_freq
+        c, s = np.cos(angle), np.sin(angle)
+        return c.astype(dtype, copy=False), s.astype(dtype, copy=False)
+
+    def _rows(self, pos, dtype):
+        """(cos, sin, idx): tables and int64 row indices, idx.shape == pos.shape, with
+        cos[idx] the cosines at pos. The cached tables when every position is below
+        ``TABLE_MAX`` (idx = pos), else rows computed for pos alone (idx = 0 … pos.size-1)."""
+        if pos.size == 0 or int(pos.max()) < TABLE_MAX:
+            c, s = self.cos_sin(int(pos.max()) + 1 if pos.size else 0, dtype)
+            return c, s, pos
+        c, s = self._cos_sin_at(pos.reshape(-1), dtype)
+        return c, s, np.arange(pos.size, dtype=np.int64).reshape(pos.shape)
 
     def _positions(self, L, offset, positions):
         """Validated int64 positions (1 or B, L) and whether they are per sequence."""
@@ -158,18 +192,19 @@ class RoPE:
     def _angles_for(self, L, offset, positions, dtype):
         """cos, sin of shape (L, r/2) or (B, L, r/2) for the requested positions."""
         pos, per_seq = self._positions(L, offset, positions)
-        c, s = self.cos_sin(int(pos.max()) + 1 if pos.size else 0, dtype)
+        c, s, idx = self._rows(pos, dtype)
         if positions is None and not per_seq:
-            o = int(pos[0, 0]) if L else 0
+            o = int(idx[0, 0]) if L else 0
             return c[o:o + L], s[o:o + L]  # a slice of the table: no gather
         if not per_seq:
-            return c[pos[0]], s[pos[0]]
-        return c[pos], s[pos]
+            return c[idx[0]], s[idx[0]]
+        return c[idx], s[idx]
 
     # -- application --------------------------------------------------------
     def _check_x(self, x, seq_axis, name="x"):
         if not isinstance(x, np.ndarray):
-            x = np.asarray(x)
+            x = as_array(x, name)  # a tensor that requires grad is read detached
+        seq_axis = check_int(seq_axis, "seq_axis")
         if x.dtype.kind != "f":
             raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
         if x.ndim < 2 or x.shape[-1] != self.head_dim:
@@ -242,6 +277,9 @@ class RoPE:
             raise TypeError(f"q has dtype {q.dtype} but k has dtype {k.dtype}")
         if q.ndim != k.ndim or q.shape[ax] != k.shape[axk]:
             raise ValueError(f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: positions differ")
+        if inplace and _overlap(q, k):
+            raise ValueError("q and k share memory: rotate_qk(inplace=True) would rotate those elements twice; "
+                             "pass disjoint arrays (e.g. the q and k slices of a packed qkv) or inplace=False")
         if self.rotary_dim and q.size and k.size and _loops.USE_CYTHON:
             qy, ky = self._target(q, None, inplace, "q"), self._target(k, None, inplace, "k")
             if self._rope_cython([(q, qy), (k, ky)], ax, offset, positions):
@@ -266,7 +304,7 @@ class RoPE:
                 if pos.shape[0] != x.shape[0]:
                     raise ValueError(
                         f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}")
-        c, s = self.cos_sin(int(pos.max()) + 1, x0.dtype)
+        c, s, pos = self._rows(pos, x0.dtype)
         srcs = []
         for (x, y), (xv, yv) in zip(pairs, views):
             if y is not x and np.may_share_memory(x, y):  # overlapping out=: copy, then rotate in place
@@ -306,6 +344,15 @@ class RoPE:
         b += a * s
         a[...] = new_a
         return y
+
+
+def _overlap(a, b):
+    """True if a and b have an element in common (exactly, for disjoint slices of
+    one packed array too); True as well when that is too costly to decide."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=10**6))
+    except np.exceptions.TooHardError:
+        return True
 
 
 def rope_reference(x, positions, *, base=10000.0, rotary_dim=None, interleaved=False):
