@@ -185,7 +185,14 @@ def case_error(rank, P, what):
     return {"type": None, "msg": ""}
 
 
-CASES = {f.__name__[5:]: f for f in (case_forward, case_grad, case_stats, case_mask, case_error)}
+def case_hang(rank, P, seconds):
+    """Rank 0 stalls (as a rank stuck in a collective would): the parent must kill everything."""
+    if rank == 0:
+        time.sleep(seconds)
+    return {}
+
+
+CASES = {f.__name__[5:]: f for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang)}
 
 
 def _worker(rank, P, port, rfile, wfile):
@@ -305,7 +312,7 @@ class Cluster:
                     self._fail(f"the ranks' launcher exited (code {self.proc.poll()}) before {prefix}")
                 self.buf += chunk
 
-    def run(self, name, **args):
+    def run(self, name, timeout=CASE_S, **args):
         if self.dead:
             pytest.fail("the cluster was killed by an earlier failure")
         try:
@@ -313,7 +320,7 @@ class Cluster:
             self.proc.stdin.flush()
         except BrokenPipeError:
             self._fail("the ranks' launcher died")
-        return json.loads(self._read("@@RESULT", CASE_S))
+        return json.loads(self._read("@@RESULT", timeout))
 
     def check(self, name, **args):
         res = self.run(name, **args)
@@ -489,6 +496,37 @@ def test_clear_errors_on_every_rank(cluster, what, exc, words):
         assert x["type"] == exc and words in x["msg"], f"rank {r}: {x}"
     # The group still works after the errors (no rank left waiting in a collective).
     cluster.check("stats", L=2 * cluster.P * 2, causal=True, layout="zigzag")
+
+
+def _live_in_group(pgid):
+    """Processes of process group pgid that are not zombies (Linux /proc; [] elsewhere)."""
+    live = []
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(d))
+    return live
+
+
+def test_a_stalled_rank_is_killed_not_waited_for():
+    c = Cluster(2)
+    try:
+        assert c.check("hang", seconds=0)[0]["ok"]
+        assert len(_live_in_group(c.proc.pid)) == 3  # the launcher and its two ranks
+        with pytest.raises(pytest.fail.Exception, match="timeout after 1 s"):
+            c.run("hang", timeout=1, seconds=60)
+        assert c.dead and c.proc.poll() is not None
+        deadline = time.monotonic() + 5
+        while _live_in_group(c.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _live_in_group(c.proc.pid)  # no rank of the group is left running
+    finally:
+        c.close(kill=True)
+        c.err.close()
 
 
 def test_not_initialised_raises():
