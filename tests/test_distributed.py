@@ -185,6 +185,26 @@ def case_error(rank, P, what):
     return {"type": None, "msg": ""}
 
 
+_SUBGROUPS: dict = {}
+
+
+def case_subgroup(rank, P, seed, fn):
+    """Two halves of the world, each its own group: ranks are group ranks, peers global ranks."""
+    import torch.distributed as dist
+
+    from attn_fast import distributed as cp
+    if P not in _SUBGROUPS:  # every rank creates every group, once
+        _SUBGROUPS[P] = [dist.new_group(list(range(P // 2))), dist.new_group(list(range(P // 2, P)))]
+    half = rank // (P // 2)
+    group, grank, gP = _SUBGROUPS[P][half], rank % (P // 2), P // 2
+    q, k, v = _inputs(seed + half, 1, 2, 2, 4 * gP, 4, 4, "float64")
+    f = cp.ring_attention if fn == "ring" else cp.ulysses_attention
+    out = f(*(cp.shard_sequence(x, grank, gP) for x in (q, k, v)), is_causal=True, group=group)
+    one = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), is_causal=True)
+    np.testing.assert_allclose(out.numpy(), one[:, :, cp.positions(grank, gP, 4)], rtol=1e-10, atol=1e-11)
+    return {}
+
+
 def case_hang(rank, P, seconds):
     """Rank 0 stalls (as a rank stuck in a collective would): the parent must kill everything."""
     if rank == 0:
@@ -192,7 +212,7 @@ def case_hang(rank, P, seconds):
     return {}
 
 
-CASES = {f.__name__[5:]: f for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang)}
+CASES = {f.__name__[5:]: f for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang, case_subgroup)}
 
 
 def _worker(rank, P, port, rfile, wfile):
@@ -422,6 +442,11 @@ def test_ulysses_masks_bias_alibi(cluster):
     cluster.check("mask", seed=_seed("mask", cluster.P), L=4 * cluster.P)
 
 
+@pytest.mark.parametrize("fn", ["ring", "ulysses"])
+def test_process_subgroups(cluster, fn):
+    cluster.check("subgroup", seed=_seed("sub", fn, cluster.P), fn=fn)
+
+
 # ---------------------------------------------------------------- tests: gradients
 
 
@@ -582,6 +607,44 @@ def test_merge_matches_merge_attention_states(rng):
     np.testing.assert_allclose(acc_o.numpy(), want_o, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(acc_l.numpy(), want_l, rtol=1e-14, atol=1e-14)  # -inf where both are empty
     assert torch.isneginf(acc_l[0, 1]) and (acc_o[0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, (None, 0), (2, 1), (0, None)])
+def test_local_backward_calls_the_kernel_when_present(monkeypatch, rng, window):
+    """_local_backward hands NumPy views to attn_fast.scaled_dot_product_attention_backward once it exists."""
+    from attn_fast import distributed as cp
+    q, dout = (torch.from_numpy(rng.standard_normal((1, 4, 5, 3))) for _ in range(2))
+    k, v = (torch.from_numpy(rng.standard_normal((1, 2, 7, 3))) for _ in range(2))
+    kw = dict(is_causal=window == (None, 0), scale=0.4, enable_gqa=True, window_size=None if window == (None, 0) else window)
+    out, lse = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True,
+                                               **{**kw, "window_size": kw["window_size"]})
+    out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+    want = cp._local_backward(dout, q, k, v, out, lse, **kw)  # the fallback (no kernel on this branch)
+    # The fallback's dq, dk, dv are torch autograd's for this block.
+    q2, k2, v2 = (x.clone().requires_grad_() for x in (q, k, v))
+    S = q2 @ k2.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.4
+    vis = torch.from_numpy(ref.window_mask(5, 7, *(window or (None, None))))
+    (torch.softmax(S.masked_fill(~vis, float("-inf")), -1) @ v2.repeat_interleave(2, dim=1) * dout).sum().backward()
+    for a, b in zip(want, (q2.grad, k2.grad, v2.grad)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+    calls = []
+
+    def kernel(dout_, q_, k_, v_, out_, lse_, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
+               window_size=None, softcap=None, alibi_slopes=None, sinks=None):
+        assert all(isinstance(x, np.ndarray) for x in (dout_, q_, k_, v_, out_, lse_))
+        calls.append((is_causal, scale, enable_gqa, window_size))
+        with monkeypatch.context() as m:
+            m.delattr(af, "scaled_dot_product_attention_backward")
+            res = cp._local_backward(*(torch.from_numpy(x) for x in (dout_, q_, k_, v_, out_, lse_)),
+                                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window_size=window_size)
+        return tuple(x.numpy() for x in res)
+
+    monkeypatch.setattr(af, "scaled_dot_product_attention_backward", kernel, raising=False)
+    got = cp._local_backward(dout, q, k, v, out, lse, **kw)
+    assert calls == [(kw["is_causal"], 0.4, True, kw["window_size"])]
+    for a, b in zip(got, want):
+        assert isinstance(a, torch.Tensor)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
