@@ -10,15 +10,17 @@ one-process attention on the whole sequence, then times, median of --reps:
     ring       ring_attention(is_causal=True) on its shard: total, compute
                (local attention + merges, RingStats.compute_s) and wait (time
                left waiting for K/V after a step's compute)
-    compute    the same blocks computed with no communication at all (the
-               rank's K/V standing in for every other rank's)
+    alone      the same blocks computed with no communication at all (the
+               rank's K/V standing in for every other rank's), one rank at a
+               time (the others wait at a barrier): wall time and CPU time of
+               the computing thread (the work itself, whatever the load)
     comm       the P−1 ring steps of K/V alone (isend/irecv, no compute)
 
 and reports per rank the visible (query, key) pairs it computed (the work,
-exact), and per (P, layout): the slowest rank's compute over the mean (pairs
-and time), ring time over the slowest rank's compute alone, the part of the
+exact), and per (P, layout): the slowest rank's work over the mean (pairs,
+CPU time alone, compute time inside the ring), ring time over the slowest rank's compute alone, the part of the
 communication hidden under compute, (compute + comm − ring) / comm, and F
-(FLOP/s per rank, 2(d + dv) FLOPs per visible pair) and β (bytes/s per link,
+(FLOP/s per rank: 2(d + dv) FLOPs per visible pair over CPU time alone) and β (bytes/s per link,
 K/V bytes per step over the time of one step of comm alone) for the model in
 bench/README.md. Every rank runs one thread (attn_fast and torch).
 """
@@ -56,12 +58,15 @@ def _port():
 
 
 def _compute_alone(q, k, v, cfg):
-    """The ring's local work with no communication: every step's blocks against this rank's own K/V."""
+    """The ring's local work with no communication: every step's blocks against this rank's own K/V.
+
+    Returns (wall seconds, CPU seconds of this thread: one thread per rank, so
+    this is the work itself, not inflated by other jobs sharing the cores)."""
     B, H, n, _ = q.shape
     o = torch.zeros((B, H, n, v.shape[-1]), dtype=torch.float64)
     lse = torch.full((B, H, n), -np.inf, dtype=torch.float64)
     qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for step in range(cfg.world):
         for qs, ks, band, _ in cp._blocks(cfg, n, (cfg.rank - step) % cfg.world):
             if band is None:
@@ -71,7 +76,7 @@ def _compute_alone(q, k, v, cfg):
                 qn[:, :, qs + r0:qs + r1], kn[:, :, ks + s0:ks + s1], vn[:, :, ks + s0:ks + s1],
                 return_lse=True, **cp._sdpa_kwargs(cfg, window))
             cp._merge_(o[:, :, qs + r0:qs + r1], lse[:, :, qs + r0:qs + r1], torch.from_numpy(ob), torch.from_numpy(lb))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def _comm_alone(k, v, cfg):
@@ -102,22 +107,27 @@ def _rank(rank, P, port, a, layout, queue):
         g = torch.Generator().manual_seed(1 + rank)
         q, k, v = (torch.randn((a.batch, a.heads, n, a.head_dim), generator=g) for _ in range(3))
         cfg = cp._Cfg(True, 1 / a.head_dim**0.5, False, None, layout, None, rank, P)
-        ring, comp, wait, alone, comm = [], [], [], [], []
+        ring, comp, wait, alone, cpu, comm = [], [], [], [], [], []
         for rep in range(a.reps + 1):  # the first is a warm-up
             dist.barrier()
             _, st = cp.ring_attention(q, k, v, is_causal=True, layout=layout, return_stats=True)
+            for turn in range(P):  # one rank at a time, the others idle at the barrier
+                dist.barrier()
+                if turn == rank:
+                    t_alone = _compute_alone(q, k, v, cfg)
             dist.barrier()
-            t_alone = _compute_alone(q, k, v, cfg)
             t_comm = _comm_alone(k, v, cfg) if P > 1 else 0.0
             if rep:
                 ring.append(st.total_s)
                 comp.append(st.compute_s)
                 wait.append(st.wait_s)
-                alone.append(t_alone)
+                alone.append(t_alone[0])
+                cpu.append(t_alone[1])
                 comm.append(t_comm)
         med = statistics.median
         queue.put(dict(rank=rank, err=err, pairs=st.pairs, bytes_step=(k.numel() + v.numel()) * k.element_size(),
-                       ring=med(ring), compute=med(comp), wait=med(wait), alone=med(alone), comm=med(comm)))
+                       ring=med(ring), compute=med(comp), wait=med(wait), alone=med(alone), cpu=med(cpu),
+                       comm=med(comm)))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         queue.put(dict(rank=rank, error=f"{type(e).__name__}: {e}"))
@@ -160,8 +170,8 @@ def main():
     print(f"attn_fast {af.__version__} | isa {af.get_isa()} | 1 thread per rank | {_cpu()} | "
           f"{os.cpu_count()} CPUs | gloo on 127.0.0.1")
     print(f"L={a.seq_len} B={a.batch} H=H_kv={a.heads} d=dv={d} float32 causal | median of {a.reps}")
-    print(f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'ring[s]':>9} {'compute':>9} "
-          f"{'wait':>8} {'comm[s]':>8}")
+    print(f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'cpu[s]':>8} {'ring[s]':>9} "
+          f"{'compute':>9} {'wait':>8} {'comm[s]':>8}")
     summary = []
     for P in (int(x) for x in a.ps.split(",")):
         for layout in a.layouts.split(","):
@@ -169,20 +179,21 @@ def main():
                 continue  # one rank: the layouts are the same
             rows = run(P, a, layout)
             for r in rows:
-                print(f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} {r['ring']:9.3f} "
-                      f"{r['compute']:9.3f} {r['wait']:8.3f} {r['comm']:8.3f}")
+                print(f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} {r['cpu']:8.3f} "
+                      f"{r['ring']:9.3f} {r['compute']:9.3f} {r['wait']:8.3f} {r['comm']:8.3f}")
             pairs = [r["pairs"] for r in rows]
             alone = [r["alone"] for r in rows]
+            cpu = [r["cpu"] for r in rows]
             comp = [r["compute"] for r in rows]
             ring = max(r["ring"] for r in rows)
             comm = max(r["comm"] for r in rows)
             hidden = float("nan") if P == 1 else max(0.0, min(1.0, (max(alone) + comm - ring) / comm))
-            F = statistics.median(2 * (d + d) * r["pairs"] / r["alone"] for r in rows)
+            F = statistics.median(2 * (d + d) * r["pairs"] / r["cpu"] for r in rows)
             beta = float("nan") if P == 1 else rows[0]["bytes_step"] * (P - 1) / comm
-            summary.append((P, layout, max(pairs) / np.mean(pairs), max(alone) / np.mean(alone),
+            summary.append((P, layout, max(pairs) / np.mean(pairs), max(cpu) / np.mean(cpu),
                             max(comp) / np.mean(comp), ring / max(alone), hidden, F, beta))
     print()
-    print(f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'alone max/mean':>15} {'ring-compute max/mean':>22} "
+    print(f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'cpu max/mean':>15} {'ring-compute max/mean':>22} "
           f"{'ring / alone':>13} {'comm hidden':>12} {'F [GFLOP/s]':>12} {'beta [GB/s]':>12}")
     for P, layout, bp, ba, bc, ratio, hidden, F, beta in summary:
         print(f"{P:2d} {layout:>10} {bp:15.3f} {ba:15.3f} {bc:22.3f} {ratio:13.3f} {hidden:12.2f} "
