@@ -18,8 +18,9 @@ one-process attention on the whole sequence, then times, median of --reps:
 
 and reports per rank the visible (query, key) pairs it computed (the work,
 exact), and per (P, layout): the slowest rank's work over the mean (pairs,
-CPU time alone, compute time inside the ring), ring time over the slowest rank's compute alone, the part of the
-communication hidden under compute, (compute + comm − ring) / comm, and F
+CPU time alone, compute time inside the ring), ring time over the slowest rank's compute alone (wall; P ranks on
+2 shared cores inflate it), the part of the communication hidden under compute,
+1 − mean(wait) / mean(comm), and F
 (FLOP/s per rank: 2(d + dv) FLOPs per visible pair over CPU time alone) and β (bytes/s per link,
 K/V bytes per step over the time of one step of comm alone) for the model in
 bench/README.md. Every rank runs one thread (attn_fast and torch).
@@ -35,11 +36,10 @@ import socket
 import statistics
 import time
 
+import attn_fast as af
 import numpy as np
 import torch
 import torch.distributed as dist
-
-import attn_fast as af
 from attn_fast import distributed as cp
 
 
@@ -187,7 +187,9 @@ def main():
             comp = [r["compute"] for r in rows]
             ring = max(r["ring"] for r in rows)
             comm = max(r["comm"] for r in rows)
-            hidden = float("nan") if P == 1 else max(0.0, min(1.0, (max(alone) + comm - ring) / comm))
+            # the share of the K/V traffic that did not show up as waiting in the ring
+            hidden = float("nan") if P == 1 else max(0.0, 1 - np.mean([r["wait"] for r in rows]) / np.mean(
+                [r["comm"] for r in rows]))
             F = statistics.median(2 * (d + d) * r["pairs"] / r["cpu"] for r in rows)
             beta = float("nan") if P == 1 else rows[0]["bytes_step"] * (P - 1) / comm
             summary.append((P, layout, max(pairs) / np.mean(pairs), max(cpu) / np.mean(cpu),

@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import attn_fast as af
 import numpy as np
 import torch
 import torch.distributed as dist
-
-import attn_fast as af
 from attn_fast import distributed as cp
 
 

@@ -191,7 +191,6 @@ _SUBGROUPS: dict = {}
 def case_subgroup(rank, P, seed, fn):
     """Two halves of the world, each its own group: ranks are group ranks, peers global ranks."""
     import torch.distributed as dist
-
     from attn_fast import distributed as cp
     if P not in _SUBGROUPS:  # every rank creates every group, once
         _SUBGROUPS[P] = [dist.new_group(list(range(P // 2))), dist.new_group(list(range(P // 2, P)))]
@@ -212,7 +211,8 @@ def case_hang(rank, P, seconds):
     return {}
 
 
-CASES = {f.__name__[5:]: f for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang, case_subgroup)}
+CASES = {f.__name__[5:]: f
+         for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang, case_subgroup)}
 
 
 def _worker(rank, P, port, rfile, wfile):
@@ -556,7 +556,6 @@ def test_a_stalled_rank_is_killed_not_waited_for():
 
 def test_not_initialised_raises():
     import torch.distributed as dist
-
     from attn_fast import distributed as cp
     assert not dist.is_initialized()
     q = torch.zeros(1, 1, 4, 2)
@@ -615,9 +614,9 @@ def test_local_backward_calls_the_kernel_when_present(monkeypatch, rng, window):
     from attn_fast import distributed as cp
     q, dout = (torch.from_numpy(rng.standard_normal((1, 4, 5, 3))) for _ in range(2))
     k, v = (torch.from_numpy(rng.standard_normal((1, 2, 7, 3))) for _ in range(2))
-    kw = dict(is_causal=window == (None, 0), scale=0.4, enable_gqa=True, window_size=None if window == (None, 0) else window)
-    out, lse = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True,
-                                               **{**kw, "window_size": kw["window_size"]})
+    causal = window == (None, 0)
+    kw = dict(is_causal=causal, scale=0.4, enable_gqa=True, window_size=None if causal else window)
+    out, lse = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, **kw)
     out, lse = torch.from_numpy(out), torch.from_numpy(lse)
     want = cp._local_backward(dout, q, k, v, out, lse, **kw)  # the fallback (no kernel on this branch)
     # The fallback's dq, dk, dv are torch autograd's for this block.

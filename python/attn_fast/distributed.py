@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 import attn_fast as af
-from ._checks import check_scale, check_int
+
+from ._checks import check_int, check_scale
 
 __all__ = ["ring_attention", "ulysses_attention", "RingStats", "shard_sequence", "gather_sequence", "positions"]
 
@@ -271,7 +272,8 @@ def _check_tensors(q, k, v, enable_gqa):
     if d == 0:
         raise ValueError(f"q has shape {tuple(q.shape)}: head dim d must be at least 1")
     if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match")
+        raise ValueError(
+            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match")
     if Bk != B:
         raise ValueError(f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: batch sizes differ")
     if nk != n:
@@ -305,7 +307,8 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
     rank, world = _group_info(group)
     n = q.shape[2]
     if layout == "zigzag" and n % 2:
-        raise ValueError(f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}")
+        raise ValueError(
+            f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}")
     scale = check_scale(scale, q.shape[-1])
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
     codes = (_FLOAT.index(q.dtype), LAYOUTS.index(layout), bool(is_causal), bool(enable_gqa), scale, *w, *extra_codes)
@@ -672,7 +675,8 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
     rank, world = _group_info(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % world:
-        raise ValueError(f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)")
+        raise ValueError(
+            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)")
     rep = 1 if Hkv % world == 0 else H // Hkv
     cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size)
     if rep > 1:
