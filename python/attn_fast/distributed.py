@@ -514,6 +514,7 @@ class _RingFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse64 = ctx.saved_tensors
         if dout is None:
@@ -629,6 +630,7 @@ class _UlyssesFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if dout is None:
             return None, None, None, None, None, None
