@@ -30,7 +30,7 @@ from attn_fast import distributed as cp
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq-len", type=int, default=8192, help="global sequence length L (multiple of 2P)")
+    ap.add_argument("--seq-len", type=int, default=16384, help="global sequence length L (multiple of 2P)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default: --heads")
@@ -53,11 +53,12 @@ def main():
         raise SystemExit(f"--seq-len {L} must be a multiple of 2P = {2 * P}")
     n = L // P
 
-    def make(heads, seed):  # this rank's shard of one global tensor, without building the whole of it
-        g = torch.Generator().manual_seed(seed)
-        whole_rows = torch.randn((a.batch, heads, L, d), generator=g, dtype=torch.float64) if a.check else None
-        if whole_rows is not None:
-            return cp.shard_sequence(whole_rows, rank, P, a.layout).to(dt), whole_rows.to(dt)
+    def make(heads, seed):
+        """This rank's shard of one global tensor (and, with --check, the whole tensor)."""
+        if a.check:  # the same whole tensor on every rank, then this rank's rows of it
+            whole = torch.randn((a.batch, heads, L, d), generator=torch.Generator().manual_seed(seed), dtype=dt)
+            return cp.shard_sequence(whole, rank, P, a.layout), whole
+        # otherwise only the shard itself: memory O(L/P) per rank
         g = torch.Generator().manual_seed(seed * 1000 + rank)
         return torch.randn((a.batch, heads, n, d), generator=g, dtype=dt), None
 

@@ -613,7 +613,7 @@ def _mask_heads(m, H, heads):
 
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg, rep, sdpa_kw):
+    def forward(ctx, q, k, v, cfg, rep, sdpa_kw, want_lse):
         n = q.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -623,7 +623,8 @@ class _UlyssesFn(torch.autograd.Function):
             enable_gqa=cfg.enable_gqa, window_size=cfg.window, return_lse=True, **sdpa_kw)
         oh, lh = torch.from_numpy(oh), torch.from_numpy(lh)
         out = _heads_to_seq(oh, cfg, n)
-        lse = _heads_to_seq(lh.unsqueeze(-1), cfg, n).squeeze(-1)
+        # lse back to sequence shards only when asked for (the backward uses the head shards)
+        lse = _heads_to_seq(lh.unsqueeze(-1), cfg, n).squeeze(-1) if want_lse else lh.new_empty(0)
         ctx.save_for_backward(qh, kh, vh, oh, lh)
         ctx.cfg, ctx.rep, ctx.n = cfg, rep, n
         ctx.mark_non_differentiable(lse)
@@ -633,7 +634,7 @@ class _UlyssesFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if dout is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         qh, kh, vh, oh, lh = ctx.saved_tensors
         cfg, n = ctx.cfg, ctx.n
         doh = _seq_to_heads(dout.contiguous(), cfg)
@@ -644,7 +645,7 @@ class _UlyssesFn(torch.autograd.Function):
             B, Hr, _, _ = dk.shape
             dk = dk.view(B, Hr // ctx.rep, ctx.rep, n, -1).sum(2)
             dv = dv.view(B, Hr // ctx.rep, ctx.rep, n, -1).sum(2)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, enable_gqa=False, group=None,
@@ -701,5 +702,5 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
             if arr.shape != (H,):
                 raise ValueError(f"{name} must have one value per query head ({H},), got shape {np.shape(val)}")
             sdpa_kw[name] = arr[heads]
-    out, lse = _UlyssesFn.apply(q, k, v, cfg, rep, sdpa_kw)
+    out, lse = _UlyssesFn.apply(q, k, v, cfg, rep, sdpa_kw, bool(return_lse))
     return (out, lse) if return_lse else out
