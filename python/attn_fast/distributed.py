@@ -666,9 +666,10 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
     attn_mask, is_causal, window_size, softcap, alibi_slopes and sinks mean
     what they mean there, over global positions (Lq = Lk = L). attn_mask must
     not vary over heads (head axis of size 1), except a plain array / tensor
-    of shape (B or 1, H, L, L) (alone or in a list), which is sliced to
-    this rank's heads;
-    alibi_slopes and sinks (H,) are sliced too.
+    of shape (B or 1, H, L, L) (alone or in a list), which is sliced to this
+    rank's heads; alibi_slopes and sinks (H,) are sliced too. scale,
+    enable_gqa, group and layout (default "zigzag") are as in
+    ``ring_attention``; the shard-shape check is the same all_gather.
 
     Differentiable in q, k, v when only is_causal / window_size are used
     (NotImplementedError at the forward otherwise, when a gradient is needed).
