@@ -155,6 +155,8 @@ def case_error(rank, P, what):
         sh = [x[:, :, :6] if rank else x for x in sh]
     elif what == "options":
         kw["is_causal"] = rank == 0
+    elif what == "function":  # rank 0 calls the ring, the others Ulysses
+        fn = cp.ring_attention if rank == 0 else cp.ulysses_attention
     elif what == "odd_zigzag":
         sh, kw = [x[:, :, :3] for x in sh], {"layout": "zigzag"}
     elif what == "layout":
@@ -371,8 +373,9 @@ class Cluster:
 _CLUSTERS: dict = {}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+@pytest.fixture(params=[2, 4], ids=["P2", "P4"])
 def cluster(request):
+    """The P-rank cluster, started once per module and again after a failure killed it."""
     P = request.param
     c = _CLUSTERS.get(P)
     if c is None or c.dead:
@@ -504,6 +507,7 @@ def test_window_skips_far_blocks(cluster):
 @pytest.mark.parametrize("what, exc, words", [
     ("shapes", "ValueError", "differ"),
     ("options", "ValueError", "differ"),
+    ("function", "ValueError", "differ"),
     ("odd_zigzag", "ValueError", "even"),
     ("layout", "ValueError", "layout"),
     ("numpy", "TypeError", "torch.Tensor"),

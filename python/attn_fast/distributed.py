@@ -311,7 +311,8 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
             f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}")
     scale = check_scale(scale, q.shape[-1])
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
-    codes = (_FLOAT.index(q.dtype), LAYOUTS.index(layout), bool(is_causal), bool(enable_gqa), scale, *w, *extra_codes)
+    extra = (tuple(extra_codes) + (0,) * 8)[:8]  # a fixed length: all_gather needs one size on every rank
+    codes = (_FLOAT.index(q.dtype), LAYOUTS.index(layout), bool(is_causal), bool(enable_gqa), scale, *w, *extra)
     _check_shards(q, k, v, codes, group, world)
     return _Cfg(bool(is_causal), scale, bool(enable_gqa), window, layout, group, rank, world)
 
@@ -556,7 +557,7 @@ def ring_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, gr
     Differentiable in q, k and v (not in lse). Returns out (B, H, n, dv) of
     q's dtype, or a tuple (out, lse, stats) of those asked for.
     """
-    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size)
+    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(0,))
     stats = [] if return_stats else None
     out, lse = _RingFn.apply(q, k, v, cfg, stats)
     extra = ([lse] if return_lse else []) + ([stats[0]] if return_stats else [])
@@ -682,7 +683,9 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
         raise ValueError(
             f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)")
     rep = 1 if Hkv % world == 0 else H // Hkv
-    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size)
+    # 1 = Ulysses (0 = ring: a rank calling the other function fails the check instead of hanging)
+    used = tuple(x is not None for x in (attn_mask, softcap, alibi_slopes, sinks))
+    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(1, *used))
     if rep > 1:
         cfg = dataclasses.replace(cfg, enable_gqa=False)
     h = H // world
