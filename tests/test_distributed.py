@@ -630,6 +630,10 @@ def test_local_backward_calls_the_kernel_when_present(monkeypatch, rng, window):
     (torch.softmax(S.masked_fill(~vis, float("-inf")), -1) @ v2.repeat_interleave(2, dim=1) * dout).sum().backward()
     for a, b in zip(want, (q2.grad, k2.grad, v2.grad)):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+    with monkeypatch.context() as m:
+        m.setattr(cp, "_FALLBACK_ELEMENTS", 2 * 4 * 7)  # two query rows per pass: the row loop and its tail
+        for a, b in zip(cp._local_backward(dout, q, k, v, out, lse, **kw), want):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
     calls = []
 
     def kernel(dout_, q_, k_, v_, out_, lse_, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,

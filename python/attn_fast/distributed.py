@@ -464,7 +464,8 @@ def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, wi
     Uses ``attn_fast.scaled_dot_product_attention_backward`` when the package
     has it; otherwise the plain torch float64 implementation below, which
     materialises P for the block (the fallback used until that kernel is
-    present; fine for tests, O(Lq·Lk) memory). Returns float64 or q's dtype.
+    present; fine for tests: P is built for as many query rows at a time as
+    keep it under 2^22 elements). Returns float64 or q's dtype.
     """
     if hasattr(af, "scaled_dot_product_attention_backward"):
         dt = q.dtype
@@ -480,28 +481,38 @@ def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, wi
     g = H // Hkv
     if g > 1:
         K, V = K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1)  # head h reads kv head h // g
-    S = torch.matmul(Q, K.transpose(-1, -2)) * scale
-    rel = torch.arange(Lk).view(1, Lk) - torch.arange(Lq).view(Lq, 1) - (Lk - Lq)  # j - i' (bottom-right)
-    vis = torch.ones((Lq, Lk), dtype=torch.bool)
-    if is_causal:
-        vis &= rel <= 0
-    if window_size is not None:
-        left, right = window_size
-        if left is not None and left >= 0:
-            vis &= rel >= -left
-        if right is not None and right >= 0:
-            vis &= rel <= right
-    live = vis & torch.isfinite(lse).unsqueeze(-1)
-    Pm = torch.where(live, torch.exp(torch.where(live, S - lse.unsqueeze(-1), 0.0)), 0.0)
-    dV = torch.matmul(Pm.transpose(-1, -2), dO)
-    Dr = (dO * O).sum(-1, keepdim=True)
-    dS = Pm * (torch.matmul(dO, V.transpose(-1, -2)) - Dr)
-    dQ = torch.matmul(dS, K) * scale
-    dK = torch.matmul(dS.transpose(-1, -2), Q) * scale
+    dQ = torch.empty_like(Q)
+    dK = torch.zeros((B, H, Lk, K.shape[-1]), dtype=f64)
+    dV = torch.zeros((B, H, Lk, V.shape[-1]), dtype=f64)
+    rows = max(1, _FALLBACK_ELEMENTS // max(1, B * H * Lk))  # query rows per pass: P is (B, H, rows, Lk)
+    for i0 in range(0, Lq, rows):
+        i1 = min(Lq, i0 + rows)
+        Qi, dOi, lsei = Q[:, :, i0:i1], dO[:, :, i0:i1], lse[:, :, i0:i1]
+        S = torch.matmul(Qi, K.transpose(-1, -2)) * scale
+        rel = torch.arange(Lk).view(1, Lk) - torch.arange(i0, i1).view(-1, 1) - (Lk - Lq)  # j - i' (bottom-right)
+        vis = torch.ones((i1 - i0, Lk), dtype=torch.bool)
+        if is_causal:
+            vis &= rel <= 0
+        if window_size is not None:
+            left, right = window_size
+            if left is not None and left >= 0:
+                vis &= rel >= -left
+            if right is not None and right >= 0:
+                vis &= rel <= right
+        live = vis & torch.isfinite(lsei).unsqueeze(-1)
+        Pm = torch.where(live, torch.exp(torch.where(live, S - lsei.unsqueeze(-1), 0.0)), 0.0)
+        dV += torch.matmul(Pm.transpose(-1, -2), dOi)
+        Dr = (dOi * O[:, :, i0:i1]).sum(-1, keepdim=True)  # D = rowsum(dO∘O) of the global out
+        dS = Pm * (torch.matmul(dOi, V.transpose(-1, -2)) - Dr)
+        dQ[:, :, i0:i1] = torch.matmul(dS, K) * scale
+        dK += torch.matmul(dS.transpose(-1, -2), Qi) * scale
     if g > 1:
         dK = dK.view(B, Hkv, g, Lk, -1).sum(2)
         dV = dV.view(B, Hkv, g, Lk, -1).sum(2)
     return dQ, dK, dV
+
+
+_FALLBACK_ELEMENTS = 1 << 22  # the fallback backward's P per pass: 32 MiB of float64
 
 
 class _RingFn(torch.autograd.Function):
