@@ -315,7 +315,9 @@ class Cluster:
     def _fail(self, why):
         self.close(kill=True)
         self.err.seek(0)
-        pytest.fail(f"{why}\n--- workers' stderr ---\n{self.err.read()[-4000:]}")
+        tail = self.err.read()[-4000:]
+        self.err.close()
+        pytest.fail(f"{why}\n--- workers' stderr ---\n{tail}")
 
     def _read(self, prefix, timeout):
         deadline = time.monotonic() + timeout
