@@ -34,6 +34,8 @@ namespace attn_fast {
   void decode_forward_f64(const DecodeArgs<double>& a);           \
   float stream_read(const float* p, int64_t n);                   \
   double read_loop(const float* p, int64_t n);                    \
+  void flash_backward_f32(const BwdArgs<float>& a);               \
+  void flash_backward_f64(const BwdArgs<double>& a);              \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -354,5 +356,8 @@ double read_bandwidth_gbs(int threads, int64_t bytes, double seconds) {
   std::free(buf);
   return sink == -1.0 ? 0.0 : best;
 }
+
+void flash_backward(const BwdArgs<float>& a) { ATTN_DISPATCH(flash_backward_f32, a) }
+void flash_backward(const BwdArgs<double>& a) { ATTN_DISPATCH(flash_backward_f64, a) }
 
 }  // namespace attn_fast
