@@ -84,7 +84,7 @@ def sdpa_backward(q, k, v, dout, mask=None, bias=None, scale=None, softcap=None,
         sk = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
         p_sink = np.where(live, np.exp(sk - np.where(live, lse, 0.0)), 0.0)  # (…, H, Lq, 1)
         ds = -(p_sink * D)[..., 0]  # (…, H, Lq)
-        res["dsinks"] = ds.reshape(-1, Hq, ds.shape[-1]).sum(axis=(0, 2))
+        res["dsinks"] = ds.sum(axis=-1).reshape(-1, Hq).sum(axis=0)
     return res
 
 
