@@ -35,3 +35,13 @@ def decode(
 def stream_read_gbps(threads: int, nbytes: int, reps: int = ...) -> float: ...
 def forked_child_serial() -> bool: ...
 def read_bandwidth_gbs(threads: int, bytes: int = ..., seconds: float = ...) -> float: ...
+def backward(
+    dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, lse: np.ndarray,
+    dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, dsinks: Optional[np.ndarray] = ..., *,
+    scale: float, causal: bool = ..., top_left: bool = ..., window_left: int = ..., window_right: int = ...,
+    q_lens: Optional[np.ndarray] = ..., kv_lens: Optional[np.ndarray] = ...,
+    cu_q: Optional[np.ndarray] = ..., cu_k: Optional[np.ndarray] = ...,
+    layout: Optional[np.ndarray] = ..., layout_bq: int = ..., layout_bk: int = ...,
+    mask: Optional[np.ndarray] = ..., bias: Optional[np.ndarray] = ..., alibi: Optional[np.ndarray] = ...,
+    softcap: float = ..., sinks: Optional[np.ndarray] = ..., block_q: int = ..., block_k: int = ...,
+) -> None: ...
