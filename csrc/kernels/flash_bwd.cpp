@@ -441,7 +441,6 @@ void backward_impl(const BwdArgs<T>& g0) {
   const int64_t Bc = imin(rup(a.block_k > 0 ? a.block_k : 128, W), rup(imin(imax(a.Lk, 1), 4096), W));
   const int64_t Br = imin(a.block_q > 0 ? a.block_q : 64, imin(imax(a.Lq, 1), 4096));
   const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
-  const int64_t G = a.Hq / a.Hkv;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
 
   // Split rule (shapes only): few (sequence, kv head) pairs -> cut the keys.
