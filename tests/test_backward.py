@@ -339,3 +339,138 @@ def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
             dsinks += want["dsinks"]
     if sinks is not None:
         np.testing.assert_allclose(got[3], dsinks, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------- resources
+
+
+def _run_json(code, timeout=600):
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_backward_no_leak_over_many_calls():
+    report = _run_json("""
+        import ctypes, gc, json
+        import numpy as np
+        import attn_fast as af
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+        try:
+            _mi = ctypes.CDLL(None).mallinfo2
+            _mi.restype = MallInfo2
+            heap = lambda: _mi().uordblks + _mi().hblkhd
+        except (OSError, AttributeError):
+            heap = lambda: 0
+        rng = np.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(4))
+        m = rng.random((16, 16)) < 0.7
+        o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=m, sinks=[0.5, -1.0], return_lse=True)
+        qp = rng.standard_normal((16, 2, 8)).astype(np.float32)
+        cu = np.array([0, 5, 16])
+        op, lp = af.varlen_attention(qp, qp, qp, cu, cu, causal=True, return_lse=True)
+        calls = {
+            "backward": lambda: af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=m,
+                                                                          sinks=[0.5, -1.0]),
+            "varlen_backward": lambda: af.varlen_attention_backward(qp, qp, qp, qp, op, lp, cu, cu, causal=True),
+        }
+        af.set_num_threads(1)
+        for f in calls.values():
+            for _ in range(500):
+                f()
+        report = {}
+        for name, f in calls.items():
+            gc.collect()
+            before = heap()
+            for _ in range(5000):
+                f()
+            gc.collect()
+            report[name] = (heap() - before) / 1024
+        print(json.dumps(report))
+    """)
+    assert all(kib <= 64 for kib in report.values()), report  # 64 KiB over 5000 calls: ~13 bytes per call
+
+
+def test_backward_peak_memory_is_linear_in_L():
+    r = _run_json("""
+        import json, resource
+        import numpy as np
+        import attn_fast as af
+        L, d = 32768, 64
+        rng = np.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((1, 1, L, d), dtype=np.float32) for _ in range(4))
+        o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(255, 0), return_lse=True)
+        af.scaled_dot_product_attention_backward(do[..., :8, :], q[..., :8, :], k, v, o[..., :8, :],
+                                                 lse[..., :8])  # warm up
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        g = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=True, window_size=(255, 0))
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps(dict(extra_kib=after - before, grad_kib=3 * q.nbytes // 1024, dq_kib=q.nbytes // 1024,
+                              finite=all(bool(np.isfinite(x).all()) for x in g), threads=af.get_num_threads())))
+    """)
+    assert r["finite"]
+    # dq, dk, dv themselves, at most 7 key-chunk dQ buffers (kMaxSplit - 1), per-thread tiles;
+    # the textbook's L x L scores alone would be 4 GiB.
+    assert r["extra_kib"] < r["grad_kib"] + 7 * r["dq_kib"] + r["threads"] * 4096 + 8192, r
+
+
+ALLOC_FAIL_BWD = """
+import resource, numpy as np, attn_fast as af
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+one = np.float32(0.5)
+q = np.broadcast_to(one, (1, 1, 1, 2**28))  # d = 2^28: one key block of K alone is > 8 GiB
+v = np.ones((1, 1, 1, 4), np.float32)
+o, lse = np.zeros((1, 1, 1, 4), np.float32), np.zeros((1, 1, 1), np.float32)
+try:
+    af.scaled_dot_product_attention_backward(o, q, q, v, o, lse)
+    print("no error")
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+@pytest.mark.skipif("libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
+                    reason="ASan reserves more address space than the limit")
+def test_backward_allocation_failure_is_memory_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", ALLOC_FAIL_BWD], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["MemoryError"], r.stdout
+
+
+def test_backward_from_python_threads(rng):
+    # The binding releases the GIL: concurrent calls from Python threads give each caller its own result.
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [_inputs(rng, 1, 2, 1, 64, 80, 16, 8, np.float64) for _ in range(4)]
+
+    def one(x):
+        q, k, v, do = x
+        return _run(q, k, v, do, is_causal=True, enable_gqa=True)
+
+    serial = [one(x) for x in inputs]
+    with ThreadPoolExecutor(4) as ex:
+        threaded = list(ex.map(one, inputs))
+    for a, b in zip(serial, threaded):
+        for x, y in zip(a, b):
+            assert x.tobytes() == y.tobytes()
+
+
+def test_permuting_keys_permutes_their_gradients(isa, rng):
+    q, k, v, do = _inputs(rng, 1, 2, 2, 20, 33, 8, 8, np.float64)
+    perm = rng.permutation(33)
+    a = _run(q, k, v, do)
+    b = _run(q, k[:, :, perm], v[:, :, perm], do)
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(b[1], a[1][:, :, perm], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(b[2], a[2][:, :, perm], rtol=1e-10, atol=1e-12)
