@@ -87,8 +87,10 @@ T* alloc_t(int64_t n) {
   return static_cast<T*>(std::aligned_alloc(64, bytes));
 }
 
-// C[MR][NR*W] (+)= A[MR][K] * B[K][NR*W]; A[r * lda + k] broadcast, B rows of ldb.
-template <typename T, int MR, int NR>
+// C[MR][NR*W] (+)= A[MR][K] * B[K][NR*W]; B rows of ldb. A element (r, k) is
+// A[r * lda + k], or A[k * lda + r] when TA (A stored transposed: P^T and dS^T
+// are read straight from P and dS, no transpose copy).
+template <typename T, int MR, int NR, bool TA>
 inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict Bm, int64_t ldb, int64_t K,
                        T* __restrict C, int64_t ldc, bool accumulate) {
   using V = Vec<T>;
@@ -100,7 +102,7 @@ inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict B
     typename V::R b[NR];
     for (int n = 0; n < NR; ++n) b[n] = V::load(Bm + k * ldb + n * W);
     for (int r = 0; r < MR; ++r) {
-      const typename V::R a = V::set1(A[r * lda + k]);
+      const typename V::R a = V::set1(TA ? A[k * lda + r] : A[r * lda + k]);
       for (int n = 0; n < NR; ++n) acc[r][n] = V::fma(a, b[n], acc[r][n]);
     }
   }
@@ -108,24 +110,26 @@ inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict B
     for (int n = 0; n < NR; ++n) V::store(C + r * ldc + n * W, acc[r][n]);
 }
 
-template <typename T, int NR>
+template <typename T, int NR, bool TA>
 inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K, T* C,
                        int64_t ldc, bool accumulate) {
+  const int64_t step = TA ? 1 : lda;  // A's offset between rows
   int64_t m = 0;
   for (; m + kBMR <= M; m += kBMR)
-    gemm_micro<T, kBMR, NR>(A + m * lda, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
-  for (; m < M; ++m) gemm_micro<T, 1, NR>(A + m * lda, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+    gemm_micro<T, kBMR, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+  for (; m < M; ++m) gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
 }
 
-// C[M][N] (+)= A[M][K] B[K][N]; N a multiple of W (B and C padded).
-template <typename T>
+// C[M][N] (+)= op(A)[M][K] B[K][N], op(A) = A or (TA) A^T stored [K][M];
+// N a multiple of W (B and C padded).
+template <typename T, bool TA = false>
 void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bm, int64_t ldb, T* C,
           int64_t ldc, bool accumulate) {
   constexpr int W = Vec<T>::W;
   int64_t n0 = 0;
   for (; n0 + kBNR * W <= N; n0 += kBNR * W)
-    gemm_strip<T, kBNR>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
-  for (; n0 < N; n0 += W) gemm_strip<T, 1>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
+    gemm_strip<T, kBNR, TA>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
+  for (; n0 < N; n0 += W) gemm_strip<T, 1, TA>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
 }
 
 // Guarded products for key blocks holding a non-finite K or V value: terms
@@ -164,14 +168,14 @@ void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* K
 template <typename T>
 struct BScratch {
   T *Kb, *KT, *VT, *dKa, *dVa;  // key block: K rows, K^T, V^T, dK / dV accumulators
-  T *Qs, *dOb, *S, *dS, *PT, *G, *dQb, *lse, *D;
+  T *Qs, *dOb, *S, *dS, *G, *dQb, *lse, *D;
   int64_t* qlo;  // per query block: union of its rows' structural key ranges
   int64_t* qhi;
   bool ok() const {
-    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && PT && G && dQb && lse && D && qlo && qhi;
+    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && G && dQb && lse && D && qlo && qhi;
   }
   void release() {
-    for (T* p : {Kb, KT, VT, dKa, dVa, Qs, dOb, S, dS, PT, G, dQb, lse, D}) std::free(p);
+    for (T* p : {Kb, KT, VT, dKa, dVa, Qs, dOb, S, dS, G, dQb, lse, D}) std::free(p);
     std::free(qlo);
     std::free(qhi);
   }
@@ -240,12 +244,14 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     const int64_t i = i0 + r;
     int64_t lo, hi;
     row_range(a, si, i, &lo, &hi);
-    if (capped)
+    if (capped) {
       for (int64_t j = 0; j < cols; ++j) {
         const T t = std::tanh(s[j] * icap);
         s[j] = cap * t;
         gr[j] = T(1) - t * t;
       }
+      for (int64_t j = cols; j < Bcp; ++j) gr[j] = T(0);
+    }
     if (a.alibi) {
       const T slope = a.alibi[h];
       for (int64_t j = 0; j < cols; ++j) {
@@ -260,10 +266,12 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
         s[j] = bj == NEG_INF ? NEG_INF : s[j] + bj;
       }
     }
-    for (int64_t j = 0; j < cols; ++j) {
-      const int64_t jj = j0 + j;
-      if (jj < lo || jj >= hi || ((a.layout || a.mask) && !user_visible(a, si, h, i, jj))) s[j] = NEG_INF;
-    }
+    if (lo > j0 || hi < j0 + cols)  // the structural range cuts this row of the tile
+      for (int64_t j = 0; j < cols; ++j)
+        if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF;
+    if (a.layout || a.mask)
+      for (int64_t j = 0; j < cols; ++j)
+        if (!user_visible(a, si, h, i, j0 + j)) s[j] = NEG_INF;
     for (int64_t j = cols; j < Bcp; ++j) s[j] = NEG_INF;
     const T L = sc.lse[r];
     if (L == NEG_INF) {  // the row sees nothing: P = 0
@@ -275,32 +283,29 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
   }
 
   // dV += P^T dO.
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j) sc.PT[j * Br + r] = sc.S[r * Bcp + j];
-  gemm<T>(cols, dvp, rows, sc.PT, Br, sc.dOb, dvp, sc.dVa, dvp, true);
+  gemm<T, true>(cols, dvp, rows, sc.S, Bcp, sc.dOb, dvp, sc.dVa, dvp, true);
 
   // dP = dO V^T, then dS = P * (dP - D) (* (1 - tanh^2)).
   if (nonfinite)
     dp_guarded<T>(rows, cols, sc.S, Bcp, sc.dOb, dvp, sc.VT, Bcp, dv, sc.dS);
   else
     gemm<T>(rows, Bcp, dv, sc.dOb, dvp, sc.VT, Bcp, sc.dS, Bcp, false);
+  // (P = 0 gives dS = 0: dP is finite here, or 0 where P = 0 on guarded blocks;
+  // padded columns have P = 0.)
   for (int64_t r = 0; r < rows; ++r) {
     const T* p = sc.S + r * Bcp;
     T* ds = sc.dS + r * Bcp;
     const T* gr = sc.G + r * Bcp;
-    const T Dr = sc.D[r];
-    for (int64_t j = 0; j < cols; ++j) {
-      T v = p[j] == T(0) ? T(0) : p[j] * (ds[j] - Dr);
-      if (capped) v *= gr[j];
-      ds[j] = v;
-    }
-    for (int64_t j = cols; j < Bcp; ++j) ds[j] = T(0);
+    const typename V::R vD = V::set1(sc.D[r]);
+    if (capped)
+      for (int64_t j = 0; j < Bcp; j += W)
+        V::store(ds + j, V::mul(V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)), V::load(gr + j)));
+    else
+      for (int64_t j = 0; j < Bcp; j += W) V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)));
   }
 
   // dK += dS^T (scale Q).
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j) sc.PT[j * Br + r] = sc.dS[r * Bcp + j];
-  gemm<T>(cols, dp, rows, sc.PT, Br, sc.Qs, dp, sc.dKa, dp, true);
+  gemm<T, true>(cols, dp, rows, sc.dS, Bcp, sc.Qs, dp, sc.dKa, dp, true);
 
   // dQ += scale * dS K, into the item's dQ target (fixed key-block order).
   if (nonfinite)
@@ -519,7 +524,6 @@ void backward_impl(const BwdArgs<T>& g0) {
     sc.dOb = alloc_t<T>(Br * dvp);
     sc.S = alloc_t<T>(Br * Bc);
     sc.dS = alloc_t<T>(Br * Bc);
-    sc.PT = alloc_t<T>(Bc * Br);
     sc.G = alloc_t<T>(Br * Bc);
     sc.dQb = alloc_t<T>(Br * dp);
     sc.lse = alloc_t<T>(Br);
