@@ -309,7 +309,8 @@ def test_argument_errors(rng):
 
 
 @pytest.mark.parametrize("opts", [{}, {"causal": True}, {"causal": True, "window_size": (4, 0), "softcap": 3.0},
-                                  {"sinks": True, "causal": True}])
+                                  {"sinks": True, "causal": True},
+                                  {"causal": True, "block_q": 4, "block_k": 8}])  # small blocks: keys in chunks
 def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
     Hq, Hkv, d, dv = 4, 2, 8, 6
     lq, lk = [5, 0, 17, 1], [9, 3, 17, 0]
