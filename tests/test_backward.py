@@ -425,9 +425,11 @@ def test_backward_peak_memory_is_linear_in_L():
 
 ALLOC_FAIL_BWD = """
 import resource, numpy as np, attn_fast as af
-resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 one = np.float32(0.5)
-q = np.broadcast_to(one, (1, 1, 1, 2**28))  # d = 2^28: one key block of K alone is > 8 GiB
+# d = 2^28: dq and dk take 2 GiB; the kernel's scratch (K, K^T, the dK accumulator, a Q
+# block, ...: at least five d-sized rows of a key block) cannot fit in the other 2 GiB.
+q = np.broadcast_to(one, (1, 1, 1, 2**28))
 v = np.ones((1, 1, 1, 4), np.float32)
 o, lse = np.zeros((1, 1, 1, 4), np.float32), np.zeros((1, 1, 1), np.float32)
 try:
