@@ -101,7 +101,7 @@ def scaled_dot_product_attention_backward(
     if v is None:
         raise TypeError("v must be an array, got None")
     like = q
-    q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
+    q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
     k, v = as_float_array(k, "k"), as_float_array(v, "v")
     scale = check_scale(scale, d)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
