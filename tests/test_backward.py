@@ -477,3 +477,11 @@ def test_permuting_keys_permutes_their_gradients(isa, rng):
     np.testing.assert_allclose(b[0], a[0], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(b[1], a[1][:, :, perm], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(b[2], a[2][:, :, perm], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("Lq, Lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 4, 0), (0, 0, 3, 3)])
+def test_empty_shapes_give_zero_gradients(rng, Lq, Lk, d, dv):
+    q, k, v, do = _inputs(rng, 1, 2, 2, Lq, Lk, d, dv, np.float64)
+    got = _run(q, k, v, do, is_causal=True)
+    for g, x in zip(got, (q, k, v)):
+        assert g.shape == x.shape and np.all(g == 0)
