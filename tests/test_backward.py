@@ -485,3 +485,14 @@ def test_empty_shapes_give_zero_gradients(rng, Lq, Lk, d, dv):
     got = _run(q, k, v, do, is_causal=True)
     for g, x in zip(got, (q, k, v)):
         assert g.shape == x.shape and np.all(g == 0)
+
+
+def test_read_only_inputs(rng):
+    q, k, v, do = _inputs(rng, 1, 2, 2, 9, 12, 4, 4, np.float64)
+    o, lse = af.scaled_dot_product_attention(q, k, v, return_lse=True)
+    want = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse)
+    for x in (q, k, v, do, o, lse):
+        x.flags.writeable = False
+    got = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse)
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()

@@ -45,6 +45,8 @@ def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
     if lse.shape != lse_shape:
         raise ValueError(f"lse has shape {shape_str(lse)}, expected {shape_str(np.empty(lse_shape, np.int8))} "
                          f"(q has shape {shape_str(q)})")
+    if not out.flags.writeable:  # the kernel only reads it; its binding takes o as writeable
+        out = out.copy()
     return dout, out, np.ascontiguousarray(lse)
 
 
