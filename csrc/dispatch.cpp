@@ -39,6 +39,8 @@ namespace attn_fast {
   double read_loop(const float* p, int64_t n);                    \
   AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);        \
   AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a);         \
+  void flash_backward_f32(const BwdArgs<float>& a);               \
+  void flash_backward_f64(const BwdArgs<double>& a);              \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -459,5 +461,7 @@ AttnStats flash_forward(const AttnArgs<bf16_t>& a) {
   ATTN_DISPATCH(flash_forward_bf16, a)
 }
 AttnStats flash_forward(const AttnArgs<fp16_t>& a) { ATTN_DISPATCH(flash_forward_f16, a) }
+void flash_backward(const BwdArgs<float>& a) { ATTN_DISPATCH(flash_backward_f32, a) }
+void flash_backward(const BwdArgs<double>& a) { ATTN_DISPATCH(flash_backward_f64, a) }
 
 }  // namespace attn_fast

@@ -318,10 +318,8 @@ def test_refuses_what_it_cannot_do_exactly():
     model.eval()
     with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True"):
         model(input_ids=ids, output_attentions=True)
-    # Forward with grad enabled works; backward fails loudly rather than silently skipping attention.
-    loss = model(input_ids=ids).logits.sum()
-    with pytest.raises(RuntimeError, match="attn_fast has no backward pass"):
-        loss.backward()
+    # Forward with grad enabled and backward work (see the training tests below).
+    model(input_ids=ids).logits.sum().backward()
     q = torch.ones(1, 2, 3, 8, device="meta")
     with pytest.raises(TypeError, match="CPU only"):
         af_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None)
@@ -431,3 +429,98 @@ def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
     got, _ = af_hf.attention_forward(module, q, k, v, None, position_bias=pb)
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10, atol=1e-12)
     assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------- training
+
+
+def grads(model, impl, **inputs):
+    """loss and {name: grad} of one training forward/backward with `impl`."""
+    model.set_attn_implementation(impl)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def lm_labels(ids, am):
+    """Labels with -100 on padding and where the predicting position is padding (left padding:
+    the first real token), so no loss term reads a fully masked query row (backends differ there)."""
+    prev = torch.cat([torch.ones_like(am[:, :1]), am[:, :-1]], dim=1)
+    return ids.masked_fill((am == 0) | (prev == 0), -100)
+
+
+def same_grads(model, ref_impl, **inputs):
+    ref_loss, ref = grads(model, ref_impl, **inputs)
+    got_loss, got = grads(model, "attn_fast", **inputs)
+    assert got.keys() == ref.keys()
+    assert abs(got_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    worst = 0.0
+    for name in ref:
+        a, b = got[name].numpy(), ref[name].numpy()
+        scale = max(float(np.abs(b).max()), 1e-6)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * scale, err_msg=name)
+        worst = max(worst, float(np.abs(a - b).max()) / scale)
+    return worst
+
+
+def test_llama_training_gradients_match_sdpa(calls):
+    model = llama()
+    ids, am = padded_batch(3, 14, 128, left=True, pads=[0, 4, 9])
+    labels = lm_labels(ids, am)
+    worst = same_grads(model, "sdpa", input_ids=ids, attention_mask=am, labels=labels)
+    assert len(calls) == 2, calls  # the attn_fast pass: one call per layer, with its backward
+    print(f"llama training max|Δgrad|/max|grad| = {worst:.2e}")
+
+
+def test_llama_training_steps_same_losses_as_sdpa(calls):
+    import copy
+
+    base = llama()
+    ids, am = padded_batch(2, 12, 128, left=False, pads=[0, 5])
+    labels = lm_labels(ids, am)
+    losses = {}
+    for impl in ("sdpa", "attn_fast"):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(impl)
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        losses[impl] = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+            loss.backward()
+            opt.step()
+            losses[impl].append(float(loss.detach()))
+    assert losses["sdpa"][-1] < losses["sdpa"][0]  # the steps do train
+    np.testing.assert_allclose(losses["attn_fast"], losses["sdpa"], rtol=1e-5)
+    assert len(calls) == 4 * 2
+
+
+def test_gemma2_softcap_window_training_gradients_match_eager(calls):
+    cfg = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=5,
+        attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
+    )
+    model = transformers.Gemma2ForCausalLM(cfg)
+    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
+    same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
+    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
+
+
+def test_gpt_oss_sinks_training_gradients_match_eager(calls):
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+        max_position_embeddings=131072, pad_token_id=0,
+    )
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
+    same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
+    assert len(calls) == 2 and all(c["sinks"] for c in calls), calls
+    assert all(layer.self_attn.sinks.grad is not None for layer in model.model.layers)

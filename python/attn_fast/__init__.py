@@ -59,3 +59,8 @@ __all__ += ["positional", "MultiHeadAttention", "TransformerBlock", "TinyTransfo
 from .demo import explain  # noqa: E402
 
 __all__ += ["explain"]
+
+# Gradients (the fused FlashAttention-2 backward); the torch op is attn_fast.torch.
+from .backward import scaled_dot_product_attention_backward, varlen_attention_backward  # noqa: E402
+
+__all__ += ["scaled_dot_product_attention_backward", "varlen_attention_backward"]

@@ -453,66 +453,25 @@ def _ring_backward(dout, q, k, v, out, lse, cfg):
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
-def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, window_size):
+def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, window_size, **options):
     """One block's contribution to (dq, dk, dv) given the *global* out and lse.
 
     dout, q, out (B, H, Lq, ·); k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv); lse
     (B, H, Lq); torch CPU tensors (views). is_causal / window_size are aligned
     bottom-right within the block, as in the forward. With D = rowsum(dO∘O)
     and P = exp(S − lse) (0 where masked or lse = −inf):
-        dV = Pᵀ dO,  dS = P∘(dO Vᵀ − D),  dQ = scale·dS K,  dK = scale·dSᵀ Q.
-    Uses ``attn_fast.scaled_dot_product_attention_backward`` when the package
-    has it; otherwise the plain torch float64 implementation below, which
-    materialises P for the block (the fallback used until that kernel is
-    present; fine for tests: P is built for as many query rows at a time as
-    keep it under 2^22 elements). Returns float64 or q's dtype.
+        dV = Pᵀ dO,  dS = P∘(dO Vᵀ − D),  dQ = scale·dS K,  dK = scale·dSᵀ Q,
+    computed by the fused kernel (``attn_fast.scaled_dot_product_attention_backward``)
+    on NumPy views. ``options`` (attn_mask, softcap, alibi_slopes, sinks) go to
+    it as they went to the forward; a dsinks result is dropped (sinks are
+    constants here). Returns torch tensors of q's dtype.
     """
-    if hasattr(af, "scaled_dot_product_attention_backward"):
-        dt = q.dtype
-        res = af.scaled_dot_product_attention_backward(
-            dout.detach().to(dt).numpy(), q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
-            out.detach().to(dt).numpy(), lse.detach().to(dt).numpy(),
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window_size=window_size)
-        return tuple(torch.as_tensor(np.asarray(x)) for x in res)
-    f64 = torch.float64
-    dO, Q, K, V, O, lse = (t.detach().to(f64) for t in (dout, q, k, v, out, lse))
-    B, H, Lq, _ = Q.shape
-    Hkv, Lk = K.shape[1], K.shape[2]
-    g = H // Hkv
-    if g > 1:
-        K, V = K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1)  # head h reads kv head h // g
-    dQ = torch.empty_like(Q)
-    dK = torch.zeros((B, H, Lk, K.shape[-1]), dtype=f64)
-    dV = torch.zeros((B, H, Lk, V.shape[-1]), dtype=f64)
-    rows = max(1, _FALLBACK_ELEMENTS // max(1, B * H * Lk))  # query rows per pass: P is (B, H, rows, Lk)
-    for i0 in range(0, Lq, rows):
-        i1 = min(Lq, i0 + rows)
-        Qi, dOi, lsei = Q[:, :, i0:i1], dO[:, :, i0:i1], lse[:, :, i0:i1]
-        S = torch.matmul(Qi, K.transpose(-1, -2)) * scale
-        rel = torch.arange(Lk).view(1, Lk) - torch.arange(i0, i1).view(-1, 1) - (Lk - Lq)  # j - i' (bottom-right)
-        vis = torch.ones((i1 - i0, Lk), dtype=torch.bool)
-        if is_causal:
-            vis &= rel <= 0
-        if window_size is not None:
-            left, right = window_size
-            if left is not None and left >= 0:
-                vis &= rel >= -left
-            if right is not None and right >= 0:
-                vis &= rel <= right
-        live = vis & torch.isfinite(lsei).unsqueeze(-1)
-        Pm = torch.where(live, torch.exp(torch.where(live, S - lsei.unsqueeze(-1), 0.0)), 0.0)
-        dV += torch.matmul(Pm.transpose(-1, -2), dOi)
-        Dr = (dOi * O[:, :, i0:i1]).sum(-1, keepdim=True)  # D = rowsum(dO∘O) of the global out
-        dS = Pm * (torch.matmul(dOi, V.transpose(-1, -2)) - Dr)
-        dQ[:, :, i0:i1] = torch.matmul(dS, K) * scale
-        dK += torch.matmul(dS.transpose(-1, -2), Qi) * scale
-    if g > 1:
-        dK = dK.view(B, Hkv, g, Lk, -1).sum(2)
-        dV = dV.view(B, Hkv, g, Lk, -1).sum(2)
-    return dQ, dK, dV
-
-
-_FALLBACK_ELEMENTS = 1 << 22  # the fallback backward's P per pass: 32 MiB of float64
+    dt = q.dtype
+    res = af.scaled_dot_product_attention_backward(
+        dout.detach().to(dt).numpy(), q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+        out.detach().to(dt).numpy(), lse.detach().to(dt).numpy(),
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window_size=window_size, **options)
+    return tuple(torch.from_numpy(np.asarray(x)) for x in res[:3])
 
 
 class _RingFn(torch.autograd.Function):
@@ -638,7 +597,7 @@ class _UlyssesFn(torch.autograd.Function):
         # lse back to sequence shards only when asked for (the backward uses the head shards)
         lse = _heads_to_seq(lh.unsqueeze(-1), cfg, n).squeeze(-1) if want_lse else lh.new_empty(0)
         ctx.save_for_backward(qh, kh, vh, oh, lh)
-        ctx.cfg, ctx.rep, ctx.n = cfg, rep, n
+        ctx.cfg, ctx.rep, ctx.n, ctx.sdpa_kw = cfg, rep, n, sdpa_kw
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -651,7 +610,7 @@ class _UlyssesFn(torch.autograd.Function):
         cfg, n = ctx.cfg, ctx.n
         doh = _seq_to_heads(dout.contiguous(), cfg)
         gq, gk, gv = _local_backward(doh, qh, kh, vh, oh, lh, is_causal=cfg.is_causal, scale=cfg.scale,
-                                     enable_gqa=cfg.enable_gqa, window_size=cfg.window)
+                                     enable_gqa=cfg.enable_gqa, window_size=cfg.window, **ctx.sdpa_kw)
         dq, dk, dv = (_heads_to_seq(g.to(qh.dtype).contiguous(), cfg, n) for g in (gq, gk, gv))
         if ctx.rep > 1:
             B, Hr, _, _ = dk.shape
@@ -683,8 +642,10 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
     enable_gqa, group and layout (default "zigzag") are as in
     ``ring_attention``; the shard-shape check is the same all_gather.
 
-    Differentiable in q, k, v when only is_causal / window_size are used
-    (NotImplementedError at the forward otherwise, when a gradient is needed).
+    Differentiable in q, k, v with every option (the fused backward kernel on
+    the head shards); attn_mask, softcap, alibi_slopes and sinks are
+    constants (no gradient: a sinks tensor that requires grad raises
+    ValueError).
     Returns out (B, H, n, dv) of q's dtype, or (out, lse) with lse (B, H, n).
     """
     _check_tensors(q, k, v, enable_gqa)
@@ -702,11 +663,9 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
     h = H // world
     heads = slice(rank * h, (rank + 1) * h)
     sdpa_kw = {}
-    extras = attn_mask is not None or softcap is not None or alibi_slopes is not None or sinks is not None
-    if extras and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError(
-            "ulysses_attention's backward supports is_causal and window_size only; call it under "
-            "torch.no_grad() (or on tensors that do not require grad) with attn_mask, softcap, alibi_slopes or sinks")
+    if isinstance(sinks, torch.Tensor) and sinks.requires_grad and torch.is_grad_enabled():
+        raise ValueError("ulysses_attention takes sinks as constants (no gradient); pass sinks.detach(), "
+                         "or attn_fast.torch.scaled_dot_product_attention on one process for their gradient")
     if attn_mask is not None:
         sdpa_kw["attn_mask"] = _mask_heads(attn_mask, H, heads)
     if softcap is not None:

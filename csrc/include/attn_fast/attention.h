@@ -217,4 +217,31 @@ double fma_peak_gflops(int threads, double seconds);
 // threads, repeatedly for about `seconds`; returns the best pass in GB/s.
 double read_bandwidth_gbs(int threads, int64_t bytes, double seconds);
 
+// ---------------------------------------------------------------- backward
+// FlashAttention-2 backward (csrc/kernels/flash_bwd.cpp), dispatched per ISA.
+// f holds everything the forward call had (geometry, masks, score options,
+// alignment, varlen offsets, block sizes, threads) with f.o = the forward's
+// output O and f.lse = its lse (both read only; lse is required). Computes
+//   dq (like q), dk (like k), dv (like v): written in full (keys past a
+//   sequence's length and rows that see nothing get 0); GQA dk/dv summed
+//   over the group; no gradient for masks or biases;
+//   dsinks (Hq,) when f.sinks is set: -sum_i exp(sinks[h] - lse_i) D_i.
+// O and lse may come from elsewhere (ring attention: a global O and lse with
+// one block of the keys): then the result is that key block's contribution.
+// Results are bit-for-bit identical for any thread count.
+template <typename T>
+struct BwdArgs {
+  AttnArgs<T> f;
+  const T* dout = nullptr;  // (B, Hq, Lq, dv) like o
+  Strides4 sdo;
+  T* dq = nullptr;
+  T* dk = nullptr;
+  T* dv = nullptr;
+  Strides4 sdq, sdk, sdv;
+  T* dsinks = nullptr;  // (Hq,), written when f.sinks is set
+};
+
+void flash_backward(const BwdArgs<float>& a);
+void flash_backward(const BwdArgs<double>& a);
+
 }  // namespace attn_fast

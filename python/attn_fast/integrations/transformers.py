@@ -41,9 +41,13 @@ attention function receives means exactly what it means for ``"sdpa"``:
 
 Anything attn_fast cannot compute exactly raises rather than computing
 something else: dropout > 0 (training mode), ``output_attentions=True``,
-``torch.compile`` tracing, tensors off the CPU. Gradients: the forward pass
-works on tensors that require grad (e.g. a model called without
-``torch.no_grad()``), but the result's backward raises a clear error.
+``torch.compile`` tracing, tensors off the CPU. Training: when query, key,
+value or ``s_aux`` require grad, the call runs inside an autograd function
+whose backward is attn_fast's fused FlashAttention-2 backward
+(``scaled_dot_product_attention_backward``) on the same kernel arguments, so
+``model.train()`` (dropout 0) + ``loss.backward()`` works; gradients flow to
+query, key, value and the sinks (masks and ``position_bias`` get none: a
+``position_bias`` that requires grad, T5's learned bias, raises ValueError).
 
 dtypes: float32 and float64 are computed natively, on the model's own tensors
 (no copies: inputs are read through their strides and the output is written
@@ -208,19 +212,42 @@ def attention_mask(
 # --------------------------------------------------------------------------- attention
 
 
-class _ForwardOnly(torch.autograd.Function):
-    """Runs the kernel inside autograd so that a backward pass fails loudly instead of silently."""
+class _Trainable(torch.autograd.Function):
+    """The attention call inside autograd, with attn_fast's fused backward.
+
+    forward(ctx, run, query, key, value, s_aux): run(saved) computes the
+    output and fills `saved` with what the backward needs (the kernel's own
+    q, k, v, out, lse and keyword arguments). backward maps the gradients
+    back to the caller's tensors: dtype, and keys dropped by the causal
+    shortcut (zero gradient).
+    """
 
     @staticmethod
-    def forward(ctx, run, *tensors):
-        return run()
+    def forward(ctx, run, query, key, value, s_aux):
+        saved = {}
+        out = run(saved)
+        ctx.save_for_backward(saved.pop("q"), saved.pop("k"), saved.pop("v"), saved.pop("out"), saved.pop("lse"))
+        ctx.saved = saved
+        ctx.meta = [(t.dtype, t.shape) if isinstance(t, torch.Tensor) else None for t in (query, key, value, s_aux)]
+        return out
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "attn_fast has no backward pass: the attn_fast attention backend is for inference. "
-            "Use attn_implementation='sdpa' (or 'eager') to train."
-        )
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        from ..backward import scaled_dot_product_attention_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        s = ctx.saved
+        do = dout.to(q.dtype).transpose(1, 2)  # (B, Lq, H, dv) -> (B, H, Lq, dv), a view
+        grads = scaled_dot_product_attention_backward(do, q, k, v, out, lse, **s["kw"])
+        res = [None]
+        for g, meta in zip(grads, ctx.meta[:3]):
+            dtype, shape = meta
+            if g.shape[2] != shape[2]:  # keys the causal shortcut dropped: visible to no query
+                g = torch.cat([g, g.new_zeros(g.shape[:2] + (shape[2] - g.shape[2],) + g.shape[3:])], dim=2)
+            res.append(g.to(dtype))
+        res.append(grads[3].to(ctx.meta[3][0]) if len(grads) == 4 and ctx.meta[3] is not None else None)
+        return tuple(res)
 
 
 _COMPUTE = (torch.float32, torch.float64)
@@ -266,14 +293,19 @@ def attention_forward(
             raise TypeError(f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    tensors = [t for t in (query, key, value, s_aux, position_bias) if isinstance(t, torch.Tensor)]
-    run = lambda: _attention(query, key, value, attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias)  # noqa: E731
+    tensors = [t for t in (query, key, value, s_aux) if isinstance(t, torch.Tensor)]
+    run = lambda saved=None: _attention(  # noqa: E731
+        query, key, value, attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias, saved)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _ForwardOnly.apply(run, *tensors), None
+        if isinstance(position_bias, torch.Tensor) and position_bias.requires_grad:
+            raise ValueError("a position_bias that requires grad (T5's learned bias) is not supported by the "
+                             "backward yet; train with attn_implementation='sdpa'")
+        return _Trainable.apply(run, query, key, value, s_aux if isinstance(s_aux, torch.Tensor) else None), None
     return run(), None
 
 
-def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias):
+def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None):
+    """The kernel call; with `saved` (a dict) also keeps what the backward needs (see _Trainable)."""
     B, Hq, Lq, d = query.shape
     Lk = key.shape[2]
     out_dtype = query.dtype
@@ -331,8 +363,12 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
 
     dv = value.shape[-1]
     out = torch.empty((B, Lq, Hq, dv), dtype=dt)
-    _functional.scaled_dot_product_attention(
+    res = _functional.scaled_dot_product_attention(
         query, key, value, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq,
-        out=out.transpose(1, 2), **kw,
+        out=out.transpose(1, 2), return_lse=saved is not None, **kw,
     )
+    if saved is not None:
+        saved.update(q=query.detach(), k=key.detach(), v=value.detach(), out=out.transpose(1, 2).detach(),
+                     lse=res[1],  # a tensor: torch in, torch out
+                     kw=dict(kw, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq))
     return out if dt == out_dtype else out.to(out_dtype)

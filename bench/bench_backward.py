@@ -1,0 +1,192 @@
+"""Forward + backward of attn_fast against torch SDPA's CPU backward.
+
+    python bench/bench_backward.py              # quick: 2 prefill shapes x causal, ~1 min
+    python bench/bench_backward.py --full       # every prefill shape of the suite
+    python bench/bench_backward.py --threads 2 --repeats 5 --no-memory
+
+For each prefill case of the benchmark suite (attn_fast.bench_suite,
+float32): first checks that both give the same gradients (relative error
+of dq, dk, dv), then times, interleaved in the same run (rotating order,
+one call each per round), the medians of
+  attn_fast : sdpa(..., return_lse=True) + scaled_dot_product_attention_backward
+  torch     : F.scaled_dot_product_attention + torch.autograd.grad
+and the peak RSS growth of one forward+backward in a fresh process. Then one
+training step (forward, loss, backward, AdamW step) of a small torch
+Transformer whose attention is torch's SDPA or attn_fast.torch's op.
+Each line carries the ISA, thread count and CPU; on a shared machine quote
+medians and the same-run ratio only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+# bench/profile.py would shadow the standard library's profile module (torch imports cProfile)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import numpy as np  # noqa: E402
+
+import attn_fast as af  # noqa: E402
+from attn_fast import bench_suite as bs  # noqa: E402
+
+
+def _cpu():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def make_fns(case, threads):
+    import torch
+
+    torch.set_num_threads(threads)
+    af.set_num_threads(threads)
+    q, k, v = bs.make_inputs(case)
+    do = np.random.default_rng(1).standard_normal(q.shape[:-1] + (v.shape[-1],), dtype=np.float32)
+
+    def run_af():
+        o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=case.causal, return_lse=True)
+        return af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=case.causal)
+
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    tdo = torch.from_numpy(do)
+
+    def run_torch():
+        o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
+        return torch.autograd.grad(o, (tq, tk, tv), tdo)
+
+    return run_af, run_torch
+
+
+def check(run_af, run_torch):
+    a = run_af()
+    b = [x.numpy() for x in run_torch()]
+    return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)) for x, y in zip(a, b))
+
+
+_MEM = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("bench_backward", sys.argv[4])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+make_fns = mod.make_fns
+from attn_fast.bench_suite import Case
+case = Case(**json.loads(sys.argv[1])); threads = int(sys.argv[3])
+fns = dict(zip(("attn_fast", "torch"), make_fns(case, threads)))
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+before = status("VmRSS")
+fns[sys.argv[2]]()
+print(json.dumps({"grow": status("VmHWM") - before}))
+"""
+
+
+def peak_memory(case, impl, threads):
+    import dataclasses
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _MEM, json.dumps(dataclasses.asdict(case)), impl, str(threads),
+                            os.path.abspath(__file__)], capture_output=True, text=True, timeout=600)
+        return max(0, json.loads(r.stdout.strip().splitlines()[-1])["grow"])
+    except Exception:  # noqa: BLE001 - no figure when the child fails
+        return None
+
+
+def training_step_bench(threads, repeats, B=4, L=256, D=256, H=8, layers=4, vocab=512):
+    """Median seconds of one training step of a small pre-norm causal Transformer per backend."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import attn_fast.torch as aft
+
+    torch.set_num_threads(threads)
+    af.set_num_threads(threads)
+
+    class Block(nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+            self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            x = x + self.o(self.attn(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, D))
+            return x + self.ff(self.n2(x))
+
+    def model(attn):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(vocab, D), *[Block(attn) for _ in range(layers)], nn.LayerNorm(D),
+                             nn.Linear(D, vocab))
+
+    ids = torch.randint(0, vocab, (B, L + 1), generator=torch.Generator().manual_seed(0))
+    steps, losses = {}, {}
+    for name, attn in (("torch", F.scaled_dot_product_attention), ("attn_fast", aft.scaled_dot_product_attention)):
+        m = model(attn)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(m=m, opt=opt, name=name):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(ids[:, :-1]).reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.setdefault(name, []).append(float(loss.detach()))
+
+        steps[name] = step
+    ts = bs.time_interleaved(steps, repeats, warmup=1, cooldown=False)
+    return {n: statistics.median(t) for n, t in ts.items()}, losses
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="every prefill shape of the suite (slow)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-train", action="store_true")
+    a = p.parse_args(argv)
+    shapes = bs.PREFILL_SHAPES if a.full else bs.PREFILL_SHAPES[:2]
+    cases = [bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)]
+    print(f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {_cpu()} | float32 | "
+          f"medians of {a.repeats} interleaved runs (shared machine: compare ratios)")
+    print(f"{'case':34s} {'max rel err':>11s} {'attn_fast ms':>12s} {'torch ms':>10s} {'speedup':>8s} "
+          f"{'af MiB':>8s} {'torch MiB':>9s}")
+    for case in cases:
+        run_af, run_torch = make_fns(case, a.threads)
+        err = check(run_af, run_torch)
+        ts = bs.time_interleaved({"attn_fast": run_af, "torch": run_torch}, a.repeats, warmup=1, cooldown=False)
+        med = {n: statistics.median(t) for n, t in ts.items()}
+        mem = {n: None for n in med} if a.no_memory else {n: peak_memory(case, n, a.threads) for n in med}
+        fmt = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+        print(f"{case.name:34s} {err:11.1e} {med['attn_fast'] * 1e3:12.1f} {med['torch'] * 1e3:10.1f} "
+              f"{med['torch'] / med['attn_fast']:7.2f}x {fmt(mem['attn_fast']):>8s} {fmt(mem['torch']):>9s}")
+        sys.stdout.flush()
+    if not a.no_train:
+        t0 = time.perf_counter()
+        med, losses = training_step_bench(a.threads, a.repeats)
+        print(f"training step, 4-layer Transformer (B=4, L=256, D=256, 8 heads, causal, AdamW): "
+              f"torch SDPA {med['torch'] * 1e3:.1f} ms, attn_fast.torch {med['attn_fast'] * 1e3:.1f} ms "
+              f"({med['torch'] / med['attn_fast']:.2f}x); first-step loss {losses['torch'][0]:.5f} vs "
+              f"{losses['attn_fast'][0]:.5f} [{time.perf_counter() - t0:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,573 @@
+// The fused flash-attention backward kernel (FlashAttention-2, Algorithm 2).
+//
+// Compiled once per instruction set like flash_fwd.cpp (see isa.h and
+// CMakeLists.txt). Given the forward's O and lse, and dO, it computes
+// dQ, dK, dV (and dsinks) without ever holding the Lq x Lk matrices:
+//
+//   D_i  = rowsum(dO_i * O_i)                        (pass 1, per query row)
+//   per (key block, query block) tile, recomputed:
+//     S  = scale * Q K^T, then softcap / ALiBi / bias and the masks of
+//          attention.h exactly as the forward applies them
+//     P  = exp(S - lse)                              (no max, no rescale)
+//     dV += P^T dO
+//     dP = dO V^T
+//     dS = P * (dP - D)          (* (1 - tanh^2) under softcap)
+//     dK += dS^T (scale Q)
+//     dQ += scale * dS K
+//   dsink_h = -sum_i exp(sink_h - lse_i) D_i        (pass 1, per head)
+//
+// Shapes: q (B, Hq, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv),
+//         o, dO (B, Hq, Lq, dv), lse (B, Hq, Lq) / (Hq, total_q) for varlen;
+//         dq, dk, dv like q, k, v. All read and written through strides.
+//
+// Tiling and threads: one work item = (sequence, kv head, key chunk). It owns
+//   dK/dV of its keys (accumulated in Bc x d / Bc x dv tiles over its G query
+//   heads and all query blocks, then written once) and accumulates its
+//   contribution to dQ of those G heads in a fixed key-block order: no atomics.
+//   A chunk is all of the sequence's keys unless there are fewer than
+//   kMinItems (sequence, kv head) pairs; then the keys are cut into up to
+//   kMaxSplit chunks, chunk c > 0 accumulates dQ into its own buffer and the
+//   buffers are added to dq afterwards in chunk order. The split depends on
+//   the shapes only, never on the thread count, so results are bit-for-bit
+//   identical for any number of threads.
+//
+// Loop order inside an item: key block outer (K, K^T, V^T and the dK/dV
+//   accumulators stay in L2), then query head, then query block (its Q and dO
+//   rows packed once per tile). The five products are one register-blocked
+//   kernel, C[M][N] (+)= A[M][K] B[K][N], A read by broadcast, B and C by
+//   Vec<T> rows: MR x NR vectors as in the forward.
+//
+// Memory: scratch per thread is O(Br * Bc + (Br + Bc) * (d + dv)); D is
+//   B * Hq * Lq elements; split buffers at most (kMaxSplit - 1) * |dq|.
+//   Allocation failure throws std::bad_alloc (MemoryError in Python).
+//
+// Numerics: rows with lse = -inf (no visible key, padding) get P = 0, so
+//   their dQ is 0 and they add nothing to dK/dV; masked pairs get P = dS = 0.
+//   Key blocks whose K or V holds a non-finite value use products that skip
+//   zero weights, so a NaN in a masked K/V row never reaches a gradient.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attn_fast/attention.h"
+#include "attn_fast/seq.h"
+
+#include "isa.h"
+
+namespace attn_fast {
+namespace ATTN_NS {
+
+#include ATTN_VEC_HEADER
+
+namespace {
+
+#if defined(ATTN_ISA_AVX512)
+constexpr int kBMR = 6, kBNR = 4;
+#elif defined(ATTN_ISA_AVX2)
+constexpr int kBMR = 6, kBNR = 2;
+#else
+constexpr int kBMR = 4, kBNR = 4;
+#endif
+constexpr int64_t kMinItems = 16;  // (sequence, kv head) pairs below which keys are split
+constexpr int64_t kMaxSplit = 8;
+
+inline int64_t rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+T* alloc_t(int64_t n) {
+  const size_t bytes = static_cast<size_t>(rup((n > 0 ? n : 1) * static_cast<int64_t>(sizeof(T)), 64));
+  return static_cast<T*>(std::aligned_alloc(64, bytes));
+}
+
+// C[MR][NR*W] (+)= A[MR][K] * B[K][NR*W]; B rows of ldb. A element (r, k) is
+// A[r * lda + k], or A[k * lda + r] when TA (A stored transposed: P^T and dS^T
+// are read straight from P and dS, no transpose copy).
+template <typename T, int MR, int NR, bool TA>
+inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict Bm, int64_t ldb, int64_t K,
+                       T* __restrict C, int64_t ldc, bool accumulate) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  typename V::R acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = accumulate ? V::load(C + r * ldc + n * W) : V::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    typename V::R b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = V::load(Bm + k * ldb + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const typename V::R a = V::set1(TA ? A[k * lda + r] : A[r * lda + k]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = V::fma(a, b[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) V::store(C + r * ldc + n * W, acc[r][n]);
+}
+
+template <typename T, int NR, bool TA>
+inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K, T* C,
+                       int64_t ldc, bool accumulate) {
+  const int64_t step = TA ? 1 : lda;  // A's offset between rows
+  int64_t m = 0;
+  for (; m + kBMR <= M; m += kBMR)
+    gemm_micro<T, kBMR, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+  for (; m < M; ++m) gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+}
+
+// C[M][N] (+)= op(A)[M][K] B[K][N], op(A) = A or (TA) A^T stored [K][M];
+// N a multiple of W (B and C padded).
+template <typename T, bool TA = false>
+void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bm, int64_t ldb, T* C,
+          int64_t ldc, bool accumulate) {
+  constexpr int W = Vec<T>::W;
+  int64_t n0 = 0;
+  for (; n0 + kBNR * W <= N; n0 += kBNR * W)
+    gemm_strip<T, kBNR, TA>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
+  for (; n0 < N; n0 += W) gemm_strip<T, 1, TA>(M, A, lda, Bm + n0, ldb, K, C + n0, ldc, accumulate);
+}
+
+// Guarded products for key blocks holding a non-finite K or V value: terms
+// with a zero weight are skipped, not multiplied (0 * NaN would leak).
+// dP[r][j] = P[r][j] == 0 ? 0 : <dO_r, V_j>
+template <typename T>
+void dp_guarded(int64_t rows, int64_t cols, const T* P, int64_t ldp, const T* dO, int64_t lddo, const T* VT,
+                int64_t ldvt, int64_t dv, T* dP) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      T acc = T(0);
+      if (P[r * ldp + j] != T(0))
+        for (int64_t e = 0; e < dv; ++e) acc += dO[r * lddo + e] * VT[e * ldvt + j];
+      dP[r * ldp + j] = acc;
+    }
+}
+
+// dQb[r][:] = sum_{j: dS[r][j] != 0} dS[r][j] K_j
+template <typename T>
+void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* Kb, int64_t ldk, int64_t dp,
+                T* dQb) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = dQb + r * dp;
+    for (int64_t e = 0; e < dp; e += W) V::store(out + e, V::zero());
+    for (int64_t j = 0; j < cols; ++j) {
+      const T s = dS[r * lds + j];
+      if (s == T(0)) continue;
+      const typename V::R a = V::set1(s);
+      for (int64_t e = 0; e < dp; e += W) V::store(out + e, V::fma(a, V::load(Kb + j * ldk + e), V::load(out + e)));
+    }
+  }
+}
+
+template <typename T>
+struct BScratch {
+  T *Kb, *KT, *VT, *dKa, *dVa;  // key block: K rows, K^T, V^T, dK / dV accumulators
+  T *Qs, *dOb, *S, *dS, *G, *dQb, *lse, *D;
+  int64_t* qlo;  // per query block: union of its rows' structural key ranges
+  int64_t* qhi;
+  bool ok() const {
+    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && G && dQb && lse && D && qlo && qhi;
+  }
+  void release() {
+    for (T* p : {Kb, KT, VT, dKa, dVa, Qs, dOb, S, dS, G, dQb, lse, D}) std::free(p);
+    std::free(qlo);
+    std::free(qhi);
+  }
+};
+
+// The call's arguments plus the kernel's own buffers.
+template <typename T>
+struct BwdRun : BwdArgs<T> {
+  T* Dbuf = nullptr;       // D, laid out as lse
+  T* split_buf = nullptr;  // (nsplit - 1) dQ partials, each laid out as lse x d
+  int64_t split_stride = 0;
+};
+
+template <typename T>
+inline int64_t lse_row(const AttnArgs<T>& a, const SeqInfo& si, int64_t h) {
+  return a.cu_q ? h * a.Lq + si.q0 : (si.b * a.Hq + h) * a.Lq;
+}
+
+// Visibility of key j (absolute within the sequence) for local row i beyond
+// the structural range: block-sparse layout and dense mask.
+template <typename T>
+inline bool user_visible(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t i, int64_t j) {
+  if (a.layout &&
+      !a.layout[si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l + (j / a.layout_bk) * a.slayout.d])
+    return false;
+  if (a.mask && !a.mask[si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j * a.smask.d]) return false;
+  return true;
+}
+
+// One (query head h, query block at local row i0) x (key block at j0) tile.
+template <typename T>
+void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+              int64_t cols, int64_t Br, int64_t Bcp, bool nonfinite, BScratch<T>& sc, T* dq_target,
+              const int64_t* dq_str) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const AttnArgs<T>& a = g.f;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
+  const T scale = static_cast<T>(a.scale);
+
+  // Pack Q (scaled), dO, lse and D of the rows.
+  const T* qb = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i0) * a.sq.l;
+  const T* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + (si.q0 + i0) * g.sdo.l;
+  const int64_t lrow = lse_row(a, si, h) + i0;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* qd = sc.Qs + r * dp;
+    for (int64_t e = 0; e < d; ++e) qd[e] = qb[r * a.sq.l + e * a.sq.d] * scale;
+    for (int64_t e = d; e < dp; ++e) qd[e] = T(0);
+    T* od = sc.dOb + r * dvp;
+    for (int64_t e = 0; e < dv; ++e) od[e] = dob[r * g.sdo.l + e * g.sdo.d];
+    for (int64_t e = dv; e < dvp; ++e) od[e] = T(0);
+    sc.lse[r] = a.lse[lrow + r];
+    sc.D[r] = g.Dbuf[lrow + r];
+  }
+
+  // S = (scale Q) K^T.
+  gemm<T>(rows, Bcp, d, sc.Qs, dp, sc.KT, Bcp, sc.S, Bcp, false);
+
+  // Transforms, masks, P = exp(S - lse).
+  const bool capped = a.softcap > 0;
+  const T cap = static_cast<T>(a.softcap), icap = capped ? T(1) / cap : T(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = sc.S + r * Bcp;
+    T* gr = sc.G + r * Bcp;
+    const int64_t i = i0 + r;
+    int64_t lo, hi;
+    row_range(a, si, i, &lo, &hi);
+    if (capped) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const T t = std::tanh(s[j] * icap);
+        s[j] = cap * t;
+        gr[j] = T(1) - t * t;
+      }
+      for (int64_t j = cols; j < Bcp; ++j) gr[j] = T(0);
+    }
+    if (a.alibi) {
+      const T slope = a.alibi[h];
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t dist = i + si.off - (j0 + j);
+        s[j] -= slope * static_cast<T>(dist < 0 ? -dist : dist);
+      }
+    }
+    if (a.bias) {
+      const T* brow = a.bias + si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j0 * a.sbias.d;
+      for (int64_t j = 0; j < cols; ++j) {
+        const T bj = brow[j * a.sbias.d];
+        s[j] = bj == NEG_INF ? NEG_INF : s[j] + bj;
+      }
+    }
+    if (lo > j0 || hi < j0 + cols)  // the structural range cuts this row of the tile
+      for (int64_t j = 0; j < cols; ++j)
+        if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF;
+    if (a.layout || a.mask)
+      for (int64_t j = 0; j < cols; ++j)
+        if (!user_visible(a, si, h, i, j0 + j)) s[j] = NEG_INF;
+    for (int64_t j = cols; j < Bcp; ++j) s[j] = NEG_INF;
+    const T L = sc.lse[r];
+    if (L == NEG_INF) {  // the row sees nothing: P = 0
+      for (int64_t j = 0; j < Bcp; ++j) s[j] = T(0);
+      continue;
+    }
+    const typename V::R vl = V::set1(L);
+    for (int64_t j = 0; j < Bcp; j += W) V::store(s + j, V::exp(V::sub(V::load(s + j), vl)));  // -inf -> 0
+  }
+
+  // dV += P^T dO.
+  gemm<T, true>(cols, dvp, rows, sc.S, Bcp, sc.dOb, dvp, sc.dVa, dvp, true);
+
+  // dP = dO V^T, then dS = P * (dP - D) (* (1 - tanh^2)).
+  if (nonfinite)
+    dp_guarded<T>(rows, cols, sc.S, Bcp, sc.dOb, dvp, sc.VT, Bcp, dv, sc.dS);
+  else
+    gemm<T>(rows, Bcp, dv, sc.dOb, dvp, sc.VT, Bcp, sc.dS, Bcp, false);
+  // (P = 0 gives dS = 0: dP is finite here, or 0 where P = 0 on guarded blocks;
+  // padded columns have P = 0.)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* p = sc.S + r * Bcp;
+    T* ds = sc.dS + r * Bcp;
+    const T* gr = sc.G + r * Bcp;
+    const typename V::R vD = V::set1(sc.D[r]);
+    if (capped)
+      for (int64_t j = 0; j < Bcp; j += W)
+        V::store(ds + j, V::mul(V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)), V::load(gr + j)));
+    else
+      for (int64_t j = 0; j < Bcp; j += W) V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)));
+  }
+
+  // dK += dS^T (scale Q).
+  gemm<T, true>(cols, dp, rows, sc.dS, Bcp, sc.Qs, dp, sc.dKa, dp, true);
+
+  // dQ += scale * dS K, into the item's dQ target (fixed key-block order).
+  if (nonfinite)
+    dq_guarded<T>(rows, cols, sc.dS, Bcp, sc.Kb, dp, dp, sc.dQb);
+  else
+    gemm<T>(rows, dp, cols, sc.dS, Bcp, sc.Kb, dp, sc.dQb, dp, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = dq_target + (i0 + r) * dq_str[0];
+    const T* src = sc.dQb + r * dp;
+    for (int64_t e = 0; e < d; ++e) dst[e * dq_str[1]] += scale * src[e];
+  }
+}
+
+// One work item: sequence s, kv head hk, key blocks [kb0, kb1); dQ of its G
+// heads goes to dq (chunk 0) or to the chunk's buffer.
+template <typename T>
+void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t nsplit, int64_t Br,
+              int64_t Bc, BScratch<T>& sc) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const AttnArgs<T>& a = g.f;
+  const SeqInfo si = seq_info(a, s);
+  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t nkb = (si.k_len + Bc - 1) / Bc;
+  const int64_t kb0 = chunk * nkb / nsplit, kb1 = (chunk + 1) * nkb / nsplit;
+  const int64_t nqb = (si.q_len + Br - 1) / Br;
+
+  // dQ targets: zero this item's rows first.
+  for (int64_t hh = 0; hh < G; ++hh) {
+    const int64_t h = hk * G + hh;
+    T* t;
+    int64_t str[2];
+    if (chunk == 0) {
+      t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+      str[0] = g.sdq.l;
+      str[1] = g.sdq.d;
+    } else {
+      t = g.split_buf + (chunk - 1) * g.split_stride + lse_row(a, si, h) * d;
+      str[0] = d;
+      str[1] = 1;
+    }
+    for (int64_t r = 0; r < si.q_rows; ++r)
+      for (int64_t e = 0; e < d; ++e) t[r * str[0] + e * str[1]] = T(0);
+  }
+  // Keys past the sequence's length (padding) get zero gradients.
+  if (chunk == 0 && !a.cu_q)
+    for (int64_t j = si.k_len; j < a.Lk; ++j) {
+      T* dkr = g.dk + si.b * g.sdk.b + hk * g.sdk.h + j * g.sdk.l;
+      T* dvr = g.dv + si.b * g.sdv.b + hk * g.sdv.h + j * g.sdv.l;
+      for (int64_t e = 0; e < d; ++e) dkr[e * g.sdk.d] = T(0);
+      for (int64_t e = 0; e < dv; ++e) dvr[e * g.sdv.d] = T(0);
+    }
+  // Structural key range of each query block.
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    int64_t jlo = si.k_len, jhi = 0;
+    const int64_t i0 = qb * Br, rows = imin(Br, si.q_len - i0);
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t lo, hi;
+      row_range(a, si, i0 + r, &lo, &hi);
+      if (hi > lo) {
+        jlo = imin(jlo, lo);
+        jhi = imax(jhi, hi);
+      }
+    }
+    sc.qlo[qb] = jlo;
+    sc.qhi[qb] = jhi;
+  }
+
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    const int64_t j0 = kb * Bc, cols = imin(Bc, si.k_len - j0), Bcp = rup(cols, W);
+    // Pack K (rows and transposed) and V^T; zero the accumulators.
+    const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
+    const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
+    T bad = T(0);
+    for (int64_t c = 0; c < Bcp; ++c) {
+      T* kr = sc.Kb + c * dp;
+      for (int64_t e = 0; e < dp; ++e) {
+        const T x = (c < cols && e < d) ? kbase[c * a.sk.l + e * a.sk.d] : T(0);
+        kr[e] = x;
+        sc.KT[e * Bcp + c] = x;
+        bad += x * T(0);
+      }
+      for (int64_t e = 0; e < dv; ++e) {
+        const T x = c < cols ? vbase[c * a.sv.l + e * a.sv.d] : T(0);
+        sc.VT[e * Bcp + c] = x;
+        bad += x * T(0);
+      }
+    }
+    const bool nonfinite = bad != T(0) || bad != bad;
+    std::memset(sc.dKa, 0, sizeof(T) * Bcp * dp);
+    std::memset(sc.dVa, 0, sizeof(T) * Bcp * dvp);
+
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int64_t h = hk * G + hh;
+      T* target;
+      int64_t str[2];
+      if (chunk == 0) {
+        target = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+        str[0] = g.sdq.l;
+        str[1] = g.sdq.d;
+      } else {
+        target = g.split_buf + (chunk - 1) * g.split_stride + lse_row(a, si, h) * d;
+        str[0] = d;
+        str[1] = 1;
+      }
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        if (!(sc.qlo[qb] < j0 + cols && sc.qhi[qb] > j0)) continue;
+        const int64_t i0 = qb * Br, rows = imin(Br, si.q_len - i0);
+        if ((a.layout || a.mask)) {  // skip tiles the user masks leave empty
+          bool any = false;
+          for (int64_t r = 0; r < rows && !any; ++r) {
+            int64_t lo, hi;
+            row_range(a, si, i0 + r, &lo, &hi);
+            for (int64_t jj = imax(lo, j0); jj < imin(hi, j0 + cols) && !any; ++jj)
+              any = user_visible(a, si, h, i0 + r, jj);
+          }
+          if (!any) continue;
+        }
+        bwd_tile<T>(g, si, h, i0, rows, j0, cols, Br, Bcp, nonfinite, sc, target, str);
+      }
+    }
+    // Write dK, dV of the block.
+    T* dkb = g.dk + si.b * g.sdk.b + hk * g.sdk.h + (si.k0 + j0) * g.sdk.l;
+    T* dvb = g.dv + si.b * g.sdv.b + hk * g.sdv.h + (si.k0 + j0) * g.sdv.l;
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t e = 0; e < d; ++e) dkb[c * g.sdk.l + e * g.sdk.d] = sc.dKa[c * dp + e];
+      for (int64_t e = 0; e < dv; ++e) dvb[c * g.sdv.l + e * g.sdv.d] = sc.dVa[c * dvp + e];
+    }
+  }
+}
+
+template <typename T>
+void backward_impl(const BwdArgs<T>& g0) {
+  constexpr int W = Vec<T>::W;
+  const AttnArgs<T>& a = g0.f;
+  if (a.B <= 0 || a.Hq <= 0 || a.Hkv <= 0) return;
+  const int64_t Bc = imin(rup(a.block_k > 0 ? a.block_k : 128, W), rup(imin(imax(a.Lk, 1), 4096), W));
+  const int64_t Br = imin(a.block_q > 0 ? a.block_q : 64, imin(imax(a.Lq, 1), 4096));
+  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+
+  // Split rule (shapes only): few (sequence, kv head) pairs -> cut the keys.
+  const int64_t pairs = a.B * a.Hkv;
+  int64_t nsplit = 1;
+  if (pairs < kMinItems) nsplit = imin(kMaxSplit, imin((kMinItems + pairs - 1) / pairs, (a.Lk + Bc - 1) / Bc));
+  nsplit = imax(nsplit, 1);
+  const int64_t rows_total = a.cu_q ? a.Lq : a.B * a.Lq;  // rows per head in lse's layout
+
+  BwdRun<T> g;
+  static_cast<BwdArgs<T>&>(g) = g0;
+  const int64_t nD = a.Hq * rows_total;
+  T* Dbuf = alloc_t<T>(nD);
+  T* split_buf = nsplit > 1 ? alloc_t<T>((nsplit - 1) * nD * d) : nullptr;
+  if (!Dbuf || (nsplit > 1 && !split_buf)) {
+    std::free(Dbuf);
+    std::free(split_buf);
+    throw std::bad_alloc();
+  }
+  g.Dbuf = Dbuf;
+  g.split_buf = split_buf;
+  g.split_stride = nD * d;
+
+  int nt = a.num_threads > 0 ? a.num_threads : 1;
+  const double work = static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv) * 2.5;
+  if (work < kSerialWork) nt = 1;
+
+  // Pass 1: D = rowsum(dO * O) per (sequence, head, row); 0 on rows that see nothing.
+  const int64_t n_sh = a.B * a.Hq;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t w = 0; w < n_sh; ++w) {
+    const int64_t s = w / a.Hq, h = w % a.Hq;
+    const SeqInfo si = seq_info(a, s);
+    const int64_t lr = lse_row(a, si, h);
+    const T* ob = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+    const T* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
+    for (int64_t i = 0; i < si.q_rows; ++i) {
+      T acc = T(0);
+      if (i < si.q_len && a.lse[lr + i] != NEG_INF)
+        for (int64_t e = 0; e < dv; ++e) acc += dob[i * g.sdo.l + e * g.sdo.d] * ob[i * a.so.l + e * a.so.d];
+      Dbuf[lr + i] = acc;
+    }
+  }
+  // dsinks_h = -sum over rows of exp(sink_h - lse) D, in a fixed row order.
+  if (a.sinks && g.dsinks) {
+    for (int64_t h = 0; h < a.Hq; ++h) {
+      double acc = 0;
+      for (int64_t s = 0; s < a.B; ++s) {
+        const SeqInfo si = seq_info(a, s);
+        const int64_t lr = lse_row(a, si, h);
+        for (int64_t i = 0; i < si.q_len; ++i) {
+          const T L = a.lse[lr + i], Di = Dbuf[lr + i];
+          if (Di != T(0) || Di != Di) acc += static_cast<double>(std::exp(a.sinks[h] - L) * Di);
+        }
+      }
+      g.dsinks[h] = static_cast<T>(-acc);
+    }
+  }
+
+  // Pass 2: the work items.
+  const int64_t n_items = pairs * nsplit;
+  int64_t max_q = 0;
+  for (int64_t s = 0; s < a.B; ++s) max_q = imax(max_q, seq_info(a, s).q_len);
+  const int64_t max_qb = (max_q + Br - 1) / Br + 1;
+  int failed = 0;
+  if (nt > n_items) nt = static_cast<int>(imax(n_items, 1));
+#pragma omp parallel num_threads(nt) reduction(+ : failed)
+  {
+    BScratch<T> sc;
+    sc.Kb = alloc_t<T>(Bc * dp);
+    sc.KT = alloc_t<T>(dp * Bc);
+    sc.VT = alloc_t<T>(dvp * Bc);
+    sc.dKa = alloc_t<T>(Bc * dp);
+    sc.dVa = alloc_t<T>(Bc * dvp);
+    sc.Qs = alloc_t<T>(Br * dp);
+    sc.dOb = alloc_t<T>(Br * dvp);
+    sc.S = alloc_t<T>(Br * Bc);
+    sc.dS = alloc_t<T>(Br * Bc);
+    sc.G = alloc_t<T>(Br * Bc);
+    sc.dQb = alloc_t<T>(Br * dp);
+    sc.lse = alloc_t<T>(Br);
+    sc.D = alloc_t<T>(Br);
+    sc.qlo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * max_qb));
+    sc.qhi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * max_qb));
+    const bool ok = sc.ok();
+    failed += ok ? 0 : 1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      if (!ok) continue;
+      const int64_t chunk = w % nsplit, pair = w / nsplit;
+      bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc);
+    }
+    sc.release();
+  }
+  if (failed) {
+    std::free(Dbuf);
+    std::free(split_buf);
+    throw std::bad_alloc();
+  }
+
+  // Pass 3: add the chunks' dQ buffers, in chunk order.
+  if (nsplit > 1) {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_sh; ++w) {
+      const int64_t s = w / a.Hq, h = w % a.Hq;
+      const SeqInfo si = seq_info(a, s);
+      T* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+      for (int64_t c = 1; c < nsplit; ++c) {
+        const T* src = split_buf + (c - 1) * g.split_stride + lse_row(a, si, h) * d;
+        for (int64_t i = 0; i < si.q_rows; ++i)
+          for (int64_t e = 0; e < d; ++e) t[i * g.sdq.l + e * g.sdq.d] += src[i * d + e];
+      }
+    }
+  }
+  std::free(Dbuf);
+  std::free(split_buf);
+}
+
+}  // namespace
+
+void flash_backward_f32(const BwdArgs<float>& a) { backward_impl<float>(a); }
+void flash_backward_f64(const BwdArgs<double>& a) { backward_impl<double>(a); }
+
+}  // namespace ATTN_NS
+}  // namespace attn_fast

@@ -1,0 +1,212 @@
+"""Gradients of scaled_dot_product_attention and varlen_attention.
+
+The fused FlashAttention-2 backward (csrc/kernels/flash_bwd.cpp): from the
+forward's output ``out`` and log-sum-exp ``lse`` and the upstream gradient
+``dout`` it recomputes the scores tile by tile (P = exp(S - lse)) and returns
+dq, dk, dv (and dsinks), in O(L) memory, bit-identical for any thread count.
+
+Every mask and score option of the forward is accepted with the same meaning
+(masks get no gradient). ``out`` and ``lse`` may come from elsewhere: ring
+attention passes the *global* out and lse with one block of the keys, and the
+result is then that key block's contribution (dq to be summed over blocks;
+dk, dv of the block's keys).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from ._checks import _is_torch_tensor, as_float_array, check_same_dtype, check_scale, shape_str
+from .functional import (
+    _block_size,
+    _check_heads,
+    _check_qkv,
+    _cu_seqlens,
+    _mask_kwargs,
+    _score_kwargs,
+    _to4,
+    _window_kwargs,
+)
+
+__all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
+
+
+def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
+    dout = as_float_array(dout, "dout")
+    out = as_float_array(out, "out")
+    lse = as_float_array(lse, "lse")
+    check_same_dtype(q=q, dout=dout, out=out, lse=lse)
+    if out.shape != out_shape:
+        raise ValueError(f"out has shape {shape_str(out)}, expected {shape_str(np.empty(out_shape, np.int8))} "
+                         f"(q has shape {shape_str(q)})")
+    if dout.shape != out_shape:
+        raise ValueError(f"dout has shape {shape_str(dout)} but out has shape {shape_str(out)}")
+    if lse.shape != lse_shape:
+        raise ValueError(f"lse has shape {shape_str(lse)}, expected {shape_str(np.empty(lse_shape, np.int8))} "
+                         f"(q has shape {shape_str(q)})")
+    if not out.flags.writeable:  # the kernel only reads it; its binding takes o as writeable
+        out = out.copy()
+    return dout, out, np.ascontiguousarray(lse)
+
+
+def _as_torch_if(like, arrays):
+    if not _is_torch_tensor(like):
+        return arrays
+    import torch
+
+    return tuple(torch.from_numpy(a) for a in arrays)
+
+
+def scaled_dot_product_attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    window_size=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    block_q=0,
+    block_k=0,
+):
+    """Gradients of ``scaled_dot_product_attention`` with respect to q, k, v.
+
+    Parameters
+    ----------
+    dout : (…, Lq, dv), the gradient of the loss with respect to the output.
+    q, k, v : as in ``scaled_dot_product_attention`` ((L, d), (H, L, d) or
+        (B, H, L, d), one float dtype, any strides, GQA with enable_gqa).
+    out : (…, Lq, dv) and lse : q.shape[:-1], what
+        ``scaled_dot_product_attention(..., return_lse=True)`` returned for
+        the same arguments, or a global out / lse (ring attention, see the
+        module docstring). Same dtype as q.
+    attn_mask, is_causal (bottom-right), scale, enable_gqa, window_size,
+    softcap, alibi_slopes, sinks, block_q, block_k : exactly as in the
+        forward call. Masks and biases get no gradient.
+
+    Returns
+    -------
+    (dq, dk, dv) with the shapes of q, k, v (new C-contiguous arrays of q's
+    dtype; torch tensors if q is one), plus dsinks of shape (H,) when sinks
+    are given: (dq, dk, dv, dsinks). GQA: dk, dv are summed over each group
+    of query heads. Rows that see no key contribute nothing (their dq is 0);
+    keys no query sees get dk = dv = 0.
+    """
+    if v is None:
+        raise TypeError("v must be an array, got None")
+    like = q
+    q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
+    k, v = as_float_array(k, "k"), as_float_array(v, "v")
+    scale = check_scale(scale, d)
+    dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
+    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
+    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
+    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    dq = np.empty(q.shape, q.dtype)
+    dk = np.empty(k.shape, q.dtype)
+    dv = np.empty(v.shape, q.dtype)
+    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
+    if B * Hq:
+        _core.backward(_to4(dout, "dout"), q4, k4, v4, _to4(out, "out"), lse,
+                       _to4(dq, "dq"), _to4(dk, "dk"), _to4(dv, "dv"), dsinks,
+                       scale=scale, block_q=block_q, block_k=block_k, **kw)
+    else:
+        dq[...], dk[...], dv[...] = 0, 0, 0
+        if dsinks is not None:
+            dsinks[...] = 0
+    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    return _as_torch_if(like, res)
+
+
+def varlen_attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    *,
+    causal=False,
+    window_size=None,
+    scale=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    block_q=0,
+    block_k=0,
+):
+    """Gradients of ``varlen_attention`` (packed variable-length sequences).
+
+    dout, out : (total_q, H, dv); q : (total_q, H, d); k : (total_k, H_kv, d);
+    v : (total_k, H_kv, dv); lse : (H, total_q), as ``varlen_attention(...,
+    return_lse=True)`` returned it. cu_seqlens_q / cu_seqlens_k and every
+    option mean what they mean in ``varlen_attention``.
+
+    Returns (dq, dk, dv) shaped like q, k, v, plus dsinks (H,) when sinks are
+    given; torch tensors if q is one.
+    """
+    like = q
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    check_same_dtype(q=q, k=k, v=v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
+    Tq, Hq, d = q.shape
+    Tk, Hkv, dk_ = k.shape
+    if dk_ != d:
+        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
+    if d == 0:
+        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
+    if v.shape[:2] != (Tk, Hkv):
+        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
+    dv_ = v.shape[2]
+    _check_heads(Hq, Hkv, True)
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match")
+    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        if mx is not None and cu.size > 1 and int(mx) < int(np.diff(cu).max()):
+            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+    scale = check_scale(scale, d)
+    dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
+    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
+    kw = {}
+    if window_size is not None:
+        kw.update(_window_kwargs(window_size))
+        del kw["_align"]
+    if causal:
+        kw["causal"] = True
+    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    dq = np.empty(q.shape, q.dtype)
+    dk = np.empty(k.shape, q.dtype)
+    dv = np.empty(v.shape, q.dtype)
+    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
+
+    def t(x):  # (total, H, d) -> (1, H, total, d), a view
+        return x.transpose(1, 0, 2)[None]
+
+    if cu_q.size > 1 and Hq:
+        _core.backward(t(dout), t(q), t(k), t(v), t(out), lse, t(dq), t(dk), t(dv), dsinks,
+                       cu_q=cu_q, cu_k=cu_k, scale=scale, block_q=block_q, block_k=block_k, **kw)
+    else:
+        dq[...], dk[...], dv[...] = 0, 0, 0
+        if dsinks is not None:
+            dsinks[...] = 0
+    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    return _as_torch_if(like, res)

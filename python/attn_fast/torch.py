@@ -1,0 +1,195 @@
+"""attn_fast as a differentiable torch op (``import attn_fast.torch``).
+
+    import attn_fast.torch as aft
+    out = aft.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.sum().backward()   # the fused FlashAttention-2 backward
+
+``scaled_dot_product_attention`` mirrors ``torch.nn.functional.
+scaled_dot_product_attention``; it is one ``torch.library.custom_op``
+(``attn_fast::sdpa``, returning out and lse) with ``register_fake`` (shapes,
+so torch.compile traces it with ``fullgraph=True``) and ``register_autograd``,
+whose backward is a second custom op (``attn_fast::sdpa_backward``). Works
+under ``torch.func.grad``; ``vmap`` is not supported. CPU float32/float64.
+
+Differences from torch's function, on purpose:
+  * ``is_causal`` follows torch: aligned **top-left** (query i sees keys
+    j <= i). attn_fast's NumPy ``scaled_dot_product_attention`` aligns
+    bottom-right (j <= i + Lk - Lq); the two agree when Lq == Lk.
+  * ``attn_mask`` and ``is_causal`` may be given together (intersection).
+  * rows that see no key give 0 (torch gives NaN), with zero gradient.
+  * ``dropout_p > 0`` raises ValueError (no dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import masks as _masks
+from .backward import scaled_dot_product_attention_backward as _np_backward
+from .functional import scaled_dot_product_attention as _np_sdpa
+
+__all__ = ["scaled_dot_product_attention"]
+
+_OPTIONS = ("window_size", "softcap", "alibi_slopes", "sinks")
+
+
+def _np(t):
+    return None if t is None else t.detach().numpy()
+
+
+def _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks):
+    masks = []
+    if attn_mask is not None:
+        masks.append(_np(attn_mask))
+    if is_causal:
+        masks.append(_masks.Causal("top_left"))
+    kw = dict(attn_mask=masks or None, scale=scale, enable_gqa=enable_gqa,
+              alibi_slopes=_np(alibi_slopes), sinks=_np(sinks))
+    if window_left >= 0 or window_right >= 0:
+        kw["window_size"] = (window_left, window_right)
+    if softcap > 0:
+        kw["softcap"] = softcap
+    return kw
+
+
+@torch.library.custom_op("attn_fast::sdpa", mutates_args=(), device_types="cpu")
+def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             is_causal: bool, scale: float, enable_gqa: bool, window_left: int, window_right: int,
+             softcap: float, alibi_slopes: Optional[torch.Tensor],
+             sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks)
+    out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+@_sdpa_op.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("attn_fast::sdpa_backward", mutates_args=(), device_types="cpu")
+def _sdpa_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+                      enable_gqa: bool, window_left: int, window_right: int, softcap: float,
+                      alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kw = _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks)
+    res = _np_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse), **kw)
+    dsinks = res[3] if sinks is not None else np.zeros(0, _np(q).dtype)
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in (res[0], res[1], res[2], dsinks))
+
+
+@_sdpa_backward_op.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap,
+      alibi_slopes, sinks):
+    ns = sinks.shape[0] if sinks is not None else 0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty((ns,))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, wl, wr, softcap, alibi, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi, sinks)
+    ctx.opts = (is_causal, scale, enable_gqa, wl, wr, softcap)
+    ctx.mark_non_differentiable(lse)  # internal output: the public function drops it
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, alibi, sinks = ctx.saved_tensors
+    is_causal, scale, enable_gqa, wl, wr, softcap = ctx.opts
+    dq, dk, dv, dsinks = _sdpa_backward_op(dout.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale,
+                                           enable_gqa, wl, wr, softcap, alibi, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+
+
+_sdpa_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _SdpaFunction(torch.autograd.Function):
+    """The same op and backward as an autograd.Function with setup_context:
+    the form torch.func transforms (grad, vjp) accept (custom ops' generated
+    autograd functions are refused there in torch 2.13)."""
+
+    @staticmethod
+    def forward(*args):
+        return _sdpa_op(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        with torch.no_grad():  # first order only: the backward op has no autograd formula
+            return _backward(ctx, dout, dlse)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, **attn_fast_options):
+    """torch's ``scaled_dot_product_attention`` on attn_fast's fused CPU kernels, differentiable.
+
+    query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU
+    float32/float64 tensors of one dtype, 2-D to 4-D, any strides; GQA with
+    ``enable_gqa=True`` (Hq % Hkv == 0, no repeat).
+    attn_mask : None, a boolean tensor (True = attend) or an additive float
+        tensor broadcastable to (…, Hq, Lq, Lk), no gradient; or an
+        ``attn_fast.masks`` object, materialised here as a dense boolean
+        mask (O(Lq·Lk) bytes per batch and head).
+    dropout_p : must be 0 (ValueError otherwise).
+    is_causal : top-left aligned, as torch (see the module docstring).
+    scale : default 1/sqrt(d).
+    attn_fast_options : ``window_size`` (left, right) (bottom-right aligned,
+        as in attn_fast), ``softcap`` (float), ``alibi_slopes`` (Hq,) (no
+        gradient), ``sinks`` (Hq,) logits (with gradient).
+
+    Returns out (…, Hq, Lq, dv), a new tensor of query's dtype. Gradients
+    flow to query, key, value and sinks.
+    """
+    unknown = set(attn_fast_options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are {list(_OPTIONS)}")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (attn_fast has no dropout), got {dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(attn_mask, _masks.Mask):
+        attn_mask = _dense_mask(attn_mask, query, key)
+    elif attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        attn_mask = torch.as_tensor(np.asarray(attn_mask))
+    if attn_mask is not None and attn_mask.requires_grad:
+        attn_mask = attn_mask.detach()
+    d = query.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    window = attn_fast_options.get("window_size")
+    wl, wr = (-1, -1)
+    if window is not None:
+        wl, wr = (-1 if w is None else int(w) for w in window)
+    softcap = attn_fast_options.get("softcap")
+    alibi = attn_fast_options.get("alibi_slopes")
+    sinks = attn_fast_options.get("sinks")
+    if alibi is not None:
+        alibi = torch.as_tensor(alibi, dtype=query.dtype).detach()
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        sinks = torch.as_tensor(sinks, dtype=query.dtype)
+    args = (query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa), wl, wr,
+            float(softcap) if softcap is not None else 0.0, alibi, sinks)
+    if torch._C._are_functorch_transforms_active():
+        out, _ = _SdpaFunction.apply(*args)
+    else:
+        out, _ = _sdpa_op(*args)
+    return out
+
+
+def _dense_mask(mask, query, key):
+    """A masks.Mask object as a dense boolean tensor (B, Hq, Lq, Lk)."""
+    Lq, Lk = query.shape[-2], key.shape[-2]
+    B = query.shape[0] if query.dim() == 4 else 1
+    H = query.shape[-3] if query.dim() >= 3 else 1
+    kw = mask._kernel_kwargs(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", "")))
+    vis = np.ascontiguousarray(np.broadcast_to(_masks.visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk)))
+    return torch.from_numpy(vis[(0,) * (4 - query.dim())])
