@@ -10,7 +10,9 @@ of dq, dk, dv), then times, interleaved in the same run (rotating order,
 one call each per round), the medians of
   attn_fast : sdpa(..., return_lse=True) + scaled_dot_product_attention_backward
   torch     : F.scaled_dot_product_attention + torch.autograd.grad
-and the peak RSS growth of one forward+backward in a fresh process. Then one
+and the backward alone (attn_fast's kernel on the saved out and lse; torch's
+autograd on a retained graph), with its GFLOP/s (10·B·H·Lq·Lk·d, ×½ causal)
+and % of the FMA peak measured in the same run, and the peak RSS growth of one forward+backward in a fresh process. Then one
 training step (forward, loss, backward, AdamW step) of a small torch
 Transformer whose attention is torch's SDPA or attn_fast.torch's op.
 Each line carries the ISA, thread count and CPU; on a shared machine quote
@@ -69,6 +71,35 @@ def make_fns(case, threads):
         return torch.autograd.grad(o, (tq, tk, tv), tdo)
 
     return run_af, run_torch
+
+
+def make_bwd_fns(case, threads):
+    """The backward alone: attn_fast's kernel on a saved (out, lse); torch's autograd on a
+    saved graph (retain_graph), both after one forward outside the timing."""
+    import torch
+
+    torch.set_num_threads(threads)
+    af.set_num_threads(threads)
+    q, k, v = bs.make_inputs(case)
+    do = np.random.default_rng(1).standard_normal(q.shape[:-1] + (v.shape[-1],), dtype=np.float32)
+    o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=case.causal, return_lse=True)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    tdo = torch.from_numpy(do)
+    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal)
+
+    def bwd_af():
+        return af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=case.causal)
+
+    def bwd_torch():
+        return torch.autograd.grad(to, (tq, tk, tv), tdo, retain_graph=True)
+
+    return bwd_af, bwd_torch
+
+
+def backward_flops(case):
+    """10·B·H·Lq·Lk·d multiply-adds counted as FLOPs (five products of 2·Lq·Lk·d), ×½ causal."""
+    f = 10.0 * case.B * case.Hq * case.Lq * case.Lk * case.d
+    return f / 2 if case.causal else f
 
 
 def check(run_af, run_torch):
@@ -165,19 +196,26 @@ def main(argv=None):
     a = p.parse_args(argv)
     shapes = bs.PREFILL_SHAPES if a.full else bs.PREFILL_SHAPES[:2]
     cases = [bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)]
+    peak, _ = bs.machine_limits(a.threads)
     print(f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {_cpu()} | float32 | "
-          f"medians of {a.repeats} interleaved runs (shared machine: compare ratios)")
-    print(f"{'case':34s} {'max rel err':>11s} {'attn_fast ms':>12s} {'torch ms':>10s} {'speedup':>8s} "
-          f"{'af MiB':>8s} {'torch MiB':>9s}")
+          f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA peak {peak:.0f} GFLOP/s")
+    print(f"{'case':34s} {'max rel err':>11s} | {'fwd+bwd af ms':>13s} {'torch ms':>9s} {'x':>6s} | "
+          f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | {'af MiB':>6s} {'torch MiB':>9s}")
     for case in cases:
         run_af, run_torch = make_fns(case, a.threads)
         err = check(run_af, run_torch)
         ts = bs.time_interleaved({"attn_fast": run_af, "torch": run_torch}, a.repeats, warmup=1, cooldown=False)
         med = {n: statistics.median(t) for n, t in ts.items()}
+        bwd_af, bwd_torch = make_bwd_fns(case, a.threads)
+        tb = bs.time_interleaved({"attn_fast": bwd_af, "torch": bwd_torch}, a.repeats, warmup=1, cooldown=False)
+        mb = {n: statistics.median(t) for n, t in tb.items()}
+        gf = backward_flops(case) / mb["attn_fast"] / 1e9
         mem = {n: None for n in med} if a.no_memory else {n: peak_memory(case, n, a.threads) for n in med}
         fmt = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-        print(f"{case.name:34s} {err:11.1e} {med['attn_fast'] * 1e3:12.1f} {med['torch'] * 1e3:10.1f} "
-              f"{med['torch'] / med['attn_fast']:7.2f}x {fmt(mem['attn_fast']):>8s} {fmt(mem['torch']):>9s}")
+        print(f"{case.name:34s} {err:11.1e} | {med['attn_fast'] * 1e3:13.1f} {med['torch'] * 1e3:9.1f} "
+              f"{med['torch'] / med['attn_fast']:5.2f}x | {mb['attn_fast'] * 1e3:9.1f} {mb['torch'] * 1e3:9.1f} "
+              f"{mb['torch'] / mb['attn_fast']:5.2f}x {gf:8.1f} {100 * gf / peak:4.0f}% | "
+              f"{fmt(mem['attn_fast']):>6s} {fmt(mem['torch']):>9s}")
         sys.stdout.flush()
     if not a.no_train:
         t0 = time.perf_counter()
