@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,17 +37,6 @@ import numpy as np  # noqa: E402
 
 import attn_fast as af  # noqa: E402
 from attn_fast import bench_suite as bs  # noqa: E402
-
-
-def _cpu():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def make_fns(case, threads):
@@ -197,7 +185,7 @@ def main(argv=None):
     shapes = bs.PREFILL_SHAPES if a.full else bs.PREFILL_SHAPES[:2]
     cases = [bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)]
     peak, _ = bs.machine_limits(a.threads)
-    print(f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {_cpu()} | float32 | "
+    print(f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {af._config.cpu_model()} | float32 | "
           f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA peak {peak:.0f} GFLOP/s")
     print(f"{'case':34s} {'max rel err':>11s} | {'fwd+bwd af ms':>13s} {'torch ms':>9s} {'x':>6s} | "
           f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | {'af MiB':>6s} {'torch MiB':>9s}")

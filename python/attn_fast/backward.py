@@ -17,16 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._checks import _is_torch_tensor, as_float_array, check_same_dtype, check_scale, shape_str
+from ._checks import as_float_array, check_bool, check_same_dtype, check_scale, shape_str, to_input_kind
 from .functional import (
     _block_size,
-    _check_heads,
     _check_qkv,
-    _cu_seqlens,
     _mask_kwargs,
     _score_kwargs,
     _to4,
-    _window_kwargs,
+    check_varlen,
+    varlen_kwargs,
 )
 
 __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
@@ -48,14 +47,6 @@ def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
     if not out.flags.writeable:  # the kernel only reads it; its binding takes o as writeable
         out = out.copy()
     return dout, out, np.ascontiguousarray(lse)
-
-
-def _as_torch_if(like, arrays):
-    if not _is_torch_tensor(like):
-        return arrays
-    import torch
-
-    return tuple(torch.from_numpy(a) for a in arrays)
 
 
 def scaled_dot_product_attention_backward(
@@ -103,6 +94,7 @@ def scaled_dot_product_attention_backward(
     if v is None:
         raise TypeError("v must be an array, got None")
     like = q
+    is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
     q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
     k, v = as_float_array(k, "k"), as_float_array(v, "v")
     scale = check_scale(scale, d)
@@ -123,7 +115,7 @@ def scaled_dot_product_attention_backward(
         if dsinks is not None:
             dsinks[...] = 0
     res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return _as_torch_if(like, res)
+    return to_input_kind(res, like)
 
 
 def varlen_attention_backward(
@@ -158,40 +150,13 @@ def varlen_attention_backward(
     given; torch tensors if q is one.
     """
     like = q
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    check_same_dtype(q=q, k=k, v=v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
-    Tq, Hq, d = q.shape
-    Tk, Hkv, dk_ = k.shape
-    if dk_ != d:
-        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
-    if d == 0:
-        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    if v.shape[:2] != (Tk, Hkv):
-        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
-    dv_ = v.shape[2]
-    _check_heads(Hq, Hkv, True)
-    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
-    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match")
-    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        if mx is not None and cu.size > 1 and int(mx) < int(np.diff(cu).max()):
-            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+    causal = check_bool(causal, "causal")
+    q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    (Tq, Hq, d), dv_ = q.shape, v.shape[2]
     scale = check_scale(scale, d)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    kw = {}
-    if window_size is not None:
-        kw.update(_window_kwargs(window_size))
-        del kw["_align"]
-    if causal:
-        kw["causal"] = True
+    kw = varlen_kwargs(causal, window_size)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
     dq = np.empty(q.shape, q.dtype)
     dk = np.empty(k.shape, q.dtype)
@@ -209,4 +174,4 @@ def varlen_attention_backward(
         if dsinks is not None:
             dsinks[...] = 0
     res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return _as_torch_if(like, res)
+    return to_input_kind(res, like)

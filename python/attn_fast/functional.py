@@ -546,6 +546,48 @@ def _cu_seqlens(cu, name, total):
     return np.ascontiguousarray(a)
 
 
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=False):
+    """Packed (total, heads, dim) q, k, v and their cu_seqlens, checked (shared by the
+    forward and the backward): returns (q, k, v, cu_q, cu_k) as NumPy arrays."""
+    q = as_float_array(q, "q", half=half)
+    k = as_float_array(k, "k", half=half)
+    v = as_float_array(v, "v", half=half)
+    check_same_dtype(q=q, k=k, v=v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
+    Tq, Hq, d = q.shape
+    Tk, Hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
+    if d == 0:
+        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
+    if v.shape[:2] != (Tk, Hkv):
+        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
+    _check_heads(Hq, Hkv, True)
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
+        )
+    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        if mx is not None and cu.size > 1 and check_int(mx, name, 0) < int(np.diff(cu).max()):
+            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+    return q, k, v, cu_q, cu_k
+
+
+def varlen_kwargs(causal, window_size):
+    """Kernel arguments of varlen's causal flag and window (aligned per sequence, bottom-right)."""
+    kw = {}
+    if window_size is not None:
+        kw.update(_window_kwargs(window_size))
+        del kw["_align"]
+    if causal:
+        kw["causal"] = True
+    return kw
+
+
 def varlen_attention(
     q,
     k,
@@ -595,32 +637,8 @@ def varlen_attention(
     causal = check_bool(causal, "causal")
     return_lse, return_stats = check_bool(return_lse, "return_lse"), check_bool(return_stats, "return_stats")
     like = q
-    q = as_float_array(q, "q", half=True)
-    k = as_float_array(k, "k", half=True)
-    v = as_float_array(v, "v", half=True)
-    check_same_dtype(q=q, k=k, v=v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
-    Tq, Hq, d = q.shape
-    Tk, Hkv, dk = k.shape
-    if dk != d:
-        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
-    if d == 0:
-        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    if v.shape[:2] != (Tk, Hkv):
-        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
-    dv = v.shape[2]
-    _check_heads(Hq, Hkv, True)
-    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
-    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
-        )
-    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        if mx is not None and cu.size > 1 and check_int(mx, name, 0) < int(np.diff(cu).max()):
-            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+    q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=True)
+    (Tq, Hq, d), dv = q.shape, v.shape[2]
     scale = check_scale(scale, d)
     _check_backend(backend)
     if backend == "decode":
@@ -633,12 +651,7 @@ def varlen_attention(
         o, target = alias_safe(o, q, k, v, alibi_slopes, sinks)
     cdt = compute_dtype(q.dtype)  # lse, slopes, sinks: float32 for 16-bit q
     lse = np.empty((Hq, Tq), dtype=cdt) if return_lse else None
-    kw = {}
-    if window_size is not None:
-        kw.update(_window_kwargs(window_size))
-        del kw["_align"]
-    if causal:
-        kw["causal"] = True
+    kw = varlen_kwargs(causal, window_size)
     kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
     stats = KernelStats(0, 0, 0, 0)
     if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
