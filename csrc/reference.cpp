@@ -12,6 +12,7 @@
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/interrupt.h"
 #include "attn_fast/seq.h"
 
 namespace attn_fast {
@@ -26,7 +27,8 @@ void reference_impl(const AttnArgs<T>& a) {
   const int nt = a.num_threads > 0 ? a.num_threads : 1;
   const int64_t per = (a.Lk > 0 ? a.Lk : 1) + (a.dv > 0 ? a.dv : 1);
   std::unique_ptr<double[]> scratch(new double[static_cast<size_t>(per) * static_cast<size_t>(nt)]);
-  for (int64_t s = 0; s < a.B; ++s) {
+  CancelToken tok;  // Ctrl-C, polled per query row
+  for (int64_t s = 0; s < a.B && !tok.cancelled(); ++s) {
     const SeqInfo si = seq_info(a, s);
 #pragma omp parallel for num_threads(nt) schedule(dynamic)
     for (int64_t h = 0; h < a.Hq; ++h) {
@@ -38,6 +40,7 @@ void reference_impl(const AttnArgs<T>& a) {
 #endif
       double* out = score + (a.Lk > 0 ? a.Lk : 1);
       for (int64_t i = 0; i < si.q_rows; ++i) {
+        if (tok.poll()) break;  // the call raises; the rest stays unwritten
         const T* q = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i) * a.sq.l;
         T* o = a.o + si.b * a.so.b + h * a.so.h + (si.q0 + i) * a.so.l;
         int64_t lo, hi;
@@ -91,7 +94,11 @@ void reference_impl(const AttnArgs<T>& a) {
           }
         }
         const double visible_l = l;
-        if (sink && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
+        if (sink && double(a.sinks[h]) == -NEG_INF && !nan && visible_l == visible_l) {
+          l = 1;  // a +inf sink takes all the weight: O = 0 (visible_l is 0), lse = +inf
+        } else if (sink && m != NEG_INF) {
+          l += std::exp(double(a.sinks[h]) - m);
+        }
         for (int64_t e = 0; e < a.dv; ++e)
           o[e * a.so.d] = (visible_l == 0) ? T(0) : T(out[e] / l);
         if (a.lse) {

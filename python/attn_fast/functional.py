@@ -277,7 +277,7 @@ def scaled_dot_product_attention(
     if v is None:
         raise TypeError("v must be an array, got None")
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q4.dtype)
     _check_backend(backend)
 
     out_shape = q.shape[:-1] + (dv,)
@@ -401,7 +401,7 @@ def attention_weights(
     force=True.
     """
     q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q4.dtype)
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
     P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force))
@@ -498,7 +498,7 @@ def varlen_attention(
     for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
         if mx is not None and cu.size > 1 and check_int(mx, name, 0) < int(np.diff(cu).max()):
             raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q.dtype)
     _check_backend(backend)
     if backend == "decode":
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")

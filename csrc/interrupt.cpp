@@ -1,0 +1,45 @@
+// Cancellation tokens for kernel calls (see attn_fast/interrupt.h); baseline.
+#include "attn_fast/interrupt.h"
+
+#include <chrono>
+
+namespace attn_fast {
+
+namespace {
+
+// 25 ms: a SIGINT stops a call within a few tens of milliseconds (plus the
+// longest work item in flight), and the check (which takes the GIL) runs at
+// most 40 times a second.
+constexpr int64_t kPollIntervalNs = 25'000'000;
+
+std::atomic<InterruptCheck> g_check{nullptr};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+void set_interrupt_check(InterruptCheck fn) { g_check.store(fn); }
+
+CancelToken::CancelToken()
+    : check_(g_check.load()), owner_(std::this_thread::get_id()), next_ns_(now_ns() + kPollIntervalNs) {}
+
+bool CancelToken::poll() {
+  if (stop_.load(std::memory_order_relaxed)) return true;
+  if (check_ == nullptr || std::this_thread::get_id() != owner_) return false;
+  const int64_t t = now_ns();
+  if (t < next_ns_) return false;
+  if (check_()) {
+    stop_.store(true, std::memory_order_relaxed);
+    return true;
+  }
+  next_ns_ = now_ns() + kPollIntervalNs;  // after the check: waiting for the GIL does not count
+  return false;
+}
+
+bool CancelToken::cancelled() const { return stop_.load(std::memory_order_relaxed); }
+
+}  // namespace attn_fast
