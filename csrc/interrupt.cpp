@@ -2,6 +2,7 @@
 #include "attn_fast/interrupt.h"
 
 #include <chrono>
+#include <thread>
 
 namespace attn_fast {
 
@@ -41,5 +42,28 @@ bool CancelToken::poll() {
 }
 
 bool CancelToken::cancelled() const { return stop_.load(std::memory_order_relaxed); }
+
+void CancelToken::finish_share(int team_size) {
+  if (std::this_thread::get_id() != owner_) {
+    finished_.fetch_add(1, std::memory_order_acq_rel);
+    return;
+  }
+  // The owner waits for the other team_size - 1 (nothing to poll for
+  // without a check: the barrier does it). It yields for the first 5 ms, as
+  // an OpenMP barrier spins (a short wait costs no sleep's wake-up latency),
+  // then sleeps 1 ms at a time so a long tail does not burn a core.
+  if (check_ == nullptr) return;
+  const int64_t t0 = now_ns();
+  while (finished_.load(std::memory_order_acquire) < team_size - 1) {
+    if (now_ns() - t0 < 5'000'000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    poll();
+  }
+  // Safe to reset: the others are past their increment and held by the
+  // barrier that follows until the owner reaches it too.
+  finished_.store(0, std::memory_order_relaxed);
+}
 
 }  // namespace attn_fast

@@ -55,7 +55,16 @@ constexpr int kJB = 4;       // columns of KV held in registers per pass
 constexpr int kTc = 2;       // tokens per step of the causal sweep
 constexpr int kTa = 4;       // tokens per step of the non-causal accumulation
 constexpr int kR = 4;        // rows per step of the non-causal read-out
-constexpr int64_t kPollTokens = 256;  // Ctrl-C is looked for every 256 tokens of a sweep
+constexpr int64_t kPollTokens = 256;
+
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}  // Ctrl-C is looked for every 256 tokens of a sweep
 
 // Per-thread scratch vectors, sized inside a parallel region: an allocation
 // failure there must not escape the region (std::terminate), so it is caught
@@ -201,7 +210,7 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
                            {&kb, kTc * d}, {&vb, kTc * dv}, {&num, kTc * dv}});
     failed += ok ? 0 : 1;
     double den[kTc];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t bh = 0; bh < BH; ++bh) {
       if (!ok || tok.poll()) continue;
       const int64_t b = bh / a.H, h = bh % a.H;
@@ -232,6 +241,7 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
 }
@@ -255,7 +265,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
     std::vector<double> kb, vb;
     const bool ok = sized({{&kb, kTa * d}, {&vb, kTa * dv}});
     failed += ok ? 0 : 1;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t bh = 0; bh < BH; ++bh) {
       if (!ok || tok.poll()) continue;
       const int64_t b = bh / a.H, h = bh % a.H;
@@ -275,6 +285,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
           for (int t = 0; t < nt; ++t) accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
   if (tok.cancelled()) return;
@@ -286,7 +297,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
     const bool ok = sized({{&qb, kR * d}, {&num, kR * dv}});
     failed += ok ? 0 : 1;
     double den[kR];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < BH * nblk; ++w) {
       if (!ok || tok.poll()) continue;
       const int64_t bh = w / nblk, blk = w % nblk;
@@ -308,6 +319,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
 }

@@ -18,6 +18,15 @@
 namespace attn_fast {
 namespace {
 
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 template <typename T>
 void reference_impl(const AttnArgs<T>& a) {
   const double NEG_INF = -std::numeric_limits<double>::infinity();
@@ -30,7 +39,9 @@ void reference_impl(const AttnArgs<T>& a) {
   CancelToken tok;  // Ctrl-C, polled per query row
   for (int64_t s = 0; s < a.B && !tok.cancelled(); ++s) {
     const SeqInfo si = seq_info(a, s);
-#pragma omp parallel for num_threads(nt) schedule(dynamic)
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic) nowait
     for (int64_t h = 0; h < a.Hq; ++h) {
       const int64_t hk = h / (a.Hq / a.Hkv);
 #ifdef _OPENMP
@@ -106,6 +117,8 @@ void reference_impl(const AttnArgs<T>& a) {
           *lse = (l > 0 || l != l) ? T(m + std::log(l)) : T(NEG_INF);
         }
       }
+    }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
     }
   }
 }

@@ -108,6 +108,15 @@ inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 template <typename T>
 T* dalloc(int64_t n) {
   const size_t bytes = static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
@@ -686,7 +695,7 @@ void decode_impl(const DecodeArgs<T>& a) {
         if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart);
       // Splits; the thread that finishes the last split of a group merges it
       // (no barrier between the two phases).
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t w = 0; w < ni; ++w) {
         if (tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
         int64_t lo = 0, hi = ng;   // last group with item0 <= w (and items)
@@ -701,7 +710,10 @@ void decode_impl(const DecodeArgs<T>& a) {
         run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
         if (__atomic_add_fetch(&done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
           merge_group(a, g, Opart, mpart, lpart);
-      }  // implicit barrier before the next slice overwrites the partials
+      }
+      tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+#pragma omp barrier
+      // (before the next slice overwrites the partials)
     }
   }
   for (int t = 0; t < nt; ++t) free_scratch(scs[t]);

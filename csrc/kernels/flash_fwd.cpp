@@ -95,6 +95,15 @@ namespace {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 template <typename T>
 T* alloc_scratch(int64_t n) {
   const size_t bytes = static_cast<size_t>(round_up(n * static_cast<int64_t>(sizeof(T)), 64));
@@ -623,7 +632,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
                     sc.tag && sc.nonfinite;
     failed += ok ? 0 : 1;
     AttnStats st;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
       if (!ok || tok.poll()) continue;
       // Find the sequence: largest s with prefix[s] * Hq <= w.
@@ -639,6 +648,7 @@ AttnStats forward_impl(const AttnArgs<T>& a) {
       const int64_t qb = nblk - 1 - rem % nblk;  // late (heavier causal) blocks first
       process_item(a, seq_info(a, s), s, h, qb, Br, Bc, sc, st, tok);
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
     std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);

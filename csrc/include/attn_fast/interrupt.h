@@ -44,8 +44,17 @@ class CancelToken {
   // true once some poll() returned true.
   bool cancelled() const;
 
+  // Every thread of a team calls this after its share of a worksharing loop
+  // (an `omp for nowait`), before the barrier that ends it. The owner thread
+  // then waits there for the others, polling every couple of milliseconds:
+  // otherwise a call whose last items run on the workers (one head, say)
+  // would not look for Ctrl-C while the owner sat in the barrier. Others
+  // return at once. team_size: omp_get_num_threads().
+  void finish_share(int team_size);
+
  private:
   std::atomic<bool> stop_{false};
+  std::atomic<int> finished_{0};
   InterruptCheck check_ = nullptr;
   std::thread::id owner_;
   int64_t next_ns_ = 0;  // steady_clock time of the next check (owner only)
