@@ -49,16 +49,14 @@ void CancelToken::finish_share(int team_size) {
     return;
   }
   // The owner waits for the other team_size - 1 (nothing to poll for
-  // without a check: the barrier does it). It yields for the first 5 ms, as
-  // an OpenMP barrier spins (a short wait costs no sleep's wake-up latency),
-  // then sleeps 1 ms at a time so a long tail does not burn a core.
-  if (check_ == nullptr) return;
+  // without a check: the barrier does it). It spins for the first 2 ms, as
+  // an OpenMP barrier does (a short wait costs no wake-up latency; no
+  // sched_yield, which on a busy machine can hand the core away for a whole
+  // time slice), then sleeps 1 ms at a time so a long tail does not burn a core.
+  if (check_ == nullptr || team_size <= 1) return;
   const int64_t t0 = now_ns();
   while (finished_.load(std::memory_order_acquire) < team_size - 1) {
-    if (now_ns() - t0 < 5'000'000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (now_ns() - t0 > 2'000'000) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     poll();
   }
   // Safe to reset: the others are past their increment and held by the

@@ -641,25 +641,56 @@ void decode_impl(const DecodeArgs<T>& a) {
   if (work < kSerialWork) nt = 1;
 
   // Every allocation happens here, before any thread starts: a failure is
-  // std::bad_alloc (MemoryError), never a crash or a terminate.
+  // std::bad_alloc (MemoryError), never a crash or a terminate. The group
+  // tables are double-buffered: the next slice is built while the last
+  // items of this one still read theirs.
   T* Opart = dalloc<T>(slice_items * kRB * dvp);
   T* mpart = dalloc<T>(slice_items * kRB);
   T* lpart = dalloc<T>(slice_items * kRB);
-  Group* groups = static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(slice_groups)));
-  int64_t* done = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(slice_groups)));
+  Group* gbuf = static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
+  int64_t* dbuf = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(2 * slice_groups)));
   DScratch<T>* scs = static_cast<DScratch<T>*>(std::malloc(sizeof(DScratch<T>) * static_cast<size_t>(nt)));
   int n_sc = 0;
-  bool ok = Opart && mpart && lpart && groups && done && scs;
+  bool ok = Opart && mpart && lpart && gbuf && dbuf && scs;
   for (; ok && n_sc < nt; ++n_sc) ok = alloc_scratch(scs[n_sc], a.d, a.dv);
   if (!ok) {
     for (int t = 0; t < n_sc - 1; ++t) free_scratch(scs[t]);
-    std::free(scs); std::free(done); std::free(groups);
+    std::free(scs); std::free(dbuf); std::free(gbuf);
     std::free(Opart); std::free(mpart); std::free(lpart);
     throw std::bad_alloc();
   }
 
   CancelToken tok;
-  int64_t x_next = 0, ng = 0, ni = 0;  // the current slice: groups [x_next - ng, x_next), ni items
+  // Slice k uses buffer k % 2: groups, done counters, ng groups, ni items;
+  // last: no slice follows (decided when it is built, so every thread agrees).
+  struct Slice {
+    Group* groups;
+    int64_t* done;
+    int64_t ng, ni;
+    bool last;
+  } sl[2] = {{gbuf, dbuf, 0, 0, false}, {gbuf + slice_groups, dbuf + slice_groups, 0, 0, false}};
+  int64_t x_next = 0;  // first group not yet in a slice
+  auto build = [&](Slice& S) {  // the next groups, as many as fit the partials
+    S.ng = S.ni = 0;
+    while (x_next < n_groups && S.ng < slice_groups && !tok.cancelled()) {
+      const int64_t u = x_next / a.Hkv;
+      Group& g = S.groups[S.ng];
+      g.b = u / upb;
+      g.r0 = (u % upb) * kRB;
+      g.nr = dmin(kRB, rows - g.r0);
+      g.hk = x_next % a.Hkv;
+      block_range(a, dseq(a, g.b), G, g.r0, g.nr, &g.jlo, &g.jhi);
+      g.nsplit = g.jhi > g.jlo ? (g.jhi - g.jlo + split - 1) / split : 0;
+      if (S.ng > 0 && S.ni + g.nsplit > slice_items) break;
+      g.item0 = S.ni;
+      S.ni += g.nsplit;
+      S.done[S.ng] = 0;
+      ++S.ng;
+      ++x_next;
+    }
+    S.last = x_next >= n_groups || tok.cancelled();
+  };
+  build(sl[0]);
 #pragma omp parallel num_threads(nt)
   {
 #ifdef _OPENMP
@@ -667,38 +698,19 @@ void decode_impl(const DecodeArgs<T>& a) {
 #else
     const DScratch<T>& sc = scs[0];
 #endif
-    for (;;) {
-#pragma omp single
-      {  // the next slice of groups, as many as fit the partials
-        ng = ni = 0;
-        while (x_next < n_groups && ng < slice_groups && !tok.cancelled()) {
-          const int64_t u = x_next / a.Hkv;
-          Group& g = groups[ng];
-          g.b = u / upb;
-          g.r0 = (u % upb) * kRB;
-          g.nr = dmin(kRB, rows - g.r0);
-          g.hk = x_next % a.Hkv;
-          block_range(a, dseq(a, g.b), G, g.r0, g.nr, &g.jlo, &g.jhi);
-          g.nsplit = g.jhi > g.jlo ? (g.jhi - g.jlo + split - 1) / split : 0;
-          if (ng > 0 && ni + g.nsplit > slice_items) break;
-          g.item0 = ni;
-          ni += g.nsplit;
-          done[ng] = 0;
-          ++ng;
-          ++x_next;
-        }
-      }  // implicit barrier: every thread sees the slice
-      if (ng == 0) break;
+    for (int cur = 0;; cur ^= 1) {
+      const Slice& S = sl[cur];
+      const Group* groups = S.groups;
       // Groups without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
-      for (int64_t x = 0; x < ng; ++x)
+      for (int64_t x = 0; x < S.ng; ++x)
         if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart);
       // Splits; the thread that finishes the last split of a group merges it
       // (no barrier between the two phases).
 #pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t w = 0; w < ni; ++w) {
+      for (int64_t w = 0; w < S.ni; ++w) {
         if (tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
-        int64_t lo = 0, hi = ng;   // last group with item0 <= w (and items)
+        int64_t lo = 0, hi = S.ng;  // last group with item0 <= w (and items)
         while (hi - lo > 1) {
           const int64_t mid = (lo + hi) / 2;
           if (groups[mid].item0 <= w) lo = mid; else hi = mid;
@@ -708,18 +720,21 @@ void decode_impl(const DecodeArgs<T>& a) {
         const int64_t sp = w - g.item0;
         const int64_t c0 = g.jlo + sp * split, c1 = dmin(g.jhi, c0 + split);
         run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
-        if (__atomic_add_fetch(&done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
+        if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
           merge_group(a, g, Opart, mpart, lpart);
       }
       tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
-#pragma omp barrier
-      // (before the next slice overwrites the partials)
+      if (S.last) break;
+      // The next slice, into the other buffer; the barrier that ends the
+      // single also keeps its items from overwriting partials still in use.
+#pragma omp single
+      build(sl[cur ^ 1]);
     }
   }
   for (int t = 0; t < nt; ++t) free_scratch(scs[t]);
   std::free(scs);
-  std::free(done);
-  std::free(groups);
+  std::free(dbuf);
+  std::free(gbuf);
   std::free(Opart);
   std::free(mpart);
   std::free(lpart);
