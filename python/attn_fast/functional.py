@@ -264,6 +264,13 @@ def scaled_dot_product_attention(
     visible score makes its row NaN; keys a row does not see are never read
     into it (see docs/HARDENING.md). An ``out`` that shares memory with an
     input is filled through a temporary; one whose elements overlap raises.
+    The result is finite when |v| * Lk stays below q's dtype's largest value
+    (the unnormalised accumulator); ``scale`` must be finite in q's dtype.
+
+    Ctrl-C (SIGINT, on the main thread) stops a long call within a few tens
+    of milliseconds with KeyboardInterrupt: the kernel's threads are joined
+    and no new array is returned, but a caller's ``out`` may be partly
+    written.
 
     Returns
     -------
