@@ -265,6 +265,9 @@ def test_scale_beyond_float32_rejected(backend):
     with pytest.raises(ValueError, match="scale"):
         af.varlen_attention(x[0].transpose(1, 0, 2), x[0].transpose(1, 0, 2), x[0].transpose(1, 0, 2),
                             np.array([0, 4]), np.array([0, 4]), scale=1e300)
+    with pytest.raises(ValueError, match="scale"):  # checked at construction, with the module's dtype
+        af.MultiHeadAttention(8, 2, scale=1e300, dtype=np.float32)
+    af.MultiHeadAttention(8, 2, scale=1e300, dtype=np.float64)
     # The same value is fine in float64, and the largest float32 in float32.
     y = x.astype(np.float64)
     assert np.isfinite(sdpa(y, y, y, scale=1e300, backend=backend)).all()
