@@ -15,6 +15,15 @@ constexpr int64_t kPollIntervalNs = 25'000'000;
 
 std::atomic<InterruptCheck> g_check{nullptr};
 
+// The spin-wait hint (x86 PAUSE, baseline SSE2; ARM YIELD), as OpenMP barriers use.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -56,7 +65,11 @@ void CancelToken::finish_share(int team_size) {
   if (check_ == nullptr || team_size <= 1) return;
   const int64_t t0 = now_ns();
   while (finished_.load(std::memory_order_acquire) < team_size - 1) {
-    if (now_ns() - t0 > 2'000'000) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (now_ns() - t0 > 2'000'000) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } else {
+      for (int i = 0; i < 32; ++i) cpu_relax();  // leave the core's pipes to a sibling that works
+    }
     poll();
   }
   // Safe to reset: the others are past their increment and held by the
