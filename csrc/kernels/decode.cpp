@@ -65,7 +65,7 @@
 //   for) and through the merge of the splits.
 //
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
-//   made before the threads start and checked (std::bad_alloc).
+//   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
 //   every 16 key blocks of a split.
 //
@@ -640,22 +640,19 @@ void decode_impl(const DecodeArgs<T>& a) {
   // bench/bench_generate.py decoded 2.8x slower with a team per step.
   if (work < kSerialWork) nt = 1;
 
-  // Every allocation happens here, before any thread starts: a failure is
-  // std::bad_alloc (MemoryError), never a crash or a terminate. The group
-  // tables are double-buffered: the next slice is built while the last
-  // items of this one still read theirs.
+  // Every allocation is checked: a failure is std::bad_alloc (MemoryError),
+  // never a crash or a terminate. The shared buffers are allocated here; each
+  // thread allocates its own scratch as it starts (in parallel, overlapping
+  // the team's wake-up), and one that cannot takes no items: the call then
+  // throws after the region. The group tables are double-buffered: the next
+  // slice is built while the last items of this one still read theirs.
   T* Opart = dalloc<T>(slice_items * kRB * dvp);
   T* mpart = dalloc<T>(slice_items * kRB);
   T* lpart = dalloc<T>(slice_items * kRB);
   Group* gbuf = static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
   int64_t* dbuf = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(2 * slice_groups)));
-  DScratch<T>* scs = static_cast<DScratch<T>*>(std::malloc(sizeof(DScratch<T>) * static_cast<size_t>(nt)));
-  int n_sc = 0;
-  bool ok = Opart && mpart && lpart && gbuf && dbuf && scs;
-  for (; ok && n_sc < nt; ++n_sc) ok = alloc_scratch(scs[n_sc], a.d, a.dv);
-  if (!ok) {
-    for (int t = 0; t < n_sc - 1; ++t) free_scratch(scs[t]);
-    std::free(scs); std::free(dbuf); std::free(gbuf);
+  if (!(Opart && mpart && lpart && gbuf && dbuf)) {
+    std::free(dbuf); std::free(gbuf);
     std::free(Opart); std::free(mpart); std::free(lpart);
     throw std::bad_alloc();
   }
@@ -691,13 +688,12 @@ void decode_impl(const DecodeArgs<T>& a) {
     S.last = x_next >= n_groups || tok.cancelled();
   };
   build(sl[0]);
-#pragma omp parallel num_threads(nt)
+  int failed = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
-#ifdef _OPENMP
-    const DScratch<T>& sc = scs[omp_get_thread_num()];
-#else
-    const DScratch<T>& sc = scs[0];
-#endif
+    DScratch<T> sc;
+    const bool ok = alloc_scratch(sc, a.d, a.dv);
+    failed += ok ? 0 : 1;
     for (int cur = 0;; cur ^= 1) {
       const Slice& S = sl[cur];
       const Group* groups = S.groups;
@@ -709,7 +705,7 @@ void decode_impl(const DecodeArgs<T>& a) {
       // (no barrier between the two phases).
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t w = 0; w < S.ni; ++w) {
-        if (tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
+        if (!ok || tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
         int64_t lo = 0, hi = S.ng;  // last group with item0 <= w (and items)
         while (hi - lo > 1) {
           const int64_t mid = (lo + hi) / 2;
@@ -730,14 +726,14 @@ void decode_impl(const DecodeArgs<T>& a) {
 #pragma omp single
       build(sl[cur ^ 1]);
     }
+    if (ok) free_scratch(sc);
   }
-  for (int t = 0; t < nt; ++t) free_scratch(scs[t]);
-  std::free(scs);
   std::free(dbuf);
   std::free(gbuf);
   std::free(Opart);
   std::free(mpart);
   std::free(lpart);
+  if (failed) throw std::bad_alloc();
 }
 
 }  // namespace
