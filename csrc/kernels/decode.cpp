@@ -587,7 +587,8 @@ void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T
 // (a 32k-row chunk against 32k keys needed 149 MiB), so the groups are taken
 // in slices whose partials fit kPartBytes (at least kMinSliceItems items, at
 // most kMaxSliceGroups groups), and a group never has more splits than fit a
-// slice (its split grows instead: keys beyond 2^23 or so). The scratch of a
+// slice (its split grows instead: beyond ~2^21 keys per row block for
+// float32, dv = 128, default split; ~2^20 for float64). The scratch of a
 // call is then O(dv) per item and thread, whatever Lq and Lk.
 constexpr int64_t kPartBytes = int64_t(4) << 20, kMinSliceItems = 64, kMaxSliceGroups = 4096;
 
