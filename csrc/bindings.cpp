@@ -5,17 +5,38 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
 #include "attn_fast/attention.h"
+#include "attn_fast/interrupt.h"
 #include "attn_fast/linear_attn.h"
 
 namespace py = pybind11;
 using namespace attn_fast;
 
 namespace {
+
+// Ctrl-C: the kernels' cancellation tokens call this on the thread that
+// started the call, with the GIL released, every few tens of milliseconds
+// (attn_fast/interrupt.h). It runs the Python signal handlers; when one
+// raised (KeyboardInterrupt) the error stays set and the kernel stops.
+bool python_signal_raised() {
+  const PyGILState_STATE st = PyGILState_Ensure();
+  const bool raised = PyErr_CheckSignals() != 0;
+  PyGILState_Release(st);
+  return raised;
+}
+
+// After a kernel returned, with the GIL held again: a signal handler that
+// raised during the call (the kernel stopped early, its outputs are partly
+// written) turns into that exception, so nothing is returned.
+void raise_if_interrupted() {
+  if (PyErr_Occurred()) throw py::error_already_set();
+}
 
 Strides4 strides4(const py::array& x, const char* name) {
   if (x.ndim() != 4) throw py::value_error(std::string(name) + " must be 4-D (B, H, L, d)");
@@ -107,6 +128,11 @@ void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, 
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
   a.o = static_cast<T*>(o.mutable_data());
+  // A scale finite as a double but not in T (1e300 with float32) would turn
+  // every score into inf or NaN: refuse it (the Python layer says so first).
+  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<T>::max())))
+    throw py::value_error("scale = " + py::str(py::float_(scale)).cast<std::string>() +
+                          " is out of the range of the inputs' dtype");
   a.scale = scale;
   a.causal = causal;
   a.top_left = top_left;
@@ -212,6 +238,7 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
     else
       st = flash_forward(a);
   }
+  raise_if_interrupted();
   return py::make_tuple(st.tiles_computed, st.tiles_skipped, st.block_q, st.block_k);
 }
 
@@ -276,8 +303,11 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
     a.kv = static_cast<double*>(kv_arr.mutable_data());
     a.k_sum = static_cast<double*>(z_arr.mutable_data());
   }
-  py::gil_scoped_release release;
-  linear_attention_forward(a);
+  {
+    py::gil_scoped_release release;
+    linear_attention_forward(a);
+  }
+  raise_if_interrupted();
 }
 
 void linear_attention(py::array q, py::array k, py::array v, py::array o, py::object kv,
@@ -310,8 +340,11 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
       if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
         throw py::value_error("kv_start entries must lie in [0, R)");
   a.lse = lse_of<T>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
-  py::gil_scoped_release release;
-  decode_forward(a);
+  {
+    py::gil_scoped_release release;
+    decode_forward(a);
+  }
+  raise_if_interrupted();
 }
 
 void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
@@ -457,6 +490,7 @@ void backward(py::array dout, py::array q, py::array k, py::array v, py::array o
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attn_fast C++ core: fused flash-attention forward kernels (internal; use attn_fast)";
+  set_interrupt_check(&python_signal_raised);  // Ctrl-C stops long kernel calls
   m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,

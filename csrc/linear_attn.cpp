@@ -33,13 +33,18 @@
 // read-out: bit-for-bit identical results for any thread count.
 // Plain C++, no Python: the bindings release the GIL around this.
 #include <algorithm>
+#include <initializer_list>
+#include <stdexcept>
+#include <utility>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "attn_fast/interrupt.h"
 #include "attn_fast/linear_attn.h"
 
 namespace attn_fast {
@@ -50,6 +55,30 @@ constexpr int kJB = 4;       // columns of KV held in registers per pass
 constexpr int kTc = 2;       // tokens per step of the causal sweep
 constexpr int kTa = 4;       // tokens per step of the non-causal accumulation
 constexpr int kR = 4;        // rows per step of the non-causal read-out
+constexpr int64_t kPollTokens = 256;
+
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}  // Ctrl-C is looked for every 256 tokens of a sweep
+
+// Per-thread scratch vectors, sized inside a parallel region: an allocation
+// failure there must not escape the region (std::terminate), so it is caught
+// and reported; the caller throws std::bad_alloc after the region.
+inline bool sized(std::initializer_list<std::pair<std::vector<double>*, int64_t>> vs) {
+  try {
+    for (const auto& p : vs) p.first->assign(static_cast<size_t>(p.second), 0.0);
+  } catch (const std::bad_alloc&) {
+    return false;
+  } catch (const std::length_error&) {
+    return false;
+  }
+  return true;
+}
 
 template <typename T>
 inline const T* row(const T* base, const Strides4& s, int64_t b, int64_t h, int64_t t) {
@@ -171,15 +200,19 @@ inline void write_rows(const LinearAttnArgs<T>& a, int64_t b, int64_t h, int64_t
 template <typename T>
 void causal_sweep(const LinearAttnArgs<T>& a) {
   const int64_t BH = a.B * a.H, d = a.d, dv = a.dv;
-#pragma omp parallel num_threads(a.num_threads)
+  CancelToken tok;  // Ctrl-C: polled every kPollTokens tokens
+  int failed = 0;
+#pragma omp parallel num_threads(a.num_threads) reduction(+ : failed)
   {
     // Per-thread scratch: state (if the caller keeps none), kTc rows of each input.
-    std::vector<double> own_kv(static_cast<size_t>(d * dv)), own_z(static_cast<size_t>(d));
-    std::vector<double> qb(static_cast<size_t>(kTc * d)), kb(static_cast<size_t>(kTc * d));
-    std::vector<double> vb(static_cast<size_t>(kTc * dv)), num(static_cast<size_t>(kTc * dv));
+    std::vector<double> own_kv, own_z, qb, kb, vb, num;
+    const bool ok = sized({{&own_kv, a.kv ? 0 : d * dv}, {&own_z, a.kv ? 0 : d}, {&qb, kTc * d},
+                           {&kb, kTc * d}, {&vb, kTc * dv}, {&num, kTc * dv}});
+    failed += ok ? 0 : 1;
     double den[kTc];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t bh = 0; bh < BH; ++bh) {
+      if (!ok || tok.poll()) continue;
       const int64_t b = bh / a.H, h = bh % a.H;
       double* kv = a.kv ? a.kv + bh * d * dv : own_kv.data();
       double* z = a.kv ? a.k_sum + bh * d : own_z.data();
@@ -188,6 +221,7 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
         std::fill(own_z.begin(), own_z.end(), 0.0);
       }
       for (int64_t t0 = 0; t0 < a.L; t0 += kTc) {
+        if (t0 % kPollTokens == kPollTokens - kTc && tok.poll()) break;
         const int nt = static_cast<int>(std::min<int64_t>(kTc, a.L - t0));
         for (int t = 0; t < nt; ++t) {
           load(kb.data() + t * d, row(a.k, a.sk, b, h, t0 + t), a.sk.d, d);
@@ -207,7 +241,9 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
+  if (failed) throw std::bad_alloc();
 }
 
 template <typename T>
@@ -222,15 +258,21 @@ void non_causal(const LinearAttnArgs<T>& a) {
     kv_all = own.data();
     z_all = own.data() + BH * d * dv;
   }
-#pragma omp parallel num_threads(a.num_threads)
+  CancelToken tok;  // Ctrl-C: polled every kPollTokens tokens and between row blocks
+  int failed = 0;
+#pragma omp parallel num_threads(a.num_threads) reduction(+ : failed)
   {
-    std::vector<double> kb(static_cast<size_t>(kTa * d)), vb(static_cast<size_t>(kTa * dv));
-#pragma omp for schedule(dynamic, 1)
+    std::vector<double> kb, vb;
+    const bool ok = sized({{&kb, kTa * d}, {&vb, kTa * dv}});
+    failed += ok ? 0 : 1;
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t bh = 0; bh < BH; ++bh) {
+      if (!ok || tok.poll()) continue;
       const int64_t b = bh / a.H, h = bh % a.H;
       double* kv = kv_all + bh * d * dv;
       double* z = z_all + bh * d;
       for (int64_t t0 = 0; t0 < a.L; t0 += kTa) {
+        if (t0 % kPollTokens == kPollTokens - kTa && tok.poll()) break;
         const int nt = static_cast<int>(std::min<int64_t>(kTa, a.L - t0));
         for (int t = 0; t < nt; ++t) {
           load(kb.data() + t * d, row(a.k, a.sk, b, h, t0 + t), a.sk.d, d);
@@ -243,15 +285,21 @@ void non_causal(const LinearAttnArgs<T>& a) {
           for (int t = 0; t < nt; ++t) accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
+  if (failed) throw std::bad_alloc();
+  if (tok.cancelled()) return;
   // 2. read-out, parallel over (b, h, block of kBr rows), kR rows at a time.
   const int64_t nblk = (a.L + kBr - 1) / kBr;
-#pragma omp parallel num_threads(a.num_threads)
+#pragma omp parallel num_threads(a.num_threads) reduction(+ : failed)
   {
-    std::vector<double> qb(static_cast<size_t>(kR * d)), num(static_cast<size_t>(kR * dv));
+    std::vector<double> qb, num;
+    const bool ok = sized({{&qb, kR * d}, {&num, kR * dv}});
+    failed += ok ? 0 : 1;
     double den[kR];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < BH * nblk; ++w) {
+      if (!ok || tok.poll()) continue;
       const int64_t bh = w / nblk, blk = w % nblk;
       const int64_t b = bh / a.H, h = bh % a.H;
       const double* kv = kv_all + bh * d * dv;
@@ -271,7 +319,9 @@ void non_causal(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
   }
+  if (failed) throw std::bad_alloc();
 }
 
 template <typename T>

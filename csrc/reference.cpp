@@ -13,6 +13,7 @@
 
 #include "attn_fast/attention.h"
 #include "attn_fast/half.h"
+#include "attn_fast/interrupt.h"
 #include "attn_fast/seq.h"
 
 namespace attn_fast {
@@ -32,6 +33,15 @@ inline bf16_t from_dbl<bf16_t>(double x) { return bf16_t{f32_to_bf16(static_cast
 template <>
 inline fp16_t from_dbl<fp16_t>(double x) { return fp16_t{f32_to_fp16(static_cast<float>(x))}; }
 
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 template <typename T>
 void reference_impl(const AttnArgs<T>& a) {
   using C = compute_t<T>;  // lse, bias, alibi, sinks
@@ -42,9 +52,12 @@ void reference_impl(const AttnArgs<T>& a) {
   const int nt = a.num_threads > 0 ? a.num_threads : 1;
   const int64_t per = (a.Lk > 0 ? a.Lk : 1) + (a.dv > 0 ? a.dv : 1);
   std::unique_ptr<double[]> scratch(new double[static_cast<size_t>(per) * static_cast<size_t>(nt)]);
-  for (int64_t s = 0; s < a.B; ++s) {
+  CancelToken tok;  // Ctrl-C, polled per query row
+  for (int64_t s = 0; s < a.B && !tok.cancelled(); ++s) {
     const SeqInfo si = seq_info(a, s);
-#pragma omp parallel for num_threads(nt) schedule(dynamic)
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic) nowait
     for (int64_t h = 0; h < a.Hq; ++h) {
       const int64_t hk = h / (a.Hq / a.Hkv);
 #ifdef _OPENMP
@@ -54,6 +67,7 @@ void reference_impl(const AttnArgs<T>& a) {
 #endif
       double* out = score + (a.Lk > 0 ? a.Lk : 1);
       for (int64_t i = 0; i < si.q_rows; ++i) {
+        if (tok.poll()) break;  // the call raises; the rest stays unwritten
         const T* q = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i) * a.sq.l;
         T* o = a.o + si.b * a.so.b + h * a.so.h + (si.q0 + i) * a.so.l;
         int64_t lo, hi;
@@ -107,7 +121,11 @@ void reference_impl(const AttnArgs<T>& a) {
           }
         }
         const double visible_l = l;
-        if (sink && m != NEG_INF) l += std::exp(double(a.sinks[h]) - m);
+        if (sink && double(a.sinks[h]) == -NEG_INF && !nan && visible_l == visible_l) {
+          l = 1;  // a +inf sink takes all the weight: O = 0 (visible_l is 0), lse = +inf
+        } else if (sink && m != NEG_INF) {
+          l += std::exp(double(a.sinks[h]) - m);
+        }
         for (int64_t e = 0; e < a.dv; ++e)
           o[e * a.so.d] = from_dbl<T>((visible_l == 0) ? 0.0 : out[e] / l);
         if (a.lse) {
@@ -115,6 +133,8 @@ void reference_impl(const AttnArgs<T>& a) {
           *lse = (l > 0 || l != l) ? C(m + std::log(l)) : C(NEG_INF);
         }
       }
+    }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
     }
   }
 }

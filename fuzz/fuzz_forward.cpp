@@ -1,5 +1,7 @@
-// libFuzzer harness for the C++ entry points: flash_forward (each ISA the CPU
-// runs) against reference_forward, under AddressSanitizer + UBSan.
+// libFuzzer harness for the C++ entry points: flash_forward and decode_forward
+// (each ISA the CPU runs) against reference_forward, under AddressSanitizer +
+// UBSan. The decode problems (run_decode) cover its slices of partials,
+// split counts, rings and NaN rules.
 //
 // The input bytes decode into one small problem: dtype, ISA, shapes
 // (B, Hq = Hkv * group, Lq, Lk, d, dv; zeros allowed where the API allows
@@ -107,9 +109,49 @@ void describe(const AttnArgs<T>& a, Isa isa) {
 }
 
 [[noreturn]] void fail(const char* what, int64_t i, double a, double b) {
-  std::fprintf(stderr, "MISMATCH %s at %lld: fused %.9g reference %.9g\n  %s\n", what, (long long)i, a, b,
+  std::fprintf(stderr, "MISMATCH %s at %lld: kernel %.9g reference %.9g\n  %s\n", what, (long long)i, a, b,
                g_problem);
   std::abort();
+}
+
+// Both outputs (o1: the kernel under test, o2: the reference) element by
+// element over o's view; everything outside the view must keep kGuard.
+template <typename T>
+void compare(const Tensor& o, const int64_t no[4], const std::vector<T>& o1, const std::vector<T>& o2,
+             bool want_lse, const std::vector<T>& l1, const std::vector<T>& l2, int64_t n_lse) {
+  // Compare every element of the output view; the rest must keep kGuard.
+  const double rtol = sizeof(T) == 4 ? 2e-3 : 1e-9, atol = sizeof(T) == 4 ? 2e-4 : 1e-10;
+  std::vector<uint8_t> in_view(o.store.size(), 0);
+  for (int64_t b = 0; b < no[0]; ++b)
+    for (int64_t h = 0; h < no[1]; ++h)
+      for (int64_t l = 0; l < no[2]; ++l)
+        for (int64_t e = 0; e < no[3]; ++e) in_view[off(o, b, h, l, e)] = 1;
+  for (size_t i = 0; i < o.store.size(); ++i) {
+    const double x = o1[i], y = o2[i];
+    if (!in_view[i]) {
+      if (x != T(kGuard) || y != T(kGuard)) fail("write outside out", int64_t(i), x, y);
+      continue;
+    }
+    if (x == T(kGuard)) fail("element not written", int64_t(i), x, y);
+    if (std::isnan(x) != std::isnan(y)) fail("NaN pattern", int64_t(i), x, y);
+    if (std::isnan(x)) continue;
+    if (std::isinf(x) || std::isinf(y)) {
+      if (x != y) fail("inf", int64_t(i), x, y);
+      continue;
+    }
+    if (std::fabs(x - y) > atol + rtol * std::fabs(y)) fail("out", int64_t(i), x, y);
+  }
+  if (want_lse)
+    for (int64_t i = 0; i < n_lse; ++i) {
+      const double x = l1[i], y = l2[i];
+      if (std::isnan(x) != std::isnan(y)) fail("lse NaN pattern", i, x, y);
+      if (std::isnan(x)) continue;
+      if (std::isinf(x) || std::isinf(y)) {
+        if (x != y) fail("lse inf", i, x, y);
+        continue;
+      }
+      if (std::fabs(x - y) > atol + rtol * std::fabs(y)) fail("lse", i, x, y);
+    }
 }
 
 template <typename T>
@@ -237,48 +279,127 @@ void run(FuzzedDataProvider& fdp) {
   a.lse = want_lse ? l2.data() : nullptr;
   reference_forward(a);
 
-  // Compare every element of the output view; the rest must keep kGuard.
-  const double rtol = sizeof(T) == 4 ? 2e-3 : 1e-9, atol = sizeof(T) == 4 ? 2e-4 : 1e-10;
-  std::vector<uint8_t> in_view(o.store.size(), 0);
-  for (int64_t b = 0; b < no[0]; ++b)
-    for (int64_t h = 0; h < no[1]; ++h)
-      for (int64_t l = 0; l < no[2]; ++l)
-        for (int64_t e = 0; e < no[3]; ++e) in_view[off(o, b, h, l, e)] = 1;
-  for (size_t i = 0; i < o.store.size(); ++i) {
-    const double x = o1[i], y = o2[i];
-    if (!in_view[i]) {
-      if (x != T(kGuard) || y != T(kGuard)) fail("write outside out", int64_t(i), x, y);
-      continue;
-    }
-    if (x == T(kGuard)) fail("element not written", int64_t(i), x, y);
-    if (std::isnan(x) != std::isnan(y)) fail("NaN pattern", int64_t(i), x, y);
-    if (std::isnan(x)) continue;
-    if (std::isinf(x) || std::isinf(y)) {
-      if (x != y) fail("inf", int64_t(i), x, y);
-      continue;
-    }
-    if (std::fabs(x - y) > atol + rtol * std::fabs(y)) fail("out", int64_t(i), x, y);
+  compare<T>(o, no, o1, o2, want_lse, l1, l2, n_lse);
+}
+
+// The split-KV decode kernel against the reference kernel: a ring of R slots
+// per sequence (kv_start), q_lens / kv_lens out of range on purpose, causal
+// with either alignment, windows, GQA, any split (1 gives thousands of items:
+// several slices of the partial buffers), strided and broadcast q/k/v, and
+// NaN / inf in q, k and NaN in v, at visible and masked positions. The
+// reference reads the ring unrolled into logical key order.
+template <typename T>
+void run_decode(FuzzedDataProvider& fdp) {
+  DecodeArgs<T> a;
+  a.Hkv = fdp.ConsumeIntegralInRange<int64_t>(1, 3);
+  a.Hq = a.Hkv * fdp.ConsumeIntegralInRange<int64_t>(1, 3);
+  a.B = fdp.ConsumeIntegralInRange<int64_t>(0, 3);
+  a.Lq = fdp.ConsumeIntegralInRange<int64_t>(0, 12);
+  a.R = fdp.ConsumeIntegralInRange<int64_t>(0, 300);
+  a.d = fdp.ConsumeIntegralInRange<int64_t>(1, 24);
+  a.dv = fdp.ConsumeIntegralInRange<int64_t>(0, 24);
+  const int64_t nq[4] = {a.B, a.Hq, a.Lq, a.d}, nk[4] = {a.B, a.Hkv, a.R, a.d},
+                nv[4] = {a.B, a.Hkv, a.R, a.dv}, no[4] = {a.B, a.Hq, a.Lq, a.dv};
+  Tensor q = make_tensor(fdp, nq, true), k = make_tensor(fdp, nk, true),
+         v = make_tensor(fdp, nv, true), o = make_tensor(fdp, no, false);
+  g_rng = fdp.ConsumeIntegral<uint64_t>() | 1;
+  fill(q);
+  fill(k);
+  fill(v);
+  const int n_bad = fdp.ConsumeIntegralInRange<int>(0, 2) == 0 ? fdp.ConsumeIntegralInRange<int>(1, 4) : 0;
+  for (int i = 0; i < n_bad; ++i) {
+    const int which = fdp.ConsumeIntegralInRange<int>(0, 2);
+    Tensor& t = which == 0 ? q : which == 1 ? k : v;
+    if (t.store.empty()) continue;
+    const double bad[3] = {std::numeric_limits<double>::quiet_NaN(), HUGE_VAL, -HUGE_VAL};
+    // v gets NaN only: an inf value times a weight that underflows differs
+    // between float32 and the reference's double (0 * inf), a documented corner.
+    const int kind = which == 2 ? 0 : fdp.ConsumeIntegralInRange<int>(0, 2);
+    t.store[fdp.ConsumeIntegralInRange<size_t>(0, t.store.size() - 1)] = bad[kind];
   }
-  if (want_lse)
-    for (int64_t i = 0; i < n_lse; ++i) {
-      const double x = l1[i], y = l2[i];
-      if (std::isnan(x) != std::isnan(y)) fail("lse NaN pattern", i, x, y);
-      if (std::isnan(x)) continue;
-      if (std::isinf(x) || std::isinf(y)) {
-        if (x != y) fail("lse inf", i, x, y);
-        continue;
+  // |scores| <= 0.25 * 24 * 4: no weight of a visible key underflows in float32.
+  a.scale = fdp.ConsumeIntegralInRange<int>(-8, 8) / 32.0;
+  a.causal = fdp.ConsumeBool();
+  a.top_left = fdp.ConsumeBool();
+  a.window_left = fdp.ConsumeIntegralInRange<int64_t>(-1, 320);
+  a.window_right = fdp.ConsumeIntegralInRange<int64_t>(-1, 320);
+  std::vector<int64_t> q_lens(a.B), kv_lens(a.B), kv_start(a.B, 0);
+  if (fdp.ConsumeBool()) {
+    for (auto& x : q_lens) x = fdp.ConsumeIntegralInRange<int64_t>(-2, a.Lq + 2);
+    for (auto& x : kv_lens) x = fdp.ConsumeIntegralInRange<int64_t>(-2, a.R + 2);
+    a.q_lens = q_lens.data();
+    a.kv_lens = kv_lens.data();
+  }
+  if (a.R > 0 && fdp.ConsumeBool()) {
+    for (auto& x : kv_start) x = fdp.ConsumeIntegralInRange<int64_t>(0, a.R - 1);
+    a.kv_start = kv_start.data();
+  }
+  a.split = fdp.ConsumeIntegralInRange<int64_t>(0, 3) == 0 ? 1 : fdp.ConsumeIntegralInRange<int64_t>(0, 320);
+  if (a.split > a.R) a.split = a.R;  // as the binding does
+  a.num_threads = fdp.ConsumeIntegralInRange<int>(1, 2);
+  const std::vector<Isa> isas = available_isas();
+  const Isa isa = isas[fdp.ConsumeIntegralInRange<size_t>(0, isas.size() - 1)];
+
+  std::vector<T> qs = cast<T>(q.store), ks = cast<T>(k.store), vs = cast<T>(v.store);
+  a.q = qs.data() + q.base;
+  a.k = ks.data() + k.base;
+  a.v = vs.data() + v.base;
+  a.sq = q.s;
+  a.sk = k.s;
+  a.sv = v.s;
+  a.so = o.s;
+  // The reference's arguments: the same problem with the ring unrolled.
+  AttnArgs<T> r;
+  r.B = a.B; r.Hq = a.Hq; r.Hkv = a.Hkv; r.Lq = a.Lq; r.Lk = a.R; r.d = a.d; r.dv = a.dv;
+  std::vector<T> kl(static_cast<size_t>(a.B * a.Hkv * a.R * a.d) + 1), vl(static_cast<size_t>(a.B * a.Hkv * a.R * a.dv) + 1);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t h = 0; h < a.Hkv; ++h)
+      for (int64_t j = 0; j < a.R; ++j) {
+        const int64_t slot = (kv_start[b] + j) % a.R;
+        for (int64_t e = 0; e < a.d; ++e) kl[((b * a.Hkv + h) * a.R + j) * a.d + e] = ks[off(k, b, h, slot, e)];
+        for (int64_t e = 0; e < a.dv; ++e) vl[((b * a.Hkv + h) * a.R + j) * a.dv + e] = vs[off(v, b, h, slot, e)];
       }
-      if (std::fabs(x - y) > atol + rtol * std::fabs(y)) fail("lse", i, x, y);
-    }
+  r.q = a.q; r.sq = a.sq;
+  r.k = kl.data(); r.sk = {a.Hkv * a.R * a.d, a.R * a.d, a.d, 1};
+  r.v = vl.data(); r.sv = {a.Hkv * a.R * a.dv, a.R * a.dv, a.dv, 1};
+  r.so = a.so;
+  r.scale = a.scale; r.causal = a.causal; r.top_left = a.top_left;
+  r.window_left = a.window_left; r.window_right = a.window_right;
+  r.q_lens = a.q_lens; r.kv_lens = a.kv_lens;
+  r.num_threads = 1;
+
+  const int64_t n_lse = a.B * a.Hq * a.Lq;
+  std::vector<T> o1(o.store.size(), T(kGuard)), o2(o.store.size(), T(kGuard));
+  std::vector<T> l1(static_cast<size_t>(n_lse), T(kGuard)), l2(static_cast<size_t>(n_lse), T(kGuard));
+  const bool want_lse = fdp.ConsumeBool();
+  a.o = o1.data() + o.base;
+  a.lse = want_lse ? l1.data() : nullptr;
+  r.o = o2.data() + o.base;
+  r.lse = want_lse ? l2.data() : nullptr;
+  std::snprintf(g_problem, sizeof g_problem,
+                "decode %s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld R=%lld d=%lld dv=%lld causal=%d top_left=%d "
+                "window=(%lld,%lld) lens=%d ring=%d split=%lld threads=%d scale=%g",
+                sizeof(T) == 4 ? "f32" : "f64", isa_name(isa), (long long)a.B, (long long)a.Hq,
+                (long long)a.Hkv, (long long)a.Lq, (long long)a.R, (long long)a.d, (long long)a.dv, a.causal,
+                a.top_left, (long long)a.window_left, (long long)a.window_right, a.q_lens != nullptr,
+                a.kv_start != nullptr, (long long)a.split, a.num_threads, a.scale);
+  set_active_isa(isa);
+  decode_forward(a);
+  reference_forward(r);
+  compare<T>(o, no, o1, o2, want_lse, l1, l2, n_lse);
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider fdp(data, size);
-  if (fdp.ConsumeBool())
-    run<float>(fdp);
+  // Bit 0: float32 (1) or float64 (0), as the first byte always meant (old
+  // inputs replay unchanged when bit 1 is clear); bit 1: the decode kernel.
+  const int entry = fdp.ConsumeIntegralInRange<int>(0, 3);
+  const bool f32 = entry & 1;
+  if (entry & 2)
+    f32 ? run_decode<float>(fdp) : run_decode<double>(fdp);
   else
-    run<double>(fdp);
+    f32 ? run<float>(fdp) : run<double>(fdp);
   return 0;
 }

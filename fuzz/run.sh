@@ -32,8 +32,9 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 "$CXX" $FLAGS $DEFS -c csrc/dispatch.cpp -o "$OUT/dispatch.o"
 "$CXX" $FLAGS -c csrc/reference.cpp -o "$OUT/reference.o"
+"$CXX" $FLAGS -c csrc/interrupt.cpp -o "$OUT/interrupt.o"
 "$CXX" $FLAGS -c fuzz/fuzz_forward.cpp -o "$OUT/fuzz_forward.o"
-"$CXX" $SAN -fsanitize=fuzzer "${OBJS[@]}" "$OUT/dispatch.o" "$OUT/reference.o" "$OUT/fuzz_forward.o" \
+"$CXX" $SAN -fsanitize=fuzzer "${OBJS[@]}" "$OUT/dispatch.o" "$OUT/reference.o" "$OUT/interrupt.o" "$OUT/fuzz_forward.o" \
   -o "$OUT/fuzz_forward" -ldl -lpthread
 echo "== fuzz_forward for ${SECS}s"
 "$OUT/fuzz_forward" -max_total_time="$SECS" -print_final_stats=1 -artifact_prefix="$OUT/" \

@@ -59,6 +59,15 @@
 //   Rows with no visible key and padding rows (i >= q_len) get O = 0 and
 //   lse = -inf. In blocks where a mask cuts through, keys of weight 0 are
 //   skipped rather than multiplied, so a NaN in a masked V row cannot leak.
+//   IEEE rules as the fused kernel (docs/HARDENING.md): a NaN visible score
+//   (from q or k) makes the row NaN and its lse NaN, also when a whole
+//   64-key block of the row is NaN (max() drops NaN, so that case is looked
+//   for) and through the merge of the splits.
+//
+// Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
+//   checked (std::bad_alloc, thrown outside the parallel region).
+// Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
+//   every 16 key blocks of a split.
 //
 // Per-ISA like flash_fwd.cpp: plain functions, no std containers or statics.
 
@@ -67,12 +76,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/interrupt.h"
 
 #include "isa.h"
 
@@ -96,6 +107,15 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 template <typename T>
 T* dalloc(int64_t n) {
@@ -323,9 +343,11 @@ inline T touch_lines(const T* const* rows, int64_t cols, int64_t len) {
   return V::hsum(V::add(t0, t1));
 }
 
-// One row block of one kv head (a "unit"), split into `nsplit` key ranges.
-struct Unit {
-  int64_t b, r0, nr, jlo, jhi, nsplit, item0;  // item0: first work item (x Hkv heads)
+// One (row block, kv head) of a sequence: a "group", whose visible keys
+// [jlo, jhi) are cut into `nsplit` splits (work items item0 .. item0+nsplit-1
+// of the current slice).
+struct Group {
+  int64_t b, r0, nr, hk, jlo, jhi, nsplit, item0;
 };
 
 template <typename T>
@@ -342,24 +364,55 @@ struct DScratch {
   const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
 };
 
-// Process keys [c0, c1) of unit u, kv head hk; write the unnormalised partial
-// (O_acc rows into Op[kRB][dvp], m, l).
 template <typename T>
-void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, int64_t c1,
-               const DScratch<T>& sc, T* Op, T* mp, T* lp) {
+void free_scratch(DScratch<T>& sc) {
+  std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
+  std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.pfa);
+}
+
+// All of one thread's scratch; false (and nothing left allocated) on failure.
+template <typename T>
+bool alloc_scratch(DScratch<T>& sc, int64_t d, int64_t dv) {
+  constexpr int W = Vec<T>::W;
+  const int64_t dp = dround(d, W), dvp = dround(dv, W);
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64 + (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  sc.Qs = dalloc<T>(kRB * dp);
+  sc.S = dalloc<T>(kRB * kBc);
+  sc.Kp = dalloc<T>(kBc * dp);
+  sc.Vpk = dalloc<T>(kBc * dvp);
+  sc.kp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+  sc.vp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+  sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
+  sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
+  sc.sink = dalloc<T>(1);
+  sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
+  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.pfa) {
+    sc.sink[0] = T(0);
+    return true;
+  }
+  free_scratch(sc);
+  return false;
+}
+
+// Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
+// rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
+// call is cancelled.
+template <typename T>
+void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, const DScratch<T>& sc,
+               T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
-  const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv;
+  const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv, hk = g.hk;
   const int64_t dp = dround(d, W), dvp = dround(dv, W);
-  const DSeq<T> s = dseq(a, u.b);
-  const int nr = static_cast<int>(u.nr);
+  const DSeq<T> s = dseq(a, g.b);
+  const int nr = static_cast<int>(g.nr);
 
   // Rows: scaled Q, per-row ranges.
   const T scale = static_cast<T>(a.scale);
   for (int r = 0; r < nr; ++r) {
-    const int64_t row = u.r0 + r, i = row / G, h = hk * G + row % G;
-    const T* src = a.q + u.b * a.sq.b + h * a.sq.h + i * a.sq.l;
+    const int64_t row = g.r0 + r, i = row / G, h = hk * G + row % G;
+    const T* src = a.q + g.b * a.sq.b + h * a.sq.h + i * a.sq.l;
     T* dst = sc.Qs + r * dp;
     for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sq.d] * scale;
     for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
@@ -369,10 +422,13 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
   }
   std::memset(Op, 0, sizeof(T) * kRB * dvp);
 
-  const T* kbase = a.k + u.b * a.sk.b + hk * a.sk.h;
-  const T* vbase = a.v + u.b * a.sv.b + hk * a.sv.h;
+  const T* kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
+  const T* vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
   const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
   for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+    // Long splits (a capped split count, see decode_impl) look for Ctrl-C
+    // every 16 blocks, not only between items.
+    if (((j0 - c0) / kBc) % 16 == 15 && tok.poll()) return;
     const int64_t cols = dmin(kBc, c1 - j0);
     // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
     int64_t slot = s.start + j0;
@@ -430,8 +486,11 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
       for (int64_t c = 0; c < cols; c += W) vm = V::max(vm, V::load(srow + c));
       const T mx = V::hmax(vm);
       const T m_old = mp[r];
-      const T m_new = mx > m_old ? mx : m_old;
-      if (m_new == NEG_INF) {
+      const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
+      if (m_new == NEG_INF) {  // nothing visible so far, or only NaN: max() drops NaN
+        bool nan = false;
+        for (int64_t c = 0; c < cols; ++c) nan = nan || srow[c] != srow[c];
+        if (nan) mp[r] = lp[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
         for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
         continue;
       }
@@ -472,157 +531,210 @@ void run_split(const DecodeArgs<T>& a, const Unit& u, int64_t hk, int64_t c0, in
   }
 }
 
+// Merge the nsplit partials of group g in order; write O and lse.
 template <typename T>
-void merge_unit(const DecodeArgs<T>& a, const Unit& un, int64_t hk, const T* Opart, const T* mpart,
-                const T* lpart);
+void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T* mpart, const T* lpart) {
+  constexpr int W = Vec<T>::W;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  const T NaN = std::numeric_limits<T>::quiet_NaN();
+  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
+  for (int64_t r = 0; r < g.nr; ++r) {
+    const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
+    T* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
+    T* lse = a.lse ? a.lse + (g.b * a.Hq + h) * a.Lq + i : nullptr;
+    T m = NEG_INF;
+    bool nan = false;  // a NaN partial max (a NaN score) makes the row NaN
+    for (int64_t sp = 0; sp < g.nsplit; ++sp) {
+      const T ms = mpart[(g.item0 + sp) * kRB + r];
+      m = ms > m ? ms : m;
+      nan = nan || ms != ms;
+    }
+    T l = T(0);
+    if (nan) {
+      l = NaN;
+    } else if (m != NEG_INF) {
+      for (int64_t sp = 0; sp < g.nsplit; ++sp) {
+        const int64_t it = (g.item0 + sp) * kRB + r;
+        if (mpart[it] != NEG_INF) l += lpart[it] * std::exp(mpart[it] - m);
+      }
+    }
+    if (m == NEG_INF || !(l > T(0))) {  // empty row (0, -inf) or NaN row (NaN, NaN)
+      for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = l != l ? l : T(0);
+      if (lse) *lse = l != l ? l : NEG_INF;
+      continue;
+    }
+    const T inv = T(1) / l;
+    // First split writes, later ones accumulate (in order).
+    bool first = true;
+    for (int64_t sp = 0; sp < g.nsplit; ++sp) {
+      const int64_t it = g.item0 + sp;
+      const T ms = mpart[it * kRB + r];
+      if (ms == NEG_INF) continue;
+      const T f = std::exp(ms - m) * inv;
+      const T* src = Opart + (it * kRB + r) * dvp;
+      if (first) {
+        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = src[e] * f;
+        first = false;
+      } else {
+        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] += src[e] * f;
+      }
+    }
+    if (lse) *lse = m + std::log(l);
+  }
+}
+
+// Memory: the partials of all splits of a call grow like Lq * Lk * dv / split
+// (a 32k-row chunk against 32k keys needed 149 MiB), so the groups are taken
+// in slices whose partials fit kPartBytes (at least kMinSliceItems items, at
+// most kMaxSliceGroups groups), and a group never has more splits than fit a
+// slice (its split grows instead: beyond ~2^21 keys per row block for
+// float32, dv = 128, default split; ~2^20 for float64). The scratch of a
+// call is then O(dv) per item and thread, whatever Lq and Lk.
+constexpr int64_t kPartBytes = int64_t(4) << 20, kMinSliceItems = 64, kMaxSliceGroups = 4096;
 
 template <typename T>
 void decode_impl(const DecodeArgs<T>& a) {
   constexpr int W = Vec<T>::W;
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
-  const int64_t G = a.Hq / a.Hkv;
-  const int64_t dp = dround(a.d, W), dvp = dround(a.dv, W);
-  // Units: (sequence, row block); each has Hkv heads x nsplit items.
-  int64_t n_units = 0;
-  for (int64_t b = 0; b < a.B; ++b) n_units += (a.Lq * G + kRB - 1) / kRB;
-  Unit* units = static_cast<Unit*>(std::malloc(sizeof(Unit) * static_cast<size_t>(n_units)));
-  int64_t long_items = 0;
-  {
-    int64_t u = 0;
-    for (int64_t b = 0; b < a.B; ++b) {
-      const DSeq<T> s = dseq(a, b);
-      for (int64_t r0 = 0; r0 < a.Lq * G; r0 += kRB, ++u) {
-        Unit& un = units[u];
-        un.b = b;
-        un.r0 = r0;
-        un.nr = dmin(kRB, a.Lq * G - r0);
-        block_range(a, s, G, r0, un.nr, &un.jlo, &un.jhi);
-        if (un.jhi > un.jlo) long_items += (un.jhi - un.jlo + kSplitLong - 1) / kSplitLong * a.Hkv;
-      }
+  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
+  const int64_t rows = a.Lq * G;                  // rows per (sequence, kv head)
+  const int64_t upb = (rows + kRB - 1) / kRB;     // row blocks per sequence
+  const int64_t n_groups = a.B * upb * a.Hkv;     // group x = (b * upb + row block) * Hkv + hk
+  // One pass over the row blocks: the split length (by shape only, never the
+  // thread count), the longest key range, the work.
+  int64_t long_items = 0, max_range = 0;
+  double work = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const DSeq<T> s = dseq(a, b);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRB) {
+      const int64_t nr = dmin(kRB, rows - r0);
+      int64_t jlo, jhi;
+      block_range(a, s, G, r0, nr, &jlo, &jhi);
+      const int64_t range = dmax(0, jhi - jlo);
+      max_range = dmax(max_range, range);
+      if (long_items < kMinLongItems) long_items += (range + kSplitLong - 1) / kSplitLong * a.Hkv;
+      work += static_cast<double>(range) * nr * a.Hkv * static_cast<double>(a.d + a.dv);
     }
   }
-  const int64_t split = a.split > 0 ? a.split : long_items >= kMinLongItems ? kSplitLong : kSplitShort;
-  int64_t n_items = 0;
-  for (int64_t u = 0; u < n_units; ++u) {
-    Unit& un = units[u];
-    un.nsplit = un.jhi > un.jlo ? (un.jhi - un.jlo + split - 1) / split : 0;
-    un.item0 = n_items;
-    n_items += un.nsplit * a.Hkv;
+  int64_t split = a.split > 0 ? a.split : long_items >= kMinLongItems ? kSplitLong : kSplitShort;
+  const int64_t item_bytes = kRB * (dvp + 2) * static_cast<int64_t>(sizeof(T));
+  const int64_t max_items = dmax(kMinSliceItems, kPartBytes / item_bytes);
+  if (max_range / split >= max_items) split = dround(max_range / max_items + 1, kBc);
+  int64_t n_items = 0;  // over the whole call
+  for (int64_t b = 0; b < a.B && n_items < max_items; ++b) {
+    const DSeq<T> s = dseq(a, b);
+    for (int64_t r0 = 0; r0 < rows && n_items < max_items; r0 += kRB) {
+      int64_t jlo, jhi;
+      block_range(a, s, G, r0, dmin(kRB, rows - r0), &jlo, &jhi);
+      if (jhi > jlo) n_items += (jhi - jlo + split - 1) / split * a.Hkv;
+    }
   }
-  // Partials: per item kRB rows of O_acc (dvp), m, l.
-  T* Opart = dalloc<T>(n_items * kRB * dvp);
-  T* mpart = dalloc<T>(n_items * kRB);
-  T* lpart = dalloc<T>(n_items * kRB);
+  const int64_t slice_items = dmax(1, dmin(n_items, max_items));
+  const int64_t slice_groups = dmin(n_groups, kMaxSliceGroups);
 
-  const int64_t n_out = n_units * a.Hkv;  // (unit, kv head) pairs to merge
-  int64_t* done = static_cast<int64_t*>(std::calloc(static_cast<size_t>(dmax(n_out, 1)), sizeof(int64_t)));
   int nt = a.num_threads > 0 ? a.num_threads : 1;
-  if (dmax(n_items, n_out) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_out)));
+  if (dmax(n_items, n_groups) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_groups)));
   // Small steps (a short cache: tens of microseconds of work) run on the
   // calling thread, as in the prefill kernel. Waking a team costs more than it
   // saves, and in a model that also calls NumPy's BLAS between attention
   // calls the two libraries' idle-spinning workers fight over the cores:
   // bench/bench_generate.py decoded 2.8x slower with a team per step.
-  double work = 0;
-  for (int64_t u = 0; u < n_units; ++u)
-    work += static_cast<double>(dmax(0, units[u].jhi - units[u].jlo)) * units[u].nr * a.Hkv *
-            static_cast<double>(a.d + a.dv);
   if (work < kSerialWork) nt = 1;
-#pragma omp parallel num_threads(nt)
+
+  // Every allocation is checked: a failure is std::bad_alloc (MemoryError),
+  // never a crash or a terminate. The shared buffers are allocated here; each
+  // thread allocates its own scratch as it starts (in parallel, overlapping
+  // the team's wake-up), and one that cannot takes no items: the call then
+  // throws after the region. The group tables are double-buffered: the next
+  // slice is built while the last items of this one still read theirs.
+  T* Opart = dalloc<T>(slice_items * kRB * dvp);
+  T* mpart = dalloc<T>(slice_items * kRB);
+  T* lpart = dalloc<T>(slice_items * kRB);
+  Group* gbuf = static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
+  int64_t* dbuf = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(2 * slice_groups)));
+  if (!(Opart && mpart && lpart && gbuf && dbuf)) {
+    std::free(dbuf); std::free(gbuf);
+    std::free(Opart); std::free(mpart); std::free(lpart);
+    throw std::bad_alloc();
+  }
+
+  CancelToken tok;
+  // Slice k uses buffer k % 2: groups, done counters, ng groups, ni items;
+  // last: no slice follows (decided when it is built, so every thread agrees).
+  struct Slice {
+    Group* groups;
+    int64_t* done;
+    int64_t ng, ni;
+    bool last;
+  } sl[2] = {{gbuf, dbuf, 0, 0, false}, {gbuf + slice_groups, dbuf + slice_groups, 0, 0, false}};
+  int64_t x_next = 0;  // first group not yet in a slice
+  auto build = [&](Slice& S) {  // the next groups, as many as fit the partials
+    S.ng = S.ni = 0;
+    while (x_next < n_groups && S.ng < slice_groups && !tok.cancelled()) {
+      const int64_t u = x_next / a.Hkv;
+      Group& g = S.groups[S.ng];
+      g.b = u / upb;
+      g.r0 = (u % upb) * kRB;
+      g.nr = dmin(kRB, rows - g.r0);
+      g.hk = x_next % a.Hkv;
+      block_range(a, dseq(a, g.b), G, g.r0, g.nr, &g.jlo, &g.jhi);
+      g.nsplit = g.jhi > g.jlo ? (g.jhi - g.jlo + split - 1) / split : 0;
+      if (S.ng > 0 && S.ni + g.nsplit > slice_items) break;
+      g.item0 = S.ni;
+      S.ni += g.nsplit;
+      S.done[S.ng] = 0;
+      ++S.ng;
+      ++x_next;
+    }
+    S.last = x_next >= n_groups || tok.cancelled();
+  };
+  build(sl[0]);
+  int failed = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
     DScratch<T> sc;
-    sc.Qs = dalloc<T>(kRB * dp);
-    sc.S = dalloc<T>(kRB * kBc);
-    sc.Kp = dalloc<T>(kBc * dp);
-    sc.Vpk = dalloc<T>(kBc * dvp);
-    sc.kp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
-    sc.vp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
-    sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
-    sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
-    sc.sink = dalloc<T>(1);
-    sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(
-        kBc * ((a.d * static_cast<int64_t>(sizeof(T)) + 63) / 64 + (a.dv * static_cast<int64_t>(sizeof(T)) + 63) / 64))));
-    sc.sink[0] = T(0);
-    // Units without visible keys: write their zero rows now.
+    const bool ok = alloc_scratch(sc, a.d, a.dv);
+    failed += ok ? 0 : 1;
+    for (int cur = 0;; cur ^= 1) {
+      const Slice& S = sl[cur];
+      const Group* groups = S.groups;
+      // Groups without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
-    for (int64_t x = 0; x < n_out; ++x)
-      if (units[x / a.Hkv].nsplit == 0) merge_unit(a, units[x / a.Hkv], x % a.Hkv, Opart, mpart, lpart);
-    // Splits; the thread that finishes the last split of a (unit, kv head)
-    // merges it (no barrier between the two phases).
+      for (int64_t x = 0; x < S.ng; ++x)
+        if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart);
+      // Splits; the thread that finishes the last split of a group merges it
+      // (no barrier between the two phases).
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t w = 0; w < n_items; ++w) {
-      int64_t lo = 0, hi = n_units;  // last unit with item0 <= w (and items)
-      while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (units[mid].item0 <= w) lo = mid; else hi = mid;
+      for (int64_t w = 0; w < S.ni; ++w) {
+        if (!ok || tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
+        int64_t lo = 0, hi = S.ng;  // last group with item0 <= w (and items)
+        while (hi - lo > 1) {
+          const int64_t mid = (lo + hi) / 2;
+          if (groups[mid].item0 <= w) lo = mid; else hi = mid;
+        }
+        while (groups[lo].nsplit == 0 || w >= groups[lo].item0 + groups[lo].nsplit) ++lo;
+        const Group& g = groups[lo];
+        const int64_t sp = w - g.item0;
+        const int64_t c0 = g.jlo + sp * split, c1 = dmin(g.jhi, c0 + split);
+        run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
+        if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
+          merge_group(a, g, Opart, mpart, lpart);
       }
-      while (units[lo].nsplit == 0 || w >= units[lo].item0 + units[lo].nsplit * a.Hkv) ++lo;
-      const Unit& un = units[lo];
-      const int64_t rem = w - un.item0;
-      const int64_t hk = rem / un.nsplit, sp = rem % un.nsplit;
-      const int64_t c0 = un.jlo + sp * split, c1 = dmin(un.jhi, c0 + split);
-      run_split(a, un, hk, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB);
-      const int64_t x = lo * a.Hkv + hk;
-      if (__atomic_add_fetch(&done[x], 1, __ATOMIC_ACQ_REL) == un.nsplit)
-        merge_unit(a, un, hk, Opart, mpart, lpart);
+      tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+      if (S.last) break;
+      // The next slice, into the other buffer; the barrier that ends the
+      // single also keeps its items from overwriting partials still in use.
+#pragma omp single
+      build(sl[cur ^ 1]);
     }
-    std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
-    std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.pfa);
+    if (ok) free_scratch(sc);
   }
-  std::free(done);
-  std::free(units);
+  std::free(dbuf);
+  std::free(gbuf);
   std::free(Opart);
   std::free(mpart);
   std::free(lpart);
-}
-
-// Merge the nsplit partials of one (unit, kv head) in order; write O and lse.
-template <typename T>
-void merge_unit(const DecodeArgs<T>& a, const Unit& un, int64_t hk, const T* Opart, const T* mpart,
-                const T* lpart) {
-  constexpr int W = Vec<T>::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
-  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
-  {
-    for (int64_t r = 0; r < un.nr; ++r) {
-      const int64_t row = un.r0 + r, i = row / G, h = hk * G + row % G;
-      T* dst = a.o + un.b * a.so.b + h * a.so.h + i * a.so.l;
-      T m = NEG_INF;
-      for (int64_t sp = 0; sp < un.nsplit; ++sp) {
-        const T ms = mpart[(un.item0 + hk * un.nsplit + sp) * kRB + r];
-        m = ms > m ? ms : m;
-      }
-      T l = T(0);
-      if (m != NEG_INF) {
-        for (int64_t sp = 0; sp < un.nsplit; ++sp) {
-          const int64_t it = (un.item0 + hk * un.nsplit + sp) * kRB + r;
-          if (mpart[it] != NEG_INF) l += lpart[it] * std::exp(mpart[it] - m);
-        }
-      }
-      if (m == NEG_INF || !(l > T(0))) {
-        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = l != l ? l : T(0);
-        if (a.lse) a.lse[(un.b * a.Hq + h) * a.Lq + i] = l != l ? l : NEG_INF;
-        continue;
-      }
-      const T inv = T(1) / l;
-      // First split writes, later ones accumulate (in order).
-      bool first = true;
-      for (int64_t sp = 0; sp < un.nsplit; ++sp) {
-        const int64_t it = un.item0 + hk * un.nsplit + sp;
-        const T ms = mpart[it * kRB + r];
-        if (ms == NEG_INF) continue;
-        const T f = std::exp(ms - m) * inv;
-        const T* src = Opart + (it * kRB + r) * dvp;
-        if (first) {
-          for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = src[e] * f;
-          first = false;
-        } else {
-          for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] += src[e] * f;
-        }
-      }
-      if (a.lse) a.lse[(un.b * a.Hq + h) * a.Lq + i] = m + std::log(l);
-    }
-  }
+  if (failed) throw std::bad_alloc();
 }
 
 }  // namespace

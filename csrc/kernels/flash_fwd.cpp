@@ -55,7 +55,7 @@
 //
 // Numerics: exp is the vector polynomial of vec_*.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
-//   never NaN. A NaN/inf in a V row that is masked for some query of the tile
+//   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is masked for some query of the tile
 //   is not multiplied by 0: tiles whose packed V holds a non-finite value use a
 //   path that skips zero weights, so masked rows cannot leak NaN.
 //
@@ -87,6 +87,7 @@
 
 #include "attn_fast/attention.h"
 #include "attn_fast/half.h"
+#include "attn_fast/interrupt.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -161,6 +162,15 @@ inline void st_row16(S* dst, const float* src, float f, int64_t n) {
 }
 inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
+
+// Threads in the current team (for CancelToken::finish_share).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 template <typename T>
 T* alloc_scratch(int64_t n) {
@@ -541,7 +551,7 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
 
 template <typename S>
 void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
-                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st) {
+                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st, CancelToken& tok) {
   using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
@@ -600,6 +610,7 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
 
   const bool transforms = a.softcap > 0 || a.alibi || a.bias;
   for (int64_t j0 = jlo / Bc * Bc; j0 < jhi; j0 += Bc) {
+    if (tok.poll()) return;  // Ctrl-C: the call raises, this block's rows stay unwritten
     const int64_t cols = imin(Bc, jhi - j0);
     // Structural classification (rows are monotone in lo/hi).
     bool partial = false;
@@ -786,9 +797,15 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     S* dst = obase + (i0 + r) * a.so.l;
     T m = r < rows ? sc.m[r] : NEG_INF;
     T l = r < rows ? sc.l[r] : T(0);
-    const bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
+    bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
     T factor = T(0);
-    if (r < rows && a.sinks) {
+    if (r < rows && a.sinks && a.sinks[h] == std::numeric_limits<T>::infinity() && m == m && l == l) {
+      // A +inf sink takes all the weight: the limit O = 0, lse = +inf (the
+      // formula's inf - inf would be NaN). A NaN row stays NaN.
+      has_o = false;
+      m = a.sinks[h];
+      l = T(1);
+    } else if (r < rows && a.sinks && a.sinks[h] != NEG_INF) {  // a -inf sink is no sink
       const T sk = a.sinks[h];
       const T m2 = sk > m ? sk : m;
       const T keep = m == NEG_INF ? T(0) : std::exp(m - m2);
@@ -839,6 +856,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   }
   const int64_t n_items = prefix[a.B] * a.Hq;
   int64_t computed = 0, skipped = 0, failed = 0;
+  CancelToken tok;  // Ctrl-C, polled between items and key blocks
 
   int nt = a.num_threads > 0 ? a.num_threads : 1;
   if (n_items < nt) nt = static_cast<int>(n_items > 0 ? n_items : 1);
@@ -871,9 +889,9 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
                     sc.tag && sc.nonfinite;
     failed += ok ? 0 : 1;
     AttnStats st;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
-      if (!ok) continue;
+      if (!ok || tok.poll()) continue;
       // Find the sequence: largest s with prefix[s] * Hq <= w.
       int64_t lo = 0, hi = a.B;
       while (hi - lo > 1) {
@@ -885,8 +903,9 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
       const int64_t rem = w - prefix[s] * a.Hq;
       const int64_t h = rem / nblk;
       const int64_t qb = nblk - 1 - rem % nblk;  // late (heavier causal) blocks first
-      process_item(a, seq_info(a, s), s, h, qb, Br, Bc, sc, st);
+      process_item(a, seq_info(a, s), s, h, qb, Br, Bc, sc, st, tok);
     }
+    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
     std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);

@@ -343,11 +343,22 @@ def check_real(x, name, *, minimum=None, positive=False):
     return x
 
 
-def check_scale(scale, d):
-    """The softmax scale: 1/sqrt(d) when None, else a finite real number."""
+def check_scale(scale, d, dtype=None):
+    """The softmax scale: 1/sqrt(d) when None, else a finite real number.
+
+    With ``dtype`` (the inputs' float dtype) the scale must also be finite in
+    that dtype: ``scale=1e300`` with float32 inputs is a ValueError (the
+    kernels multiply q by float32(scale) = inf, so every score was inf or NaN).
+    The C++ bindings refuse it too, for callers that pass no dtype.
+    """
     if scale is None:
         return 1.0 / math.sqrt(d)
-    return check_real(scale, "scale")
+    scale = check_real(scale, "scale")
+    if dtype is not None:
+        dt = compute_dtype(dtype)  # 16-bit inputs are computed in float32
+        if abs(scale) > float(np.finfo(dt).max):
+            raise ValueError(f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest {np.finfo(dt).max})")
+    return scale
 
 
 def check_float_dtype(dtype, name="dtype"):

@@ -97,7 +97,7 @@ def scaled_dot_product_attention_backward(
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
     q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
     k, v = as_float_array(k, "k"), as_float_array(v, "v")
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
@@ -153,7 +153,7 @@ def varlen_attention_backward(
     causal = check_bool(causal, "causal")
     q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     (Tq, Hq, d), dv_ = q.shape, v.shape[2]
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     kw = varlen_kwargs(causal, window_size)

@@ -309,7 +309,7 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
     if layout == "zigzag" and n % 2:
         raise ValueError(
             f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}")
-    scale = check_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1], q.detach().numpy().dtype)
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
     extra = (tuple(extra_codes) + (0,) * 8)[:8]  # a fixed length: all_gather needs one size on every rank
     codes = (_FLOAT.index(q.dtype), LAYOUTS.index(layout), bool(is_causal), bool(enable_gqa), scale, *w, *extra)

@@ -358,6 +358,13 @@ def scaled_dot_product_attention(
     visible score makes its row NaN; keys a row does not see are never read
     into it (see docs/HARDENING.md). An ``out`` that shares memory with an
     input is filled through a temporary; one whose elements overlap raises.
+    The result is finite when |v| * Lk stays below q's dtype's largest value
+    (the unnormalised accumulator); ``scale`` must be finite in q's dtype.
+
+    Ctrl-C (SIGINT, on the main thread) stops a long call within a few tens
+    of milliseconds with KeyboardInterrupt: the kernel's threads are joined
+    and no new array is returned, but a caller's ``out`` may be partly
+    written.
 
     Returns
     -------
@@ -381,7 +388,7 @@ def scaled_dot_product_attention(
     return_stats = check_bool(return_stats, "return_stats")
     like = q
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q4.dtype)
     _check_backend(backend)
 
     half = q.dtype in HALF_DTYPES
@@ -515,7 +522,7 @@ def attention_weights(
     like = q
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
     q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q.dtype)
     cdt = compute_dtype(q.dtype)
     if q.dtype in HALF_DTYPES:
         attn_mask = _half_mask(attn_mask)
@@ -639,7 +646,7 @@ def varlen_attention(
     like = q
     q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=True)
     (Tq, Hq, d), dv = q.shape, v.shape[2]
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, q.dtype)
     _check_backend(backend)
     if backend == "decode":
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")

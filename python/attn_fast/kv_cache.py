@@ -378,7 +378,7 @@ class KVCache:
                     f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, but the ring of "
                     f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
                     f"(window {self.window}); attend right after appending the chunk, or use a larger ring")
-        scale = check_scale(scale, d)
+        scale = check_scale(scale, d, self.dtype)
         shape = (B, Hq, Lq, self.v_head_dim)
         target = None  # the caller's out when it shares memory with q or the storage
         if out is None:
@@ -420,7 +420,7 @@ class KVCache:
         q = self._check_q(q)
         k = self._check_chunk(k, "k", self.head_dim)
         v = self._check_chunk(v, "v", self.v_head_dim)
-        scale = check_scale(scale, self.head_dim)  # checked before anything is appended
+        scale = check_scale(scale, self.head_dim, self.dtype)  # checked before anything is appended
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
             raise ValueError(f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")

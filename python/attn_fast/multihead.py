@@ -120,7 +120,7 @@ class MultiHeadAttention:
         Dkv = D if kv_dim is None else check_int(kv_dim, "kv_dim", 1)
         self.dtype = check_float_dtype(dtype)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = D, H, Hkv, dh, Dkv
-        self.scale = check_scale(scale, dh)
+        self.scale = check_scale(scale, dh, self.dtype)
         if positional is None:
             self.rope = None
         elif isinstance(positional, str):
