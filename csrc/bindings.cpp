@@ -128,9 +128,9 @@ void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, 
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
   a.o = static_cast<T*>(o.mutable_data());
-  // A scale finite as a double but not in T (1e300 with float32) would turn
+  // A scale finite as a double but not in the compute type (1e300 with float32) would turn
   // every score into inf or NaN: refuse it (the Python layer says so first).
-  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<T>::max())))
+  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
     throw py::value_error("scale = " + py::str(py::float_(scale)).cast<std::string>() +
                           " is out of the range of the inputs' dtype");
   a.scale = scale;
@@ -465,8 +465,11 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
     check_shape4(bias_arr, "bias", batch_q, a.Hq, a.Lq, a.Lk);
     a.bias = static_cast<const T*>(bias_arr.data());
   }
-  py::gil_scoped_release release;
-  flash_backward(g);
+  {
+    py::gil_scoped_release release;
+    flash_backward(g);
+  }
+  raise_if_interrupted();
 }
 
 void backward(py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,

@@ -31,6 +31,11 @@ if case in ("prefill", "reference"):
     # 131072 queries x keys, 2 heads: ~9 TFLOP for the fused kernel
     x = np.broadcast_to(rng.standard_normal((1, 1, 1 << 17, 64)).astype(np.float32), (1, 2, 1 << 17, 64))
     call = lambda: sdpa(x, x, x, backend="fused" if case == "prefill" else "reference")
+elif case == "backward":
+    L = 1 << 17
+    x = np.broadcast_to(rng.standard_normal((1, 1, L, 64)).astype(np.float32), (1, 2, L, 64))
+    o, lse = np.zeros((1, 2, L, 64), np.float32), np.zeros((1, 2, L), np.float32)
+    call = lambda: af.scaled_dot_product_attention_backward(x, x, x, x, o, lse)
 elif case == "varlen":
     x = np.broadcast_to(rng.standard_normal((1 << 17, 1, 64)).astype(np.float32), (1 << 17, 2, 64))
     cu = np.array([0, 1 << 16, 1 << 17])
@@ -99,6 +104,6 @@ def _interrupt(case):
     assert waited < 5, f"{case}: took {waited:.1f} s to stop after SIGINT"
 
 
-@pytest.mark.parametrize("case", ["prefill", "varlen", "reference", "decode", "linear", "kv_cache"])
+@pytest.mark.parametrize("case", ["prefill", "varlen", "reference", "decode", "linear", "kv_cache", "backward"])
 def test_sigint_stops_a_long_call(case):
     _interrupt(case)

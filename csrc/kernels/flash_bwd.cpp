@@ -58,6 +58,7 @@
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/interrupt.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -323,7 +324,7 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
 // heads goes to dq (chunk 0) or to the chunk's buffer.
 template <typename T>
 void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t nsplit, int64_t Br,
-              int64_t Bc, BScratch<T>& sc) {
+              int64_t Bc, BScratch<T>& sc, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const AttnArgs<T>& a = g.f;
@@ -376,6 +377,7 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
   }
 
   for (int64_t kb = kb0; kb < kb1; ++kb) {
+    if (tok.poll()) return;  // Ctrl-C: the call raises; the gradients are not a result
     const int64_t j0 = kb * Bc, cols = imin(Bc, si.k_len - j0), Bcp = rup(cols, W);
     // Pack K (rows and transposed) and V^T; zero the accumulators.
     const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
@@ -512,6 +514,7 @@ void backward_impl(const BwdArgs<T>& g0) {
   const int64_t max_qb = (max_q + Br - 1) / Br + 1;
   int failed = 0;
   if (nt > n_items) nt = static_cast<int>(imax(n_items, 1));
+  CancelToken tok;  // Ctrl-C, polled between items and key blocks
 #pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
     BScratch<T> sc;
@@ -532,12 +535,17 @@ void backward_impl(const BwdArgs<T>& g0) {
     sc.qhi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * max_qb));
     const bool ok = sc.ok();
     failed += ok ? 0 : 1;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
-      if (!ok) continue;
+      if (!ok || tok.poll()) continue;
       const int64_t chunk = w % nsplit, pair = w / nsplit;
-      bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc);
+      bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc, tok);
     }
+#ifdef _OPENMP
+    tok.finish_share(omp_get_num_threads());  // the calling thread keeps polling until the team is done
+#else
+    tok.finish_share(1);
+#endif
     sc.release();
   }
   if (failed) {
@@ -547,7 +555,7 @@ void backward_impl(const BwdArgs<T>& g0) {
   }
 
   // Pass 3: add the chunks' dQ buffers, in chunk order.
-  if (nsplit > 1) {
+  if (nsplit > 1 && !tok.cancelled()) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_sh; ++w) {
       const int64_t s = w / a.Hq, h = w % a.Hq;
