@@ -151,21 +151,27 @@ T* lse_of(const py::object& lse, int64_t n, const char* expected) {
   return static_cast<T*>(arr.mutable_data());
 }
 
+// (B, Hq, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, dv), (B, Hq, Lq, dv): the sizes, checked.
 template <typename T>
-py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
-                    double scale, bool causal, bool top_left, int64_t window_left,
-                    int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
-                    py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
-                    py::object mask, py::object bias, py::object alibi, double softcap,
-                    py::object sinks, int block_q, int block_k, bool reference) {
-  AttnArgs<T> a;
-  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
+void bind_shapes(AttnArgs<T>& a, const py::array& q, const py::array& k, const py::array& v, const py::array& o) {
   a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
   a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
   if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
       o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+}
+
+// The length, mask and score arguments the forward and the backward share:
+// varlen offsets (a.B becomes the number of sequences), per-batch lengths,
+// ALiBi slopes, sinks, the block-sparse layout, the dense boolean mask and
+// the additive bias, each checked against q's shape. The arrays stay alive
+// through the caller's py::object arguments.
+template <typename T>
+void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::object q_lens, py::object kv_lens,
+                    py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
+                    py::object mask, py::object bias, py::object alibi, double softcap, py::object sinks,
+                    int block_q, int block_k) {
   const bool varlen = !cu_q.is_none();
   if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
   a.softcap = softcap;
@@ -193,8 +199,6 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   using C = compute_t<T>;  // lse, bias, alibi, sinks: fp32 for 16-bit storage
   a.alibi = data_of<C>(alibi, "alibi_slopes", a.Hq);
   a.sinks = data_of<C>(sinks, "sinks", a.Hq);
-  const int64_t lse_rows = varlen ? a.Lq : a.B * a.Lq;
-  a.lse = lse_of<C>(lse, a.Hq * lse_rows, "Hq * rows");
   py::array layout_arr, mask_arr, bias_arr;
   if (!layout.is_none()) {
     layout_arr = py::cast<py::array>(layout);
@@ -230,6 +234,23 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
     check_shape4(bias_arr, "bias", batch_q, a.Hq, a.Lq, a.Lk);
     a.bias = static_cast<const C*>(bias_arr.data());
   }
+}
+
+template <typename T>
+py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::object lse,
+                    double scale, bool causal, bool top_left, int64_t window_left,
+                    int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
+                    py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
+                    py::object mask, py::object bias, py::object alibi, double softcap,
+                    py::object sinks, int block_q, int block_k, bool reference) {
+  AttnArgs<T> a;
+  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
+  bind_shapes(a, q, k, v, o);
+  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias, alibi, softcap,
+                    sinks, block_q, block_k);
+  using C = compute_t<T>;  // lse: fp32 for 16-bit storage
+  const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
+  a.lse = lse_of<C>(lse, a.Hq * lse_rows, "Hq * rows");
   AttnStats st;
   {
     py::gil_scoped_release release;
@@ -381,12 +402,7 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
   BwdArgs<T> g;
   AttnArgs<T>& a = g.f;
   bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
-  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
-  a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
-  if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
-      o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
-    throw py::value_error("inconsistent q/k/v/o shapes");
-  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  bind_shapes(a, q, k, v, o);
   if (!py::isinstance<py::array_t<T>>(dout)) throw py::type_error("dout must have q's dtype");
   g.sdo = strides4(dout, "dout");
   if (dout.shape(0) != a.B || dout.shape(1) != a.Hq || dout.shape(2) != a.Lq || dout.shape(3) != a.dv)
@@ -398,33 +414,9 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
   g.dq = static_cast<T*>(dq.mutable_data());
   g.dk = static_cast<T*>(dk.mutable_data());
   g.dv = static_cast<T*>(dv.mutable_data());
-  const bool varlen = !cu_q.is_none();
-  if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
-  a.softcap = softcap;
-  a.block_q = block_q;
-  a.block_k = block_k;
-  a.num_threads = threads_for_call();
-  const int64_t batch_q = a.B;
-  if (varlen) {
-    if (cu_k.is_none()) throw py::value_error("cu_seqlens_q needs cu_seqlens_k");
-    auto cq = py::cast<py::array>(cu_q);
-    const int64_t nseq = static_cast<int64_t>(cq.size()) - 1;
-    if (nseq < 0) throw py::value_error("cu_seqlens_q is empty");
-    a.cu_q = data_of<int64_t>(cu_q, "cu_seqlens_q", -1);
-    a.cu_k = data_of<int64_t>(cu_k, "cu_seqlens_k", nseq + 1);
-    if (a.B != 1 || k.shape(0) != 1)
-      throw py::value_error("varlen q, k and v must have batch 1, got q " + shape_of(q) + ", k " + shape_of(k));
-    check_cu(a.cu_q, nseq, a.Lq, "cu_seqlens_q");
-    check_cu(a.cu_k, nseq, a.Lk, "cu_seqlens_k");
-    a.B = nseq;
-  } else if (!cu_k.is_none()) {
-    throw py::value_error("cu_seqlens_k needs cu_seqlens_q");
-  }
-  a.q_lens = data_of<int64_t>(q_lens, "q_lens", varlen ? -1 : a.B);
-  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", varlen ? -1 : a.B);
-  a.alibi = data_of<T>(alibi, "alibi_slopes", a.Hq);
-  a.sinks = data_of<T>(sinks, "sinks", a.Hq);
-  const int64_t lse_rows = varlen ? a.Lq : a.B * a.Lq;
+  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias, alibi, softcap,
+                    sinks, block_q, block_k);
+  const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
   a.lse = const_cast<T*>(data_of<T>(lse, "lse", a.Hq * lse_rows));  // read only
   if (!dsinks.is_none()) {
     auto ds = py::cast<py::array>(dsinks);
@@ -434,37 +426,6 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
     g.dsinks = static_cast<T*>(ds.mutable_data());
   }
   if (a.sinks && !g.dsinks) throw py::value_error("sinks need a dsinks output");
-  py::array layout_arr, mask_arr, bias_arr;
-  if (!layout.is_none()) {
-    layout_arr = py::cast<py::array>(layout);
-    if (!py::isinstance<py::array_t<uint8_t>>(layout_arr)) throw py::type_error("layout must be uint8");
-    a.slayout = strides4(layout_arr, "layout");
-    a.layout = static_cast<const uint8_t*>(layout_arr.data());
-    a.layout_bq = layout_bq;
-    a.layout_bk = layout_bk;
-    a.layout_nq = layout_arr.shape(2);
-    a.layout_nk = layout_arr.shape(3);
-    if (layout_bq < 1 || layout_bk < 1) throw py::value_error("layout_bq and layout_bk must be >= 1");
-    const int64_t nq = a.Lq / layout_bq + (a.Lq % layout_bq != 0);
-    const int64_t nk = a.Lk / layout_bk + (a.Lk % layout_bk != 0);
-    if (layout_arr.shape(0) != batch_q || layout_arr.shape(1) != a.Hq || a.layout_nq < nq || a.layout_nk < nk)
-      throw py::value_error("layout has shape " + shape_of(layout_arr) + ", too small for (Lq, Lk) = (" +
-                            std::to_string(a.Lq) + ", " + std::to_string(a.Lk) + ")");
-  }
-  if (!mask.is_none()) {
-    mask_arr = py::cast<py::array>(mask);
-    if (!py::isinstance<py::array_t<uint8_t>>(mask_arr)) throw py::type_error("mask must be uint8");
-    a.smask = strides4(mask_arr, "mask");
-    check_shape4(mask_arr, "mask", batch_q, a.Hq, a.Lq, a.Lk);
-    a.mask = static_cast<const uint8_t*>(mask_arr.data());
-  }
-  if (!bias.is_none()) {
-    bias_arr = py::cast<py::array>(bias);
-    if (!py::isinstance<py::array_t<T>>(bias_arr)) throw py::type_error("bias must have q's dtype");
-    a.sbias = strides4(bias_arr, "bias");
-    check_shape4(bias_arr, "bias", batch_q, a.Hq, a.Lq, a.Lk);
-    a.bias = static_cast<const T*>(bias_arr.data());
-  }
   {
     py::gil_scoped_release release;
     flash_backward(g);

@@ -2,6 +2,9 @@
 #include "attn_fast/interrupt.h"
 
 #include <chrono>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <thread>
 
 namespace attn_fast {
@@ -52,7 +55,12 @@ bool CancelToken::poll() {
 
 bool CancelToken::cancelled() const { return stop_.load(std::memory_order_relaxed); }
 
-void CancelToken::finish_share(int team_size) {
+void CancelToken::finish_share() {
+#ifdef _OPENMP
+  const int team_size = omp_get_num_threads();  // the team of the enclosing parallel region
+#else
+  const int team_size = 1;
+#endif
   if (std::this_thread::get_id() != owner_) {
     finished_.fetch_add(1, std::memory_order_acq_rel);
     return;

@@ -55,16 +55,7 @@ constexpr int kJB = 4;       // columns of KV held in registers per pass
 constexpr int kTc = 2;       // tokens per step of the causal sweep
 constexpr int kTa = 4;       // tokens per step of the non-causal accumulation
 constexpr int kR = 4;        // rows per step of the non-causal read-out
-constexpr int64_t kPollTokens = 256;
-
-// Threads in the current team (for CancelToken::finish_share).
-inline int team_size() {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}  // Ctrl-C is looked for every 256 tokens of a sweep
+constexpr int64_t kPollTokens = 256;  // Ctrl-C is looked for every 256 tokens of a sweep
 
 // Per-thread scratch vectors, sized inside a parallel region: an allocation
 // failure there must not escape the region (std::terminate), so it is caught
@@ -241,7 +232,7 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
-    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+    tok.finish_share();  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
 }
@@ -285,7 +276,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
           for (int t = 0; t < nt; ++t) accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
       }
     }
-    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+    tok.finish_share();  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
   if (tok.cancelled()) return;
@@ -319,7 +310,7 @@ void non_causal(const LinearAttnArgs<T>& a) {
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }
-    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+    tok.finish_share();  // the calling thread keeps polling until the team is done
   }
   if (failed) throw std::bad_alloc();
 }

@@ -33,15 +33,6 @@ inline bf16_t from_dbl<bf16_t>(double x) { return bf16_t{f32_to_bf16(static_cast
 template <>
 inline fp16_t from_dbl<fp16_t>(double x) { return fp16_t{f32_to_fp16(static_cast<float>(x))}; }
 
-// Threads in the current team (for CancelToken::finish_share).
-inline int team_size() {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
 template <typename T>
 void reference_impl(const AttnArgs<T>& a) {
   using C = compute_t<T>;  // lse, bias, alibi, sinks
@@ -134,7 +125,7 @@ void reference_impl(const AttnArgs<T>& a) {
         }
       }
     }
-    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+    tok.finish_share();  // the calling thread keeps polling until the team is done
     }
   }
 }

@@ -108,15 +108,6 @@ inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Threads in the current team (for CancelToken::finish_share).
-inline int team_size() {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
 template <typename T>
 T* dalloc(int64_t n) {
   const size_t bytes = static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
@@ -720,7 +711,7 @@ void decode_impl(const DecodeArgs<T>& a) {
         if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
           merge_group(a, g, Opart, mpart, lpart);
       }
-      tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+      tok.finish_share();  // the calling thread keeps polling until the team is done
       if (S.last) break;
       // The next slice, into the other buffer; the barrier that ends the
       // single also keeps its items from overwriting partials still in use.

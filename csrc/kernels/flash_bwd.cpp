@@ -541,11 +541,7 @@ void backward_impl(const BwdArgs<T>& g0) {
       const int64_t chunk = w % nsplit, pair = w / nsplit;
       bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc, tok);
     }
-#ifdef _OPENMP
-    tok.finish_share(omp_get_num_threads());  // the calling thread keeps polling until the team is done
-#else
-    tok.finish_share(1);
-#endif
+    tok.finish_share();  // the calling thread keeps polling until the team is done
     sc.release();
   }
   if (failed) {

@@ -163,15 +163,6 @@ inline void st_row16(S* dst, const float* src, float f, int64_t n) {
 inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 
-// Threads in the current team (for CancelToken::finish_share).
-inline int team_size() {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
 template <typename T>
 T* alloc_scratch(int64_t n) {
   const size_t bytes = static_cast<size_t>(round_up(n * static_cast<int64_t>(sizeof(T)), 64));
@@ -905,7 +896,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
       const int64_t qb = nblk - 1 - rem % nblk;  // late (heavier causal) blocks first
       process_item(a, seq_info(a, s), s, h, qb, Br, Bc, sc, st, tok);
     }
-    tok.finish_share(team_size());  // the calling thread keeps polling until the team is done
+    tok.finish_share();  // the calling thread keeps polling until the team is done
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
     std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);

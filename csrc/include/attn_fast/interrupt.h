@@ -49,8 +49,8 @@ class CancelToken {
   // then waits there for the others, polling every couple of milliseconds:
   // otherwise a call whose last items run on the workers (one head, say)
   // would not look for Ctrl-C while the owner sat in the barrier. Others
-  // return at once. team_size: omp_get_num_threads().
-  void finish_share(int team_size);
+  // return at once. The team is the enclosing parallel region's.
+  void finish_share();
 
  private:
   std::atomic<bool> stop_{false};
