@@ -14,8 +14,10 @@ SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fram
 FLAGS="-std=c++17 -O1 -g $SAN -fsanitize=fuzzer-no-link -Icsrc/include -Icsrc/kernels -Wno-unknown-pragmas"
 DEFS=""
 OBJS=()
-# Every per-ISA kernel source (the same list as ATTN_KERNEL_SRC in CMakeLists.txt).
-KERNELS=(flash_fwd decode)
+# Every per-ISA kernel source: read from ATTN_KERNEL_SRC in CMakeLists.txt, so a new
+# kernel file needs no edit here.
+mapfile -t KERNELS < <(sed -n 's#.*ATTN_KERNEL_SRC csrc/kernels/\([a-z0-9_]*\)\.cpp.*#\1#p' CMakeLists.txt | sort -u)
+[ "${#KERNELS[@]}" -gt 0 ] || { echo "fuzz/run.sh: no kernel sources found in CMakeLists.txt" >&2; exit 1; }
 isa_objects() {  # isa-name define flags...
   local name=$1 def=$2
   shift 2
@@ -27,7 +29,7 @@ isa_objects() {  # isa-name define flags...
 isa_objects scalar ATTN_ISA_SCALAR
 if [ "$(uname -m)" = x86_64 ]; then
   isa_objects avx2 ATTN_ISA_AVX2 -mavx2 -mfma -mf16c
-  isa_objects avx512 ATTN_ISA_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma
+  isa_objects avx512 ATTN_ISA_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c
   DEFS="-DATTN_HAVE_AVX2 -DATTN_HAVE_AVX512"
 fi
 "$CXX" $FLAGS $DEFS -c csrc/dispatch.cpp -o "$OUT/dispatch.o"
