@@ -143,14 +143,15 @@ def test_reference_backend(rng, src):
 
 
 @pytest.mark.parametrize("src", SOURCES)
-def test_short_queries_use_fused_kernel(isa, rng, src):
-    """Lq <= 4 against long keys goes to the decode kernel for fp32; 16-bit stays fused."""
+def test_short_queries_use_decode_kernel(isa, rng, src):
+    """Lq <= 4 against long keys goes to the split-KV decode kernel for 16-bit q too."""
     q, k, v = gen(rng, src, (2, 4, 1, 64), (2, 2, 200, 64), (2, 2, 200, 64))
     o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
     O = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(1, 200))
     close(o, O, src)
-    with pytest.raises(TypeError, match="backend='decode' supports float32/float64 only"):
-        sdpa(q, k, v, enable_gqa=True, backend="decode")
+    forced = sdpa(q, k, v, is_causal=True, enable_gqa=True, backend="decode")
+    np.testing.assert_array_equal(f64(o), f64(forced))  # the same kernel, the same bits
+    result_dtype_ok(forced, src)
 
 
 @pytest.mark.parametrize("src", SOURCES)
@@ -399,3 +400,111 @@ def test_avx512_bf16_choice():
     assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="1", ATTN_FAST_ISA="") == "avx512_bf16"
     assert _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
     assert _isa_in_subprocess(ATTN_FAST_ISA="avx512") == "avx512"
+
+
+# ---------------------------------------------------------------- the split-KV decode kernel
+
+
+def _raw(x):
+    """The kernel's own array for a 16-bit input: float16, or uint16 bits for bfloat16."""
+    from attn_fast._checks import as_float_array
+
+    return as_float_array(x, "x", half=True)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Lq, Lk, d, dv", [(1, 1, 64, 64), (1, 129, 80, 80), (4, 7, 5, 3), (3, 300, 256, 256),
+                                           (2, 1100, 1, 1), (1, 700, 128, 96)])
+def test_decode_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
+    """backend='decode' on 16-bit q/k/v (GQA 4 on 2): O in q's dtype written over a NaN-poisoned
+    out, lse float32; Lk = 1100 / 700 take several splits (merged in float32)."""
+    q, k, v = gen(rng, src, (2, 4, Lq, d), (2, 2, Lk, d), (2, 2, Lk, dv))
+    out = make(np.full((2, 4, Lq, dv), np.nan, np.float32), src)
+    o, lse = sdpa(q, k, v, is_causal=causal, enable_gqa=True, backend="decode", return_lse=True, out=out)
+    assert o is out
+    Q, K, V = f64(q), f64(k).repeat(2, axis=1), f64(v).repeat(2, axis=1)
+    O, LSE = orc(Q, K, V, mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("split", [0, 64])
+def test_decode_ring_ragged_window(isa, rng, src, split):
+    """The kernel on a ring of R slots (logical key j of sequence b in slot (kv_start[b] + j) % R),
+    ragged kv_lens (one sequence empty: zeros, lse -inf), q_lens, a sliding window, NaN in the
+    slots no query sees; split = 64 forces several splits per row block."""
+    from attn_fast import _core
+
+    B, Hq, Hkv, Lq, R, d, dv = 3, 6, 2, 3, 200, 40, 24
+    need(src)
+    q = make(rng.standard_normal((B, Hq, Lq, d)), src)
+    kf, vf = rng.standard_normal((B, Hkv, R, d)), rng.standard_normal((B, Hkv, R, dv))
+    kv_lens, kv_start, q_lens = np.array([150, 0, 200]), np.array([120, 0, 37]), np.array([3, 3, 2])
+    for b in range(B):  # slots past kv_len hold garbage the kernel must not read into any row
+        dead = (kv_start[b] + np.arange(kv_lens[b], R)) % R
+        kf[b, :, dead] = np.nan
+        vf[b, :, dead] = np.nan
+    k, v = make(kf, src), make(vf, src)
+    o = _raw(make(np.full((B, Hq, Lq, dv), np.nan, np.float32), src))
+    lse = np.full((B, Hq, Lq), np.nan, np.float32)
+    _core.decode(_raw(q), _raw(k), _raw(v), o, lse, scale=d**-0.5, causal=True, window_left=50,
+                 q_lens=q_lens, kv_lens=kv_lens, kv_start=kv_start, split=split)
+    o = f64(o)
+    Q, K, V = f64(q), f64(k), f64(v)
+    for b in range(B):
+        n = kv_lens[b]
+        slots = (kv_start[b] + np.arange(n)) % R
+        Kb, Vb = K[b][:, slots].repeat(3, axis=0), V[b][:, slots].repeat(3, axis=0)
+        for i in range(Lq):
+            if i >= q_lens[b] or n == 0:
+                assert (o[b, :, i] == 0).all() and np.isneginf(lse[b, :, i]).all()
+                continue
+            diag = i + n - q_lens[b]
+            vis = (np.arange(n) <= diag) & (np.arange(n) >= diag - 50)
+            Kv, Vv = Kb[:, vis], Vb[:, vis]
+            O, LSE = orc(Q[b][:, i:i + 1], Kv, Vv, return_lse=True)
+            close(o[b, :, i:i + 1], O, src)
+            check_lse(lse[b, :, i:i + 1], LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_decode_nan_in_masked_v_and_empty_rows(isa, rng, src):
+    """Through sdpa's routing: padding keys and window-hidden keys hold NaN / inf in V and K
+    (in blocks the mask cuts through); a sequence of kv_len 0 gives zeros and lse -inf."""
+    B, H, Lq, Lk, d = 2, 2, 2, 160, 24
+    need(src)
+    q = make(rng.standard_normal((B, H, Lq, d)), src)
+    kf, vf = rng.standard_normal((B, H, Lk, d)), rng.standard_normal((B, H, Lk, d))
+    kf[0, :, 100:], vf[0, :, 100:] = np.nan, np.nan  # past kv_len = 100
+    vf[0, :, 10] = np.inf  # left of the window of every query
+    k, v = make(kf, src), make(vf, src)
+    pad = masks.Padding(kv_lens=[100, 0])
+    o, lse = sdpa(q, k, v, attn_mask=pad, is_causal=True, window_size=(40, 0), return_lse=True)
+    o = f64(o)
+    assert np.isfinite(o).all()
+    assert (o[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
+    diag = np.arange(Lq)[:, None] + 100 - Lq
+    vis = (np.arange(100)[None, :] <= diag) & (np.arange(100)[None, :] >= diag - 40)
+    V = np.where(np.isfinite(f64(v)), f64(v), 0.0)  # the oracle multiplies P by V densely
+    O, LSE = orc(f64(q)[:1], f64(k)[:1, :, :100], V[:1, :, :100], mask=vis, return_lse=True)
+    close(o[:1], O, src)
+    check_lse(np.asarray(lse)[:1], LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_decode_one_visible_key_bit_exact(isa, rng, src):
+    """window (0, 0): each query sees exactly one key, so O = that V row exactly: every 16-bit
+    value (subnormals, extremes, inf, NaN) survives the widen-on-load and the one rounding."""
+    need(src)
+    if kind_of(src) == "f16":
+        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    else:
+        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    Lk, dv = 90, 80
+    vrows = np.resize(vals, (Lk, dv)) * np.where(rng.random((Lk, dv)) < 0.5, 1, -1).astype(np.float32)
+    q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, Lk, 8)), src)
+    v = make(vrows.reshape(1, 1, Lk, dv), src)
+    o = sdpa(q, k, v, window_size=(0, 0), backend="decode")
+    np.testing.assert_array_equal(f64(o), f64(v)[:, :, Lk - 3:])
