@@ -303,13 +303,15 @@ def test_mixed_dtypes_raise_with_cast_hint(rng):
         sdpa(q32.view(np.uint16)[..., :8], q32, q32)
 
 
-def test_other_modules_refuse_16bit():
+def test_float32_cache_refuses_16bit_with_cast_hint():
     if torch is None:
         pytest.skip("torch not installed")
     x = torch.randn(1, 2, 4, 8).bfloat16()
     cache = af.KVCache(1, 2, 8)
-    with pytest.raises(TypeError, match="bfloat16 and float16 are supported by scaled_dot_product_attention"):
+    with pytest.raises(TypeError, match=r"k has dtype bfloat16 but the cache stores float32; cast it first .*to\(torch.float32\)"):
         cache.append(x, x)
+    with pytest.raises(TypeError, match="float16 but the cache stores float32"):
+        cache.attend(x.half())
 
 
 # ---------------------------------------------------------------- varlen and the textbook function
@@ -508,3 +510,91 @@ def test_decode_one_visible_key_bit_exact(isa, rng, src):
     v = make(vrows.reshape(1, 1, Lk, dv), src)
     o = sdpa(q, k, v, window_size=(0, 0), backend="decode")
     np.testing.assert_array_equal(f64(o), f64(v)[:, :, Lk - 3:])
+
+
+# ---------------------------------------------------------------- KVCache in 16 bits
+
+CACHE_DTYPE = {"numpy_f16": np.float16, "torch_f16": "float16", "torch_bf16": "bfloat16", "ml_bf16": "bfloat16"}
+
+
+def _sl(x, t0, t1):
+    return x[:, :, t0:t1]
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
+    """A 16-bit KVCache (GQA 6 on 2, ragged lengths, ring window): prefill, then decode steps; every
+    attend against the oracle on the stored (rounded) keys; O in the cache's dtype, lse float32; the
+    storage is half of float32's."""
+    B, Hq, Hkv, d, dv, L0, steps = 2, 6, 2, 80, 40, 37, 5
+    need(src)
+    cache = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, dtype=CACHE_DTYPE[src], window=window)
+    ref32 = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, window=window)
+    Ltot = L0 + steps
+    q, k, v = gen(rng, src, (B, Hq, Ltot, d), (B, Hkv, Ltot, d), (B, Hkv, Ltot, dv))
+    lens = np.array([L0, 30])
+    cache.append(_sl(k, 0, L0), _sl(v, 0, L0), lengths=lens)
+    ref32.append(f64(k)[:, :, :L0].astype(np.float32), f64(v)[:, :, :L0].astype(np.float32), lengths=lens)
+    assert cache.nbytes * 2 == ref32.nbytes
+    Q, K, V = f64(q), f64(k).repeat(3, axis=1), f64(v).repeat(3, axis=1)
+
+    def want(b, qpos, kpos):  # queries at positions qpos of sequence b against keys at kpos
+        keys = np.array(kpos)
+        vis = keys[None, :] <= np.array(qpos)[:, None]
+        if window is not None:
+            vis &= keys[None, :] > np.array(qpos)[:, None] - window
+        return orc(Q[b:b + 1][:, :, qpos], K[b:b + 1][:, :, keys], V[b:b + 1][:, :, keys], mask=vis,
+                   return_lse=True)
+
+    o, lse = cache.attend(_sl(q, 0, L0), return_lse=True)
+    result_dtype_ok(o, src)
+    assert np.asarray(lse).dtype == np.float32
+    for b in range(B):
+        n = int(lens[b])
+        O, LSE = want(b, list(range(n)), list(range(n)))
+        close(f64(o)[b:b + 1, :, :n], O, src)
+        check_lse(np.asarray(lse)[b:b + 1, :, :n], LSE)
+    pos = lens.copy()
+    for t in range(steps):
+        # sequence b's next token is input row pos[b] (gathered per sequence)
+        kt = make(np.stack([f64(k)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        vt = make(np.stack([f64(v)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        qt = make(np.stack([Q[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        cache.append(kt, vt)
+        o, lse = cache.attend(qt, return_lse=True)
+        result_dtype_ok(o, src)
+        for b in range(B):
+            p = int(pos[b])
+            O, LSE = want(b, [p], list(range(p + 1)))
+            close(f64(o)[b:b + 1], O, src)
+            check_lse(np.asarray(lse)[b:b + 1], LSE)
+        pos += 1
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_cache_rope_truncate_forward(isa, rng, src):
+    """RoPE on append (rotated in float32, rounded once), truncate, forward() in ring pieces, LayerCaches."""
+    B, Hkv, Hq, d, L = 1, 2, 2, 32, 20
+    need(src)
+    rope = af.positional.RoPE(d)
+    q, k, v = gen(rng, src, (B, Hq, L, d), (B, Hkv, L, d), (B, Hkv, L, d))
+    cache = af.KVCache(B, Hkv, d, dtype=CACHE_DTYPE[src])
+    cache.append(k, v, rope=rope)
+    rot = f64(make(rope(f64(k).astype(np.float32), seq_axis=-2), src))  # what the cache must hold
+    np.testing.assert_array_equal(f64(cache.keys(0)), rot[0])
+    np.testing.assert_array_equal(f64(cache.values(0)), f64(v)[0])
+    cache.truncate(12)
+    o = cache.attend(_sl(q, 0, 2), q_lens=2)  # the last two of the 12 kept positions
+    vis = np.arange(12)[None, :] <= np.array([10, 11])[:, None]
+    close(o, orc(f64(q)[:, :, :2], rot[:, :, :12], f64(v)[:, :, :12], mask=vis), src)
+
+    layers = af.LayerCaches(2, B, Hkv, d, dtype=CACHE_DTYPE[src], window=6, ring=8)
+    o, lse = layers[1].forward(q, k, v, return_lse=True)  # pieces of ring - window + 1 = 3 tokens
+    result_dtype_ok(o, src)
+    O, LSE = orc(f64(q), f64(k), f64(v), mask=ref.window_mask(L, L, 5, 0), return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+    assert layers.nbytes == 2 * B * Hkv * 8 * 2 * d * 2
+    with pytest.raises(TypeError, match="cast it first"):
+        layers[0].append(f64(k).astype(np.float32), f64(v).astype(np.float32))

@@ -64,6 +64,15 @@
 //   64-key block of the row is NaN (max() drops NaN, so that case is looked
 //   for) and through the merge of the splits.
 //
+// Storage types: q, k, v, o are float, double, bf16_t or fp16_t (template
+//   parameter S, compute type compute_t<S>, as flash_fwd.cpp). 16-bit K and V
+//   rows are read as stored (half the bytes of fp32: the point for a
+//   memory-bound decode) and widened to fp32 in registers as they are loaded
+//   (ldv: bf16 by a 16-bit shift, fp16 by F16C); Q once, when its rows are
+//   scaled. S, P, m, l, the partials and the merge are fp32; the merge sums the
+//   splits into an fp32 row (DScratch::Ob) and rounds O once to the storage
+//   type. lse is fp32. No vdpbf16ps path: the avx512_bf16 ISA runs the avx512
+//   object here (dispatch.cpp).
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
