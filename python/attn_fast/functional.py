@@ -36,7 +36,6 @@ from ._checks import (
     check_scale,
     compute_dtype,
     detached,
-    dtype_name,
     from_float,
     half_result,
     shape_str,
