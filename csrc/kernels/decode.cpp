@@ -358,6 +358,20 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
 // independent misses in flight.
 template <typename S, typename T = compute_t<S>>
 inline T touch_lines(const S* const* rows, int64_t cols, int64_t len) {
+  if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads matter)
+    constexpr int64_t L = 32;
+    uint32_t t0 = 0, t1 = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t* r = reinterpret_cast<const uint16_t*>(rows[c]);
+      int64_t e = 0;
+      for (; e + L < len; e += 2 * L) {
+        t0 += r[e];
+        t1 += r[e + L];
+      }
+      if (e < len) t0 += r[e];
+    }
+    return static_cast<T>(t0 + t1);
+  }
   using V = Vec<T>;
   constexpr int64_t L = 64 / static_cast<int64_t>(sizeof(S));  // elements per line
   typename V::R t0 = V::zero(), t1 = V::zero();
