@@ -1,7 +1,7 @@
 """Decode (one token against a KV cache) and prefill latency: attn_fast vs torch SDPA.
 
     python bench/bench_decode.py [--threads N] [--lengths 1024 4096 16384 32768]
-                                 [--batches 1 8] [--png bench/decode.png]
+                                 [--batches 1 8] [--png bench/decode.png] [--dtype bf16|fp16]
 
 Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128, float32. For each batch B and
 cache length L, a KVCache is filled with L tokens and one decode step
@@ -18,6 +18,13 @@ runs after warm-up, like the probe's. The PNG plots, against L, the time to
 first token (one-shot causal prefill of an L-token prompt, B = 1) and the
 time per generated token (one decode step with L cached tokens; for B = 8 the
 step time divided by 8).
+
+``--dtype bf16`` (or fp16): a second KVCache of that dtype holds the same
+tokens (rounded); each row then times, in the same run, the float32 step, the
+16-bit step (GB/s on the bytes it actually reads, 2 per element, and % of the
+streaming read), their ratio (float32 time / 16-bit time: tokens/s gained),
+and torch's SDPA in the same 16-bit dtype on the 16-bit cache's arrays. The
+16-bit results are checked against the oracle on the same rounded inputs.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import numpy as np
 
 import attn_fast as af
 from attn_fast import _core, reference
+from attn_fast._checks import BF16, bf16_bits, from_float, to_float
 from attn_fast._config import config
 from attn_fast.bench import settle, time_runs
 
@@ -42,13 +50,21 @@ def best_time(fn, repeats, warmup=2):
     return min(time_runs(fn, repeats, warmup))
 
 
-def check(o, q, k, v, causal=True):
+def f64(x):
+    """NumPy / torch, float32 / float16 / bfloat16 (bits or ml_dtypes) -> float64 NumPy."""
+    if hasattr(x, "detach"):
+        return x.detach().double().numpy()
+    x = np.asarray(x)
+    return to_float(x.view(np.ndarray)) if x.dtype == np.uint16 else x.astype(np.float64)
+
+
+def check(o, q, k, v, causal=True, tol=1e-3):
     """Compare the first two query heads (and their kv head) with the float64 oracle."""
     Lq, Lk = q.shape[2], k.shape[2]
     mask = reference.causal_mask(Lq, Lk) if causal else None
-    O = reference.sdpa(q[:1, :2], k[:1, :1], v[:1, :1], mask=mask)
-    err = float(np.abs(np.asarray(o)[:1, :2] - O).max())
-    if not err < 1e-3:
+    O = reference.sdpa(f64(q[:1, :2]), f64(k[:1, :1]), f64(v[:1, :1]), mask=mask)
+    err = float(np.abs(f64(o[:1, :2]) - O).max())
+    if not err < tol:
         raise RuntimeError(f"result differs from the float64 oracle by {err:.2e}")
 
 
@@ -64,7 +80,11 @@ def main(argv=None):
     p.add_argument("--prefill-max", type=int, default=4096, help="longest prefill timed for the plot")
     p.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "decode.png"))
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="also time a 16-bit cache beside the float32 one (see above)")
     args = p.parse_args(argv)
+    if args.dtype != "fp32":
+        return main_16bit(args)
     if args.threads:
         af.set_num_threads(args.threads)
     nt = af.get_num_threads()
@@ -150,6 +170,77 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
     print(f"plot: {args.png}")
+    return 0
+
+
+def main_16bit(args):
+    """--dtype bf16 / fp16: float32 and 16-bit decode steps on the same tokens, same run."""
+    if args.threads:
+        af.set_num_threads(args.threads)
+    nt = af.get_num_threads()
+    half = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+            torch.set_num_threads(nt)
+        except ImportError:
+            print("torch not installed: its column is skipped", file=sys.stderr)
+    cfg = config()
+    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
+    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
+    print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
+    print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; {args.dtype} vs float32")
+    hdr = (f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} | {args.dtype + ' ms':>8} {'GB/s':>6} {'%stream':>7} "
+           f"{'vs fp32':>7} | {'torch ' + args.dtype + ' ms':>13} {'x':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    rng = np.random.default_rng(0)
+    tag16 = bf16_bits if half == "bfloat16" else (lambda x: x)
+    dt16 = BF16 if half == "bfloat16" else np.dtype(np.float16)
+    for B in args.batches:
+        for L in args.lengths:
+            kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
+            q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
+            c32 = af.KVCache(B, HKV, D, capacity=L + 1)
+            c32.append(kv, kv[:, :, ::-1])
+            c16 = af.KVCache(B, HKV, D, capacity=L + 1, dtype=half)
+            kv16 = tag16(from_float(kv, dt16))
+            c16.append(kv16, kv16[:, :, ::-1])
+            del kv, kv16
+            q16 = tag16(from_float(q, dt16))
+            K, V = c32._k[:, :, :L], c32._v[:, :, :L]
+            K16, V16 = tag16(c16._k[:, :, :L]), tag16(c16._v[:, :, :L])
+            check(c32.attend(q), q, K, V)
+            check(c16.attend(q16), q16, K16, V16, tol=1e-2)
+            nb32, nb16 = K.nbytes + V.nbytes, K16.nbytes + V16.nbytes
+            reps = repeats_for(nb32)
+            t32 = best_time(lambda: c32.attend(q), reps)
+            t16 = best_time(lambda: c16.attend(q16), reps)
+            g16 = nb16 / t16 / 1e9
+            line = (f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {nb32 / t32 / 1e9:6.1f} | {t16 * 1e3:8.3f} {g16:6.1f} "
+                    f"{100 * g16 / bwn:6.0f}% {t32 / t16:6.2f}x | ")
+            if torch is not None:
+                tt16 = torch.bfloat16 if half == "bfloat16" else torch.float16
+
+                def tv(x):
+                    x = np.ascontiguousarray(np.asarray(x).view(np.ndarray))
+                    return torch.from_numpy(x.view(np.int16)).view(tt16) if x.dtype == np.uint16 else torch.from_numpy(x)
+
+                tq, tk, tvv = tv(q16), tv(K16), tv(V16)
+                F = torch.nn.functional.scaled_dot_product_attention
+                with torch.no_grad():
+                    check(F(tq, tk, tvv, enable_gqa=True), q16, K16, V16, causal=False, tol=5e-2)
+                    tt = best_time(lambda: F(tq, tk, tvv, enable_gqa=True), max(3, reps // 3))
+                line += f"{tt * 1e3:13.3f} {tt / t16:5.1f}x"
+            else:
+                line += f"{'-':>13} {'-':>6}"
+            print(line, flush=True)
+            del c32, c16, K, V, K16, V16
+    print(f"GB/s = K and V bytes actually read per step / step time (4 per element for fp32, 2 for {args.dtype});")
+    print(f"%stream = of the all-thread streaming read; vs fp32 = fp32 time / {args.dtype} time (tokens/s gained);")
+    print(f"x = torch {args.dtype} time / attn_fast {args.dtype} time. " + tag)
     return 0
 
 

@@ -360,7 +360,7 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
     for (int64_t b = 0; b < a.B; ++b)
       if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
         throw py::value_error("kv_start entries must lie in [0, R)");
-  a.lse = lse_of<T>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
+  a.lse = lse_of<compute_t<T>>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
   {
     py::gil_scoped_release release;
     decode_forward(a);
@@ -377,7 +377,13 @@ void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, 
   if (py::isinstance<py::array_t<double>>(q))
     return decode_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
                             kv_lens, kv_start, split);
-  throw py::type_error("q must be float32 or float64");
+  if (has_dtype<fp16_t>(q))
+    return decode_t<fp16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
+                            kv_lens, kv_start, split);
+  if (has_dtype<bf16_t>(q))
+    return decode_t<bf16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
+                            kv_lens, kv_start, split);
+  throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
 // The backward's gradient outputs: writeable arrays of T with the shape of

@@ -35,6 +35,8 @@ namespace attn_fast {
   double fma_loop(int64_t iters);                                 \
   void decode_forward_f32(const DecodeArgs<float>& a);            \
   void decode_forward_f64(const DecodeArgs<double>& a);           \
+  void decode_forward_bf16(const DecodeArgs<bf16_t>& a);         \
+  void decode_forward_f16(const DecodeArgs<fp16_t>& a);          \
   float stream_read(const float* p, int64_t n);                   \
   double read_loop(const float* p, int64_t n);                    \
   AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);        \
@@ -336,6 +338,10 @@ double fma_peak_gflops(int threads, double seconds) {
 
 void decode_forward(const DecodeArgs<float>& a) { ATTN_DISPATCH(decode_forward_f32, a) }
 void decode_forward(const DecodeArgs<double>& a) { ATTN_DISPATCH(decode_forward_f64, a) }
+// 16-bit storage: avx512_bf16 runs the avx512 kernel (AVX512_CASE); the
+// decode is bound by reading K/V, not by the dot products.
+void decode_forward(const DecodeArgs<bf16_t>& a) { ATTN_DISPATCH(decode_forward_bf16, a) }
+void decode_forward(const DecodeArgs<fp16_t>& a) { ATTN_DISPATCH(decode_forward_f16, a) }
 
 static float stream_read_active(const float* p, int64_t n) { ATTN_DISPATCH(stream_read, p, n) }
 

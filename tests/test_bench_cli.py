@@ -217,3 +217,35 @@ def test_linear_attention_state_repr_is_short(rng):
     assert repr(state.copy()) == text
     odd = LinearAttentionState(kv=[[1.0]], k_sum=None, length=0)  # not arrays: still a short repr, no error
     assert repr(odd) == "LinearAttentionState(kv list, k_sum NoneType, length=0)"
+
+
+# --------------------------------------------------------------------------- 16-bit rows
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
+    """bench --dtype bf16|fp16: each case again in that dtype, right after its float32 row;
+    attn_fast checked and timed, the float32-only NumPy peer skipped; torch timed when installed."""
+    impls = ["attn_fast", "numpy"] + (["torch"] if bench_suite._import("torch") else [])
+    assert bench.main(["--tiny", "--threads", "1", "--dtype", dtype, "--impls", *impls, "--no-memory",
+                       "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    (path,) = glob.glob(str(tmp_path / "suite-tiny-*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    names = [r["name"] for r in res["results"]]
+    plain = [c.name for c in bench_suite.tiny_cases()]
+    assert names == [n for p in plain for n in (p, f"{p} {dtype}")]
+    for row in res["results"]:
+        a = row["impls"]["attn_fast"]
+        assert "median_s" in a and a["oracle_max_abs_err"] < 0.05
+        if row["case"]["dtype"] == dtype:
+            assert row["impls"]["numpy"] == {"skipped": "float32 only"}
+            if "torch" in impls:
+                assert "speedup_attn_fast" in row["impls"]["torch"]
+            if row["case"]["kind"] == "decode":  # 2 bytes per K/V element
+                assert bench_suite.Case(**row["case"]).kv_bytes * 2 == bench_suite.Case(
+                    **{**row["case"], "dtype": "fp32"}).kv_bytes
+        assert row["name"] in text
+    for word in FORBIDDEN:
+        assert word not in text, word

@@ -143,14 +143,15 @@ def test_reference_backend(rng, src):
 
 
 @pytest.mark.parametrize("src", SOURCES)
-def test_short_queries_use_fused_kernel(isa, rng, src):
-    """Lq <= 4 against long keys goes to the decode kernel for fp32; 16-bit stays fused."""
+def test_short_queries_use_decode_kernel(isa, rng, src):
+    """Lq <= 4 against long keys goes to the split-KV decode kernel for 16-bit q too."""
     q, k, v = gen(rng, src, (2, 4, 1, 64), (2, 2, 200, 64), (2, 2, 200, 64))
     o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
     O = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(1, 200))
     close(o, O, src)
-    with pytest.raises(TypeError, match="backend='decode' supports float32/float64 only"):
-        sdpa(q, k, v, enable_gqa=True, backend="decode")
+    forced = sdpa(q, k, v, is_causal=True, enable_gqa=True, backend="decode")
+    np.testing.assert_array_equal(f64(o), f64(forced))  # the same kernel, the same bits
+    result_dtype_ok(forced, src)
 
 
 @pytest.mark.parametrize("src", SOURCES)
@@ -302,13 +303,15 @@ def test_mixed_dtypes_raise_with_cast_hint(rng):
         sdpa(q32.view(np.uint16)[..., :8], q32, q32)
 
 
-def test_other_modules_refuse_16bit():
+def test_float32_cache_refuses_16bit_with_cast_hint():
     if torch is None:
         pytest.skip("torch not installed")
     x = torch.randn(1, 2, 4, 8).bfloat16()
     cache = af.KVCache(1, 2, 8)
-    with pytest.raises(TypeError, match="bfloat16 and float16 are supported by scaled_dot_product_attention"):
+    with pytest.raises(TypeError, match=r"k has dtype bfloat16 but the cache stores float32; cast it first .*to\(torch.float32\)"):
         cache.append(x, x)
+    with pytest.raises(TypeError, match="float16 but the cache stores float32"):
+        cache.attend(x.half())
 
 
 # ---------------------------------------------------------------- varlen and the textbook function
@@ -399,3 +402,199 @@ def test_avx512_bf16_choice():
     assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="1", ATTN_FAST_ISA="") == "avx512_bf16"
     assert _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
     assert _isa_in_subprocess(ATTN_FAST_ISA="avx512") == "avx512"
+
+
+# ---------------------------------------------------------------- the split-KV decode kernel
+
+
+def _raw(x):
+    """The kernel's own array for a 16-bit input: float16, or uint16 bits for bfloat16."""
+    from attn_fast._checks import as_float_array
+
+    return as_float_array(x, "x", half=True)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Lq, Lk, d, dv", [(1, 1, 64, 64), (1, 129, 80, 80), (4, 7, 5, 3), (3, 300, 256, 256),
+                                           (2, 1100, 1, 1), (1, 700, 128, 96)])
+def test_decode_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
+    """backend='decode' on 16-bit q/k/v (GQA 4 on 2): O in q's dtype written over a NaN-poisoned
+    out, lse float32; Lk = 1100 / 700 take several splits (merged in float32)."""
+    q, k, v = gen(rng, src, (2, 4, Lq, d), (2, 2, Lk, d), (2, 2, Lk, dv))
+    out = make(np.full((2, 4, Lq, dv), np.nan, np.float32), src)
+    o, lse = sdpa(q, k, v, is_causal=causal, enable_gqa=True, backend="decode", return_lse=True, out=out)
+    assert o is out
+    Q, K, V = f64(q), f64(k).repeat(2, axis=1), f64(v).repeat(2, axis=1)
+    O, LSE = orc(Q, K, V, mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("split", [0, 64])
+def test_decode_ring_ragged_window(isa, rng, src, split):
+    """The kernel on a ring of R slots (logical key j of sequence b in slot (kv_start[b] + j) % R),
+    ragged kv_lens (one sequence empty: zeros, lse -inf), q_lens, a sliding window, NaN in the
+    slots no query sees; split = 64 forces several splits per row block."""
+    from attn_fast import _core
+
+    B, Hq, Hkv, Lq, R, d, dv = 3, 6, 2, 3, 200, 40, 24
+    need(src)
+    q = make(rng.standard_normal((B, Hq, Lq, d)), src)
+    kf, vf = rng.standard_normal((B, Hkv, R, d)), rng.standard_normal((B, Hkv, R, dv))
+    kv_lens, kv_start, q_lens = np.array([150, 0, 200]), np.array([120, 0, 37]), np.array([3, 3, 2])
+    for b in range(B):  # slots past kv_len hold garbage the kernel must not read into any row
+        dead = (kv_start[b] + np.arange(kv_lens[b], R)) % R
+        kf[b, :, dead] = np.nan
+        vf[b, :, dead] = np.nan
+    k, v = make(kf, src), make(vf, src)
+    o = _raw(make(np.full((B, Hq, Lq, dv), np.nan, np.float32), src))
+    lse = np.full((B, Hq, Lq), np.nan, np.float32)
+    _core.decode(_raw(q), _raw(k), _raw(v), o, lse, scale=d**-0.5, causal=True, window_left=50,
+                 q_lens=q_lens, kv_lens=kv_lens, kv_start=kv_start, split=split)
+    o = f64(o)
+    Q, K, V = f64(q), f64(k), f64(v)
+    for b in range(B):
+        n = kv_lens[b]
+        slots = (kv_start[b] + np.arange(n)) % R
+        Kb, Vb = K[b][:, slots].repeat(3, axis=0), V[b][:, slots].repeat(3, axis=0)
+        for i in range(Lq):
+            if i >= q_lens[b] or n == 0:
+                assert (o[b, :, i] == 0).all() and np.isneginf(lse[b, :, i]).all()
+                continue
+            diag = i + n - q_lens[b]
+            vis = (np.arange(n) <= diag) & (np.arange(n) >= diag - 50)
+            Kv, Vv = Kb[:, vis], Vb[:, vis]
+            O, LSE = orc(Q[b][:, i:i + 1], Kv, Vv, return_lse=True)
+            close(o[b, :, i:i + 1], O, src)
+            check_lse(lse[b, :, i:i + 1], LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_decode_nan_in_masked_v_and_empty_rows(isa, rng, src):
+    """Through sdpa's routing: padding keys and window-hidden keys hold NaN / inf in V and K
+    (in blocks the mask cuts through); a sequence of kv_len 0 gives zeros and lse -inf."""
+    B, H, Lq, Lk, d = 2, 2, 2, 160, 24
+    need(src)
+    q = make(rng.standard_normal((B, H, Lq, d)), src)
+    kf, vf = rng.standard_normal((B, H, Lk, d)), rng.standard_normal((B, H, Lk, d))
+    kf[0, :, 100:], vf[0, :, 100:] = np.nan, np.nan  # past kv_len = 100
+    vf[0, :, 10] = np.inf  # left of the window of every query
+    k, v = make(kf, src), make(vf, src)
+    pad = masks.Padding(kv_lens=[100, 0])
+    o, lse = sdpa(q, k, v, attn_mask=pad, is_causal=True, window_size=(40, 0), return_lse=True)
+    o = f64(o)
+    assert np.isfinite(o).all()
+    assert (o[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
+    diag = np.arange(Lq)[:, None] + 100 - Lq
+    vis = (np.arange(100)[None, :] <= diag) & (np.arange(100)[None, :] >= diag - 40)
+    V = np.where(np.isfinite(f64(v)), f64(v), 0.0)  # the oracle multiplies P by V densely
+    O, LSE = orc(f64(q)[:1], f64(k)[:1, :, :100], V[:1, :, :100], mask=vis, return_lse=True)
+    close(o[:1], O, src)
+    check_lse(np.asarray(lse)[:1], LSE)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_decode_one_visible_key_bit_exact(isa, rng, src):
+    """window (0, 0): each query sees exactly one key, so O = that V row exactly: every 16-bit
+    value (subnormals, extremes, inf, NaN) survives the widen-on-load and the one rounding."""
+    need(src)
+    if kind_of(src) == "f16":
+        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    else:
+        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+    Lk, dv = 90, 80
+    vrows = np.resize(vals, (Lk, dv)) * np.where(rng.random((Lk, dv)) < 0.5, 1, -1).astype(np.float32)
+    q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, Lk, 8)), src)
+    v = make(vrows.reshape(1, 1, Lk, dv), src)
+    o = sdpa(q, k, v, window_size=(0, 0), backend="decode")
+    np.testing.assert_array_equal(f64(o), f64(v)[:, :, Lk - 3:])
+
+
+# ---------------------------------------------------------------- KVCache in 16 bits
+
+CACHE_DTYPE = {"numpy_f16": np.float16, "torch_f16": "float16", "torch_bf16": "bfloat16", "ml_bf16": "bfloat16"}
+
+
+def _sl(x, t0, t1):
+    return x[:, :, t0:t1]
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
+    """A 16-bit KVCache (GQA 6 on 2, ragged lengths, ring window): prefill, then decode steps; every
+    attend against the oracle on the stored (rounded) keys; O in the cache's dtype, lse float32; the
+    storage is half of float32's."""
+    B, Hq, Hkv, d, dv, L0, steps = 2, 6, 2, 80, 40, 37, 5
+    need(src)
+    cache = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, dtype=CACHE_DTYPE[src], window=window)
+    ref32 = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, window=window)
+    Ltot = L0 + steps
+    q, k, v = gen(rng, src, (B, Hq, Ltot, d), (B, Hkv, Ltot, d), (B, Hkv, Ltot, dv))
+    lens = np.array([L0, 30])
+    cache.append(_sl(k, 0, L0), _sl(v, 0, L0), lengths=lens)
+    ref32.append(f64(k)[:, :, :L0].astype(np.float32), f64(v)[:, :, :L0].astype(np.float32), lengths=lens)
+    assert cache.nbytes * 2 == ref32.nbytes
+    Q, K, V = f64(q), f64(k).repeat(3, axis=1), f64(v).repeat(3, axis=1)
+
+    def want(b, qpos, kpos):  # queries at positions qpos of sequence b against keys at kpos
+        keys = np.array(kpos)
+        vis = keys[None, :] <= np.array(qpos)[:, None]
+        if window is not None:
+            vis &= keys[None, :] > np.array(qpos)[:, None] - window
+        return orc(Q[b:b + 1][:, :, qpos], K[b:b + 1][:, :, keys], V[b:b + 1][:, :, keys], mask=vis,
+                   return_lse=True)
+
+    o, lse = cache.attend(_sl(q, 0, L0), return_lse=True)
+    result_dtype_ok(o, src)
+    assert np.asarray(lse).dtype == np.float32
+    for b in range(B):
+        n = int(lens[b])
+        O, LSE = want(b, list(range(n)), list(range(n)))
+        close(f64(o)[b:b + 1, :, :n], O, src)
+        check_lse(np.asarray(lse)[b:b + 1, :, :n], LSE)
+    pos = lens.copy()
+    for t in range(steps):
+        # sequence b's next token is input row pos[b] (gathered per sequence)
+        kt = make(np.stack([f64(k)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        vt = make(np.stack([f64(v)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        qt = make(np.stack([Q[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        cache.append(kt, vt)
+        o, lse = cache.attend(qt, return_lse=True)
+        result_dtype_ok(o, src)
+        for b in range(B):
+            p = int(pos[b])
+            O, LSE = want(b, [p], list(range(p + 1)))
+            close(f64(o)[b:b + 1], O, src)
+            check_lse(np.asarray(lse)[b:b + 1], LSE)
+        pos += 1
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_cache_rope_truncate_forward(isa, rng, src):
+    """RoPE on append (rotated in float32, rounded once), truncate, forward() in ring pieces, LayerCaches."""
+    B, Hkv, Hq, d, L = 1, 2, 2, 32, 20
+    need(src)
+    rope = af.positional.RoPE(d)
+    q, k, v = gen(rng, src, (B, Hq, L, d), (B, Hkv, L, d), (B, Hkv, L, d))
+    cache = af.KVCache(B, Hkv, d, dtype=CACHE_DTYPE[src])
+    cache.append(k, v, rope=rope)
+    rot = f64(make(rope(f64(k).astype(np.float32), seq_axis=-2), src))  # what the cache must hold
+    np.testing.assert_array_equal(f64(cache.keys(0)), rot[0])
+    np.testing.assert_array_equal(f64(cache.values(0)), f64(v)[0])
+    cache.truncate(12)
+    o = cache.attend(_sl(q, 0, 2), q_lens=2)  # the last two of the 12 kept positions
+    vis = np.arange(12)[None, :] <= np.array([10, 11])[:, None]
+    close(o, orc(f64(q)[:, :, :2], rot[:, :, :12], f64(v)[:, :, :12], mask=vis), src)
+
+    layers = af.LayerCaches(2, B, Hkv, d, dtype=CACHE_DTYPE[src], window=6, ring=8)
+    o, lse = layers[1].forward(q, k, v, return_lse=True)  # pieces of ring - window + 1 = 3 tokens
+    result_dtype_ok(o, src)
+    O, LSE = orc(f64(q), f64(k), f64(v), mask=ref.window_mask(L, L, 5, 0), return_lse=True)
+    close(o, O, src)
+    check_lse(lse, LSE)
+    assert layers.nbytes == 2 * B * Hkv * 8 * 2 * d * 2
+    with pytest.raises(TypeError, match="cast it first"):
+        layers[0].append(f64(k).astype(np.float32), f64(v).astype(np.float32))

@@ -312,9 +312,9 @@ def test_kv_cache_constructor_ints(arg, bad, exc):
         af.KVCache(**kw)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.complex64, bool, ">f4", "not a dtype"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.complex64, bool, ">f4", ">f2", "not a dtype"])
 def test_kv_cache_constructor_dtype(dtype):
-    with pytest.raises(TypeError, match="dtype must be float32 or float64"):
+    with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16"):
         af.KVCache(1, 2, 4, dtype=dtype)
 
 
@@ -435,7 +435,7 @@ def _bad_append_calls(rng):
         ("L differ", (ValueError, "lengths differ"), lambda c: c.append(k, v[:, :, :1])),
         ("int k", (TypeError, "float32 or float64"), lambda c: c.append(k.astype(np.int32), v)),
         ("complex v", (TypeError, "float32 or float64"), lambda c: c.append(k, v.astype(np.complex64))),
-        ("f16 k", (TypeError, "float32 or float64"), lambda c: c.append(k.astype(np.float16), v)),
+        ("f16 k", (TypeError, "float16 but the cache stores float32; cast"), lambda c: c.append(k.astype(np.float16), v)),
         ("f64 k", (TypeError, "the cache stores float32"), lambda c: c.append(k.astype(F64), v.astype(F64))),
         ("lengths > L", (ValueError, "lengths must be <= 2"), lambda c: c.append(k, v, lengths=[3, 1])),
         ("lengths < 0", (ValueError, "lengths must be >= 0"), lambda c: c.append(k, v, lengths=[-1, 1])),
@@ -527,7 +527,7 @@ def test_kv_cache_attend_errors(rng):
         ((ValueError, "scale must be finite"), lambda: cache.attend(q, scale=np.float32("nan"))),
         ((TypeError, "scale must be a real number"), lambda: cache.attend(q, scale=1j)),
         ((ValueError, r"q must be \(B, H_q, L_new, d\), got shape \(4, 1, 4\)"), lambda: cache.attend(q[0])),
-        ((TypeError, "float32 or float64"), lambda: cache.attend(q.astype(np.float16))),
+        ((TypeError, "float16 but the cache stores float32; cast"), lambda: cache.attend(q.astype(np.float16))),
         ((TypeError, "float32 or float64"), lambda: cache.attend(q.astype(np.int64))),
         ((ValueError, "q_lens must be <= 1"), lambda: cache.attend(q, q_lens=[2, 1])),
         ((TypeError, "q_lens must be an int"), lambda: cache.attend(q, q_lens=0.5)),

@@ -43,6 +43,7 @@ def calls(monkeypatch):
         seen.append(
             dict(
                 q=tuple(q.shape), k=tuple(k.shape), is_causal=is_causal, enable_gqa=enable_gqa,
+                dtypes=tuple(x.dtype for x in (q, k, v)),
                 mask=None if attn_mask is None else tuple(np.shape(attn_mask)),
                 window=kw.get("window_size"), softcap=kw.get("softcap"), sinks=kw.get("sinks") is not None,
             )
@@ -296,13 +297,51 @@ def test_user_4d_float_mask(calls):
     assert len(calls) == 2 and all(c["mask"] == (1, 1, 8, 8) and not c["is_causal"] for c in calls)
 
 
-def test_bfloat16_model_computed_in_float32(calls):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_model_computed_in_its_dtype(calls, dtype):
+    """q, k, v reach the kernel in the model's dtype (no upcast copy) and the output is in it too;
+    logits agree with sdpa in the same dtype up to the rounding of the rest of the model."""
+    model = llama().to(dtype)
+    ids, am = padded_batch(2, 12, 128, left=True, pads=[0, 4])
+    ref = run(model, "sdpa", input_ids=ids, attention_mask=am).logits.float()
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    assert got.dtype == dtype and len(calls) == 2
+    assert all(c["dtypes"] == (dtype,) * 3 for c in calls), calls
+    valid = am.bool()
+    np.testing.assert_allclose(got.float()[valid].numpy(), ref[valid].numpy(), atol=0.1)
+
+
+def test_bfloat16_llama_greedy_generate_matches_sdpa(calls):
+    """A tiny bf16 Llama (from a config) generates greedily through attn_fast's bf16 prefill and
+    decode kernels: the same tokens as "sdpa" in bf16, and logits within bf16 rounding."""
     model = llama().to(torch.bfloat16)
-    ids = torch.randint(1, 128, (1, 12))
-    ref = run(model, "sdpa", input_ids=ids).logits.float()
-    got = run(model, "attn_fast", input_ids=ids).logits
-    assert got.dtype == torch.bfloat16 and len(calls) == 2
-    np.testing.assert_allclose(got.float().numpy(), ref.numpy(), atol=0.1)  # bf16 rounding in the rest of the model
+    ids, am = padded_batch(2, 9, 128, left=True, pads=[0, 3])
+    new = 8
+    ref_ids, ref_logits = greedy(model, "sdpa", ids, am, new)
+    got_ids, got_logits = greedy(model, "attn_fast", ids, am, new)
+    assert len(calls) == 2 * new and all(c["dtypes"] == (torch.bfloat16,) * 3 for c in calls)
+    agree = float((got_ids[:, 9:] == ref_ids[:, 9:]).float().mean())
+    print(f"bf16 llama greedy tokens agreeing with sdpa: {agree:.0%}")
+    assert torch.equal(got_ids, ref_ids), (got_ids, ref_ids)
+    np.testing.assert_allclose(got_logits.float().numpy(), ref_logits.float().numpy(), atol=0.1)
+
+
+def test_bfloat16_training_backward_upcast(calls):
+    """Training a bf16 model: the forward in bf16, the backward upcast to float32 (its kernel is
+    float32/float64 only); gradients in bf16, close to sdpa's bf16 gradients."""
+    model = llama().to(torch.bfloat16)
+    ids, am = padded_batch(2, 10, 128, left=True, pads=[0, 3])
+    labels = lm_labels(ids, am)
+    ref_loss, ref = grads(model, "sdpa", input_ids=ids, attention_mask=am, labels=labels)
+    got_loss, got = grads(model, "attn_fast", input_ids=ids, attention_mask=am, labels=labels)
+    assert len(calls) == 2 and all(c["dtypes"] == (torch.bfloat16,) * 3 for c in calls), calls
+    assert got.keys() == ref.keys()
+    assert abs(got_loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for name in ref:
+        assert got[name].dtype == torch.bfloat16, name
+        a, b = got[name].float().numpy(), ref[name].float().numpy()
+        scale = max(float(np.abs(b).max()), 1e-6)
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * scale, err_msg=name)
 
 
 # --------------------------------------------------------------------------- what it refuses

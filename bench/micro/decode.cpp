@@ -3,8 +3,8 @@
 // K/V on transparent huge pages as NumPy's large arrays are. Reports the
 // best and median K+V bytes read per second (bench/NOTES.md, "Decode").
 //
-//   g++ -O3 -mavx2 -mfma -std=c++17 -Icsrc/include -Icsrc/kernels \
-//       bench/micro/decode.cpp -o /tmp/md && /tmp/md 32768 20
+//   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -Icsrc/include -Icsrc/kernels \
+//       bench/micro/decode.cpp csrc/interrupt.cpp -o /tmp/md && /tmp/md 32768 20
 //   args: L [repeats [split]]
 #define ATTN_ISA_AVX2 1
 #include "../../csrc/kernels/decode.cpp"

@@ -64,6 +64,15 @@
 //   64-key block of the row is NaN (max() drops NaN, so that case is looked
 //   for) and through the merge of the splits.
 //
+// Storage types: q, k, v, o are float, double, bf16_t or fp16_t (template
+//   parameter S, compute type compute_t<S>, as flash_fwd.cpp). 16-bit K and V
+//   rows are read as stored (half the bytes of fp32: the point for a
+//   memory-bound decode) and widened to fp32 in registers as they are loaded
+//   (ldv: bf16 by a 16-bit shift, fp16 by F16C); Q once, when its rows are
+//   scaled. S, P, m, l, the partials and the merge are fp32; the merge sums the
+//   splits into an fp32 row (DScratch::Ob) and rounds O once to the storage
+//   type. lse is fp32. No vdpbf16ps path: the avx512_bf16 ISA runs the avx512
+//   object here (dispatch.cpp).
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
@@ -77,12 +86,14 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 #include "attn_fast/interrupt.h"
 
 #include "isa.h"
@@ -113,6 +124,24 @@ T* dalloc(int64_t n) {
   const size_t bytes = static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
   return static_cast<T*>(std::aligned_alloc(64, bytes));
 }
+
+// Storage type S of q, k, v, o <-> compute type compute_t<S> (as flash_fwd.cpp):
+// float and double are read as they are; bf16 / fp16 K and V rows are widened
+// to fp32 in registers as they are loaded (ldv), Q once when its rows are
+// scaled, and O is rounded once when the merge writes it (put).
+inline float ld(const float* p) { return *p; }
+inline double ld(const double* p) { return *p; }
+inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
+inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
+inline void put(float* p, float x) { *p = x; }
+inline void put(double* p, double x) { *p = x; }
+inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
+inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
+// W consecutive elements of storage type S as one compute-type register.
+template <typename T>
+inline typename Vec<T>::R ldv(const T* p) { return Vec<T>::load(p); }
+inline Vec<float>::R ldv(const bf16_t* p) { return Vec<float>::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline Vec<float>::R ldv(const fp16_t* p) { return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
 // Per-sequence geometry.
 template <typename T>
@@ -197,26 +226,27 @@ inline void reduce4<float>(const __m512* a, float* out) {
 }
 #endif
 
-// S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers).
+// S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
+// the storage type SK; Qs and S in the compute type T).
 // KC keys per pass: N * KC independent accumulator chains (enough to cover
 // the FMA latency), each Q vector load serves KC keys, and the dot products
 // are reduced four at a time.
-template <typename T, int N, int KC>
-inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
+template <typename T, typename SK, int N, int KC>
+inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d, T* S,
                     int64_t lds, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NK = N * KC;
   const int64_t dvec = d / W * W;
   int64_t c = 0;
   for (; c + KC <= cols; c += KC) {
-    const T* kr[KC];
+    const SK* kr[KC];
     for (int j = 0; j < KC; ++j) kr[j] = kp[c + j];
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
       pf_step(pf);
       typename V::R kx[KC];
-      for (int j = 0; j < KC; ++j) kx[j] = V::load(kr[j] + e);
+      for (int j = 0; j < KC; ++j) kx[j] = ldv(kr[j] + e);
       for (int r = 0; r < N; ++r) {
         const typename V::R qv = V::load(Qs + r * ldq + e);
         for (int j = 0; j < KC; ++j) acc[r * KC + j] = V::fma(qv, kx[j], acc[r * KC + j]);
@@ -229,20 +259,20 @@ inline void qk_rows(const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, 
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) {
         T x = sums[r * KC + j];
-        for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * kr[j][e];
+        for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * ld(kr[j] + e);
         S[r * lds + c + j] = x;
       }
   }
   if constexpr (KC > 1) {
-    if (c < cols) qk_rows<T, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
+    if (c < cols) qk_rows<T, SK, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
   }
 }
 
 // O[r][e0:e1] += sum_c P[r][c] V_c[e0:e1] for N rows, E vectors of dv per
 // pass (N * E accumulators kept in registers across the keys). Returns the
 // first column not done (a multiple of E*W past e0).
-template <typename T, int N, int E>
-inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t e0, int64_t e1,
+template <typename T, typename SV, int N, int E>
+inline int64_t pv_cols(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t e0, int64_t e1,
                        T* O, int64_t ldo, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NE = N * E;
@@ -253,9 +283,9 @@ inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols
       for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
     for (int64_t c = 0; c < cols; ++c) {
       pf_step(pf);
-      const T* vr = vp[c] + e;
+      const SV* vr = vp[c] + e;
       typename V::R vx[E];
-      for (int j = 0; j < E; ++j) vx[j] = V::load(vr + j * W);
+      for (int j = 0; j < E; ++j) vx[j] = ldv(vr + j * W);
       for (int r = 0; r < N; ++r) {
         const typename V::R p = V::set1(P[r * ldp + c]);
         for (int j = 0; j < E; ++j) acc[r * E + j] = V::fma(p, vx[j], acc[r * E + j]);
@@ -268,68 +298,82 @@ inline int64_t pv_cols(const T* P, int64_t ldp, const T* const* vp, int64_t cols
 }
 
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
-template <typename T, int N, int E>
-inline void pv_rows(const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
+template <typename T, typename SV, int N, int E>
+inline void pv_rows(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv, T* O,
                     int64_t ldo, Pf* pf) {
   constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
-  int64_t e = pv_cols<T, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
-  if constexpr (E > 1) e = pv_cols<T, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
+  int64_t e = pv_cols<T, SV, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
+  if constexpr (E > 1) e = pv_cols<T, SV, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   for (; e < dv; ++e)
     for (int r = 0; r < N; ++r) {
       T x = O[r * ldo + e];
-      for (int64_t c = 0; c < cols; ++c) x += P[r * ldp + c] * vp[c][e];
+      for (int64_t c = 0; c < cols; ++c) x += P[r * ldp + c] * ld(vp[c] + e);
       O[r * ldo + e] = x;
     }
 }
 
 // Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
-template <typename T>
-void qk_dispatch(int nr, const T* Qs, int64_t ldq, const T* const* kp, int64_t cols, int64_t d, T* S,
+template <typename T, typename SK>
+void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d, T* S,
                  int64_t lds, Pf* pf) {
   switch (nr) {
-    case 1: return qk_rows<T, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 2: return qk_rows<T, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 3: return qk_rows<T, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 4: return qk_rows<T, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 5: return qk_rows<T, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 6: return qk_rows<T, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 7: return qk_rows<T, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    default: return qk_rows<T, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 1: return qk_rows<T, SK, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 2: return qk_rows<T, SK, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 3: return qk_rows<T, SK, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 4: return qk_rows<T, SK, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 5: return qk_rows<T, SK, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 6: return qk_rows<T, SK, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 7: return qk_rows<T, SK, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    default: return qk_rows<T, SK, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
   }
 }
 
-template <typename T>
-void pv_dispatch(int nr, const T* P, int64_t ldp, const T* const* vp, int64_t cols, int64_t dv, T* O,
+template <typename T, typename SV>
+void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv, T* O,
                  int64_t ldo, Pf* pf) {
   switch (nr) {
-    case 1: return pv_rows<T, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 2: return pv_rows<T, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 3: return pv_rows<T, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 4: return pv_rows<T, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 5: return pv_rows<T, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 6: return pv_rows<T, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 7: return pv_rows<T, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    default: return pv_rows<T, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 1: return pv_rows<T, SV, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 2: return pv_rows<T, SV, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 3: return pv_rows<T, SV, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 4: return pv_rows<T, SV, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 5: return pv_rows<T, SV, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 6: return pv_rows<T, SV, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 7: return pv_rows<T, SV, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    default: return pv_rows<T, SV, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
   }
 }
 
 // Load one element of every 64-byte line of `cols` rows of `len` elements and
 // sum them (so the loads are kept): brings the rows into the caches with many
 // independent misses in flight.
-template <typename T>
-inline T touch_lines(const T* const* rows, int64_t cols, int64_t len) {
+template <typename S, typename T = compute_t<S>>
+inline T touch_lines(const S* const* rows, int64_t cols, int64_t len) {
+  if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads matter)
+    constexpr int64_t L = 32;
+    uint32_t t0 = 0, t1 = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t* r = reinterpret_cast<const uint16_t*>(rows[c]);
+      int64_t e = 0;
+      for (; e + L < len; e += 2 * L) {
+        t0 += r[e];
+        t1 += r[e + L];
+      }
+      if (e < len) t0 += r[e];
+    }
+    return static_cast<T>(t0 + t1);
+  }
   using V = Vec<T>;
-  constexpr int64_t L = 64 / static_cast<int64_t>(sizeof(T));  // elements per line
+  constexpr int64_t L = 64 / static_cast<int64_t>(sizeof(S));  // elements per line
   typename V::R t0 = V::zero(), t1 = V::zero();
   for (int64_t c = 0; c < cols; ++c) {
-    const T* r = rows[c];
+    const S* r = rows[c];
     int64_t e = 0;
     for (; e + L < len; e += 2 * L) {
-      t0 = V::add(t0, V::set1(r[e]));
-      t1 = V::add(t1, V::set1(r[e + L]));
+      t0 = V::add(t0, V::set1(ld(r + e)));
+      t1 = V::add(t1, V::set1(ld(r + e + L)));
     }
-    if (e < len) t0 = V::add(t0, V::set1(r[e]));
+    if (e < len) t0 = V::add(t0, V::set1(ld(r + e)));
   }
   return V::hsum(V::add(t0, t1));
 }
@@ -341,43 +385,47 @@ struct Group {
   int64_t b, r0, nr, hk, jlo, jhi, nsplit, item0;
 };
 
-template <typename T>
+// ST: the storage type of q, k, v, o; T: the compute type.
+template <typename ST, typename T = compute_t<ST>>
 struct DScratch {
   T* Qs;      // kRB x dp, scaled query rows (padded)
   T* S;       // kRB x kBc scores / probabilities
-  T* Kp;      // kBc x dp packed K block (only for strided d)
-  T* Vpk;     // kBc x dvp packed V block (only for strided dv)
-  const T** kp;
-  const T** vp;
+  ST* Kp;     // kBc x dp packed K block (only for strided d), storage type
+  ST* Vpk;    // kBc x dvp packed V block (only for strided dv), storage type
+  const ST** kp;
+  const ST** vp;
   int64_t* lo;
   int64_t* hi;
   T* sink;
+  T* Ob;      // dvp: one output row while the merge sums the splits (rounded once)
   const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
 };
 
-template <typename T>
-void free_scratch(DScratch<T>& sc) {
-  std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk);
-  std::free(sc.kp); std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.pfa);
+template <typename S>
+void free_scratch(DScratch<S>& sc) {
+  std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk); std::free(sc.kp);
+  std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.Ob); std::free(sc.pfa);
 }
 
 // All of one thread's scratch; false (and nothing left allocated) on failure.
-template <typename T>
-bool alloc_scratch(DScratch<T>& sc, int64_t d, int64_t dv) {
+template <typename S>
+bool alloc_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
+  using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t dp = dround(d, W), dvp = dround(dv, W);
-  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64 + (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(S)) + 63) / 64 + (dv * static_cast<int64_t>(sizeof(S)) + 63) / 64;
   sc.Qs = dalloc<T>(kRB * dp);
   sc.S = dalloc<T>(kRB * kBc);
-  sc.Kp = dalloc<T>(kBc * dp);
-  sc.Vpk = dalloc<T>(kBc * dvp);
-  sc.kp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
-  sc.vp = static_cast<const T**>(std::malloc(sizeof(T*) * kBc));
+  sc.Kp = dalloc<S>(kBc * dp);
+  sc.Vpk = dalloc<S>(kBc * dvp);
+  sc.kp = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
+  sc.vp = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
   sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
   sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
   sc.sink = dalloc<T>(1);
+  sc.Ob = dalloc<T>(dvp);
   sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
-  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.pfa) {
+  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.Ob && sc.pfa) {
     sc.sink[0] = T(0);
     return true;
   }
@@ -388,24 +436,24 @@ bool alloc_scratch(DScratch<T>& sc, int64_t d, int64_t dv) {
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
 // call is cancelled.
-template <typename T>
-void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, const DScratch<T>& sc,
+template <typename S, typename T = compute_t<S>>
+void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1, const DScratch<S>& sc,
                T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
   const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv, hk = g.hk;
   const int64_t dp = dround(d, W), dvp = dround(dv, W);
-  const DSeq<T> s = dseq(a, g.b);
+  const DSeq<S> s = dseq(a, g.b);
   const int nr = static_cast<int>(g.nr);
 
   // Rows: scaled Q, per-row ranges.
   const T scale = static_cast<T>(a.scale);
   for (int r = 0; r < nr; ++r) {
     const int64_t row = g.r0 + r, i = row / G, h = hk * G + row % G;
-    const T* src = a.q + g.b * a.sq.b + h * a.sq.h + i * a.sq.l;
+    const S* src = a.q + g.b * a.sq.b + h * a.sq.h + i * a.sq.l;
     T* dst = sc.Qs + r * dp;
-    for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sq.d] * scale;
+    for (int64_t e = 0; e < d; ++e) dst[e] = ld(src + e * a.sq.d) * scale;
     for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
     drange(a, s, i, &sc.lo[r], &sc.hi[r]);
     mp[r] = NEG_INF;
@@ -413,8 +461,8 @@ void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, c
   }
   std::memset(Op, 0, sizeof(T) * kRB * dvp);
 
-  const T* kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
-  const T* vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
+  const S* kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
+  const S* vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
   const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
   for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
     // Long splits (a capped split count, see decode_impl) look for Ctrl-C
@@ -426,16 +474,16 @@ void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, c
     slot %= a.R;
     for (int64_t c = 0; c < cols; ++c) {
       if (kpack) {
-        T* dst = sc.Kp + c * dp;
-        const T* src = kbase + slot * a.sk.l;
+        S* dst = sc.Kp + c * dp;
+        const S* src = kbase + slot * a.sk.l;
         for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
         sc.kp[c] = dst;
       } else {
         sc.kp[c] = kbase + slot * a.sk.l;
       }
       if (vpack) {
-        T* dst = sc.Vpk + c * dvp;
-        const T* src = vbase + slot * a.sv.l;
+        S* dst = sc.Vpk + c * dvp;
+        const S* src = vbase + slot * a.sv.l;
         for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
         sc.vp[c] = dst;
       } else {
@@ -455,13 +503,13 @@ void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, c
       for (int64_t c = 0; c < ncols; ++c) {
         const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
         const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(T)); off += 64) sc.pfa[pf.n++] = vr + off;
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(S)); off += 64) sc.pfa[pf.n++] = kr + off;
+        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(S)); off += 64) sc.pfa[pf.n++] = vr + off;
         if (++ns == a.R) ns = 0;
       }
     }
     // S = Q K^T.
-    qk_dispatch<T>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc, &pf);
+    qk_dispatch<T, S>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc, &pf);
     // Masks and online softmax.
     bool partial = false;
     for (int r = 0; r < nr; ++r) {
@@ -508,30 +556,33 @@ void run_split(const DecodeArgs<T>& a, const Group& g, int64_t c0, int64_t c1, c
     }
     // O += P V.
     if (!partial) {
-      pv_dispatch<T>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp, &pf);
+      pv_dispatch<T, S>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp, &pf);
     } else {  // skip zero weights: a NaN in a masked V row must not leak
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const T p = sc.S[r * kBc + c];
           if (p == T(0)) continue;
           T* orow = Op + r * dvp;
-          const T* vr = sc.vp[c];
-          for (int64_t e = 0; e < dv; ++e) orow[e] += p * vr[e];
+          const S* vr = sc.vp[c];
+          for (int64_t e = 0; e < dv; ++e) orow[e] += p * ld(vr + e);
         }
     }
   }
 }
 
-// Merge the nsplit partials of group g in order; write O and lse.
-template <typename T>
-void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T* mpart, const T* lpart) {
+// Merge the nsplit partials of group g in order; write O (rounded once to the
+// storage type) and lse. Ob: dv compute-type elements of scratch (only read
+// when the group has splits).
+template <typename S, typename T = compute_t<S>>
+void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T* mpart, const T* lpart,
+                 T* Ob) {
   constexpr int W = Vec<T>::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
   const T NaN = std::numeric_limits<T>::quiet_NaN();
   const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
   for (int64_t r = 0; r < g.nr; ++r) {
     const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
-    T* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
+    S* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
     T* lse = a.lse ? a.lse + (g.b * a.Hq + h) * a.Lq + i : nullptr;
     T m = NEG_INF;
     bool nan = false;  // a NaN partial max (a NaN score) makes the row NaN
@@ -550,7 +601,7 @@ void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T
       }
     }
     if (m == NEG_INF || !(l > T(0))) {  // empty row (0, -inf) or NaN row (NaN, NaN)
-      for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = l != l ? l : T(0);
+      for (int64_t e = 0; e < a.dv; ++e) put(dst + e * a.so.d, l != l ? l : T(0));
       if (lse) *lse = l != l ? l : NEG_INF;
       continue;
     }
@@ -564,12 +615,13 @@ void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T
       const T f = std::exp(ms - m) * inv;
       const T* src = Opart + (it * kRB + r) * dvp;
       if (first) {
-        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] = src[e] * f;
+        for (int64_t e = 0; e < a.dv; ++e) Ob[e] = src[e] * f;
         first = false;
       } else {
-        for (int64_t e = 0; e < a.dv; ++e) dst[e * a.so.d] += src[e] * f;
+        for (int64_t e = 0; e < a.dv; ++e) Ob[e] += src[e] * f;
       }
     }
+    for (int64_t e = 0; e < a.dv; ++e) put(dst + e * a.so.d, Ob[e]);
     if (lse) *lse = m + std::log(l);
   }
 }
@@ -583,8 +635,9 @@ void merge_group(const DecodeArgs<T>& a, const Group& g, const T* Opart, const T
 // call is then O(dv) per item and thread, whatever Lq and Lk.
 constexpr int64_t kPartBytes = int64_t(4) << 20, kMinSliceItems = 64, kMaxSliceGroups = 4096;
 
-template <typename T>
-void decode_impl(const DecodeArgs<T>& a) {
+template <typename ST>
+void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
+  using T = compute_t<ST>;
   constexpr int W = Vec<T>::W;
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
   const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
@@ -596,7 +649,7 @@ void decode_impl(const DecodeArgs<T>& a) {
   int64_t long_items = 0, max_range = 0;
   double work = 0;
   for (int64_t b = 0; b < a.B; ++b) {
-    const DSeq<T> s = dseq(a, b);
+    const DSeq<ST> s = dseq(a, b);
     for (int64_t r0 = 0; r0 < rows; r0 += kRB) {
       const int64_t nr = dmin(kRB, rows - r0);
       int64_t jlo, jhi;
@@ -613,7 +666,7 @@ void decode_impl(const DecodeArgs<T>& a) {
   if (max_range / split >= max_items) split = dround(max_range / max_items + 1, kBc);
   int64_t n_items = 0;  // over the whole call
   for (int64_t b = 0; b < a.B && n_items < max_items; ++b) {
-    const DSeq<T> s = dseq(a, b);
+    const DSeq<ST> s = dseq(a, b);
     for (int64_t r0 = 0; r0 < rows && n_items < max_items; r0 += kRB) {
       int64_t jlo, jhi;
       block_range(a, s, G, r0, dmin(kRB, rows - r0), &jlo, &jhi);
@@ -683,7 +736,7 @@ void decode_impl(const DecodeArgs<T>& a) {
   int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
-    DScratch<T> sc;
+    DScratch<ST> sc;
     const bool ok = alloc_scratch(sc, a.d, a.dv);
     failed += ok ? 0 : 1;
     for (int cur = 0;; cur ^= 1) {
@@ -692,7 +745,7 @@ void decode_impl(const DecodeArgs<T>& a) {
       // Groups without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
       for (int64_t x = 0; x < S.ng; ++x)
-        if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart);
+        if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart, static_cast<T*>(nullptr));
       // Splits; the thread that finishes the last split of a group merges it
       // (no barrier between the two phases).
 #pragma omp for schedule(dynamic, 1) nowait
@@ -709,7 +762,7 @@ void decode_impl(const DecodeArgs<T>& a) {
         const int64_t c0 = g.jlo + sp * split, c1 = dmin(g.jhi, c0 + split);
         run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
         if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
-          merge_group(a, g, Opart, mpart, lpart);
+          merge_group(a, g, Opart, mpart, lpart, sc.Ob);
       }
       tok.finish_share();  // the calling thread keeps polling until the team is done
       if (S.last) break;
@@ -732,6 +785,8 @@ void decode_impl(const DecodeArgs<T>& a) {
 
 void decode_forward_f32(const DecodeArgs<float>& a) { decode_impl<float>(a); }
 void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<double>(a); }
+void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<bf16_t>(a); }
+void decode_forward_f16(const DecodeArgs<fp16_t>& a) { decode_impl<fp16_t>(a); }
 
 // Streaming read of n floats with independent vector accumulators: the probe
 // the decode benchmark compares its achieved bandwidth against.

@@ -26,8 +26,8 @@ F16 = np.dtype(np.float16)
 BF16 = np.dtype(np.uint16)  # bfloat16 held as its bit patterns (after as_float_array)
 HALF_DTYPES = (F16, BF16)
 _HALF_HINT = (
-    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention and varlen_attention "
-    "only; cast to float32 here (x.float() / x.astype(np.float32))"
+    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, varlen_attention "
+    "and KVCache only; cast to float32 here (x.float() / x.astype(np.float32))"
 )
 
 

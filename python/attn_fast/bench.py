@@ -163,7 +163,7 @@ def main(argv=None, prog=None):
     """`bench [--threads N] [--repeats N] [--no-numpy] [--tiny]`; `--full`/`--quick` run the suite."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or "python -m attn_fast bench"
-    if "--full" in argv or "--quick" in argv:
+    if "--full" in argv or "--quick" in argv or "--dtype" in argv:  # --dtype: the suite's 16-bit rows
         from .bench_suite import main as suite_main
 
         return suite_main(argv, prog=prog)
@@ -179,6 +179,7 @@ def main(argv=None, prog=None):
                         "its figures mean nothing")
     p.add_argument("--full", action="store_true", help=f"the full suite ({prog} --full -h)")
     p.add_argument("--quick", action="store_true", help="the suite's quick subset (about a minute)")
+    p.add_argument("--dtype", nargs="+", help="bf16 / fp16 rows in the suite (--full unless --quick)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")

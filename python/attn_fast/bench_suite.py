@@ -23,6 +23,14 @@ peer time / attn_fast time (above 1: attn_fast is faster). Peak memory per
 case is the RSS high-water mark (VmHWM) of a fresh subprocess running one
 call, minus its RSS just before the call. (Not ru_maxrss: Linux carries the
 parent's high-water mark into a child.)
+
+`--dtype bf16` / `--dtype fp16` add, after each float32 case, the same case
+with q, k, v in that dtype: attn_fast against torch in the same dtype (the
+NumPy and onnxruntime peers are float32 only: skipped), checked against the
+float64 oracle on the same rounded inputs, timed interleaved in the same run.
+Their rows carry the dtype in the name; decode GB/s count the bytes actually
+read (2 per element), and the JSON's bf16-decode check compares its tokens/s
+with the float32 row of the same shape.
 """
 
 from __future__ import annotations
@@ -36,15 +44,18 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from . import _core, reference
+from ._checks import bf16_bits, f32_to_bf16, to_float
 from ._config import config, get_num_threads, set_num_threads
 from .functional import scaled_dot_product_attention
 
 IMPLS = ("attn_fast", "numpy", "torch", "onnxruntime")
+DTYPES = ("fp32", "bf16", "fp16")
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -57,12 +68,14 @@ class Case:
     Lk: int
     d: int
     causal: bool
+    dtype: str = "fp32"  # of q, k, v and the output: "fp32", "bf16" or "fp16"
 
     @property
     def name(self):
         h = f"{self.Hq}" if self.Hq == self.Hkv else f"{self.Hq}/{self.Hkv}"
         L = f"{self.Lq}" if self.kind != "decode" else f"kv{self.Lk}"
-        return f"{self.kind} ({self.B},{h},{L},{self.d}){' causal' if self.causal else ''}"
+        dt = "" if self.dtype == "fp32" else f" {self.dtype}"
+        return f"{self.kind} ({self.B},{h},{L},{self.d}){' causal' if self.causal else ''}{dt}"
 
     @property
     def flops(self):
@@ -72,7 +85,14 @@ class Case:
 
     @property
     def kv_bytes(self):
-        return 4.0 * self.B * self.Hkv * self.Lk * 2 * self.d
+        """Bytes of the K and V caches, read once (2 per element for the 16-bit dtypes)."""
+        return float(_ITEMSIZE[self.dtype]) * self.B * self.Hkv * self.Lk * 2 * self.d
+
+
+def with_dtypes(cases, dtypes):
+    """Each case, followed by its copies in the 16-bit `dtypes` ("bf16", "fp16"; "fp32" is always there)."""
+    extra = [dt for dt in dict.fromkeys(dtypes) if dt != "fp32"]
+    return [c2 for c in cases for c2 in [c] + [replace(c, dtype=dt) for dt in extra]]
 
 
 PREFILL_SHAPES = [(1, 12, 512, 64), (1, 16, 2048, 64), (1, 32, 2048, 128), (4, 8, 1024, 128),
@@ -111,11 +131,31 @@ class Skip(Exception):
 
 
 def make_inputs(case, seed=0):
+    """q, k, v as NumPy arrays of the case's dtype: float32, float16, or bfloat16 bits (``bf16_bits``)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((case.B, case.Hq, case.Lq, case.d), dtype=np.float32)
     k = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
     v = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
+    if case.dtype == "fp16":
+        return tuple(x.astype(np.float16) for x in (q, k, v))
+    if case.dtype == "bf16":
+        return tuple(bf16_bits(f32_to_bf16(x)) for x in (q, k, v))
     return q, k, v
+
+
+def _f64(x):
+    """A result or input (NumPy of any of the dtypes, bf16 bits, torch tensor) as float64 NumPy."""
+    if hasattr(x, "detach"):  # torch
+        return x.detach().double().numpy()
+    x = np.asarray(x)
+    return to_float(x.view(np.ndarray)) if x.dtype == np.uint16 else x.astype(np.float64)
+
+
+def _torch_view(x, torch):
+    """A NumPy input as a torch tensor sharing its memory (bfloat16 bits as torch.bfloat16)."""
+    if x.dtype == np.uint16:
+        return torch.from_numpy(x.view(np.ndarray).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def numpy_textbook(q, k, v, causal):
@@ -139,6 +179,8 @@ def _import(name):
 def prepare(impl, case, q, k, v, threads):
     """Return a zero-argument callable computing O as a (B, Hq, Lq, d) array."""
     group = case.Hq // case.Hkv
+    if case.dtype != "fp32" and impl in ("numpy", "onnxruntime"):
+        raise Skip("float32 only")
     if impl == "attn_fast":
         set_num_threads(threads)
         return lambda: scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=group > 1)
@@ -153,12 +195,13 @@ def prepare(impl, case, q, k, v, threads):
             raise Skip("torch not installed")
         torch.set_num_threads(threads)
         F = torch.nn.functional.scaled_dot_product_attention
-        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        tq, tk, tv = (_torch_view(x, torch) for x in (q, k, v))
         kw = {"enable_gqa": True} if group > 1 else {}
 
         def run():
             with torch.no_grad():
-                return F(tq, tk, tv, is_causal=case.causal, **kw).numpy()
+                o = F(tq, tk, tv, is_causal=case.causal, **kw)
+                return o.numpy() if case.dtype == "fp32" else o  # 16-bit: converted by check() only
 
         return run
     if impl == "onnxruntime":
@@ -227,16 +270,22 @@ def _prepare_ort(case, q, k, v, threads):
 # --------------------------------------------------------------------------- checks and timing
 
 
+# Largest max-abs error against the oracle accepted per dtype (16-bit: the one
+# rounding of O, and torch's own bf16 arithmetic).
+_CHECK_TOL = {"fp32": 2e-3, "fp16": 1e-2, "bf16": 5e-2}
+
+
 def check(o, case, q, k, v):
-    """Max abs error against the float64 oracle on <= 2 heads and <= 128 query rows."""
+    """Max abs error against the float64 oracle on <= 2 heads and <= 128 query rows
+    (16-bit cases: the oracle on the same rounded inputs)."""
     rows = np.unique(np.linspace(0, case.Lq - 1, min(case.Lq, 128)).astype(int))
     h = min(2, case.Hq)
     group = case.Hq // case.Hkv
     hk = [i // group for i in range(h)]
     mask = reference.causal_mask(case.Lq, case.Lk)[rows] if case.causal else None
-    O = reference.sdpa(q[:1, :h][:, :, rows], k[:1, hk], v[:1, hk], mask=mask)
-    err = float(np.abs(np.asarray(o)[:1, :h][:, :, rows] - O).max())
-    if not err < 2e-3:
+    O = reference.sdpa(_f64(q[:1, :h][:, :, rows]), _f64(k[:1, hk]), _f64(v[:1, hk]), mask=mask)
+    err = float(np.abs(_f64(o[:1, :h][:, :, rows]) - O).max())
+    if not err < _CHECK_TOL[case.dtype]:
         raise RuntimeError(f"{case.name}: result differs from the float64 oracle by {err:.2e}")
     return err
 
@@ -492,7 +541,8 @@ def evaluate_targets(result):
     res = result["results"]
     counts = sorted(int(t) for t in result["limits"])
     nt = counts[-1]
-    at = [r for r in res if r["threads"] == nt and r["case"]["kind"] != "decode"]
+    at = [r for r in res if r["threads"] == nt and r["case"]["kind"] != "decode"
+          and r["case"].get("dtype", "fp32") == "fp32"]
     out = []
 
     def add(target, ok, detail):
@@ -520,6 +570,17 @@ def evaluate_targets(result):
         if sp:
             add(f"every prefill case >= {want:.2f}x {peer}", all(s >= want for _, s in sp),
                 f"min {min(s for _, s in sp):.2f}x ({min(sp, key=lambda x: x[1])[0]})")
+    for r in res:  # bf16 decode over a bf16 cache vs float32 decode of the same shape
+        c = r["case"]
+        if c["kind"] != "decode" or c.get("dtype") != "bf16" or r["threads"] != nt:
+            continue
+        f32 = next((x for x in res if x["threads"] == nt and x["case"] == {**c, "dtype": "fp32"}), None)
+        if f32 is None or "median_s" not in r["impls"]["attn_fast"]:
+            continue
+        a = r["impls"]["attn_fast"]
+        ratio = f32["impls"]["attn_fast"]["median_s"] / a["median_s"]
+        add(f"{r['name']}: >= 1.8x float32 decode tokens/s", ratio >= 1.8, f"{ratio:.2f}x")
+        add(f"{r['name']}: >= 80% of the read bandwidth", a["pct_limit"] >= 80, f"{a['pct_limit']:.0f}%")
     if len(counts) > 1 and counts[0] == 1:
         ups = []
         for r in at:
@@ -586,6 +647,9 @@ def main(argv=None, prog=None):
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["fp32"],
+                   help="also run every case with q, k, v in bf16 / fp16 (attn_fast vs torch in that dtype, "
+                        "rows beside the float32 ones)")
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG files")
     args = p.parse_args(argv)
     if args.threads and min(args.threads) < 1:
@@ -595,7 +659,7 @@ def main(argv=None, prog=None):
     if "attn_fast" not in args.impls:
         p.error("--impls must include attn_fast (the peers are timed against it)")
     mode = "tiny" if args.tiny else "quick" if args.quick and not args.full else "full"
-    cases = {"tiny": tiny_cases, "quick": quick_cases, "full": full_cases}[mode]()
+    cases = with_dtypes({"tiny": tiny_cases, "quick": quick_cases, "full": full_cases}[mode](), args.dtype)
     if args.cases:
         cases = [c for c in cases if args.cases in c.name]
         if not cases:

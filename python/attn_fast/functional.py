@@ -36,7 +36,6 @@ from ._checks import (
     check_scale,
     compute_dtype,
     detached,
-    dtype_name,
     from_float,
     half_result,
     shape_str,
@@ -346,8 +345,8 @@ def scaled_dot_product_attention(
     backend : "fused" (the SIMD kernels; short query chunks, Lq <= 4, against
         Lk >= 64 keys go to the split-KV decode kernel when only causal /
         window / length masks are used and no stats are asked for; float16 /
-        bfloat16 calls always stay on the fused kernel), "decode"
-        (force the split-KV decode kernel; float32/float64 only) or
+        bfloat16 too, read as stored and accumulated in float32), "decode"
+        (force the split-KV decode kernel; any of the four dtypes) or
         "reference" (the plain-loop C++ kernel, slow; for testing).
     block_q, block_k : tile sizes in [0, 4096] (0 = default); results do not
         depend on them beyond float rounding. ``block_k`` is rounded up to the
@@ -395,9 +394,6 @@ def scaled_dot_product_attention(
     cdt = compute_dtype(q.dtype)  # lse, biases, slopes, sinks
     if half:
         attn_mask = _half_mask(attn_mask)
-        if backend == "decode":
-            raise TypeError(f"backend='decode' supports float32/float64 only, got q of dtype {dtype_name(q.dtype)}; "
-                            "use backend='fused'")
     out_shape = q.shape[:-1] + (dv,)
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     o = np.empty(out_shape, dtype=q.dtype) if out is None else check_out(out, out_shape, q.dtype)
@@ -414,7 +410,7 @@ def scaled_dot_product_attention(
         raise ValueError(
             "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
             f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}")
-    if (backend == "fused" and not half and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
+    if (backend == "fused" and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
             and _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
         use_decode = True
     if use_decode:

@@ -31,6 +31,12 @@ Positions: ``positions[b]`` is the absolute position of the next token of
 sequence b (RoPE offsets use it); ``lengths[b]`` is how many keys are stored.
 They differ once the ring dropped old keys or the window is in use. Keys are
 stored as given: rotate them (RoPE) before ``append``.
+
+16-bit storage (``dtype="bfloat16"`` or ``"float16"``): K and V are stored in
+that dtype (bfloat16 as its uint16 bits, as the kernels read it: half the
+bytes of float32), chunks and queries must come in it, and ``attend`` returns
+it; the kernels widen K/V/q to float32 as they load them, accumulate and take
+the softmax in float32, and round O once. lse is float32.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import numpy as np
 
 from . import _core, _cyloops, _loops
 from ._checks import (
-    alias_safe, as_float_array, check_float_dtype, check_int, check_out, check_same_dtype, check_scale, shape_str,
+    BF16, F16, FLOAT_DTYPES, HALF_DTYPES, alias_safe, as_float_array, bf16_bits, check_int, check_out,
+    check_same_dtype, check_scale, compute_dtype, dtype_name, from_float, half_result, shape_str, to_float,
     to_input_kind,
 )
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
@@ -47,6 +54,32 @@ from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
+
+def _cache_dtype(dtype):
+    """The storage dtype for KVCache(dtype=...): float32, float64, float16, or BF16 (uint16 bits)
+    for bfloat16 (given as "bfloat16", ml_dtypes.bfloat16 or torch.bfloat16). TypeError otherwise."""
+    name = str(dtype).replace("torch.", "")
+    if name in ("bfloat16", "bf16"):
+        return BF16
+    if name in ("float16", "half", "fp16"):
+        return F16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is not None and dt.name == "bfloat16":  # ml_dtypes.bfloat16
+        return BF16
+    if dt == F16:
+        return F16
+    if dt is None or dt not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}")
+    return dt
+
+
+def _cast_hint(dt):
+    if dt == BF16:
+        return "x.to(torch.bfloat16) / x.astype(ml_dtypes.bfloat16)"
+    return f"x.to(torch.{dt.name}) / x.astype(np.{dt.name})"
 
 
 def _per_seq(x, B, name, upper=None):
@@ -97,7 +130,10 @@ class KVCache:
         window, appending beyond it doubles the storage (amortised O(1) per
         token) or raises ValueError when ``growable=False``.
     v_head_dim : int, dv (default: head_dim).
-    dtype : storage and compute dtype, float32 (default) or float64.
+    dtype : storage dtype: float32 (default), float64, or 16-bit "float16" /
+        "bfloat16" (np.float16, ml_dtypes.bfloat16, torch.float16 /
+        torch.bfloat16 too), computed in float32; ``self.dtype`` is then
+        float16, or uint16 for bfloat16 (the bits).
     window : int or None. Sliding-window attention over the last ``window``
         positions, kept in a ring buffer (see the module docstring).
     growable : bool, default True.
@@ -109,7 +145,8 @@ class KVCache:
     lengths : (B,) int64, keys stored per sequence (a copy).
     positions : (B,) int64, absolute position of each sequence's next token.
     capacity : int, slots per sequence now allocated.
-    nbytes : int, bytes of K and V storage allocated.
+    nbytes : int, bytes of K and V storage allocated (half of float32's for
+        the 16-bit dtypes).
     """
 
     def __init__(self, batch, num_kv_heads, head_dim, capacity=256, v_head_dim=None, dtype=np.float32,
@@ -118,7 +155,8 @@ class KVCache:
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
-        self.dtype = check_float_dtype(dtype)
+        self.dtype = _cache_dtype(dtype)
+        self._half = self.dtype in HALF_DTYPES
         self.growable = bool(growable)
         self.window = None if window is None else check_int(window, "window", 1)
         if self.window is None:
@@ -162,7 +200,7 @@ class KVCache:
     def __repr__(self):
         w = f", window={self.window}" if self.window is not None else ""
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={self.dtype.name}, "
+                f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={dtype_name(self.dtype)}, "
                 f"lengths={self._n.tolist()})")
 
     def reset(self):
@@ -174,12 +212,13 @@ class KVCache:
         self._last_L = 0
 
     def keys(self, b):
-        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the ring wraps)."""
-        return self._gather(self._k, b)
+        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the ring wraps);
+        bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable, else its uint16 bits."""
+        return half_result(self._gather(self._k, b))
 
     def values(self, b):
-        """Stored values of sequence b in position order, (H_kv, lengths[b], dv)."""
-        return self._gather(self._v, b)
+        """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as for keys)."""
+        return half_result(self._gather(self._v, b))
 
     def _gather(self, buf, b):
         s, n, R = int(self._start[b]), int(self._n[b]), self.capacity
@@ -200,27 +239,33 @@ class KVCache:
         self._k, self._v = k, v
         self._start[:] = 0
 
+    def _dtype_error(self, name, x):
+        return TypeError(f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
+                         f"cast it first ({_cast_hint(self.dtype)})")
+
     def _check_chunk(self, x, name, dim):
-        x = as_float_array(x, name)
+        x = as_float_array(x, name, half=True)
         B, H = self.batch, self.num_kv_heads
         if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
             raise ValueError(
                 f"{name} has shape {shape_str(x)}, expected (batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
                 f" = ({B}, {H}, L_new, {dim})")
         if x.dtype != self.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but the cache stores {self.dtype}")
+            raise self._dtype_error(name, x)
         return x
 
     def append(self, k, v, lengths=None, rope=None):
         """Store a chunk of new keys and values after each sequence's last one.
 
-        k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype,
-            any strides; keys already rotated if RoPE is used. L_new may be 0.
+        k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype
+            (TypeError with a cast hint otherwise), any strides; keys already
+            rotated if RoPE is used. L_new may be 0.
         lengths : optional int or (B,) ints <= L_new: sequence b appends only
             rows ``[:lengths[b]]`` (ragged batches); the rest is ignored.
         rope : optional ``positional.RoPE`` with head_dim d: the keys are
             rotated on the way in, row t of sequence b at position
-            ``positions[b] + t`` (k itself is not modified).
+            ``positions[b] + t`` (k itself is not modified). 16-bit keys are
+            rotated in float32 and rounded once to the cache's dtype.
 
         Each row is copied once into the storage (``_cyloops.cache_write``,
         or the NumPy reference ``_write_numpy``). On error nothing changes.
@@ -257,7 +302,11 @@ class KVCache:
         R = self.capacity
         first = (self._start + self._n) % R  # first slot to write, per sequence
         try:
-            if rope is not None and rope.rotary_dim and L:
+            if rope is not None and rope.rotary_dim and L and self._half:
+                pos = self._pos[:, None] + np.arange(L)
+                rk = rope(to_float(k, np.float32), positions=pos, seq_axis=-2)
+                _write_numpy(self._k, from_float(rk, self.dtype), first, new)
+            elif rope is not None and rope.rotary_dim and L:
                 if _loops.USE_CYTHON:
                     # Row t of sequence b is at position pos[b] + t; beyond RoPE's cached
                     # table the rows are computed for these B x L positions only.
@@ -267,11 +316,11 @@ class KVCache:
                 else:
                     pos = self._pos[:, None] + np.arange(L)
                     _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
-            elif _loops.USE_CYTHON:
+            elif _loops.USE_CYTHON and not self._half:  # the Cython copy is float32/float64 only
                 _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
             else:
                 _write_numpy(self._k, k, first, new)
-            if _loops.USE_CYTHON:
+            if _loops.USE_CYTHON and not self._half:
                 _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
             else:
                 _write_numpy(self._v, v, first, new)
@@ -319,7 +368,7 @@ class KVCache:
 
     # ---- reading ---------------------------------------------------------------
     def _check_q(self, q):
-        q = as_float_array(q, "q")
+        q = as_float_array(q, "q", half=True)
         if q.ndim != 4:
             raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
         B, Hq, Lq, d = q.shape
@@ -330,7 +379,7 @@ class KVCache:
         if Hq % self.num_kv_heads != 0:
             raise ValueError(f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads")
         if q.dtype != self.dtype:
-            raise TypeError(f"q has dtype {q.dtype} but the cache stores {self.dtype}")
+            raise self._dtype_error("q", q)
         return q
 
     def attend(self, q, scale=None, causal=True, q_lens=None, return_lse=False, out=None):
@@ -349,14 +398,16 @@ class KVCache:
             the last ``append`` if q has its chunk length (ragged batches),
             else L_new for every sequence.
         scale : default 1/sqrt(d).
-        return_lse : also return lse (B, H_q, L_new).
+        return_lse : also return lse (B, H_q, L_new), in the compute dtype
+            (float32 for a 16-bit cache).
         out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of
             the cache's dtype, any strides; written in place and returned.
             One that shares memory with q or the storage is filled through a
             temporary; one whose elements overlap raises ValueError.
 
-        Returns (B, H_q, L_new, dv), or (out, lse). Rows that see no key get
-        zeros and lse = -inf.
+        Returns (B, H_q, L_new, dv) in the cache's dtype (torch in, torch out;
+        bfloat16 NumPy results as ``ml_dtypes.bfloat16`` when importable), or
+        (out, lse). Rows that see no key get zeros and lse = -inf.
         """
         like = q
         q = self._check_q(q)
@@ -385,7 +436,7 @@ class KVCache:
             o = np.empty(shape, dtype=self.dtype)
         else:
             o, target = alias_safe(check_out(out, shape, self.dtype), q, self._k, self._v)
-        lse = np.empty((B, Hq, Lq), dtype=self.dtype) if return_lse else None
+        lse = np.empty((B, Hq, Lq), dtype=compute_dtype(self.dtype)) if return_lse else None
         if o.size or (lse is not None and lse.size):
             self._run(q, o, lse, ql, scale, causal)
         if target is not None:
@@ -426,15 +477,14 @@ class KVCache:
             raise ValueError(f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
         step = L if self.window is None else max(1, self.capacity - self.window + 1)
         o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.dtype)
-        lse = np.empty(q.shape[:3], dtype=self.dtype) if return_lse else None
+        lse = np.empty(q.shape[:3], dtype=compute_dtype(self.dtype)) if return_lse else None
+        tag = bf16_bits if self.dtype == BF16 else (lambda x: x)  # checked arrays back in as bfloat16
         for t in range(0, max(L, 1), step):
             sl = slice(t, min(L, t + step))
-            self.append(k[:, :, sl], v[:, :, sl])
-            res = self.attend(q[:, :, sl], scale=scale, return_lse=return_lse)
+            self.append(tag(k[:, :, sl]), tag(v[:, :, sl]))
+            res = self.attend(tag(q[:, :, sl]), scale=scale, return_lse=return_lse, out=o[:, :, sl])
             if return_lse:
-                o[:, :, sl], lse[:, :, sl] = res
-            else:
-                o[:, :, sl] = res
+                lse[:, :, sl] = res[1]
         return to_input_kind((o, lse) if return_lse else o, like)
 
 

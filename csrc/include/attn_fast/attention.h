@@ -128,7 +128,9 @@ struct AttnStats {
 };
 
 // Split-KV decode (flash-decoding) over a plain K/V array or a KV cache's
-// storage, possibly a ring buffer. T is float or double.
+// storage, possibly a ring buffer. T is the storage type of q, k, v and o:
+// float, double, bf16_t or fp16_t (read into fp32 as loaded; lse in
+// compute_t<T>, fp32 for the 16-bit types).
 //   k (B, Hkv, R, d), v (B, Hkv, R, dv): R slots per sequence; logical key j
 //   of sequence b is slot (kv_start[b] + j) mod R, for j < kv_lens[b].
 // Visibility and empty rows exactly as AttnArgs (causal/top_left,
@@ -140,7 +142,7 @@ struct DecodeArgs {
   const T* k = nullptr;
   const T* v = nullptr;
   T* o = nullptr;
-  T* lse = nullptr;
+  compute_t<T>* lse = nullptr;
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, R = 0, d = 0, dv = 0;
   Strides4 sq, sk, sv, so;
   double scale = 1.0;
@@ -202,6 +204,8 @@ void reference_forward(const AttnArgs<double>& a);
 // Split-KV decode kernel (csrc/kernels/decode.cpp), dispatched per ISA.
 void decode_forward(const DecodeArgs<float>& a);
 void decode_forward(const DecodeArgs<double>& a);
+void decode_forward(const DecodeArgs<bf16_t>& a);  // every avx512 flavour runs the avx512 kernel
+void decode_forward(const DecodeArgs<fp16_t>& a);
 
 // Streaming-read bandwidth probe: `threads` threads each read their share of
 // an nbytes buffer (first-touched by the same thread) `reps` times; returns

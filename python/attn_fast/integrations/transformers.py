@@ -49,11 +49,15 @@ whose backward is attn_fast's fused FlashAttention-2 backward
 query, key, value and the sinks (masks and ``position_bias`` get none: a
 ``position_bias`` that requires grad, T5's learned bias, raises ValueError).
 
-dtypes: float32 and float64 are computed natively, on the model's own tensors
-(no copies: inputs are read through their strides and the output is written
-straight into the (B, Lq, H, dv) tensor transformers expects). float16 and
-bfloat16 models are computed in float32 (one conversion copy of q, k, v per
-call) and the result is cast back.
+dtypes: float32, float64, float16 and bfloat16 are computed on the model's own
+tensors (no copies: inputs are read through their strides and the output is
+written straight into the (B, Lq, H, dv) tensor transformers expects, in the
+model's dtype). 16-bit calls are accumulated in float32 by the kernels (the
+softmax too); additive masks, ``position_bias`` and sinks are passed in
+float32. Training a 16-bit model: the forward runs in the model's dtype as in
+inference; the backward (a float32/float64 kernel) upcasts the saved q, k, v
+and output to float32 (one copy each, at backward time) and the gradients are
+cast back to the model's dtype.
 """
 
 from __future__ import annotations
@@ -237,6 +241,8 @@ class _Trainable(torch.autograd.Function):
         from ..backward import scaled_dot_product_attention_backward
 
         q, k, v, out, lse = ctx.saved_tensors
+        if q.dtype not in _COMPUTE:  # a 16-bit forward: the backward kernel is float32/float64 only
+            q, k, v, out = q.float(), k.float(), v.float(), out.float()
         s = ctx.saved
         do = dout.to(q.dtype).transpose(1, 2)  # (B, Lq, H, dv) -> (B, H, Lq, dv), a view
         grads = scaled_dot_product_attention_backward(do, q, k, v, out, lse, **s["kw"])
@@ -251,6 +257,7 @@ class _Trainable(torch.autograd.Function):
 
 
 _COMPUTE = (torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def attention_forward(
@@ -278,6 +285,8 @@ def attention_forward(
     sdpa backend ignores it: the window is part of the mask.
 
     Returns (attn_output (B, Lq, H, dv) contiguous tensor in query's dtype, None).
+    float16 / bfloat16 tensors are read as they are (no upcast copy) and the
+    output is written in their dtype; masks, biases and sinks in float32.
     """
     if dropout:
         raise NotImplementedError(
@@ -309,11 +318,13 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
     B, Hq, Lq, d = query.shape
     Lk = key.shape[2]
     out_dtype = query.dtype
-    dt = out_dtype if out_dtype in _COMPUTE else torch.float32
+    # The kernels take the four dtypes as they are; anything else (int, mixed) goes through float32.
+    dt = out_dtype if out_dtype in _COMPUTE + _HALF else torch.float32
     if query.dtype != dt or key.dtype != dt or value.dtype != dt:
         if not (query.is_floating_point() and key.is_floating_point() and value.is_floating_point()):
             raise TypeError(f"query/key/value must be floating point, got {query.dtype}, {key.dtype}, {value.dtype}")
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    cdt = torch.float32 if dt in _HALF else dt  # masks, biases, sinks: the compute dtype
 
     kw = {}
     causal = False
@@ -331,7 +342,7 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
         if mask.dtype != torch.bool:
             if not mask.is_floating_point():
                 raise TypeError(f"attention_mask must be bool (True = attend) or an additive float tensor, got {mask.dtype}")
-            mask = mask.to(dt)
+            mask = mask.to(cdt)
     elif is_causal and Lq > 1:
         # No mask and a causal module: torch's top-left causal mask, as the sdpa backend computes it.
         if Lk >= Lq:
@@ -343,7 +354,7 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
             mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
 
     if position_bias is not None:
-        pb = position_bias.to(dt)
+        pb = position_bias.to(cdt)
         if causal:  # fold the causal flag into the bias (Lq == Lk here or the spec said so)
             pb = torch.where(_pattern(1, Lq, Lk, True, -1, -1, None, pb.device), pb, -math.inf)
             causal = False
@@ -355,7 +366,7 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
             mask = pb + mask
 
     if s_aux is not None:
-        kw["sinks"] = as_array(s_aux.to(dt) if isinstance(s_aux, torch.Tensor) else s_aux, "s_aux")
+        kw["sinks"] = as_array(s_aux.to(cdt) if isinstance(s_aux, torch.Tensor) else s_aux, "s_aux")
     if softcap:
         kw["softcap"] = float(softcap)
     if mask is not None:
