@@ -29,14 +29,10 @@ import subprocess
 import sys
 import time
 
-# bench/profile.py would shadow the standard library's profile module (torch imports cProfile)
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import attn_fast as af  # noqa: E402
-from attn_fast import bench_suite as bs  # noqa: E402
+import attn_fast as af
+from attn_fast import bench_suite as bs
 
 
 def make_fns(case, threads):
