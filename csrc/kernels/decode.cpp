@@ -129,14 +129,7 @@ T* dalloc(int64_t n) {
 // float and double are read as they are; bf16 / fp16 K and V rows are widened
 // to fp32 in registers as they are loaded (ldv), Q once when its rows are
 // scaled, and O is rounded once when the merge writes it (put).
-inline float ld(const float* p) { return *p; }
-inline double ld(const double* p) { return *p; }
-inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
-inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
-inline void put(float* p, float x) { *p = x; }
-inline void put(double* p, double x) { *p = x; }
-inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
-inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
+#include "storage.h"  // ld / put
 // W consecutive elements of storage type S as one compute-type register.
 template <typename T>
 inline typename Vec<T>::R ldv(const T* p) { return Vec<T>::load(p); }

@@ -111,18 +111,7 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
 // written back once, in the finalize step; every other step is the fp32 kernel.
-inline float ld(const float* p) { return *p; }
-inline double ld(const double* p) { return *p; }
-inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
-inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
-inline void put(float* p, float x) { *p = x; }
-inline void put(double* p, double x) { *p = x; }
-inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
-inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
-inline const uint16_t* bits_of(const bf16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline const uint16_t* bits_of(const fp16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline uint16_t* bits_of(bf16_t* p) { return reinterpret_cast<uint16_t*>(p); }
-inline uint16_t* bits_of(fp16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+#include "storage.h"  // ld / put / bits_of
 
 // dst[0..n) = src[0..n) in the compute type (unit stride both sides).
 template <typename T>
