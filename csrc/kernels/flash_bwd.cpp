@@ -67,6 +67,7 @@ namespace attn_fast {
 namespace ATTN_NS {
 
 #include ATTN_VEC_HEADER
+#include "scores.h"  // add_alibi_bias
 
 namespace {
 
@@ -253,20 +254,7 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
       }
       for (int64_t j = cols; j < Bcp; ++j) gr[j] = T(0);
     }
-    if (a.alibi) {
-      const T slope = a.alibi[h];
-      for (int64_t j = 0; j < cols; ++j) {
-        const int64_t dist = i + si.off - (j0 + j);
-        s[j] -= slope * static_cast<T>(dist < 0 ? -dist : dist);
-      }
-    }
-    if (a.bias) {
-      const T* brow = a.bias + si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j0 * a.sbias.d;
-      for (int64_t j = 0; j < cols; ++j) {
-        const T bj = brow[j * a.sbias.d];
-        s[j] = bj == NEG_INF ? NEG_INF : s[j] + bj;
-      }
-    }
+    add_alibi_bias(a, si, h, i, j0, cols, s);
     if (lo > j0 || hi < j0 + cols)  // the structural range cuts this row of the tile
       for (int64_t j = 0; j < cols; ++j)
         if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF;
@@ -320,6 +308,21 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
   }
 }
 
+// Where key chunk `chunk` of sequence si adds the dQ of head h: dq itself for
+// chunk 0 (strided like the caller's array), else that chunk's contiguous
+// buffer, added in chunk order after the items. str: (row, element) strides.
+template <typename T>
+T* dq_target(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t chunk, int64_t str[2]) {
+  if (chunk == 0) {
+    str[0] = g.sdq.l;
+    str[1] = g.sdq.d;
+    return g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+  }
+  str[0] = g.f.d;
+  str[1] = 1;
+  return g.split_buf + (chunk - 1) * g.split_stride + lse_row(g.f, si, h) * g.f.d;
+}
+
 // One work item: sequence s, kv head hk, key blocks [kb0, kb1); dQ of its G
 // heads goes to dq (chunk 0) or to the chunk's buffer.
 template <typename T>
@@ -337,18 +340,8 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
 
   // dQ targets: zero this item's rows first.
   for (int64_t hh = 0; hh < G; ++hh) {
-    const int64_t h = hk * G + hh;
-    T* t;
     int64_t str[2];
-    if (chunk == 0) {
-      t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
-      str[0] = g.sdq.l;
-      str[1] = g.sdq.d;
-    } else {
-      t = g.split_buf + (chunk - 1) * g.split_stride + lse_row(a, si, h) * d;
-      str[0] = d;
-      str[1] = 1;
-    }
+    T* t = dq_target(g, si, hk * G + hh, chunk, str);
     for (int64_t r = 0; r < si.q_rows; ++r)
       for (int64_t e = 0; e < d; ++e) t[r * str[0] + e * str[1]] = T(0);
   }
@@ -403,17 +396,8 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
 
     for (int64_t hh = 0; hh < G; ++hh) {
       const int64_t h = hk * G + hh;
-      T* target;
       int64_t str[2];
-      if (chunk == 0) {
-        target = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
-        str[0] = g.sdq.l;
-        str[1] = g.sdq.d;
-      } else {
-        target = g.split_buf + (chunk - 1) * g.split_stride + lse_row(a, si, h) * d;
-        str[0] = d;
-        str[1] = 1;
-      }
+      T* target = dq_target(g, si, h, chunk, str);
       for (int64_t qb = 0; qb < nqb; ++qb) {
         if (!(sc.qlo[qb] < j0 + cols && sc.qhi[qb] > j0)) continue;
         const int64_t i0 = qb * Br, rows = imin(Br, si.q_len - i0);

@@ -112,6 +112,7 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
 // written back once, in the finalize step; every other step is the fp32 kernel.
 #include "storage.h"  // ld / put / bits_of
+#include "scores.h"   // add_alibi_bias
 
 // dst[0..n) = src[0..n) in the compute type (unit stride both sides).
 template <typename T>
@@ -667,22 +668,7 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
           const T c = static_cast<T>(a.softcap), ic = T(1) / c;
           for (int64_t j = 0; j < cols; ++j) s[j] = c * std::tanh(s[j] * ic);
         }
-        if (a.alibi) {
-          const T slope = a.alibi[h];
-          for (int64_t j = 0; j < cols; ++j) {
-            const int64_t dist = i + si.off - (j0 + j);
-            s[j] -= slope * static_cast<T>(dist < 0 ? -dist : dist);
-          }
-        }
-        if (a.bias) {
-          const T* brow = a.bias + si.b * a.sbias.b + h * a.sbias.h + i * a.sbias.l + j0 * a.sbias.d;
-          // A -inf bias masks the pair even when the score is NaN (a NaN in a
-          // masked-out K row must not leak): assign, do not add.
-          for (int64_t j = 0; j < cols; ++j) {
-            const T bj = brow[j * a.sbias.d];
-            s[j] = bj == NEG_INF ? NEG_INF : s[j] + bj;
-          }
-        }
+        add_alibi_bias(a, si, h, i, j0, cols, s);
       }
       if (partial) {
         const int64_t lo = imax(sc.lo[r] - j0, 0), hi = imin(sc.hi[r] - j0, cols);
