@@ -115,8 +115,20 @@ def peak_memory(case, impl, threads):
     import dataclasses
 
     try:
-        r = subprocess.run([sys.executable, "-c", _MEM, json.dumps(dataclasses.asdict(case)), impl, str(threads),
-                            os.path.abspath(__file__)], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _MEM,
+                json.dumps(dataclasses.asdict(case)),
+                impl,
+                str(threads),
+                os.path.abspath(__file__),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         return max(0, json.loads(r.stdout.strip().splitlines()[-1])["grow"])
     except Exception:  # noqa: BLE001 - no figure when the child fails
         return None
@@ -149,12 +161,19 @@ def training_step_bench(threads, repeats, B=4, L=256, D=256, H=8, layers=4, voca
 
     def model(attn):
         torch.manual_seed(0)
-        return nn.Sequential(nn.Embedding(vocab, D), *[Block(attn) for _ in range(layers)], nn.LayerNorm(D),
-                             nn.Linear(D, vocab))
+        return nn.Sequential(
+            nn.Embedding(vocab, D),
+            *[Block(attn) for _ in range(layers)],
+            nn.LayerNorm(D),
+            nn.Linear(D, vocab),
+        )
 
     ids = torch.randint(0, vocab, (B, L + 1), generator=torch.Generator().manual_seed(0))
     steps, losses = {}, {}
-    for name, attn in (("torch", F.scaled_dot_product_attention), ("attn_fast", aft.scaled_dot_product_attention)):
+    for name, attn in (
+        ("torch", F.scaled_dot_product_attention),
+        ("attn_fast", aft.scaled_dot_product_attention),
+    ):
         m = model(attn)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
@@ -171,7 +190,9 @@ def training_step_bench(threads, repeats, B=4, L=256, D=256, H=8, layers=4, voca
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--full", action="store_true", help="every prefill shape of the suite (slow)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -179,35 +200,53 @@ def main(argv=None):
     p.add_argument("--no-train", action="store_true")
     a = p.parse_args(argv)
     shapes = bs.PREFILL_SHAPES if a.full else bs.PREFILL_SHAPES[:2]
-    cases = [bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)]
+    cases = [
+        bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)
+    ]
     peak, _ = bs.machine_limits(a.threads)
-    print(f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {af._config.cpu_model()} | float32 | "
-          f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA peak {peak:.0f} GFLOP/s")
-    print(f"{'case':34s} {'max rel err':>11s} | {'fwd+bwd af ms':>13s} {'torch ms':>9s} {'x':>6s} | "
-          f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | {'af MiB':>6s} {'torch MiB':>9s}")
+    print(
+        f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {af._config.cpu_model()} | float32 | "
+        f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA peak {peak:.0f} GFLOP/s"
+    )
+    print(
+        f"{'case':34s} {'max rel err':>11s} | {'fwd+bwd af ms':>13s} {'torch ms':>9s} {'x':>6s} | "
+        f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | {'af MiB':>6s} {'torch MiB':>9s}"
+    )
     for case in cases:
         run_af, run_torch = make_fns(case, a.threads)
         err = check(run_af, run_torch)
-        ts = bs.time_interleaved({"attn_fast": run_af, "torch": run_torch}, a.repeats, warmup=1, cooldown=False)
+        ts = bs.time_interleaved(
+            {"attn_fast": run_af, "torch": run_torch}, a.repeats, warmup=1, cooldown=False
+        )
         med = {n: statistics.median(t) for n, t in ts.items()}
         bwd_af, bwd_torch = make_bwd_fns(case, a.threads)
-        tb = bs.time_interleaved({"attn_fast": bwd_af, "torch": bwd_torch}, a.repeats, warmup=1, cooldown=False)
+        tb = bs.time_interleaved(
+            {"attn_fast": bwd_af, "torch": bwd_torch}, a.repeats, warmup=1, cooldown=False
+        )
         mb = {n: statistics.median(t) for n, t in tb.items()}
         gf = backward_flops(case) / mb["attn_fast"] / 1e9
-        mem = {n: None for n in med} if a.no_memory else {n: peak_memory(case, n, a.threads) for n in med}
+        mem = (
+            {n: None for n in med}
+            if a.no_memory
+            else {n: peak_memory(case, n, a.threads) for n in med}
+        )
         fmt = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-        print(f"{case.name:34s} {err:11.1e} | {med['attn_fast'] * 1e3:13.1f} {med['torch'] * 1e3:9.1f} "
-              f"{med['torch'] / med['attn_fast']:5.2f}x | {mb['attn_fast'] * 1e3:9.1f} {mb['torch'] * 1e3:9.1f} "
-              f"{mb['torch'] / mb['attn_fast']:5.2f}x {gf:8.1f} {100 * gf / peak:4.0f}% | "
-              f"{fmt(mem['attn_fast']):>6s} {fmt(mem['torch']):>9s}")
+        print(
+            f"{case.name:34s} {err:11.1e} | {med['attn_fast'] * 1e3:13.1f} {med['torch'] * 1e3:9.1f} "
+            f"{med['torch'] / med['attn_fast']:5.2f}x | {mb['attn_fast'] * 1e3:9.1f} {mb['torch'] * 1e3:9.1f} "
+            f"{mb['torch'] / mb['attn_fast']:5.2f}x {gf:8.1f} {100 * gf / peak:4.0f}% | "
+            f"{fmt(mem['attn_fast']):>6s} {fmt(mem['torch']):>9s}"
+        )
         sys.stdout.flush()
     if not a.no_train:
         t0 = time.perf_counter()
         med, losses = training_step_bench(a.threads, a.repeats)
-        print(f"training step, 4-layer Transformer (B=4, L=256, D=256, 8 heads, causal, AdamW): "
-              f"torch SDPA {med['torch'] * 1e3:.1f} ms, attn_fast.torch {med['attn_fast'] * 1e3:.1f} ms "
-              f"({med['torch'] / med['attn_fast']:.2f}x); first-step loss {losses['torch'][0]:.5f} vs "
-              f"{losses['attn_fast'][0]:.5f} [{time.perf_counter() - t0:.0f} s]")
+        print(
+            f"training step, 4-layer Transformer (B=4, L=256, D=256, 8 heads, causal, AdamW): "
+            f"torch SDPA {med['torch'] * 1e3:.1f} ms, attn_fast.torch {med['attn_fast'] * 1e3:.1f} ms "
+            f"({med['torch'] / med['attn_fast']:.2f}x); first-step loss {losses['torch'][0]:.5f} vs "
+            f"{losses['attn_fast'][0]:.5f} [{time.perf_counter() - t0:.0f} s]"
+        )
 
 
 if __name__ == "__main__":

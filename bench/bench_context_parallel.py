@@ -46,7 +46,9 @@ from attn_fast import distributed as cp
 def _cpu():
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
 
@@ -73,9 +75,18 @@ def _compute_alone(q, k, v, cfg):
                 continue
             r0, r1, s0, s1, window = band
             ob, lb = af.scaled_dot_product_attention(
-                qn[:, :, qs + r0:qs + r1], kn[:, :, ks + s0:ks + s1], vn[:, :, ks + s0:ks + s1],
-                return_lse=True, **cp._sdpa_kwargs(cfg, window))
-            cp._merge_(o[:, :, qs + r0:qs + r1], lse[:, :, qs + r0:qs + r1], torch.from_numpy(ob), torch.from_numpy(lb))
+                qn[:, :, qs + r0 : qs + r1],
+                kn[:, :, ks + s0 : ks + s1],
+                vn[:, :, ks + s0 : ks + s1],
+                return_lse=True,
+                **cp._sdpa_kwargs(cfg, window),
+            )
+            cp._merge_(
+                o[:, :, qs + r0 : qs + r1],
+                lse[:, :, qs + r0 : qs + r1],
+                torch.from_numpy(ob),
+                torch.from_numpy(lb),
+            )
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -93,11 +104,15 @@ def _rank(rank, P, port, a, layout, queue):
     try:
         torch.set_num_threads(1)
         af.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P
+        )
         # 1. validate: a small ring call against one process on the whole sequence
         g = torch.Generator().manual_seed(0)
         small = [torch.randn((1, a.heads, 2 * P * 16, a.head_dim), generator=g) for _ in range(3)]
-        o = cp.ring_attention(*(cp.shard_sequence(x, rank, P, layout) for x in small), is_causal=True, layout=layout)
+        o = cp.ring_attention(
+            *(cp.shard_sequence(x, rank, P, layout) for x in small), is_causal=True, layout=layout
+        )
         one = af.scaled_dot_product_attention(*(x.numpy() for x in small), is_causal=True)
         err = float(np.abs(o.numpy() - one[:, :, cp.positions(rank, P, o.shape[2], layout)]).max())
         if err > 1e-4:
@@ -125,9 +140,20 @@ def _rank(rank, P, port, a, layout, queue):
                 cpu.append(t_alone[1])
                 comm.append(t_comm)
         med = statistics.median
-        queue.put(dict(rank=rank, err=err, pairs=st.pairs, bytes_step=(k.numel() + v.numel()) * k.element_size(),
-                       ring=med(ring), compute=med(comp), wait=med(wait), alone=med(alone), cpu=med(cpu),
-                       comm=med(comm)))
+        queue.put(
+            dict(
+                rank=rank,
+                err=err,
+                pairs=st.pairs,
+                bytes_step=(k.numel() + v.numel()) * k.element_size(),
+                ring=med(ring),
+                compute=med(comp),
+                wait=med(wait),
+                alone=med(alone),
+                cpu=med(cpu),
+                comm=med(comm),
+            )
+        )
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         queue.put(dict(rank=rank, error=f"{type(e).__name__}: {e}"))
@@ -164,14 +190,22 @@ def main():
     ap.add_argument("--ps", default="1,2,4")
     ap.add_argument("--layouts", default="zigzag,contiguous")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for each rank's result")
+    ap.add_argument(
+        "--timeout", type=float, default=600, help="seconds to wait for each rank's result"
+    )
     a = ap.parse_args()
     d = a.head_dim
-    print(f"attn_fast {af.__version__} | isa {af.get_isa()} | 1 thread per rank | {_cpu()} | "
-          f"{os.cpu_count()} CPUs | gloo on 127.0.0.1")
-    print(f"L={a.seq_len} B={a.batch} H=H_kv={a.heads} d=dv={d} float32 causal | median of {a.reps}")
-    print(f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'cpu[s]':>8} {'ring[s]':>9} "
-          f"{'compute':>9} {'wait':>8} {'comm[s]':>8}")
+    print(
+        f"attn_fast {af.__version__} | isa {af.get_isa()} | 1 thread per rank | {_cpu()} | "
+        f"{os.cpu_count()} CPUs | gloo on 127.0.0.1"
+    )
+    print(
+        f"L={a.seq_len} B={a.batch} H=H_kv={a.heads} d=dv={d} float32 causal | median of {a.reps}"
+    )
+    print(
+        f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'cpu[s]':>8} {'ring[s]':>9} "
+        f"{'compute':>9} {'wait':>8} {'comm[s]':>8}"
+    )
     summary = []
     for P in (int(x) for x in a.ps.split(",")):
         for layout in a.layouts.split(","):
@@ -179,8 +213,10 @@ def main():
                 continue  # one rank: the layouts are the same
             rows = run(P, a, layout)
             for r in rows:
-                print(f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} {r['cpu']:8.3f} "
-                      f"{r['ring']:9.3f} {r['compute']:9.3f} {r['wait']:8.3f} {r['comm']:8.3f}")
+                print(
+                    f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} {r['cpu']:8.3f} "
+                    f"{r['ring']:9.3f} {r['compute']:9.3f} {r['wait']:8.3f} {r['comm']:8.3f}"
+                )
             pairs = [r["pairs"] for r in rows]
             alone = [r["alone"] for r in rows]
             cpu = [r["cpu"] for r in rows]
@@ -188,18 +224,38 @@ def main():
             ring = max(r["ring"] for r in rows)
             comm = max(r["comm"] for r in rows)
             # the share of the K/V traffic that did not show up as waiting in the ring
-            hidden = float("nan") if P == 1 else max(0.0, 1 - np.mean([r["wait"] for r in rows]) / np.mean(
-                [r["comm"] for r in rows]))
+            hidden = (
+                float("nan")
+                if P == 1
+                else max(
+                    0.0, 1 - np.mean([r["wait"] for r in rows]) / np.mean([r["comm"] for r in rows])
+                )
+            )
             F = statistics.median(2 * (d + d) * r["pairs"] / r["cpu"] for r in rows)
             beta = float("nan") if P == 1 else rows[0]["bytes_step"] * (P - 1) / comm
-            summary.append((P, layout, max(pairs) / np.mean(pairs), max(cpu) / np.mean(cpu),
-                            max(comp) / np.mean(comp), ring / max(alone), hidden, F, beta))
+            summary.append(
+                (
+                    P,
+                    layout,
+                    max(pairs) / np.mean(pairs),
+                    max(cpu) / np.mean(cpu),
+                    max(comp) / np.mean(comp),
+                    ring / max(alone),
+                    hidden,
+                    F,
+                    beta,
+                )
+            )
     print()
-    print(f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'cpu max/mean':>15} {'ring-compute max/mean':>22} "
-          f"{'ring / alone':>13} {'comm hidden':>12} {'F [GFLOP/s]':>12} {'beta [GB/s]':>12}")
+    print(
+        f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'cpu max/mean':>15} {'ring-compute max/mean':>22} "
+        f"{'ring / alone':>13} {'comm hidden':>12} {'F [GFLOP/s]':>12} {'beta [GB/s]':>12}"
+    )
     for P, layout, bp, ba, bc, ratio, hidden, F, beta in summary:
-        print(f"{P:2d} {layout:>10} {bp:15.3f} {ba:15.3f} {bc:22.3f} {ratio:13.3f} {hidden:12.2f} "
-              f"{F / 1e9:12.2f} {beta / 1e9:12.2f}")
+        print(
+            f"{P:2d} {layout:>10} {bp:15.3f} {ba:15.3f} {bc:22.3f} {ratio:13.3f} {hidden:12.2f} "
+            f"{F / 1e9:12.2f} {beta / 1e9:12.2f}"
+        )
 
 
 if __name__ == "__main__":

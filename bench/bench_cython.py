@@ -55,8 +55,13 @@ def close(tol):
         a = a if isinstance(a, tuple) else (a,)
         b = b if isinstance(b, tuple) else (b,)
         for x, y in zip(a, b):
-            err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) if x.size else 0.0
+            err = (
+                float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+                if x.size
+                else 0.0
+            )
             assert err <= tol, f"Cython and NumPy paths differ by {err}"
+
     return check
 
 
@@ -83,25 +88,35 @@ def main(argv=None):
     # -- RoPE
     x = rng.standard_normal((1, L, 32, 128), dtype=np.float32)
     rope = RoPE(128)
-    row(f"RoPE rotate-half (1, {L}, 32, 128) f32 -> new array",
-        *both(lambda: rope(x, offset=7), rep, close(1e-5)))
+    row(
+        f"RoPE rotate-half (1, {L}, 32, 128) f32 -> new array",
+        *both(lambda: rope(x, offset=7), rep, close(1e-5)),
+    )
     ropei = RoPE(128, interleaved=True, rotary_dim=64)
     xt = x.transpose(0, 2, 1, 3)  # (B, H, L, d) view
-    row(f"RoPE interleaved r=64 (1, 32, {L}, 128) view f32 -> new",
-        *both(lambda: ropei(xt, offset=7, seq_axis=-2), rep, close(1e-5)))
+    row(
+        f"RoPE interleaved r=64 (1, 32, {L}, 128) view f32 -> new",
+        *both(lambda: ropei(xt, offset=7, seq_axis=-2), rep, close(1e-5)),
+    )
     pos = rng.integers(0, 100_000, size=(1, L))
     buf = x.copy()
-    row(f"RoPE in place, positions= (1, {L}) gather, f32",
-        *both(lambda: rope(buf, positions=pos, inplace=True), rep))
+    row(
+        f"RoPE in place, positions= (1, {L}) gather, f32",
+        *both(lambda: rope(buf, positions=pos, inplace=True), rep),
+    )
     q = rng.standard_normal((1, L, 32, 128))
     k = rng.standard_normal((1, L, 8, 128))
-    row(f"RoPE rotate_qk q (1, {L}, 32, 128) k (1, {L}, 8, 128) f64",
-        *both(lambda: rope.rotate_qk(q, k, offset=3), rep, close(1e-12)))
+    row(
+        f"RoPE rotate_qk q (1, {L}, 32, 128) k (1, {L}, 8, 128) f64",
+        *both(lambda: rope.rotate_qk(q, k, offset=3), rep, close(1e-12)),
+    )
     q1 = rng.standard_normal((4, 1, 32, 128), dtype=np.float32)
     k1 = rng.standard_normal((4, 1, 8, 128), dtype=np.float32)
     offs = np.array([100, 205, 3000, 17])
-    row("RoPE decode rotate_qk q (4, 1, 32, 128) k (4, 1, 8, 128) ragged",
-        *both(lambda: rope.rotate_qk(q1, k1, offset=offs), 50 * rep, close(1e-5)))
+    row(
+        "RoPE decode rotate_qk q (4, 1, 32, 128) k (4, 1, 8, 128) ragged",
+        *both(lambda: rope.rotate_qk(q1, k1, offset=offs), 50 * rep, close(1e-5)),
+    )
 
     # -- KV cache writes
     B, H, d = 4, 8, 128
@@ -114,25 +129,37 @@ def main(argv=None):
             cache.append(chunk, chunk, lengths=lens, rope=rope_)
         return cache.keys(0), cache.keys(2)
 
-    row(f"KVCache.append x16, ring 600, ({B}, {H}, 64, {d}) ragged f32",
-        *both(appends, rep, close(0)))
-    row(f"KVCache.append x16 + RoPE on the keys, same",
-        *both(lambda: appends(rope), rep, close(1e-5)))
+    row(
+        f"KVCache.append x16, ring 600, ({B}, {H}, 64, {d}) ragged f32",
+        *both(appends, rep, close(0)),
+    )
+    row(
+        f"KVCache.append x16 + RoPE on the keys, same",
+        *both(lambda: appends(rope), rep, close(1e-5)),
+    )
     one = rng.standard_normal((B, H, 1, d), dtype=np.float32)
     cache1 = KVCache(B, H, d, capacity=1 << 16, growable=False)
-    row(f"KVCache.append decode token ({B}, {H}, 1, {d}) + RoPE",
-        *both(lambda: cache1.append(one, one, rope=rope), 50 * rep))
+    row(
+        f"KVCache.append decode token ({B}, {H}, 1, {d}) + RoPE",
+        *both(lambda: cache1.append(one, one, rope=rope), 50 * rep),
+    )
 
     # -- masks
     m = rng.random((1, 1, L, L)) < 0.5
     m[..., :, : L // 3] = False
-    row(f"block_summary 16x16 of a dense (1, 1, {L}, {L}) bool mask",
-        *both(lambda: block_summary(m), rep, close(0)))
+    row(
+        f"block_summary 16x16 of a dense (1, 1, {L}, {L}) bool mask",
+        *both(lambda: block_summary(m), rep, close(0)),
+    )
     n = 8 * L
-    row(f"BlockSparse.local({n}, 4, width=8) -> ({n // 4}, {n // 4}) layout",
-        *both(lambda: BlockSparse.local(n, 4, 8).layout, rep, close(0)))
-    row(f"BlockSparse.strided({n}, 4, stride=45) causal",
-        *both(lambda: BlockSparse.strided(n, 4, 45).layout, rep, close(0)))
+    row(
+        f"BlockSparse.local({n}, 4, width=8) -> ({n // 4}, {n // 4}) layout",
+        *both(lambda: BlockSparse.local(n, 4, 8).layout, rep, close(0)),
+    )
+    row(
+        f"BlockSparse.strided({n}, 4, stride=45) causal",
+        *both(lambda: BlockSparse.strided(n, 4, 45).layout, rep, close(0)),
+    )
 
     # -- tiny LM decode step, NumPy loops vs Cython loops. The two paths
     # alternate step by step on two caches (same prompt, same tokens), so both
@@ -154,12 +181,16 @@ def main(argv=None):
             logits = lm.forward(tok, cache=cache)[:, -1]
             ts.append(time.perf_counter() - t0)
             state[use][1] = np.argmax(logits, axis=-1)[:, None]
-        assert np.array_equal(state[False][1], state[True][1]), "the two paths generate different tokens"
+        assert np.array_equal(state[False][1], state[True][1]), (
+            "the two paths generate different tokens"
+        )
     for use in (False, True):
         ts = np.array(state[use][2])
         name = "cython" if use else "numpy (before)"
-        print(f"TinyTransformerLM decode step (4 layers, D 256, 8/2 heads, RoPE, after 512 tokens), {name:15s}: "
-              f"median {np.median(ts) * 1e3:.3f} ms, best {ts.min() * 1e3:.3f} ms over {steps} steps")
+        print(
+            f"TinyTransformerLM decode step (4 layers, D 256, 8/2 heads, RoPE, after 512 tokens), {name:15s}: "
+            f"median {np.median(ts) * 1e3:.3f} ms, best {ts.min() * 1e3:.3f} ms over {steps} steps"
+        )
     return 0
 
 

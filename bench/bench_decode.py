@@ -73,15 +73,23 @@ def repeats_for(nbytes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prefill-max", type=int, default=4096, help="longest prefill timed for the plot")
+    p.add_argument(
+        "--prefill-max", type=int, default=4096, help="longest prefill timed for the plot"
+    )
     p.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "decode.png"))
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="also time a 16-bit cache beside the float32 one (see above)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="also time a 16-bit cache beside the float32 one (see above)",
+    )
     args = p.parse_args(argv)
     if args.dtype != "fp32":
         return main_16bit(args)
@@ -92,6 +100,7 @@ def main(argv=None):
     if not args.no_torch:
         try:
             import torch
+
             torch.set_num_threads(nt)
         except ImportError:
             print("torch not installed: its column is skipped", file=sys.stderr)
@@ -100,10 +109,14 @@ def main(argv=None):
     print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
     bw1 = _core.stream_read_gbps(1, 512 << 20, 5)
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
-    print(f"stream read (512 MiB, best of 5): {bw1:.1f} GB/s on 1 thread, {bwn:.1f} GB/s on {nt} threads")
+    print(
+        f"stream read (512 MiB, best of 5): {bw1:.1f} GB/s on 1 thread, {bwn:.1f} GB/s on {nt} threads"
+    )
     print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D} float32, one query token per sequence")
-    hdr = (f"{'B':>2} {'L':>6} {'KV MB':>7} | {'attn_fast ms':>12} {'GB/s':>6} {'%stream':>7} | "
-           f"{'torch ms':>9} {'GB/s':>6} {'x':>6}")
+    hdr = (
+        f"{'B':>2} {'L':>6} {'KV MB':>7} | {'attn_fast ms':>12} {'GB/s':>6} {'%stream':>7} | "
+        f"{'torch ms':>9} {'GB/s':>6} {'x':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     rng = np.random.default_rng(0)
@@ -122,10 +135,14 @@ def main(argv=None):
             t = best_time(lambda: cache.attend(q), reps)
             decode_ms[(B, L)] = t * 1e3
             gbs = nbytes / t / 1e9
-            line = (f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} {100 * gbs / bwn:6.0f}% | ")
+            line = f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} {100 * gbs / bwn:6.0f}% | "
             if torch is not None:
-                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) if not x.flags.c_contiguous else
-                              torch.from_numpy(x) for x in (q, K, V))
+                tq, tk, tv = (
+                    torch.from_numpy(np.ascontiguousarray(x))
+                    if not x.flags.c_contiguous
+                    else torch.from_numpy(x)
+                    for x in (q, K, V)
+                )
                 F = torch.nn.functional.scaled_dot_product_attention
                 with torch.no_grad():
                     check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
@@ -135,18 +152,29 @@ def main(argv=None):
                 line += f"{'-':>9} {'-':>6} {'-':>6}"
             print(line, flush=True)
             del cache, K, V
-    print("GB/s = K and V bytes read per step / step time; %stream = of the all-thread streaming read;")
+    print(
+        "GB/s = K and V bytes read per step / step time; %stream = of the all-thread streaming read;"
+    )
     print("x = torch time / attn_fast time (higher means attn_fast is faster). " + tag)
 
     # Prefill (one-shot causal, per token) vs decode (one step) at B = 1.
-    pre_L = [L for L in sorted(set([256, 512, 1024, 2048, 4096, 8192] + args.lengths)) if L <= args.prefill_max]
+    pre_L = [
+        L
+        for L in sorted(set([256, 512, 1024, 2048, 4096, 8192] + args.lengths))
+        if L <= args.prefill_max
+    ]
     pre_ms = {}
     for L in pre_L:
         qkv = rng.standard_normal((3, 1, HQ, L, D), dtype=np.float32)
         q, k, v = qkv[0], qkv[1][:, :HKV], qkv[2][:, :HKV]
-        t = best_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1)
+        t = best_time(
+            lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1
+        )
         pre_ms[L] = t * 1e3
-    print("prefill (B=1, causal, one shot, whole prompt): " + ", ".join(f"L={L}: {v:.1f} ms" for L, v in pre_ms.items()))
+    print(
+        "prefill (B=1, causal, one shot, whole prompt): "
+        + ", ".join(f"L={L}: {v:.1f} ms" for L, v in pre_ms.items())
+    )
     try:
         import matplotlib
 
@@ -156,10 +184,20 @@ def main(argv=None):
         print("matplotlib not installed: no plot", file=sys.stderr)
         return 0
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(list(pre_ms), list(pre_ms.values()), "s--", label="prefill: whole prompt (time to first token), B=1")
+    ax.plot(
+        list(pre_ms),
+        list(pre_ms.values()),
+        "s--",
+        label="prefill: whole prompt (time to first token), B=1",
+    )
     for B in args.batches:
         xs = [L for L in args.lengths if (B, L) in decode_ms]
-        ax.plot(xs, [decode_ms[(B, L)] / B for L in xs], "o-", label=f"decode: per generated token, B={B}")
+        ax.plot(
+            xs,
+            [decode_ms[(B, L)] / B for L in xs],
+            "o-",
+            label=f"decode: per generated token, B={B}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt / cache length L (tokens)")
@@ -183,6 +221,7 @@ def main_16bit(args):
     if not args.no_torch:
         try:
             import torch
+
             torch.set_num_threads(nt)
         except ImportError:
             print("torch not installed: its column is skipped", file=sys.stderr)
@@ -191,9 +230,13 @@ def main_16bit(args):
     print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
-    print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; {args.dtype} vs float32")
-    hdr = (f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} | {args.dtype + ' ms':>8} {'GB/s':>6} {'%stream':>7} "
-           f"{'vs fp32':>7} | {'torch ' + args.dtype + ' ms':>13} {'x':>6}")
+    print(
+        f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; {args.dtype} vs float32"
+    )
+    hdr = (
+        f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} | {args.dtype + ' ms':>8} {'GB/s':>6} {'%stream':>7} "
+        f"{'vs fp32':>7} | {'torch ' + args.dtype + ' ms':>13} {'x':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     rng = np.random.default_rng(0)
@@ -219,14 +262,20 @@ def main_16bit(args):
             t32 = best_time(lambda: c32.attend(q), reps)
             t16 = best_time(lambda: c16.attend(q16), reps)
             g16 = nb16 / t16 / 1e9
-            line = (f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {nb32 / t32 / 1e9:6.1f} | {t16 * 1e3:8.3f} {g16:6.1f} "
-                    f"{100 * g16 / bwn:6.0f}% {t32 / t16:6.2f}x | ")
+            line = (
+                f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {nb32 / t32 / 1e9:6.1f} | {t16 * 1e3:8.3f} {g16:6.1f} "
+                f"{100 * g16 / bwn:6.0f}% {t32 / t16:6.2f}x | "
+            )
             if torch is not None:
                 tt16 = torch.bfloat16 if half == "bfloat16" else torch.float16
 
                 def tv(x):
                     x = np.ascontiguousarray(np.asarray(x).view(np.ndarray))
-                    return torch.from_numpy(x.view(np.int16)).view(tt16) if x.dtype == np.uint16 else torch.from_numpy(x)
+                    return (
+                        torch.from_numpy(x.view(np.int16)).view(tt16)
+                        if x.dtype == np.uint16
+                        else torch.from_numpy(x)
+                    )
 
                 tq, tk, tvv = tv(q16), tv(K16), tv(V16)
                 F = torch.nn.functional.scaled_dot_product_attention
@@ -238,8 +287,12 @@ def main_16bit(args):
                 line += f"{'-':>13} {'-':>6}"
             print(line, flush=True)
             del c32, c16, K, V, K16, V16
-    print(f"GB/s = K and V bytes actually read per step / step time (4 per element for fp32, 2 for {args.dtype});")
-    print(f"%stream = of the all-thread streaming read; vs fp32 = fp32 time / {args.dtype} time (tokens/s gained);")
+    print(
+        f"GB/s = K and V bytes actually read per step / step time (4 per element for fp32, 2 for {args.dtype});"
+    )
+    print(
+        f"%stream = of the all-thread streaming read; vs fp32 = fp32 time / {args.dtype} time (tokens/s gained);"
+    )
     print(f"x = torch {args.dtype} time / attn_fast {args.dtype} time. " + tag)
     return 0
 

@@ -44,7 +44,9 @@ def main(argv=None):
     if args.threads:
         af.set_num_threads(args.threads)
 
-    lm = af.TinyTransformerLM(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, seed=0)
+    lm = af.TinyTransformerLM(
+        args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, seed=0
+    )
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, args.vocab, size=(args.batch, args.prompt))
 
@@ -60,7 +62,9 @@ def main(argv=None):
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
         logits = lm.forward(nxt[:, None], cache=cache)[:, -1]
     check_new = min(args.new, 8)
-    assert np.array_equal(lm.generate(prompt, check_new), lm.generate(prompt, check_new, use_cache=False))
+    assert np.array_equal(
+        lm.generate(prompt, check_new), lm.generate(prompt, check_new, use_cache=False)
+    )
 
     # -- time
     c = config()
@@ -89,8 +93,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         out = lm.generate(prompt, args.new, use_cache=False)
         t_nocache = time.perf_counter() - t0
-        assert np.array_equal(out[:, args.prompt :], np.stack(toks, axis=1)), "tokens differ with and without cache"
-        print(f"without cache: {t_nocache:8.3f} s  {n / t_nocache:9.1f} tokens/s   (forward on the growing sequence)")
+        assert np.array_equal(out[:, args.prompt :], np.stack(toks, axis=1)), (
+            "tokens differ with and without cache"
+        )
+        print(
+            f"without cache: {t_nocache:8.3f} s  {n / t_nocache:9.1f} tokens/s   (forward on the growing sequence)"
+        )
         print(f"speed-up: {t_nocache / t_cache:.1f}x")
     return 0
 

@@ -52,8 +52,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_model(dtype=torch.float32):
     cfg = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
@@ -87,8 +93,13 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
         file=out,
     )
     model = build_model(DTYPES[dtype])
-    tol = 1e-3 if dtype == "fp32" else 0.5  # 16-bit: the rounding of the whole model, not attention's
-    print(f"model: Llama-style, hidden 512, 4 layers, 8 q heads / 2 kv heads, d 64, {dtype}, random weights", file=out)
+    tol = (
+        1e-3 if dtype == "fp32" else 0.5
+    )  # 16-bit: the rounding of the whole model, not attention's
+    print(
+        f"model: Llama-style, hidden 512, 4 layers, 8 q heads / 2 kv heads, d 64, {dtype}, random weights",
+        file=out,
+    )
     hdr = f"{'case':<16} {'B':>2} {'L':>5} | {'sdpa ms':>9} {'attn_fast ms':>12} {'speed-up':>8} | {'max|Δ logits|':>13}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -107,9 +118,23 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
                 forward(model, impl, ids, am)
                 t[impl].append(1e3 * (time.perf_counter() - t0))
         ms = {impl: statistics.median(v) for impl, v in t.items()}
-        rows.append(dict(case=name, dtype=dtype, B=B, L=L, sdpa_ms=ms["sdpa"], attn_fast_ms=ms["attn_fast"], max_abs_diff=err))
-        print(f"{name:<16} {B:>2} {L:>5} | {ms['sdpa']:9.1f} {ms['attn_fast']:12.1f} {ms['sdpa'] / ms['attn_fast']:7.2f}x "
-              f"| {err:13.2e}", file=out, flush=True)
+        rows.append(
+            dict(
+                case=name,
+                dtype=dtype,
+                B=B,
+                L=L,
+                sdpa_ms=ms["sdpa"],
+                attn_fast_ms=ms["attn_fast"],
+                max_abs_diff=err,
+            )
+        )
+        print(
+            f"{name:<16} {B:>2} {L:>5} | {ms['sdpa']:9.1f} {ms['attn_fast']:12.1f} {ms['sdpa'] / ms['attn_fast']:7.2f}x "
+            f"| {err:13.2e}",
+            file=out,
+            flush=True,
+        )
     if decode_tokens:
         P = 128 if quick else 512  # prompt length
         ids, am = inputs(1, P, 0.0)
@@ -119,33 +144,73 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
             model.set_attn_implementation(impl)
             kw = dict(max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
             with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, do_sample=False)  # warm-up
+                model.generate(
+                    input_ids=ids, attention_mask=am, max_new_tokens=2, do_sample=False
+                )  # warm-up
                 t0 = time.perf_counter()
                 toks[impl] = model.generate(input_ids=ids, attention_mask=am, **kw)
                 per_tok[impl] = 1e3 * (time.perf_counter() - t0) / decode_tokens
         same = torch.equal(toks["sdpa"], toks["attn_fast"])
-        agree = float((toks["sdpa"][:, P:] == toks["attn_fast"][:, P:]).float().mean()) if not same else 1.0
+        agree = (
+            float((toks["sdpa"][:, P:] == toks["attn_fast"][:, P:]).float().mean())
+            if not same
+            else 1.0
+        )
         verdict = "identical" if same else f"{agree:.0%} agree" if dtype != "fp32" else "DIFFER"
-        print(f"{'generate/token':<16} {1:>2} {P:>5} | {per_tok['sdpa']:9.1f} {per_tok['attn_fast']:12.1f} "
-              f"{per_tok['sdpa'] / per_tok['attn_fast']:7.2f}x | tokens {verdict}",
-              file=out, flush=True)
-        rows.append(dict(case="generate/token", dtype=dtype, B=1, L=P, sdpa_ms=per_tok["sdpa"],
-                         attn_fast_ms=per_tok["attn_fast"], same_tokens=same, token_agreement=agree))
-    print("speed-up = sdpa time / attn_fast time (higher means attn_fast is faster); "
-          f"generate rows: ms per token incl. prefill of the prompt; {dtype}", file=out)
+        print(
+            f"{'generate/token':<16} {1:>2} {P:>5} | {per_tok['sdpa']:9.1f} {per_tok['attn_fast']:12.1f} "
+            f"{per_tok['sdpa'] / per_tok['attn_fast']:7.2f}x | tokens {verdict}",
+            file=out,
+            flush=True,
+        )
+        rows.append(
+            dict(
+                case="generate/token",
+                dtype=dtype,
+                B=1,
+                L=P,
+                sdpa_ms=per_tok["sdpa"],
+                attn_fast_ms=per_tok["attn_fast"],
+                same_tokens=same,
+                token_agreement=agree,
+            )
+        )
+    print(
+        "speed-up = sdpa time / attn_fast time (higher means attn_fast is faster); "
+        f"generate rows: ms per token incl. prefill of the prompt; {dtype}",
+        file=out,
+    )
     return rows
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=None, help="threads for attn_fast and torch (default: all)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="threads for attn_fast and torch (default: all)"
+    )
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens for the generate row (0 = skip)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's dtype (both columns)")
-    p.add_argument("--quick", action="store_true", help="shorter cases: L = 256 and a 128-token prompt")
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="greedy tokens for the generate row (0 = skip)",
+    )
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="fp32", help="the model's dtype (both columns)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="shorter cases: L = 256 and a 128-token prompt"
+    )
     args = p.parse_args(argv)
-    run(repeats=args.repeats, threads=args.threads, decode_tokens=args.decode_tokens, dtype=args.dtype,
-        quick=args.quick)
+    run(
+        repeats=args.repeats,
+        threads=args.threads,
+        decode_tokens=args.decode_tokens,
+        dtype=args.dtype,
+        quick=args.quick,
+    )
     return 0
 
 

@@ -61,9 +61,14 @@ def window_pairs(L, W):
 
 
 def bench_window(Ls, W, H, d, repeats, torch, out):
-    print(f"\n## Sliding window: Causal() & SlidingWindow({W - 1}) = {W} keys per query, B=1 H={H} d={d} float32", file=out)
-    hdr = (f"{'L':>6} | {'window ms':>10} {'us/token':>9} {'GFLOP/s':>8} {'tiles':>8} | "
-           f"{'causal ms':>10} {'us/token':>9} {'tiles':>8} | {'torch dense-mask ms':>19}")
+    print(
+        f"\n## Sliding window: Causal() & SlidingWindow({W - 1}) = {W} keys per query, B=1 H={H} d={d} float32",
+        file=out,
+    )
+    hdr = (
+        f"{'L':>6} | {'window ms':>10} {'us/token':>9} {'GFLOP/s':>8} {'tiles':>8} | "
+        f"{'causal ms':>10} {'us/token':>9} {'tiles':>8} | {'torch dense-mask ms':>19}"
+    )
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rng = np.random.default_rng(0)
@@ -71,7 +76,7 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
     for L in Ls:
         q, k, v = (rng.standard_normal((1, H, L, d), dtype=np.float32) for _ in range(3))
         o, stats = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
-        rows = np.r_[0:3, L // 2:L // 2 + 3, L - 3:L]
+        rows = np.r_[0:3, L // 2 : L // 2 + 3, L - 3 : L]
         check_rows(o, q, k, v, rows, ref.window_mask(L, L, W - 1, 0)[rows])
         t = median_time(lambda: af.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
         gflops = 4.0 * d * H * window_pairs(L, W) / t / 1e9
@@ -79,7 +84,9 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
         if L <= 16384:
             _, sc = af.scaled_dot_product_attention(q, k, v, is_causal=True, return_stats=True)
             # expensive and only for contrast: one run (the call above warmed up)
-            tc = median_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True), 1, warmup=0)
+            tc = median_time(
+                lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True), 1, warmup=0
+            )
             line += f"{tc * 1e3:10.1f} {tc / L * 1e6:9.2f} {sc.tiles_computed:>8} | "
         else:
             line += f"{'-':>10} {'-':>9} {'-':>8} | "
@@ -90,7 +97,9 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
             with torch.no_grad():
                 to = F(tq, tk, tv, attn_mask=dense).numpy()
                 check_rows(to, q, k, v, rows, ref.window_mask(L, L, W - 1, 0)[rows])
-                tt = median_time(lambda: F(tq, tk, tv, attn_mask=dense), max(1, repeats // 2), warmup=0)
+                tt = median_time(
+                    lambda: F(tq, tk, tv, attn_mask=dense), max(1, repeats // 2), warmup=0
+                )
             line += f"{tt * 1e3:19.1f}"
         else:
             line += f"{'-':>19}"
@@ -106,12 +115,15 @@ def bench_gqa(L, Hq, Hkv, d, repeats, torch, out):
     q = rng.standard_normal((1, Hq, L, d), dtype=np.float32)
     k, v = (rng.standard_normal((1, Hkv, L, d), dtype=np.float32) for _ in range(2))
     g = Hq // Hkv
-    rows = np.r_[0:4, L - 4:L]
+    rows = np.r_[0:4, L - 4 : L]
     for causal in (False, True):
         o = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         cm = ref.causal_mask(L, L)[rows] if causal else None
         check_rows(o, q, k, v, rows, cm, h=(0, Hq - 1), hk=(0, (Hq - 1) // g))
-        t = median_time(lambda: af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), repeats)
+        t = median_time(
+            lambda: af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+            repeats,
+        )
         pairs = L * (L + 1) // 2 if causal else L * L
         line = f"{str(causal):>6} | {t * 1e3:12.1f} {4.0 * d * Hq * pairs / t / 1e9:8.1f} | "
         if torch is not None:
@@ -129,7 +141,9 @@ def bench_gqa(L, Hq, Hkv, d, repeats, torch, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
@@ -140,8 +154,10 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(af.get_num_threads())
     cfg = config()
-    print(f"attn_fast {cfg['version']}  ISA {cfg['isa']}  threads {af.get_num_threads()}  CPU {cfg['cpu']}"
-          + (f"  torch {torch.__version__}" if torch is not None else "  (torch not installed)"))
+    print(
+        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  threads {af.get_num_threads()}  CPU {cfg['cpu']}"
+        + (f"  torch {torch.__version__}" if torch is not None else "  (torch not installed)")
+    )
     if args.quick:
         bench_window([1024, 2048, 4096], 256, 2, 64, 1, torch, sys.stdout)
         bench_gqa(256, 8, 2, 64, 1, torch, sys.stdout)

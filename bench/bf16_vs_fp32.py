@@ -59,12 +59,20 @@ def main():
         af.set_isa(args.isa)
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     print(f"# ISA {af.get_isa()}, threads {af.get_num_threads()}, CPU {cpu}")
-    for shape, causal in [((1, 16, 2048, 64), False), ((1, 16, 2048, 64), True),
-                          ((4, 8, 1024, 128), False), ((4, 8, 1024, 128), True)]:
+    for shape, causal in [
+        ((1, 16, 2048, 64), False),
+        ((1, 16, 2048, 64), True),
+        ((4, 8, 1024, 128), False),
+        ((4, 8, 1024, 128), True),
+    ]:
         data = {dt: inputs(shape, dt) for dt in ("fp32", "bf16", "fp16")}
         for dt, (q, k, v) in data.items():  # validate first: a slice against the oracle
             o = af.scaled_dot_product_attention(q[:1, :1], k[:1, :1], v[:1, :1], is_causal=causal)
@@ -81,8 +89,10 @@ def main():
                 af.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 times[dt].append(time.perf_counter() - t0)
         med = {dt: statistics.median(t) * 1e3 for dt, t in times.items()}
-        print(f"{str(shape):18s} causal={causal!s:5s} fp32 {med['fp32']:7.1f} ms  bf16 {med['bf16']:7.1f} ms "
-              f"(x{med['fp32'] / med['bf16']:.2f})  fp16 {med['fp16']:7.1f} ms (x{med['fp32'] / med['fp16']:.2f})")
+        print(
+            f"{str(shape):18s} causal={causal!s:5s} fp32 {med['fp32']:7.1f} ms  bf16 {med['bf16']:7.1f} ms "
+            f"(x{med['fp32'] / med['bf16']:.2f})  fp16 {med['fp16']:7.1f} ms (x{med['fp32'] / med['fp16']:.2f})"
+        )
 
 
 if __name__ == "__main__":

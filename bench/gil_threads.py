@@ -49,16 +49,24 @@ def main():
     q = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     af.set_num_threads(1)
     expect = af.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert np.allclose(expect, af.reference.sdpa(q, q, q, mask=af.reference.causal_mask(shape[-2], shape[-2])), atol=1e-4)
+    assert np.allclose(
+        expect,
+        af.reference.sdpa(q, q, q, mask=af.reference.causal_mask(shape[-2], shape[-2])),
+        atol=1e-4,
+    )
     best = {1: (0.0, 0.0), 2: (0.0, 0.0)}
     for _ in range(args.repeats):
         for n in (1, 2):
             best[n] = max(best[n], run(n, args.calls, q))
     cfg = af._config.config()
-    print(f"shape {shape} float32 causal, kernel threads 1, isa {cfg['isa']}, {cfg['cpu']} ({cfg['cores']} cores)")
+    print(
+        f"shape {shape} float32 causal, kernel threads 1, isa {cfg['isa']}, {cfg['cpu']} ({cfg['cores']} cores)"
+    )
     print(f"load average {os.getloadavg()[0]:.1f} (other processes compete for the cores)")
     print(f"1 Python thread : {best[1][0]:8.1f} calls/s, {best[1][1]:.2f} cores busy")
-    print(f"2 Python threads: {best[2][0]:8.1f} calls/s, {best[2][1]:.2f} cores busy   speed-up {best[2][0] / best[1][0]:.2f}x")
+    print(
+        f"2 Python threads: {best[2][0]:8.1f} calls/s, {best[2][1]:.2f} cores busy   speed-up {best[2][0] / best[1][0]:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ for _ in range(reps):
 
 
 def loops(so):
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True).stdout
+    dis = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True
+    ).stdout
     lines = dis.splitlines()
     addr = re.compile(r"\s+([0-9a-f]+):\s+(\S+)\s*(.*)")
     parsed = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(addr.match, lines) if m]
@@ -49,7 +51,7 @@ def loops(so):
             continue
         if start >= a:
             continue
-        body = [p for p in parsed[max(0, i - 80):i] if p[0] >= start]
+        body = [p for p in parsed[max(0, i - 80) : i] if p[0] >= start]
         nf = sum(p[1] == "vfmadd231ps" for p in body)
         nb = sum(p[1] == "vbroadcastss" for p in body)
         if nf >= 12 and nb >= 6:
@@ -60,7 +62,9 @@ def loops(so):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("d", type=int, nargs="?", default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=8)
@@ -70,11 +74,33 @@ def main():
     so = core.__file__
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
-        subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-o", data, sys.executable, "-c",
-                        RUN, str(args.d), "1" if args.causal else "0", str(args.reps)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "dso,sym", "--percent-limit", "0"],
-                             capture_output=True, text=True).stdout
+        subprocess.run(
+            [
+                "perf",
+                "record",
+                "-q",
+                "-e",
+                "cpu-clock",
+                "-F",
+                "4000",
+                "-o",
+                data,
+                sys.executable,
+                "-c",
+                RUN,
+                str(args.d),
+                "1" if args.causal else "0",
+                str(args.reps),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        rep = subprocess.run(
+            ["perf", "report", "-i", data, "--stdio", "--sort", "dso,sym", "--percent-limit", "0"],
+            capture_output=True,
+            text=True,
+        ).stdout
     ranges = loops(so)
     share = collections.Counter()
     for line in rep.splitlines():
@@ -90,8 +116,10 @@ def main():
         name = next((n for lo, hi, n in ranges if lo <= a < hi), "other")
         share[name] += pct
     total = sum(share.values())
-    print(f"(1, 4, 2048, {args.d}) {'causal' if args.causal else 'non-causal'}, 1 thread: "
-          f"{total:.1f}% of all samples in the extension, of which")
+    print(
+        f"(1, 4, 2048, {args.d}) {'causal' if args.causal else 'non-causal'}, 1 thread: "
+        f"{total:.1f}% of all samples in the extension, of which"
+    )
     for k, v in share.most_common():
         print(f"  {k:24s} {100 * v / total:5.1f}%")
 

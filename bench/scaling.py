@@ -44,13 +44,23 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ["textbook", "full", "causal", "window256", "sparse", "linformer256", "linear", "linear_causal"]
+CASES = [
+    "textbook",
+    "full",
+    "causal",
+    "window256",
+    "sparse",
+    "linformer256",
+    "linear",
+    "linear_causal",
+]
 CAUSAL_CASES = {"causal", "window256", "sparse", "linear_causal"}
 SPARSE_BLOCK = 64
 LINFORMER_K = 256
 
 
 # ----------------------------------------------------------------------------- cases
+
 
 def textbook(q, k, v):
     """The chapter's formula in float32 NumPy, batched over heads."""
@@ -115,6 +125,7 @@ def textbook_bytes(L, H):
 
 # ----------------------------------------------------------------------------- worker
 
+
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -140,6 +151,7 @@ def worker(name, L, H, d, threads):
     release_free_heap()  # so that memory freed by the setup cannot hide the call's allocations
     base = rss_bytes()
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def timed():
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
@@ -152,25 +164,50 @@ def worker(name, L, H, d, threads):
         runs.append(timed())
     if len(runs) > 1:
         runs = runs[1:]  # the first run is the warm-up
-    json.dump({"time_s": min(r[1] for r in runs), "wall_s": min(r[0] for r in runs),
-               "extra_mb": max(0, peak - base) / 2**20, "setup_peak_mb": peak_before / 2**20,
-               "runs": len(runs)}, sys.stdout)
+    json.dump(
+        {
+            "time_s": min(r[1] for r in runs),
+            "wall_s": min(r[0] for r in runs),
+            "extra_mb": max(0, peak - base) / 2**20,
+            "setup_peak_mb": peak_before / 2**20,
+            "runs": len(runs),
+        },
+        sys.stdout,
+    )
 
 
 def run_worker(name, L, H, d, threads, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, str(L), str(H), str(d), str(threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads))
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        name,
+        str(L),
+        str(H),
+        str(d),
+        str(threads),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        OPENBLAS_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+    )
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"skipped": f"timeout {timeout}s"}
     if r.returncode != 0:
-        return {"skipped": "failed: " + r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
+        return {
+            "skipped": "failed: " + r.stderr.strip().splitlines()[-1]
+            if r.stderr.strip()
+            else "failed"
+        }
     return json.loads(r.stdout)
 
 
 # ----------------------------------------------------------------------------- accuracy
+
 
 def rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
@@ -197,8 +234,16 @@ def accuracy(L, H, d):
             A = np.tril(A)
         return (A @ v64) / (A.sum(-1, keepdims=True) + 1e-6)
 
-    exact = {"textbook": full, "full": full, "causal": causal, "window256": window, "sparse": sparse,
-             "linformer256": linformer, "linear": lin64(False), "linear_causal": lin64(True)}
+    exact = {
+        "textbook": full,
+        "full": full,
+        "causal": causal,
+        "window256": window,
+        "sparse": sparse,
+        "linformer256": linformer,
+        "linear": lin64(False),
+        "linear_causal": lin64(True),
+    }
     out = {}
     for name in CASES:
         o = make_case(name, q, k, v)()
@@ -236,13 +281,17 @@ def stability(L, d):
             kv, z = kvc[-1], zc[-1]
         res[np.dtype(dt).name] = ref
     exact = res["float64"]
-    return {"L": L, "d": d,
-            "attn_fast_float32_vs_float64": rel(o, exact),
-            "attn_fast_max_abs_err": float(np.abs(o - exact).max()),
-            "float32_running_sums_vs_float64": rel(res["float32"], exact)}
+    return {
+        "L": L,
+        "d": d,
+        "attn_fast_float32_vs_float64": rel(o, exact),
+        "attn_fast_max_abs_err": float(np.abs(o - exact).max()),
+        "float32_running_sums_vs_float64": rel(res["float32"], exact),
+    }
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def fit_slope(Ls, ts):
     x, y = np.log(np.asarray(Ls, float)), np.log(np.asarray(ts, float))
@@ -261,7 +310,12 @@ def plot(results, Ls, path_list, title):
         if not pts:
             continue
         xs = [p[0] for p in pts]
-        ax1.loglog(xs, [p[1]["time_s"] for p in pts], "o-", label=f"{name} (slope {results[name]['slope']:.2f})")
+        ax1.loglog(
+            xs,
+            [p[1]["time_s"] for p in pts],
+            "o-",
+            label=f"{name} (slope {results[name]['slope']:.2f})",
+        )
         ax2.loglog(xs, [max(p[1]["extra_mb"], 0.1) for p in pts], "o-", label=name)
     for ax, yl in ((ax1, "CPU time [s]"), (ax2, "peak RSS growth [MiB]")):
         ax.set_xlabel("sequence length L")
@@ -289,9 +343,13 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=65536)
     ap.add_argument("--mem-limit-gb", type=float, default=8.0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="threads for attn_fast and BLAS in every case (default 1: the slopes are the point, and one "
-                    "thread keeps a shared machine's scheduling noise out of them)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads for attn_fast and BLAS in every case (default 1: the slopes are the point, and one "
+        "thread keeps a shared machine's scheduling noise out of them)",
+    )
     ap.add_argument("--timeout", type=int, default=600, help="per (case, L) subprocess")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--png", action="append", default=[], help="extra path for the plot")
@@ -311,8 +369,10 @@ def main():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    header = (f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {args.threads} | {cpu} | "
-              f"B=1 H={H} d=dv={d} float32")
+    header = (
+        f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {args.threads} | {cpu} | "
+        f"B=1 H={H} d=dv={d} float32"
+    )
     print(header, flush=True)
 
     results = {name: {} for name in CASES}
@@ -320,14 +380,24 @@ def main():
     for L in Ls:
         for name in CASES:
             if name == "textbook" and textbook_bytes(L, H) > args.mem_limit_gb * 2**30:
-                r = {"skipped": f"L×L matrices {textbook_bytes(L, H) / 2**30:.0f} GiB > {args.mem_limit_gb:g} GiB"}
+                r = {
+                    "skipped": f"L×L matrices {textbook_bytes(L, H) / 2**30:.0f} GiB > {args.mem_limit_gb:g} GiB"
+                }
             else:
                 r = run_worker(name, L, H, d, args.threads, args.timeout)
             results[name][str(L)] = r
-            cell = f"{r['time_s'] * 1e3:10.2f} ms {r['extra_mb']:9.1f} MiB" if "time_s" in r else f"skipped ({r['skipped']})"
+            cell = (
+                f"{r['time_s'] * 1e3:10.2f} ms {r['extra_mb']:9.1f} MiB"
+                if "time_s" in r
+                else f"skipped ({r['skipped']})"
+            )
             print(f"  L={L:6d} {name:14s} {cell}", flush=True)
     for name in CASES:
-        pts = [(L, results[name][str(L)]["time_s"]) for L in Ls if L >= fit_from and "time_s" in results[name][str(L)]]
+        pts = [
+            (L, results[name][str(L)]["time_s"])
+            for L in Ls
+            if L >= fit_from and "time_s" in results[name][str(L)]
+        ]
         results[name]["slope"] = fit_slope([p[0] for p in pts], [p[1] for p in pts])
         results[name]["fit_range"] = [pts[0][0], pts[-1][0]] if pts else []
 
@@ -337,27 +407,51 @@ def main():
     stab = stability(stab_L, d)
 
     # --- the table
-    print(f"\n{header}\nCPU time [ms] (peak RSS growth [MiB]); slope = d log t / d log L over L >= {Ls[0] if fit_from == 0 else fit_from}")
+    print(
+        f"\n{header}\nCPU time [ms] (peak RSS growth [MiB]); slope = d log t / d log L over L >= {Ls[0] if fit_from == 0 else fit_from}"
+    )
     cols = "".join(f"{L:>18d}" for L in Ls)
     print(f"{'case':14s}{cols}   slope  err_vs_softmax  err_vs_own_def")
     for name in CASES:
         cells = ""
         for L in Ls:
             r = results[name][str(L)]
-            cells += f"{r['time_s'] * 1e3:10.1f} ({r['extra_mb']:5.0f})" if "time_s" in r else f"{'—':>18s}"
+            cells += (
+                f"{r['time_s'] * 1e3:10.1f} ({r['extra_mb']:5.0f})"
+                if "time_s" in r
+                else f"{'—':>18s}"
+            )
         a = acc[name]
-        print(f"{name:14s}{cells}   {results[name]['slope']:5.2f}  {a['vs_softmax']:14.2e}  {a['vs_own_definition']:14.2e}")
-    print(f"\nerr_vs_softmax: vs float64 softmax attention with the same causality (full or causal), L = {acc_L}")
-    print("err_vs_own_def: vs the case's own float64 definition (its mask / projection / feature map)")
-    print(f"causal linear attention float32 at L = {stab['L']}: rel err {stab['attn_fast_float32_vs_float64']:.2e} "
-          f"(max abs {stab['attn_fast_max_abs_err']:.2e}) vs float64; plain float32 running sums would give "
-          f"{stab['float32_running_sums_vs_float64']:.2e}")
+        print(
+            f"{name:14s}{cells}   {results[name]['slope']:5.2f}  {a['vs_softmax']:14.2e}  {a['vs_own_definition']:14.2e}"
+        )
+    print(
+        f"\nerr_vs_softmax: vs float64 softmax attention with the same causality (full or causal), L = {acc_L}"
+    )
+    print(
+        "err_vs_own_def: vs the case's own float64 definition (its mask / projection / feature map)"
+    )
+    print(
+        f"causal linear attention float32 at L = {stab['L']}: rel err {stab['attn_fast_float32_vs_float64']:.2e} "
+        f"(max abs {stab['attn_fast_max_abs_err']:.2e}) vs float64; plain float32 running sums would give "
+        f"{stab['float32_running_sums_vs_float64']:.2e}"
+    )
     print(f"study took {time.time() - t_start:.0f} s")
 
     os.makedirs(args.out, exist_ok=True)
     tag = "scaling_quick" if args.quick else "scaling"
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
-        json.dump({"header": header, "lengths": Ls, "results": results, "accuracy": acc, "stability": stab}, f, indent=1)
+        json.dump(
+            {
+                "header": header,
+                "lengths": Ls,
+                "results": results,
+                "accuracy": acc,
+                "stability": stab,
+            },
+            f,
+            indent=1,
+        )
     pngs = [os.path.join(args.out, tag + ".png")] + args.png
     plot(results, Ls, pngs, header)
     print("plot: " + ", ".join(pngs))

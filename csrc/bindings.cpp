@@ -44,7 +44,9 @@ Strides4 strides4(const py::array& x, const char* name) {
   int64_t s[4];
   for (int i = 0; i < 4; ++i) {
     const int64_t b = static_cast<int64_t>(x.strides(i));
-    if (b % item != 0) throw py::value_error(std::string(name) + " has strides that are not a multiple of its itemsize");
+    if (b % item != 0)
+      throw py::value_error(std::string(name) +
+                            " has strides that are not a multiple of its itemsize");
     s[i] = b / item;
   }
   if (reinterpret_cast<uintptr_t>(x.data()) % static_cast<uintptr_t>(item) != 0)
@@ -61,10 +63,12 @@ std::string shape_of(const py::array& x) {
 // A 4-D mask / bias / layout must have exactly the shape the kernel indexes
 // (broadcast views have it too, with zero strides): anything smaller would be
 // read out of bounds.
-void check_shape4(const py::array& x, const char* name, int64_t b, int64_t h, int64_t l, int64_t m) {
+void check_shape4(const py::array& x, const char* name, int64_t b, int64_t h, int64_t l,
+                  int64_t m) {
   if (x.shape(0) != b || x.shape(1) != h || x.shape(2) != l || x.shape(3) != m)
-    throw py::value_error(std::string(name) + " has shape " + shape_of(x) + ", expected (" + std::to_string(b) +
-                          ", " + std::to_string(h) + ", " + std::to_string(l) + ", " + std::to_string(m) + ")");
+    throw py::value_error(std::string(name) + " has shape " + shape_of(x) + ", expected (" +
+                          std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(l) +
+                          ", " + std::to_string(m) + ")");
 }
 
 template <typename T>
@@ -76,8 +80,8 @@ const T* data_of(const py::object& obj, const char* name, int64_t n) {
   if (reinterpret_cast<uintptr_t>(arr.data()) % alignof(T) != 0)
     throw py::value_error(std::string(name) + " is not aligned to its itemsize");
   if (n >= 0 && arr.size() != n)
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements, got shape " +
-                          shape_of(arr));
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) +
+                          " elements, got shape " + shape_of(arr));
   return static_cast<const T*>(arr.data());
 }
 
@@ -86,8 +90,9 @@ const T* data_of(const py::object& obj, const char* name, int64_t n) {
 void check_cu(const int64_t* cu, int64_t n, int64_t total, const char* name) {
   for (int64_t s = 0; s <= n; ++s)
     if (cu[s] < 0 || cu[s] > total || (s > 0 && cu[s] < cu[s - 1]))
-      throw py::value_error(std::string(name) + " must be non-decreasing within [0, " + std::to_string(total) +
-                            "], got " + std::to_string(cu[s]) + " at index " + std::to_string(s));
+      throw py::value_error(std::string(name) + " must be non-decreasing within [0, " +
+                            std::to_string(total) + "], got " + std::to_string(cu[s]) +
+                            " at index " + std::to_string(s));
 }
 
 // Window sides beyond any sequence mean "unbounded" anyway; clamping keeps the
@@ -115,8 +120,8 @@ bool has_dtype<fp16_t>(const py::array& x) {
 // checked by each caller (the key axis means Lk for one, ring slots for the
 // other).
 template <typename T, typename Args>
-void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, double scale, bool causal,
-               bool top_left, int64_t window_left, int64_t window_right) {
+void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, double scale,
+               bool causal, bool top_left, int64_t window_left, int64_t window_right) {
   for (auto* arr : {&q, &k, &v, &o})
     if (!has_dtype<T>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
@@ -145,17 +150,24 @@ template <typename T>
 T* lse_of(const py::object& lse, int64_t n, const char* expected) {
   if (lse.is_none()) return nullptr;
   auto arr = py::cast<py::array>(lse);
-  if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) || !arr.writeable() ||
-      arr.size() != n)
-    throw py::value_error(std::string("lse must be a writeable C-contiguous array of ") + expected + " elements");
+  if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style) ||
+      !arr.writeable() || arr.size() != n)
+    throw py::value_error(std::string("lse must be a writeable C-contiguous array of ") + expected +
+                          " elements");
   return static_cast<T*>(arr.mutable_data());
 }
 
 // (B, Hq, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, dv), (B, Hq, Lq, dv): the sizes, checked.
 template <typename T>
-void bind_shapes(AttnArgs<T>& a, const py::array& q, const py::array& k, const py::array& v, const py::array& o) {
-  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
-  a.Hkv = k.shape(1); a.Lk = k.shape(2); a.dv = v.shape(3);
+void bind_shapes(AttnArgs<T>& a, const py::array& q, const py::array& k, const py::array& v,
+                 const py::array& o) {
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Lq = q.shape(2);
+  a.d = q.shape(3);
+  a.Hkv = k.shape(1);
+  a.Lk = k.shape(2);
+  a.dv = v.shape(3);
   if (k.shape(3) != a.d || v.shape(2) != a.Lk || v.shape(1) != a.Hkv || k.shape(0) != v.shape(0) ||
       o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
@@ -168,10 +180,10 @@ void bind_shapes(AttnArgs<T>& a, const py::array& q, const py::array& k, const p
 // the additive bias, each checked against q's shape. The arrays stay alive
 // through the caller's py::object arguments.
 template <typename T>
-void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::object q_lens, py::object kv_lens,
-                    py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
-                    py::object mask, py::object bias, py::object alibi, double softcap, py::object sinks,
-                    int block_q, int block_k) {
+void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::object q_lens,
+                    py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout,
+                    int64_t layout_bq, int64_t layout_bk, py::object mask, py::object bias,
+                    py::object alibi, double softcap, py::object sinks, int block_q, int block_k) {
   const bool varlen = !cu_q.is_none();
   if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
   a.softcap = softcap;
@@ -187,7 +199,8 @@ void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::
     a.cu_q = data_of<int64_t>(cu_q, "cu_seqlens_q", -1);
     a.cu_k = data_of<int64_t>(cu_k, "cu_seqlens_k", nseq + 1);
     if (a.B != 1 || k.shape(0) != 1)
-      throw py::value_error("varlen q, k and v must have batch 1, got q " + shape_of(q) + ", k " + shape_of(k));
+      throw py::value_error("varlen q, k and v must have batch 1, got q " + shape_of(q) + ", k " +
+                            shape_of(k));
     check_cu(a.cu_q, nseq, a.Lq, "cu_seqlens_q");
     check_cu(a.cu_k, nseq, a.Lk, "cu_seqlens_k");
     a.B = nseq;
@@ -202,21 +215,25 @@ void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::
   py::array layout_arr, mask_arr, bias_arr;
   if (!layout.is_none()) {
     layout_arr = py::cast<py::array>(layout);
-    if (!py::isinstance<py::array_t<uint8_t>>(layout_arr)) throw py::type_error("layout must be uint8");
+    if (!py::isinstance<py::array_t<uint8_t>>(layout_arr))
+      throw py::type_error("layout must be uint8");
     a.slayout = strides4(layout_arr, "layout");
     a.layout = static_cast<const uint8_t*>(layout_arr.data());
     a.layout_bq = layout_bq;
     a.layout_bk = layout_bk;
     a.layout_nq = layout_arr.shape(2);
     a.layout_nk = layout_arr.shape(3);
-    if (layout_bq < 1 || layout_bk < 1) throw py::value_error("layout_bq and layout_bk must be >= 1");
+    if (layout_bq < 1 || layout_bk < 1)
+      throw py::value_error("layout_bq and layout_bk must be >= 1");
     // ceil(L / block) blocks, written without L + block - 1 (no overflow for huge blocks)
     const int64_t nq = a.Lq / layout_bq + (a.Lq % layout_bq != 0);
     const int64_t nk = a.Lk / layout_bk + (a.Lk % layout_bk != 0);
-    if (layout_arr.shape(0) != batch_q || layout_arr.shape(1) != a.Hq || a.layout_nq < nq || a.layout_nk < nk)
-      throw py::value_error("layout has shape " + shape_of(layout_arr) + ", expected (" + std::to_string(batch_q) +
-                            ", " + std::to_string(a.Hq) + ", >= " + std::to_string(nq) + ", >= " +
-                            std::to_string(nk) + ") to cover (Lq, Lk) = (" + std::to_string(a.Lq) + ", " +
+    if (layout_arr.shape(0) != batch_q || layout_arr.shape(1) != a.Hq || a.layout_nq < nq ||
+        a.layout_nk < nk)
+      throw py::value_error("layout has shape " + shape_of(layout_arr) + ", expected (" +
+                            std::to_string(batch_q) + ", " + std::to_string(a.Hq) +
+                            ", >= " + std::to_string(nq) + ", >= " + std::to_string(nk) +
+                            ") to cover (Lq, Lk) = (" + std::to_string(a.Lq) + ", " +
                             std::to_string(a.Lk) + ")");
   }
   if (!mask.is_none()) {
@@ -246,8 +263,8 @@ py::tuple forward_t(py::array q, py::array k, py::array v, py::array o, py::obje
   AttnArgs<T> a;
   bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
   bind_shapes(a, q, k, v, o);
-  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias, alibi, softcap,
-                    sinks, block_q, block_k);
+  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                    alibi, softcap, sinks, block_q, block_k);
   using C = compute_t<T>;  // lse: fp32 for 16-bit storage
   const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
   a.lse = lse_of<C>(lse, a.Hq * lse_rows, "Hq * rows");
@@ -293,17 +310,23 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
               bool causal, double eps) {
   LinearAttnArgs<T> a;
   for (auto* arr : {&q, &k, &v, &o})
-    if (!py::isinstance<py::array_t<T>>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
+    if (!py::isinstance<py::array_t<T>>(*arr))
+      throw py::type_error("q, k, v, o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
   a.sq = strides4(q, "q");
   a.sk = strides4(k, "k");
   a.sv = strides4(v, "v");
   a.so = strides4(o, "o");
-  a.B = q.shape(0); a.H = q.shape(1); a.L = q.shape(2); a.d = q.shape(3); a.dv = v.shape(3);
+  a.B = q.shape(0);
+  a.H = q.shape(1);
+  a.L = q.shape(2);
+  a.d = q.shape(3);
+  a.dv = v.shape(3);
   for (int i = 0; i < 3; ++i)
     if (k.shape(i) != q.shape(i) || v.shape(i) != q.shape(i) || o.shape(i) != q.shape(i))
       throw py::value_error("q, k, v, o must agree on (B, H, L)");
-  if (k.shape(3) != a.d || o.shape(3) != a.dv) throw py::value_error("inconsistent q/k/v/o head dims");
+  if (k.shape(3) != a.d || o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o head dims");
   a.q = static_cast<const T*>(q.data());
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
@@ -317,7 +340,8 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
     kv_arr = py::cast<py::array>(kv);
     z_arr = py::cast<py::array>(k_sum);
     for (auto* arr : {&kv_arr, &z_arr})
-      if (!py::isinstance<py::array_t<double>>(*arr) || !(arr->flags() & py::array::c_style) || !arr->writeable())
+      if (!py::isinstance<py::array_t<double>>(*arr) || !(arr->flags() & py::array::c_style) ||
+          !arr->writeable())
         throw py::type_error("kv and k_sum must be writeable C-contiguous float64 arrays");
     if (kv_arr.size() != a.B * a.H * a.d * a.dv || z_arr.size() != a.B * a.H * a.d)
       throw py::value_error("kv must have B*H*d*dv elements and k_sum B*H*d");
@@ -333,8 +357,10 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
 
 void linear_attention(py::array q, py::array k, py::array v, py::array o, py::object kv,
                       py::object k_sum, bool causal, double eps) {
-  if (py::isinstance<py::array_t<float>>(q)) return linear_t<float>(q, k, v, o, kv, k_sum, causal, eps);
-  if (py::isinstance<py::array_t<double>>(q)) return linear_t<double>(q, k, v, o, kv, k_sum, causal, eps);
+  if (py::isinstance<py::array_t<float>>(q))
+    return linear_t<float>(q, k, v, o, kv, k_sum, causal, eps);
+  if (py::isinstance<py::array_t<double>>(q))
+    return linear_t<double>(q, k, v, o, kv, k_sum, causal, eps);
   throw py::type_error("q must be float32 or float64");
 }
 
@@ -344,14 +370,21 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
               py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
   DecodeArgs<T> a;
   bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
-  a.B = q.shape(0); a.Hq = q.shape(1); a.Lq = q.shape(2); a.d = q.shape(3);
-  a.Hkv = k.shape(1); a.R = k.shape(2); a.dv = v.shape(3);
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Lq = q.shape(2);
+  a.d = q.shape(3);
+  a.Hkv = k.shape(1);
+  a.R = k.shape(2);
+  a.dv = v.shape(3);
   if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
       v.shape(1) != a.Hkv || o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq ||
       o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
-  a.split = split > a.R ? a.R : split;  // a split longer than the keys is one split (no c0 + split overflow)
+  a.split = split > a.R
+                ? a.R
+                : split;  // a split longer than the keys is one split (no c0 + split overflow)
   a.num_threads = threads_for_call();  // 1 in a forked child of a libgomp process, as for forward
   a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
   a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
@@ -369,20 +402,20 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
 }
 
 void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
-            bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-            py::object kv_lens, py::object kv_start, int64_t split) {
+            bool causal, bool top_left, int64_t window_left, int64_t window_right,
+            py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
   if (py::isinstance<py::array_t<float>>(q))
-    return decode_t<float>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
-                           kv_lens, kv_start, split);
+    return decode_t<float>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                           q_lens, kv_lens, kv_start, split);
   if (py::isinstance<py::array_t<double>>(q))
-    return decode_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
-                            kv_lens, kv_start, split);
+    return decode_t<double>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                            q_lens, kv_lens, kv_start, split);
   if (has_dtype<fp16_t>(q))
-    return decode_t<fp16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
-                            kv_lens, kv_start, split);
+    return decode_t<fp16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                            q_lens, kv_lens, kv_start, split);
   if (has_dtype<bf16_t>(q))
-    return decode_t<bf16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
-                            kv_lens, kv_start, split);
+    return decode_t<bf16_t>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
+                            q_lens, kv_lens, kv_start, split);
   throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
@@ -390,29 +423,34 @@ void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, 
 // their input (4-D strided).
 template <typename T>
 Strides4 grad_out(py::array& x, const py::array& like, const char* name) {
-  if (!py::isinstance<py::array_t<T>>(x)) throw py::type_error(std::string(name) + " must have q's dtype");
+  if (!py::isinstance<py::array_t<T>>(x))
+    throw py::type_error(std::string(name) + " must have q's dtype");
   if (!x.writeable()) throw py::value_error(std::string(name) + " is read-only");
-  if (x.ndim() != 4 || like.ndim() != 4 || x.shape(0) != like.shape(0) || x.shape(1) != like.shape(1) ||
-      x.shape(2) != like.shape(2) || x.shape(3) != like.shape(3))
-    throw py::value_error(std::string(name) + " has shape " + shape_of(x) + ", expected " + shape_of(like));
+  if (x.ndim() != 4 || like.ndim() != 4 || x.shape(0) != like.shape(0) ||
+      x.shape(1) != like.shape(1) || x.shape(2) != like.shape(2) || x.shape(3) != like.shape(3))
+    throw py::value_error(std::string(name) + " has shape " + shape_of(x) + ", expected " +
+                          shape_of(like));
   return strides4(x, name);
 }
 
 template <typename T>
 void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,
-                py::array dq, py::array dk, py::array dv, py::object dsinks, double scale, bool causal,
-                bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-                py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout,
-                int64_t layout_bq, int64_t layout_bk, py::object mask, py::object bias,
-                py::object alibi, double softcap, py::object sinks, int block_q, int block_k) {
+                py::array dq, py::array dk, py::array dv, py::object dsinks, double scale,
+                bool causal, bool top_left, int64_t window_left, int64_t window_right,
+                py::object q_lens, py::object kv_lens, py::object cu_q, py::object cu_k,
+                py::object layout, int64_t layout_bq, int64_t layout_bk, py::object mask,
+                py::object bias, py::object alibi, double softcap, py::object sinks, int block_q,
+                int block_k) {
   BwdArgs<T> g;
   AttnArgs<T>& a = g.f;
   bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
   bind_shapes(a, q, k, v, o);
   if (!py::isinstance<py::array_t<T>>(dout)) throw py::type_error("dout must have q's dtype");
   g.sdo = strides4(dout, "dout");
-  if (dout.shape(0) != a.B || dout.shape(1) != a.Hq || dout.shape(2) != a.Lq || dout.shape(3) != a.dv)
-    throw py::value_error("dout has shape " + shape_of(dout) + ", expected the shape of o " + shape_of(o));
+  if (dout.shape(0) != a.B || dout.shape(1) != a.Hq || dout.shape(2) != a.Lq ||
+      dout.shape(3) != a.dv)
+    throw py::value_error("dout has shape " + shape_of(dout) + ", expected the shape of o " +
+                          shape_of(o));
   g.dout = static_cast<const T*>(dout.data());
   g.sdq = grad_out<T>(dq, q, "dq");
   g.sdk = grad_out<T>(dk, k, "dk");
@@ -420,15 +458,16 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
   g.dq = static_cast<T*>(dq.mutable_data());
   g.dk = static_cast<T*>(dk.mutable_data());
   g.dv = static_cast<T*>(dv.mutable_data());
-  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias, alibi, softcap,
-                    sinks, block_q, block_k);
+  bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
+                    alibi, softcap, sinks, block_q, block_k);
   const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
   a.lse = const_cast<T*>(data_of<T>(lse, "lse", a.Hq * lse_rows));  // read only
   if (!dsinks.is_none()) {
     auto ds = py::cast<py::array>(dsinks);
-    if (!py::isinstance<py::array_t<T>>(ds) || !(ds.flags() & py::array::c_style) || !ds.writeable() ||
-        ds.size() != a.Hq)
-      throw py::value_error("dsinks must be a writeable C-contiguous array of Hq elements of q's dtype");
+    if (!py::isinstance<py::array_t<T>>(ds) || !(ds.flags() & py::array::c_style) ||
+        !ds.writeable() || ds.size() != a.Hq)
+      throw py::value_error(
+          "dsinks must be a writeable C-contiguous array of Hq elements of q's dtype");
     g.dsinks = static_cast<T*>(ds.mutable_data());
   }
   if (a.sinks && !g.dsinks) throw py::value_error("sinks need a dsinks output");
@@ -440,19 +479,22 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
 }
 
 void backward(py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,
-              py::array dq, py::array dk, py::array dv, py::object dsinks, double scale, bool causal,
-              bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-              py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout,
-              int64_t layout_bq, int64_t layout_bk, py::object mask, py::object bias, py::object alibi,
-              double softcap, py::object sinks, int block_q, int block_k) {
+              py::array dq, py::array dk, py::array dv, py::object dsinks, double scale,
+              bool causal, bool top_left, int64_t window_left, int64_t window_right,
+              py::object q_lens, py::object kv_lens, py::object cu_q, py::object cu_k,
+              py::object layout, int64_t layout_bq, int64_t layout_bk, py::object mask,
+              py::object bias, py::object alibi, double softcap, py::object sinks, int block_q,
+              int block_k) {
   if (py::isinstance<py::array_t<float>>(q))
-    return backward_t<float>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left, window_left,
-                             window_right, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask,
-                             bias, alibi, softcap, sinks, block_q, block_k);
+    return backward_t<float>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left,
+                             window_left, window_right, q_lens, kv_lens, cu_q, cu_k, layout,
+                             layout_bq, layout_bk, mask, bias, alibi, softcap, sinks, block_q,
+                             block_k);
   if (py::isinstance<py::array_t<double>>(q))
-    return backward_t<double>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left, window_left,
-                              window_right, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask,
-                              bias, alibi, softcap, sinks, block_q, block_k);
+    return backward_t<double>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left,
+                              window_left, window_right, q_lens, kv_lens, cu_q, cu_k, layout,
+                              layout_bq, layout_bk, mask, bias, alibi, softcap, sinks, block_q,
+                              block_k);
   throw py::type_error("q must be float32 or float64");
 }
 
@@ -465,11 +507,11 @@ PYBIND11_MODULE(_core, m) {
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(),
-        py::arg("layout") = py::none(), py::arg("layout_bq") = 1, py::arg("layout_bk") = 1,
-        py::arg("mask") = py::none(), py::arg("bias") = py::none(),
-        py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
-        py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("reference") = false,
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
+        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
+        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
+        py::arg("reference") = false,
         "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped). "
         "float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, alibi and sinks are "
         "float32 for both.");
@@ -489,16 +531,21 @@ PYBIND11_MODULE(_core, m) {
   m.def("get_num_threads", &get_num_threads);
   m.def("openmp_enabled", &openmp_enabled);
   m.def("openmp_runtime", &openmp_runtime);
-  m.def("forked_child_serial", &forked_child_serial,
-        "True in a forked child of a libgomp process that ran threads: kernels run single-threaded.");
+  m.def(
+      "forked_child_serial", &forked_child_serial,
+      "True in a forked child of a libgomp process that ran threads: kernels run single-threaded.");
   m.def("threads_for_call", &threads_for_call,
-        "Threads for one parallel call (get_num_threads(), 1 in a serial forked child); notes a pool for the fork guard.");
-  m.def("fma_peak_gflops", [](int threads, double seconds) {
-    py::gil_scoped_release release;
-    return fma_peak_gflops(threads, seconds);
-  }, py::arg("threads"), py::arg("seconds") = 0.3);
-  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-        py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
+        "Threads for one parallel call (get_num_threads(), 1 in a serial forked child); notes a "
+        "pool for the fork guard.");
+  m.def(
+      "fma_peak_gflops",
+      [](int threads, double seconds) {
+        py::gil_scoped_release release;
+        return fma_peak_gflops(threads, seconds);
+      },
+      py::arg("threads"), py::arg("seconds") = 0.3);
+  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
         py::arg("causal") = false, py::arg("eps") = 0.0,
         "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
         "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place.");
@@ -508,24 +555,30 @@ PYBIND11_MODULE(_core, m) {
         py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
         py::arg("kv_start") = py::none(), py::arg("split") = 0,
         "Split-KV decode kernel on 4-D strided arrays; k/v may be a ring of R slots (kv_start).");
-  m.def("stream_read_gbps", [](int threads, int64_t nbytes, int reps) {
-    py::gil_scoped_release release;
-    return stream_read_gbps(threads, nbytes, reps);
-  }, py::arg("threads"), py::arg("nbytes"), py::arg("reps") = 5,
-     "Streaming-read bandwidth (GB/s) of `threads` threads over an nbytes buffer, best of reps.");
-  m.def("read_bandwidth_gbs", [](int threads, int64_t bytes, double seconds) {
-    py::gil_scoped_release release;
-    return read_bandwidth_gbs(threads, bytes, seconds);
-  }, py::arg("threads"), py::arg("bytes") = int64_t(512) << 20, py::arg("seconds") = 0.3,
-     "Streaming-read bandwidth in GB/s (best pass over a `bytes` buffer).");
-  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-        py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dsinks") = py::none(),
-        py::kw_only(), py::arg("scale"), py::arg("causal") = false, py::arg("top_left") = false,
-        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("q_lens") = py::none(),
-        py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(),
-        py::arg("layout") = py::none(), py::arg("layout_bq") = 1, py::arg("layout_bk") = 1,
-        py::arg("mask") = py::none(), py::arg("bias") = py::none(), py::arg("alibi") = py::none(),
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("block_q") = 0,
-        py::arg("block_k") = 0,
+  m.def(
+      "stream_read_gbps",
+      [](int threads, int64_t nbytes, int reps) {
+        py::gil_scoped_release release;
+        return stream_read_gbps(threads, nbytes, reps);
+      },
+      py::arg("threads"), py::arg("nbytes"), py::arg("reps") = 5,
+      "Streaming-read bandwidth (GB/s) of `threads` threads over an nbytes buffer, best of reps.");
+  m.def(
+      "read_bandwidth_gbs",
+      [](int threads, int64_t bytes, double seconds) {
+        py::gil_scoped_release release;
+        return read_bandwidth_gbs(threads, bytes, seconds);
+      },
+      py::arg("threads"), py::arg("bytes") = int64_t(512) << 20, py::arg("seconds") = 0.3,
+      "Streaming-read bandwidth in GB/s (best pass over a `bytes` buffer).");
+  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dsinks") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
+        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
+        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
         "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks).");
 }

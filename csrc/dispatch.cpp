@@ -28,21 +28,21 @@
 
 namespace attn_fast {
 
-#define ATTN_DECLARE_ISA(ns)                                      \
-  namespace ns {                                                  \
-  AttnStats flash_forward_f32(const AttnArgs<float>& a);          \
-  AttnStats flash_forward_f64(const AttnArgs<double>& a);         \
-  double fma_loop(int64_t iters);                                 \
-  void decode_forward_f32(const DecodeArgs<float>& a);            \
-  void decode_forward_f64(const DecodeArgs<double>& a);           \
-  void decode_forward_bf16(const DecodeArgs<bf16_t>& a);         \
-  void decode_forward_f16(const DecodeArgs<fp16_t>& a);          \
-  float stream_read(const float* p, int64_t n);                   \
-  double read_loop(const float* p, int64_t n);                    \
-  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);        \
-  AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a);         \
-  void flash_backward_f32(const BwdArgs<float>& a);               \
-  void flash_backward_f64(const BwdArgs<double>& a);              \
+#define ATTN_DECLARE_ISA(ns)                               \
+  namespace ns {                                           \
+  AttnStats flash_forward_f32(const AttnArgs<float>& a);   \
+  AttnStats flash_forward_f64(const AttnArgs<double>& a);  \
+  double fma_loop(int64_t iters);                          \
+  void decode_forward_f32(const DecodeArgs<float>& a);     \
+  void decode_forward_f64(const DecodeArgs<double>& a);    \
+  void decode_forward_bf16(const DecodeArgs<bf16_t>& a);   \
+  void decode_forward_f16(const DecodeArgs<fp16_t>& a);    \
+  float stream_read(const float* p, int64_t n);            \
+  double read_loop(const float* p, int64_t n);             \
+  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
+  AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a);  \
+  void flash_backward_f32(const BwdArgs<float>& a);        \
+  void flash_backward_f64(const BwdArgs<double>& a);       \
   }
 ATTN_DECLARE_ISA(isa_scalar)
 #ifdef ATTN_HAVE_AVX2
@@ -90,7 +90,8 @@ CpuFeatures detect() {
   f.avx2 = os_ymm && avx2 && fma;
   f.avx512 = f.avx2 && os_zmm && f512 && dq && bw && vl;
   const unsigned max_subleaf7 = a;  // EAX of leaf 7, subleaf 0
-  if (f.avx512 && max_subleaf7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = a & (1u << 5);
+  if (f.avx512 && max_subleaf7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d))
+    f.avx512_bf16 = a & (1u << 5);
 #endif
   return f;
 }
@@ -102,27 +103,36 @@ const CpuFeatures& features() {
 
 bool supported(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return true;
-    case Isa::avx2: return features().avx2;
-    case Isa::avx512: return features().avx512;
-    case Isa::avx512_bf16: return features().avx512_bf16;
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+      return features().avx2;
+    case Isa::avx512:
+      return features().avx512;
+    case Isa::avx512_bf16:
+      return features().avx512_bf16;
   }
   return false;
 }
 
 bool compiled(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return true;
+    case Isa::scalar:
+      return true;
 #ifdef ATTN_HAVE_AVX2
-    case Isa::avx2: return true;
+    case Isa::avx2:
+      return true;
 #endif
 #ifdef ATTN_HAVE_AVX512
-    case Isa::avx512: return true;
+    case Isa::avx512:
+      return true;
 #endif
 #ifdef ATTN_HAVE_AVX512_BF16
-    case Isa::avx512_bf16: return true;
+    case Isa::avx512_bf16:
+      return true;
 #endif
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -131,7 +141,8 @@ Isa best_isa() {
   for (Isa i : {Isa::avx2, Isa::avx512})
     if (compiled(i) && supported(i)) best = i;
   // avx512_bf16 only where its dot product measured faster (dispatch's end).
-  if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) && bf16_dot_preferred())
+  if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) &&
+      bf16_dot_preferred())
     best = Isa::avx512_bf16;
   return best;
 }
@@ -179,7 +190,8 @@ bool process_has_other_threads() {
 #endif
 }
 void on_fork_prepare() {
-  g_fork_parent_threaded.store(g_pool_used.load() || g_forked_child.load() || process_has_other_threads());
+  g_fork_parent_threaded.store(g_pool_used.load() || g_forked_child.load() ||
+                               process_has_other_threads());
 }
 void on_fork_child() {
   if (g_fork_parent_threaded.load()) g_forked_child.store(true);
@@ -196,10 +208,14 @@ const ForkGuard g_fork_guard;
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-    case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx512_bf16:
+      return "avx512_bf16";
   }
   return "?";
 }
@@ -209,7 +225,8 @@ Isa parse_isa(const std::string& name) {
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
   if (name == "avx512_bf16") return Isa::avx512_bf16;
-  throw std::invalid_argument("unknown ISA '" + name + "' (expected scalar, avx2, avx512 or avx512_bf16)");
+  throw std::invalid_argument("unknown ISA '" + name +
+                              "' (expected scalar, avx2, avx512 or avx512_bf16)");
 }
 
 std::vector<Isa> compiled_isas() {
@@ -291,25 +308,33 @@ std::string openmp_runtime() {
 #endif
 }
 
-#define ATTN_DISPATCH(fn, ...)                                          \
-  switch (active_isa()) {                                               \
-    AVX512_CASE(fn, __VA_ARGS__)                                        \
-    AVX2_CASE(fn, __VA_ARGS__)                                          \
-    default: return isa_scalar::fn(__VA_ARGS__);                        \
+#define ATTN_DISPATCH(fn, ...)            \
+  switch (active_isa()) {                 \
+    AVX512_CASE(fn, __VA_ARGS__)          \
+    AVX2_CASE(fn, __VA_ARGS__)            \
+    default:                              \
+      return isa_scalar::fn(__VA_ARGS__); \
   }
 #ifdef ATTN_HAVE_AVX512
-#define AVX512_CASE(fn, ...) case Isa::avx512: case Isa::avx512_bf16: return isa_avx512::fn(__VA_ARGS__);
+#define AVX512_CASE(fn, ...) \
+  case Isa::avx512:          \
+  case Isa::avx512_bf16:     \
+    return isa_avx512::fn(__VA_ARGS__);
 #else
 #define AVX512_CASE(fn, ...)
 #endif
 #ifdef ATTN_HAVE_AVX2
-#define AVX2_CASE(fn, ...) case Isa::avx2: return isa_avx2::fn(__VA_ARGS__);
+#define AVX2_CASE(fn, ...) \
+  case Isa::avx2:          \
+    return isa_avx2::fn(__VA_ARGS__);
 #else
 #define AVX2_CASE(fn, ...)
 #endif
 
-AttnStats flash_forward(const AttnArgs<float>& a) { ATTN_DISPATCH(flash_forward_f32, a) }
-AttnStats flash_forward(const AttnArgs<double>& a) { ATTN_DISPATCH(flash_forward_f64, a) }
+AttnStats flash_forward(const AttnArgs<float>& a){ATTN_DISPATCH(flash_forward_f32, a)} AttnStats
+    flash_forward(const AttnArgs<double>& a) {
+  ATTN_DISPATCH(flash_forward_f64, a)
+}
 
 static double fma_loop_active(int64_t iters) { ATTN_DISPATCH(fma_loop, iters) }
 
@@ -331,7 +356,9 @@ double fma_peak_gflops(int threads, double seconds) {
   double flops = 0;
   const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
-  { flops += fma_loop_active(iters); }
+  {
+    flops += fma_loop_active(iters);
+  }
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return flops / dt * 1e-9;
 }
@@ -351,7 +378,8 @@ double stream_read_gbps(int threads, int64_t nbytes, int reps) {
   if (reps < 1) reps = 1;
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(float)) / threads / 16 * 16;
   if (n <= 0) return 0.0;
-  float* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n * threads) * sizeof(float)));
+  float* buf =
+      static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n * threads) * sizeof(float)));
   if (!buf) throw std::bad_alloc();
   double best = 0;
   float sink = 0;
@@ -374,7 +402,8 @@ double stream_read_gbps(int threads, int64_t nbytes, int reps) {
 #pragma omp barrier
 #pragma omp master
       {  // the barrier above waited for the slowest thread
-        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double dt =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double gbps = static_cast<double>(n) * threads * sizeof(float) / dt * 1e-9;
         if (gbps > best) best = gbps;
       }
@@ -439,7 +468,8 @@ static bool measure_bf16_dot() {
     for (int rep = 0; rep < 3; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
       const double flops = loop(iters);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (dt > 0 && flops / dt > best) best = flops / dt;
     }
     return best;

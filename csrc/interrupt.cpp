@@ -38,7 +38,9 @@ int64_t now_ns() {
 void set_interrupt_check(InterruptCheck fn) { g_check.store(fn); }
 
 CancelToken::CancelToken()
-    : check_(g_check.load()), owner_(std::this_thread::get_id()), next_ns_(now_ns() + kPollIntervalNs) {}
+    : check_(g_check.load()),
+      owner_(std::this_thread::get_id()),
+      next_ns_(now_ns() + kPollIntervalNs) {}
 
 bool CancelToken::poll() {
   if (stop_.load(std::memory_order_relaxed)) return true;

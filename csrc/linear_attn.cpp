@@ -50,11 +50,11 @@
 namespace attn_fast {
 namespace {
 
-constexpr int64_t kBr = 64;  // rows per read-out work item (non-causal)
-constexpr int kJB = 4;       // columns of KV held in registers per pass
-constexpr int kTc = 2;       // tokens per step of the causal sweep
-constexpr int kTa = 4;       // tokens per step of the non-causal accumulation
-constexpr int kR = 4;        // rows per step of the non-causal read-out
+constexpr int64_t kBr = 64;           // rows per read-out work item (non-causal)
+constexpr int kJB = 4;                // columns of KV held in registers per pass
+constexpr int kTc = 2;                // tokens per step of the causal sweep
+constexpr int kTa = 4;                // tokens per step of the non-causal accumulation
+constexpr int kR = 4;                 // rows per step of the non-causal read-out
 constexpr int64_t kPollTokens = 256;  // Ctrl-C is looked for every 256 tokens of a sweep
 
 // Per-thread scratch vectors, sized inside a parallel region: an allocation
@@ -90,8 +90,9 @@ inline void load(double* dst, const T* src, int64_t stride, int64_t n) {
 // Causal step for NT consecutive tokens (kb, qb: NT x d; vb, num: NT x dv):
 //   KV[i, j] += k_t[i] v_t[j]; num_t[j] = sum_i q_t[i] KV_t[i, j], t in order.
 template <int NT, int JB>
-inline void causal_cols(double* __restrict kv, const double* __restrict kb, const double* __restrict qb,
-                        const double* __restrict vb, double* __restrict num, int64_t d, int64_t dv, int64_t j0) {
+inline void causal_cols(double* __restrict kv, const double* __restrict kb,
+                        const double* __restrict qb, const double* __restrict vb,
+                        double* __restrict num, int64_t d, int64_t dv, int64_t j0) {
   double vv[NT][JB], acc[NT][JB];
   for (int t = 0; t < NT; ++t)
     for (int jj = 0; jj < JB; ++jj) {
@@ -117,8 +118,8 @@ inline void causal_cols(double* __restrict kv, const double* __restrict kb, cons
 
 // KV[i, j] += sum_t k_t[i] v_t[j] over NT tokens (no read-out).
 template <int NT, int JB>
-inline void accum_cols(double* __restrict kv, const double* __restrict kb, const double* __restrict vb,
-                       int64_t d, int64_t dv, int64_t j0) {
+inline void accum_cols(double* __restrict kv, const double* __restrict kb,
+                       const double* __restrict vb, int64_t d, int64_t dv, int64_t j0) {
   double vv[NT][JB];
   for (int t = 0; t < NT; ++t)
     for (int jj = 0; jj < JB; ++jj) vv[t][jj] = vb[t * dv + j0 + jj];
@@ -136,8 +137,8 @@ inline void accum_cols(double* __restrict kv, const double* __restrict kb, const
 
 // num_r[j] = sum_i q_r[i] KV[i, j] for NR rows (qb: NR x d; num: NR x dv).
 template <int NR, int JB>
-inline void readout_cols(const double* __restrict kv, const double* __restrict qb, double* __restrict num,
-                         int64_t d, int64_t dv, int64_t j0) {
+inline void readout_cols(const double* __restrict kv, const double* __restrict qb,
+                         double* __restrict num, int64_t d, int64_t dv, int64_t j0) {
   double acc[NR][JB];
   for (int r = 0; r < NR; ++r)
     for (int jj = 0; jj < JB; ++jj) acc[r][jj] = 0.0;
@@ -156,8 +157,8 @@ inline void readout_cols(const double* __restrict kv, const double* __restrict q
 
 // All dv columns: full JB-wide blocks, then single columns for the tail.
 template <int NT>
-inline void causal_step(double* kv, const double* kb, const double* qb, const double* vb, double* num,
-                        int64_t d, int64_t dv) {
+inline void causal_step(double* kv, const double* kb, const double* qb, const double* vb,
+                        double* num, int64_t d, int64_t dv) {
   int64_t j0 = 0;
   for (; j0 + kJB <= dv; j0 += kJB) causal_cols<NT, kJB>(kv, kb, qb, vb, num, d, dv, j0);
   for (; j0 < dv; ++j0) causal_cols<NT, 1>(kv, kb, qb, vb, num, d, dv, j0);
@@ -177,8 +178,8 @@ inline void readout_step(const double* kv, const double* qb, double* num, int64_
 
 // o_r = num_r / den_r with den_r = q_r . z + eps; zeros if den_r is 0.
 template <typename T>
-inline void write_rows(const LinearAttnArgs<T>& a, int64_t b, int64_t h, int64_t t0, int nt, const double* num,
-                       const double* den) {
+inline void write_rows(const LinearAttnArgs<T>& a, int64_t b, int64_t h, int64_t t0, int nt,
+                       const double* num, const double* den) {
   for (int t = 0; t < nt; ++t) {
     T* o = a.o + b * a.so.b + h * a.so.h + (t0 + t) * a.so.l;
     const double dn = den[t];
@@ -197,8 +198,12 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
   {
     // Per-thread scratch: state (if the caller keeps none), kTc rows of each input.
     std::vector<double> own_kv, own_z, qb, kb, vb, num;
-    const bool ok = sized({{&own_kv, a.kv ? 0 : d * dv}, {&own_z, a.kv ? 0 : d}, {&qb, kTc * d},
-                           {&kb, kTc * d}, {&vb, kTc * dv}, {&num, kTc * dv}});
+    const bool ok = sized({{&own_kv, a.kv ? 0 : d * dv},
+                           {&own_z, a.kv ? 0 : d},
+                           {&qb, kTc * d},
+                           {&kb, kTc * d},
+                           {&vb, kTc * dv},
+                           {&num, kTc * dv}});
     failed += ok ? 0 : 1;
     double den[kTc];
 #pragma omp for schedule(dynamic, 1) nowait
@@ -273,7 +278,8 @@ void non_causal(const LinearAttnArgs<T>& a) {
         if (nt == kTa)
           accum_step<kTa>(kv, kb.data(), vb.data(), d, dv);
         else
-          for (int t = 0; t < nt; ++t) accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
+          for (int t = 0; t < nt; ++t)
+            accum_step<1>(kv, kb.data() + t * d, vb.data() + t * dv, d, dv);
       }
     }
     tok.finish_share();  // the calling thread keeps polling until the team is done
@@ -306,7 +312,8 @@ void non_causal(const LinearAttnArgs<T>& a) {
         if (nt == kR)
           readout_step<kR>(kv, qb.data(), num.data(), d, dv);
         else
-          for (int t = 0; t < nt; ++t) readout_step<1>(kv, qb.data() + t * d, num.data() + t * dv, d, dv);
+          for (int t = 0; t < nt; ++t)
+            readout_step<1>(kv, qb.data() + t * d, num.data() + t * dv, d, dv);
         write_rows(a, b, h, t0, nt, num.data(), den);
       }
     }

@@ -30,7 +30,9 @@ from attn_fast import distributed as cp
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq-len", type=int, default=16384, help="global sequence length L (multiple of 2P)")
+    ap.add_argument(
+        "--seq-len", type=int, default=16384, help="global sequence length L (multiple of 2P)"
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default: --heads")
@@ -39,7 +41,9 @@ def main():
     ap.add_argument("--layout", choices=cp.LAYOUTS, default="zigzag")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--threads", type=int, default=1, help="attn_fast / torch threads per rank")
-    ap.add_argument("--check", action="store_true", help="compare with one-process attention on rank 0")
+    ap.add_argument(
+        "--check", action="store_true", help="compare with one-process attention on rank 0"
+    )
     ap.add_argument("--backward", action="store_true", help="time the backward pass too")
     a = ap.parse_args()
 
@@ -56,7 +60,9 @@ def main():
     def make(heads, seed):
         """This rank's shard of one global tensor (and, with --check, the whole tensor)."""
         if a.check:  # the same whole tensor on every rank, then this rank's rows of it
-            whole = torch.randn((a.batch, heads, L, d), generator=torch.Generator().manual_seed(seed), dtype=dt)
+            whole = torch.randn(
+                (a.batch, heads, L, d), generator=torch.Generator().manual_seed(seed), dtype=dt
+            )
             return cp.shard_sequence(whole, rank, P, a.layout), whole
         # otherwise only the shard itself: memory O(L/P) per rank
         g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -84,7 +90,12 @@ def main():
         nbytes = sum(x.numel() * x.element_size() for x in (q, k, v, out))
         row.update(sent_mb=nbytes * (P - 1) / P / 2**20)
     else:
-        row.update(compute_s=stats.compute_s, wait_s=stats.wait_s, sent_mb=stats.bytes_sent / 2**20, pairs=stats.pairs)
+        row.update(
+            compute_s=stats.compute_s,
+            wait_s=stats.wait_s,
+            sent_mb=stats.bytes_sent / 2**20,
+            pairs=stats.pairs,
+        )
     rows = [None] * P
     dist.all_gather_object(rows, row)
 
@@ -92,21 +103,30 @@ def main():
     if a.check:
         dist.all_gather(outs, out.detach().contiguous())
     if rank == 0:
-        print(f"attn_fast {af.__version__} | {a.method} | P={P} | L={L} B={a.batch} H={H} H_kv={Hkv} d={d} "
-              f"{a.dtype} causal | layout {a.layout} | isa {af.get_isa()} | threads/rank {a.threads}")
-        print(f"{'rank':>4} {'fwd [s]':>9} {'compute':>9} {'wait':>9} {'sent MiB':>9} {'pairs':>13} {'bwd [s]':>9}")
+        print(
+            f"attn_fast {af.__version__} | {a.method} | P={P} | L={L} B={a.batch} H={H} H_kv={Hkv} d={d} "
+            f"{a.dtype} causal | layout {a.layout} | isa {af.get_isa()} | threads/rank {a.threads}"
+        )
+        print(
+            f"{'rank':>4} {'fwd [s]':>9} {'compute':>9} {'wait':>9} {'sent MiB':>9} {'pairs':>13} {'bwd [s]':>9}"
+        )
         for r in rows:
-            print(f"{r['rank']:4d} {r['fwd_s']:9.3f} {r.get('compute_s', float('nan')):9.3f} "
-                  f"{r.get('wait_s', float('nan')):9.3f} {r.get('sent_mb', float('nan')):9.2f} "
-                  f"{r.get('pairs', 0):13d} {r['bwd_s']:9.3f}")
+            print(
+                f"{r['rank']:4d} {r['fwd_s']:9.3f} {r.get('compute_s', float('nan')):9.3f} "
+                f"{r.get('wait_s', float('nan')):9.3f} {r.get('sent_mb', float('nan')):9.2f} "
+                f"{r.get('pairs', 0):13d} {r['bwd_s']:9.3f}"
+            )
         if stats is not None:
             comp = [r["compute_s"] for r in rows]
-            print(f"compute: slowest rank / mean = {max(comp) / np.mean(comp):.3f}; "
-                  f"pairs: max / mean = {max(r['pairs'] for r in rows) / np.mean([r['pairs'] for r in rows]):.3f}")
+            print(
+                f"compute: slowest rank / mean = {max(comp) / np.mean(comp):.3f}; "
+                f"pairs: max / mean = {max(r['pairs'] for r in rows) / np.mean([r['pairs'] for r in rows]):.3f}"
+            )
         if a.check:
             whole = cp.gather_sequence(outs, a.layout)
-            one = af.scaled_dot_product_attention(qw.numpy(), kw.numpy(), vw.numpy(), is_causal=True,
-                                                  enable_gqa=Hkv != H)
+            one = af.scaled_dot_product_attention(
+                qw.numpy(), kw.numpy(), vw.numpy(), is_causal=True, enable_gqa=Hkv != H
+            )
             err = float(np.abs(whole.numpy() - one).max())
             print(f"check: max |{a.method} - one process| = {err:.2e}")
             if err > (1e-4 if a.dtype == "float32" else 1e-10):

@@ -23,16 +23,28 @@ import attn_fast.integrations.transformers as af_hf
 
 def small_random_model():
     cfg = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint for AutoModelForCausalLM (default: small random model)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint for AutoModelForCausalLM (default: small random model)",
+    )
     p.add_argument("--new-tokens", type=int, default=20)
     args = p.parse_args()
 
@@ -71,7 +83,7 @@ def main():
                 input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False
             )
         print("greedy tokens identical:", torch.equal(out["sdpa"], out["attn_fast"]))
-        print("attn_fast continuation of prompt 0:", out["attn_fast"][0, ids.shape[1]:].tolist())
+        print("attn_fast continuation of prompt 0:", out["attn_fast"][0, ids.shape[1] :].tolist())
 
 
 if __name__ == "__main__":

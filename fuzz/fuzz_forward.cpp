@@ -96,29 +96,31 @@ char g_problem[512];  // the decoded problem, printed with a finding
 
 template <typename T>
 void describe(const AttnArgs<T>& a, Isa isa) {
-  std::snprintf(g_problem, sizeof g_problem,
-                "%s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld d=%lld dv=%lld causal=%d top_left=%d "
-                "window=(%lld,%lld) lens=%d varlen=%d layout=%d(%lldx%lld) mask=%d bias=%d alibi=%d "
-                "softcap=%g sinks=%d block=(%d,%d) threads=%d scale=%g",
-                sizeof(T) == 4 ? "f32" : "f64", isa_name(isa), (long long)a.B, (long long)a.Hq,
-                (long long)a.Hkv, (long long)a.Lq, (long long)a.Lk, (long long)a.d, (long long)a.dv,
-                a.causal, a.top_left, (long long)a.window_left, (long long)a.window_right,
-                a.q_lens != nullptr, a.cu_q != nullptr, a.layout != nullptr, (long long)a.layout_bq,
-                (long long)a.layout_bk, a.mask != nullptr, a.bias != nullptr, a.alibi != nullptr,
-                a.softcap, a.sinks != nullptr, a.block_q, a.block_k, a.num_threads, a.scale);
+  std::snprintf(
+      g_problem, sizeof g_problem,
+      "%s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld d=%lld dv=%lld causal=%d top_left=%d "
+      "window=(%lld,%lld) lens=%d varlen=%d layout=%d(%lldx%lld) mask=%d bias=%d alibi=%d "
+      "softcap=%g sinks=%d block=(%d,%d) threads=%d scale=%g",
+      sizeof(T) == 4 ? "f32" : "f64", isa_name(isa), (long long)a.B, (long long)a.Hq,
+      (long long)a.Hkv, (long long)a.Lq, (long long)a.Lk, (long long)a.d, (long long)a.dv, a.causal,
+      a.top_left, (long long)a.window_left, (long long)a.window_right, a.q_lens != nullptr,
+      a.cu_q != nullptr, a.layout != nullptr, (long long)a.layout_bq, (long long)a.layout_bk,
+      a.mask != nullptr, a.bias != nullptr, a.alibi != nullptr, a.softcap, a.sinks != nullptr,
+      a.block_q, a.block_k, a.num_threads, a.scale);
 }
 
 [[noreturn]] void fail(const char* what, int64_t i, double a, double b) {
-  std::fprintf(stderr, "MISMATCH %s at %lld: kernel %.9g reference %.9g\n  %s\n", what, (long long)i, a, b,
-               g_problem);
+  std::fprintf(stderr, "MISMATCH %s at %lld: kernel %.9g reference %.9g\n  %s\n", what,
+               (long long)i, a, b, g_problem);
   std::abort();
 }
 
 // Both outputs (o1: the kernel under test, o2: the reference) element by
 // element over o's view; everything outside the view must keep kGuard.
 template <typename T>
-void compare(const Tensor& o, const int64_t no[4], const std::vector<T>& o1, const std::vector<T>& o2,
-             bool want_lse, const std::vector<T>& l1, const std::vector<T>& l2, int64_t n_lse) {
+void compare(const Tensor& o, const int64_t no[4], const std::vector<T>& o1,
+             const std::vector<T>& o2, bool want_lse, const std::vector<T>& l1,
+             const std::vector<T>& l2, int64_t n_lse) {
   // Compare every element of the output view; the rest must keep kGuard.
   const double rtol = sizeof(T) == 4 ? 2e-3 : 1e-9, atol = sizeof(T) == 4 ? 2e-4 : 1e-10;
   std::vector<uint8_t> in_view(o.store.size(), 0);
@@ -189,12 +191,14 @@ void run(FuzzedDataProvider& fdp) {
   fill(k);
   fill(v);
   // A few non-finite values in q and k (masked or not).
-  const int n_bad = fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? fdp.ConsumeIntegralInRange<int>(1, 3) : 0;
+  const int n_bad =
+      fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? fdp.ConsumeIntegralInRange<int>(1, 3) : 0;
   for (int i = 0; i < n_bad; ++i) {
     Tensor& t = fdp.ConsumeBool() ? q : k;
     if (t.store.empty()) continue;
     const double bad[3] = {std::numeric_limits<double>::quiet_NaN(), HUGE_VAL, -HUGE_VAL};
-    t.store[fdp.ConsumeIntegralInRange<size_t>(0, t.store.size() - 1)] = bad[fdp.ConsumeIntegralInRange<int>(0, 2)];
+    t.store[fdp.ConsumeIntegralInRange<size_t>(0, t.store.size() - 1)] =
+        bad[fdp.ConsumeIntegralInRange<int>(0, 2)];
   }
 
   a.scale = fdp.ConsumeIntegralInRange<int>(-8, 8) / 8.0;
@@ -267,7 +271,8 @@ void run(FuzzedDataProvider& fdp) {
   a.so = o.s;
   const int64_t n_lse = a.Hq * (varlen ? a.Lq : a.B * a.Lq);
   std::vector<T> o1(o.store.size(), T(kGuard)), o2(o.store.size(), T(kGuard));
-  std::vector<T> l1(static_cast<size_t>(n_lse), T(kGuard)), l2(static_cast<size_t>(n_lse), T(kGuard));
+  std::vector<T> l1(static_cast<size_t>(n_lse), T(kGuard)),
+      l2(static_cast<size_t>(n_lse), T(kGuard));
   const bool want_lse = fdp.ConsumeBool();
 
   a.o = o1.data() + o.base;
@@ -306,7 +311,8 @@ void run_decode(FuzzedDataProvider& fdp) {
   fill(q);
   fill(k);
   fill(v);
-  const int n_bad = fdp.ConsumeIntegralInRange<int>(0, 2) == 0 ? fdp.ConsumeIntegralInRange<int>(1, 4) : 0;
+  const int n_bad =
+      fdp.ConsumeIntegralInRange<int>(0, 2) == 0 ? fdp.ConsumeIntegralInRange<int>(1, 4) : 0;
   for (int i = 0; i < n_bad; ++i) {
     const int which = fdp.ConsumeIntegralInRange<int>(0, 2);
     Tensor& t = which == 0 ? q : which == 1 ? k : v;
@@ -334,7 +340,9 @@ void run_decode(FuzzedDataProvider& fdp) {
     for (auto& x : kv_start) x = fdp.ConsumeIntegralInRange<int64_t>(0, a.R - 1);
     a.kv_start = kv_start.data();
   }
-  a.split = fdp.ConsumeIntegralInRange<int64_t>(0, 3) == 0 ? 1 : fdp.ConsumeIntegralInRange<int64_t>(0, 320);
+  a.split = fdp.ConsumeIntegralInRange<int64_t>(0, 3) == 0
+                ? 1
+                : fdp.ConsumeIntegralInRange<int64_t>(0, 320);
   if (a.split > a.R) a.split = a.R;  // as the binding does
   a.num_threads = fdp.ConsumeIntegralInRange<int>(1, 2);
   const std::vector<Isa> isas = available_isas();
@@ -350,39 +358,58 @@ void run_decode(FuzzedDataProvider& fdp) {
   a.so = o.s;
   // The reference's arguments: the same problem with the ring unrolled.
   AttnArgs<T> r;
-  r.B = a.B; r.Hq = a.Hq; r.Hkv = a.Hkv; r.Lq = a.Lq; r.Lk = a.R; r.d = a.d; r.dv = a.dv;
-  std::vector<T> kl(static_cast<size_t>(a.B * a.Hkv * a.R * a.d) + 1), vl(static_cast<size_t>(a.B * a.Hkv * a.R * a.dv) + 1);
+  r.B = a.B;
+  r.Hq = a.Hq;
+  r.Hkv = a.Hkv;
+  r.Lq = a.Lq;
+  r.Lk = a.R;
+  r.d = a.d;
+  r.dv = a.dv;
+  std::vector<T> kl(static_cast<size_t>(a.B * a.Hkv * a.R * a.d) + 1),
+      vl(static_cast<size_t>(a.B * a.Hkv * a.R * a.dv) + 1);
   for (int64_t b = 0; b < a.B; ++b)
     for (int64_t h = 0; h < a.Hkv; ++h)
       for (int64_t j = 0; j < a.R; ++j) {
         const int64_t slot = (kv_start[b] + j) % a.R;
-        for (int64_t e = 0; e < a.d; ++e) kl[((b * a.Hkv + h) * a.R + j) * a.d + e] = ks[off(k, b, h, slot, e)];
-        for (int64_t e = 0; e < a.dv; ++e) vl[((b * a.Hkv + h) * a.R + j) * a.dv + e] = vs[off(v, b, h, slot, e)];
+        for (int64_t e = 0; e < a.d; ++e)
+          kl[((b * a.Hkv + h) * a.R + j) * a.d + e] = ks[off(k, b, h, slot, e)];
+        for (int64_t e = 0; e < a.dv; ++e)
+          vl[((b * a.Hkv + h) * a.R + j) * a.dv + e] = vs[off(v, b, h, slot, e)];
       }
-  r.q = a.q; r.sq = a.sq;
-  r.k = kl.data(); r.sk = {a.Hkv * a.R * a.d, a.R * a.d, a.d, 1};
-  r.v = vl.data(); r.sv = {a.Hkv * a.R * a.dv, a.R * a.dv, a.dv, 1};
+  r.q = a.q;
+  r.sq = a.sq;
+  r.k = kl.data();
+  r.sk = {a.Hkv * a.R * a.d, a.R * a.d, a.d, 1};
+  r.v = vl.data();
+  r.sv = {a.Hkv * a.R * a.dv, a.R * a.dv, a.dv, 1};
   r.so = a.so;
-  r.scale = a.scale; r.causal = a.causal; r.top_left = a.top_left;
-  r.window_left = a.window_left; r.window_right = a.window_right;
-  r.q_lens = a.q_lens; r.kv_lens = a.kv_lens;
+  r.scale = a.scale;
+  r.causal = a.causal;
+  r.top_left = a.top_left;
+  r.window_left = a.window_left;
+  r.window_right = a.window_right;
+  r.q_lens = a.q_lens;
+  r.kv_lens = a.kv_lens;
   r.num_threads = 1;
 
   const int64_t n_lse = a.B * a.Hq * a.Lq;
   std::vector<T> o1(o.store.size(), T(kGuard)), o2(o.store.size(), T(kGuard));
-  std::vector<T> l1(static_cast<size_t>(n_lse), T(kGuard)), l2(static_cast<size_t>(n_lse), T(kGuard));
+  std::vector<T> l1(static_cast<size_t>(n_lse), T(kGuard)),
+      l2(static_cast<size_t>(n_lse), T(kGuard));
   const bool want_lse = fdp.ConsumeBool();
   a.o = o1.data() + o.base;
   a.lse = want_lse ? l1.data() : nullptr;
   r.o = o2.data() + o.base;
   r.lse = want_lse ? l2.data() : nullptr;
   std::snprintf(g_problem, sizeof g_problem,
-                "decode %s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld R=%lld d=%lld dv=%lld causal=%d top_left=%d "
+                "decode %s isa=%s B=%lld Hq=%lld Hkv=%lld Lq=%lld R=%lld d=%lld dv=%lld causal=%d "
+                "top_left=%d "
                 "window=(%lld,%lld) lens=%d ring=%d split=%lld threads=%d scale=%g",
                 sizeof(T) == 4 ? "f32" : "f64", isa_name(isa), (long long)a.B, (long long)a.Hq,
-                (long long)a.Hkv, (long long)a.Lq, (long long)a.R, (long long)a.d, (long long)a.dv, a.causal,
-                a.top_left, (long long)a.window_left, (long long)a.window_right, a.q_lens != nullptr,
-                a.kv_start != nullptr, (long long)a.split, a.num_threads, a.scale);
+                (long long)a.Hkv, (long long)a.Lq, (long long)a.R, (long long)a.d, (long long)a.dv,
+                a.causal, a.top_left, (long long)a.window_left, (long long)a.window_right,
+                a.q_lens != nullptr, a.kv_start != nullptr, (long long)a.split, a.num_threads,
+                a.scale);
   set_active_isa(isa);
   decode_forward(a);
   reference_forward(r);

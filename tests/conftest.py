@@ -38,4 +38,8 @@ def poisoned(shape, dtype):
 
 
 def tol(dtype):
-    return dict(rtol=2e-4, atol=2e-5) if np.dtype(dtype) == np.float32 else dict(rtol=1e-10, atol=1e-11)
+    return (
+        dict(rtol=2e-4, atol=2e-5)
+        if np.dtype(dtype) == np.float32
+        else dict(rtol=1e-10, atol=1e-11)
+    )

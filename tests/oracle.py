@@ -16,8 +16,9 @@ from attn_fast.reference import attention, causal_mask, sdpa, softmax, window_ma
 # ---------------------------------------------------------------- backward
 
 
-def sdpa_backward(q, k, v, dout, mask=None, bias=None, scale=None, softcap=None, sinks=None,
-                  out=None, lse=None):
+def sdpa_backward(
+    q, k, v, dout, mask=None, bias=None, scale=None, softcap=None, sinks=None, out=None, lse=None
+):
     """Textbook gradients of ``sdpa`` for (…, H, Lq, d) / (…, H_kv, Lk, d) / (…, H_kv, Lk, dv).
 
     Forward, materialised:

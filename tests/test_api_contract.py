@@ -32,7 +32,11 @@ def test_positional_order_is_torchs(rng):
     t = torch.from_numpy
     # torch's C signature makes scale and enable_gqa keyword-only; its documented
     # order (which attn_fast accepts positionally) puts them 7th and 8th.
-    for args, scale in [((None, 0.0, True), None), ((None, 0.0, False, 0.3), 0.3), ((None, 0.0, True, None), None)]:
+    for args, scale in [
+        ((None, 0.0, True), None),
+        ((None, 0.0, False, 0.3), 0.3),
+        ((None, 0.0, True, None), None),
+    ]:
         expect = F(t(q), t(k), t(v), *args[:3], scale=scale).numpy()
         np.testing.assert_allclose(sdpa(q, k, v, *args), expect, **tol(np.float32))
     o = sdpa(q, *kv2, None, 0.0, True, 0.25, True)  # enable_gqa as the 8th positional
@@ -71,7 +75,9 @@ def test_dropout_must_be_a_real_zero(rng, bad):
         sdpa(q, q, q, dropout_p=bad)
 
 
-@pytest.mark.parametrize("name", ["is_causal", "enable_gqa", "return_lse", "return_weights", "return_stats"])
+@pytest.mark.parametrize(
+    "name", ["is_causal", "enable_gqa", "return_lse", "return_weights", "return_stats"]
+)
 @pytest.mark.parametrize("bad", ["yes", 1, 0.1, None, np.array([True, False])])
 def test_flags_must_be_bools(rng, name, bad):
     q = randn(rng, (1, 1, 4, 8))
@@ -81,7 +87,9 @@ def test_flags_must_be_bools(rng, name, bad):
 
 def test_numpy_bools_are_bools(rng):
     q, k, v = (randn(rng, (1, 2, 6, 8)) for _ in range(3))
-    np.testing.assert_array_equal(sdpa(q, k, v, is_causal=np.bool_(True)), sdpa(q, k, v, is_causal=True))
+    np.testing.assert_array_equal(
+        sdpa(q, k, v, is_causal=np.bool_(True)), sdpa(q, k, v, is_causal=True)
+    )
     o, lse = sdpa(q, k, v, return_lse=np.True_)
     assert lse.shape == (1, 2, 6)
 
@@ -139,7 +147,9 @@ def test_torch_kind_follows_every_entry_point(rng):
     cu = np.array([0, 4, 9])
     o, lse = af.varlen_attention(t(q3), t(q3), t(q3), cu, cu, causal=True, return_lse=True)
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)
-    np.testing.assert_allclose(o.numpy(), af.varlen_attention(q3, q3, q3, cu, cu, causal=True), **tol(np.float32))
+    np.testing.assert_allclose(
+        o.numpy(), af.varlen_attention(q3, q3, q3, cu, cu, causal=True), **tol(np.float32)
+    )
 
     X, W = randn(rng, (5, 8)), [randn(rng, (4, 8)) for _ in range(3)]
     O = af.attention(t(X), *map(t, W), causal=True)

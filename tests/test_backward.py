@@ -95,7 +95,9 @@ def _case(name, rng, B, Hq, Lq, Lk, dtype):
     if name == "causal_bottom_right":
         return {"is_causal": True}, {"mask": ref.causal_mask(Lq, Lk)}
     if name == "causal_top_left":
-        return {"attn_mask": masks.Causal("top_left")}, {"mask": ref.causal_mask(Lq, Lk, "top_left")}
+        return {"attn_mask": masks.Causal("top_left")}, {
+            "mask": ref.causal_mask(Lq, Lk, "top_left")
+        }
     if name == "window":
         return {"window_size": (3, 2)}, {"mask": ref.window_mask(Lq, Lk, 3, 2)}
     if name == "causal_window":
@@ -122,19 +124,37 @@ def _case(name, rng, B, Hq, Lq, Lk, dtype):
         dense = np.repeat(np.repeat(lay, bq, axis=1), bk, axis=2)[:, :Lq, :Lk]
         return {"attn_mask": masks.BlockSparse(lay, bq, bk)}, {"mask": dense[None]}
     if name == "softcap":
-        return {"softcap": 2.0, "is_causal": True}, {"softcap": 2.0, "mask": ref.causal_mask(Lq, Lk)}
+        return {"softcap": 2.0, "is_causal": True}, {
+            "softcap": 2.0,
+            "mask": ref.causal_mask(Lq, Lk),
+        }
     if name == "alibi":
         slopes = rng.random(Hq).astype(dtype)
         dist = np.abs(np.arange(Lq)[:, None] + Lk - Lq - np.arange(Lk)[None, :])
         return {"alibi_slopes": slopes}, {"bias": -slopes.astype(np.float64)[:, None, None] * dist}
     if name == "sinks":
         sinks = rng.standard_normal(Hq).astype(dtype)
-        return {"sinks": sinks, "is_causal": True}, {"sinks": sinks, "mask": ref.causal_mask(Lq, Lk)}
+        return {"sinks": sinks, "is_causal": True}, {
+            "sinks": sinks,
+            "mask": ref.causal_mask(Lq, Lk),
+        }
     raise AssertionError(name)
 
 
-CASES = ["none", "causal_bottom_right", "causal_top_left", "window", "causal_window", "padding", "bool_mask",
-         "additive_mask", "block_sparse", "softcap", "alibi", "sinks"]
+CASES = [
+    "none",
+    "causal_bottom_right",
+    "causal_top_left",
+    "window",
+    "causal_window",
+    "padding",
+    "bool_mask",
+    "additive_mask",
+    "block_sparse",
+    "softcap",
+    "alibi",
+    "sinks",
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -157,7 +177,11 @@ def test_backward_lq_longer_than_lk(isa, rng, case):
     B, Hq, Hkv, Lq, Lk, d, dv = 1, 2, 1, 50, 9, 8, 8
     q, k, v, do = _inputs(rng, B, Hq, Hkv, Lq, Lk, d, dv, np.float64)
     api, ora = _case(case, rng, B, Hq, Lq, Lk, np.float64)
-    _close(_run(q, k, v, do, enable_gqa=True, **api), oracle.sdpa_backward(q, k, v, do, **ora), np.float64)
+    _close(
+        _run(q, k, v, do, enable_gqa=True, **api),
+        oracle.sdpa_backward(q, k, v, do, **ora),
+        np.float64,
+    )
 
 
 @pytest.mark.parametrize("L", [1, 7, 129])
@@ -181,9 +205,12 @@ def test_backward_block_sizes_do_not_matter(isa, rng):
     q, k, v, do = _inputs(rng, 1, 2, 1, 100, 150, 16, 8, np.float64)
     want = oracle.sdpa_backward(q, k, v, do, mask=ref.causal_mask(100, 150))
     for bq, bk in [(1, 1), (7, 13), (64, 256), (4096, 4096)]:
-        o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
-        got = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=True, enable_gqa=True,
-                                                       block_q=bq, block_k=bk)
+        o, lse = af.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True, return_lse=True
+        )
+        got = af.scaled_dot_product_attention_backward(
+            do, q, k, v, o, lse, is_causal=True, enable_gqa=True, block_q=bq, block_k=bk
+        )
         _close(got, want, np.float64)
 
 
@@ -222,9 +249,24 @@ def test_poisoned_gradient_buffers_are_fully_written(isa, rng):
     B, H, Lq, Lk, d, dv = 2, 2, 13, 17, 6, 5
     q, k, v, do = _inputs(rng, B, H, H, Lq, Lk, d, dv, np.float32)
     kv_lens, q_lens = np.array([17, 9]), np.array([13, 4])
-    o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=masks.Padding(kv_lens, q_lens), return_lse=True)
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=masks.Padding(kv_lens, q_lens), return_lse=True
+    )
     dq, dk, dv_ = poisoned(q.shape, q.dtype), poisoned(k.shape, q.dtype), poisoned(v.shape, q.dtype)
-    _core.backward(do, q, k, v, o, lse, dq, dk, dv_, scale=d**-0.5, q_lens=kv_lens * 0 + q_lens, kv_lens=kv_lens)
+    _core.backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dq,
+        dk,
+        dv_,
+        scale=d**-0.5,
+        q_lens=kv_lens * 0 + q_lens,
+        kv_lens=kv_lens,
+    )
     i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
     m = (i[None] < q_lens[:, None, None]) & (j[None] < kv_lens[:, None, None])
     _close((dq, dk, dv_), oracle.sdpa_backward(q, k, v, do, mask=m[:, None]), np.float32)
@@ -267,8 +309,9 @@ def test_ring_attention_key_blocks_sum_to_the_full_gradient(isa, rng):
     dq = np.zeros_like(q)
     dks, dvs = [], []
     for sl in (slice(0, 15), slice(15, 40)):
-        part = af.scaled_dot_product_attention_backward(do, q, k[:, :, sl], v[:, :, sl], o, lse,
-                                                        attn_mask=m[..., sl])
+        part = af.scaled_dot_product_attention_backward(
+            do, q, k[:, :, sl], v[:, :, sl], o, lse, attn_mask=m[..., sl]
+        )
         dq += part[0]
         dks.append(part[1])
         dvs.append(part[2])
@@ -308,9 +351,16 @@ def test_argument_errors(rng):
 # ---------------------------------------------------------------- varlen
 
 
-@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"causal": True, "window_size": (4, 0), "softcap": 3.0},
-                                  {"sinks": True, "causal": True},
-                                  {"causal": True, "block_q": 4, "block_k": 8}])  # small blocks: keys in chunks
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"causal": True},
+        {"causal": True, "window_size": (4, 0), "softcap": 3.0},
+        {"sinks": True, "causal": True},
+        {"causal": True, "block_q": 4, "block_k": 8},
+    ],
+)  # small blocks: keys in chunks
 def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
     Hq, Hkv, d, dv = 4, 2, 8, 6
     lq, lk = [5, 0, 17, 1], [9, 3, 17, 0]
@@ -332,8 +382,15 @@ def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
             mask = ref.causal_mask(lq[s], lk[s])
         if "window_size" in kw:
             mask = mask & ref.window_mask(lq[s], lk[s], *kw["window_size"])
-        want = oracle.sdpa_backward(t(q[qs]), t(k[ks]), t(v[ks]), t(do[qs]), mask=mask,
-                                    softcap=kw.get("softcap"), sinks=sinks)
+        want = oracle.sdpa_backward(
+            t(q[qs]),
+            t(k[ks]),
+            t(v[ks]),
+            t(do[qs]),
+            mask=mask,
+            softcap=kw.get("softcap"),
+            sinks=sinks,
+        )
         for g, name, sl in zip(got, ("dq", "dk", "dv"), (qs, ks, ks)):
             np.testing.assert_allclose(g[sl], t(want[name]), rtol=1e-9, atol=1e-11, err_msg=name)
         if sinks is not None:
@@ -351,7 +408,12 @@ def _run_json(code, timeout=600):
     import sys
     import textwrap
 
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -397,7 +459,9 @@ def test_backward_no_leak_over_many_calls():
             report[name] = (heap() - before) / 1024
         print(json.dumps(report))
     """)
-    assert all(kib <= 64 for kib in report.values()), report  # 64 KiB over 5000 calls: ~13 bytes per call
+    assert all(kib <= 64 for kib in report.values()), (
+        report
+    )  # 64 KiB over 5000 calls: ~13 bytes per call
 
 
 def test_backward_peak_memory_is_linear_in_L():
@@ -440,13 +504,17 @@ except MemoryError:
 """
 
 
-@pytest.mark.skipif("libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
-                    reason="ASan reserves more address space than the limit")
+@pytest.mark.skipif(
+    "libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
+    reason="ASan reserves more address space than the limit",
+)
 def test_backward_allocation_failure_is_memory_error():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", ALLOC_FAIL_BWD], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", ALLOC_FAIL_BWD], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["MemoryError"], r.stdout
 

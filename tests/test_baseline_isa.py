@@ -27,7 +27,11 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump not installed"),
 ]
 
-AVX_NAMESPACES = ("attn_fast::isa_avx2::", "attn_fast::isa_avx512::", "attn_fast::isa_avx512_bf16::")
+AVX_NAMESPACES = (
+    "attn_fast::isa_avx2::",
+    "attn_fast::isa_avx512::",
+    "attn_fast::isa_avx512_bf16::",
+)
 LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 
 
@@ -41,7 +45,10 @@ def is_avx(mnemonic, operands):
 def avx_addresses(path):
     """Addresses of all AVX instructions in the code of `path`."""
     out = subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True, check=True
+        ["objdump", "-d", "--no-show-raw-insn", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     addrs = []
     for line in out.splitlines():
@@ -84,7 +91,9 @@ def test_extension_has_avx_only_in_avx_kernels():
     # pybind11 and std code that is exported) must be free of AVX.
     so = Path(af._core.__file__)
     found = avx_by_function(so, dynamic=True)
-    assert any("isa_scalar::flash_forward_f32" in f for f in found), "scalar kernel symbol not exported"
+    assert any("isa_scalar::flash_forward_f32" in f for f in found), (
+        "scalar kernel symbol not exported"
+    )
     bad = {f: n for f, (n, _) in found.items() if n and not any(ns in f for ns in AVX_NAMESPACES)}
     assert not bad, f"AVX instructions outside the AVX kernels of {so.name}: {bad}"
     if "avx2" in af._core.compiled_isas():  # the check sees AVX where it is: not vacuous
@@ -93,7 +102,9 @@ def test_extension_has_avx_only_in_avx_kernels():
 
 def build_trees():
     root = Path(__file__).resolve().parents[1] / "build"
-    return [d for d in sorted(root.glob("*")) if (d / "CMakeFiles").is_dir()] if root.is_dir() else []
+    return (
+        [d for d in sorted(root.glob("*")) if (d / "CMakeFiles").is_dir()] if root.is_dir() else []
+    )
 
 
 def objects(tree):
@@ -125,15 +136,23 @@ def test_build_tree_no_comdat_shared_with_avx_objects():
         pytest.skip("no CMake build tree next to the tests (installed from a wheel)")
 
     def defined(obj, kinds):
-        out = subprocess.run(["nm", "--defined-only", str(obj)], capture_output=True, text=True).stdout
-        return {ln.split()[-1] for ln in out.splitlines() if len(ln.split()) == 3 and ln.split()[1] in kinds}
+        out = subprocess.run(
+            ["nm", "--defined-only", str(obj)], capture_output=True, text=True
+        ).stdout
+        return {
+            ln.split()[-1]
+            for ln in out.splitlines()
+            if len(ln.split()) == 3 and ln.split()[1] in kinds
+        }
 
     for tree in trees:
         avx, baseline = objects(tree)
         base_syms = set().union(*(defined(o, "TtWw") for o in baseline))
         for obj in avx:
             shared = defined(obj, "Ww") & base_syms
-            assert not shared, f"{obj}: weak functions also defined at baseline: {sorted(shared)[:5]}"
+            assert not shared, (
+                f"{obj}: weak functions also defined at baseline: {sorted(shared)[:5]}"
+            )
 
 
 NO_AVX_CODE = """
@@ -161,7 +180,10 @@ assert worst < 1e-4
 """
 
 
-@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="qemu-user not installed (apt-get install qemu-user)")
+@pytest.mark.skipif(
+    shutil.which("qemu-x86_64") is None,
+    reason="qemu-user not installed (apt-get install qemu-user)",
+)
 def test_runs_on_a_cpu_without_avx(tmp_path):
     # User-mode QEMU emulating a Nehalem (SSE4.2, no AVX) raises SIGILL on any
     # VEX instruction: import, dispatch, bindings and the scalar kernels must
@@ -176,11 +198,17 @@ def test_runs_on_a_cpu_without_avx(tmp_path):
             " a = _mm256_add_ps(a, a); return 0; }\n"
         )
         subprocess.run([cc, "-O1", "-mavx", str(src), "-o", str(tmp_path / "avx")], check=True)
-        probe = subprocess.run(["qemu-x86_64", "-cpu", "Nehalem", str(tmp_path / "avx")], capture_output=True)
-        assert probe.returncode != 0, "this QEMU does not trap AVX on a Nehalem: the check would be vacuous"
+        probe = subprocess.run(
+            ["qemu-x86_64", "-cpu", "Nehalem", str(tmp_path / "avx")], capture_output=True
+        )
+        assert probe.returncode != 0, (
+            "this QEMU does not trap AVX on a Nehalem: the check would be vacuous"
+        )
     r = subprocess.run(
         ["qemu-x86_64", "-cpu", "Nehalem", sys.executable, "-c", NO_AVX_CODE],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max error" in r.stdout

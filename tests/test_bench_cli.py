@@ -56,7 +56,12 @@ def _limit_lines(text):
 
 
 def _suite(tmp_path, capsys, *args):
-    assert bench_suite.main(["--quick", "--tiny", "--impls", "attn_fast", "numpy", "--out", str(tmp_path), *args]) == 0
+    assert (
+        bench_suite.main(
+            ["--quick", "--tiny", "--impls", "attn_fast", "numpy", "--out", str(tmp_path), *args]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     (path,) = glob.glob(str(tmp_path / "suite-tiny-*.json"))
     with open(path) as f:
@@ -68,9 +73,26 @@ def _suite(tmp_path, capsys, *args):
 
 def test_suite_honours_omp_num_threads(tmp_path):
     """OMP_NUM_THREADS=1 python -m attn_fast bench --quick: one section, at 1 thread."""
-    r = subprocess.run([sys.executable, "-m", "attn_fast", "bench", "--quick", "--tiny", "--impls", "attn_fast",
-                        "numpy", "--out", str(tmp_path)], capture_output=True, check=False, text=True, timeout=300,
-                       env=_env(OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attn_fast",
+            "bench",
+            "--quick",
+            "--tiny",
+            "--impls",
+            "attn_fast",
+            "numpy",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+        env=_env(OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr
     assert list(_sections(r.stdout)) == [1], r.stdout
     with open(glob.glob(str(tmp_path / "suite-tiny-*.json"))[0]) as f:
@@ -81,8 +103,14 @@ def test_suite_honours_omp_num_threads(tmp_path):
 
 
 def test_plain_bench_honours_omp_num_threads():
-    r = subprocess.run([sys.executable, "-m", "attn_fast", "bench", "--tiny", "--no-numpy"], capture_output=True,
-                       check=False, text=True, timeout=300, env=_env(OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, "-m", "attn_fast", "bench", "--tiny", "--no-numpy"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+        env=_env(OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr
     assert re.search(r"\bthreads 1\b", r.stdout), r.stdout
     assert "FMA peak on 1 thread(s)" in r.stdout
@@ -117,7 +145,9 @@ def test_suite_threads_option_and_one_peak_per_section(tmp_path, capsys):
         for row in res["results"]:
             a = row["impls"]["attn_fast"]
             if row["threads"] == nt and row["case"]["kind"] != "decode":
-                assert a["pct_limit"] == pytest.approx(100 * a["gflops"] / res["limits"][str(nt)]["fma_peak_gflops"])
+                assert a["pct_limit"] == pytest.approx(
+                    100 * a["gflops"] / res["limits"][str(nt)]["fma_peak_gflops"]
+                )
     # only one '%' figure per row and implementation in the whole output
     rows = [x for x in text.splitlines() if re.match(r"prefill \(1,2,64,16\)\s+\|", x)]
     assert len(rows) == 4  # each section's live row, then its line in the % table
@@ -131,7 +161,10 @@ def test_bad_options_exit_2(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
-    for argv in (["--quick", "--tiny", "--threads", "0"], ["--quick", "--tiny", "--cases", "no such case"]):
+    for argv in (
+        ["--quick", "--tiny", "--threads", "0"],
+        ["--quick", "--tiny", "--cases", "no such case"],
+    ):
         with pytest.raises(SystemExit) as e:
             bench_suite.main([*argv, "--out", str(tmp_path)])
         assert e.value.code == 2
@@ -156,7 +189,11 @@ def test_plot_legend_lists_only_what_was_measured(tmp_path, capsys):
     # a peer measured on one case only is in the legend
     res["results"][0]["impls"]["torch"] = {**res["results"][0]["impls"]["numpy"]}
     fig = bench_suite.plot_figure(res)
-    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["attn_fast", "numpy", "torch"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "attn_fast",
+        "numpy",
+        "torch",
+    ]
 
 
 # --------------------------------------------------------------------------- install hints
@@ -164,10 +201,26 @@ def test_plot_legend_lists_only_what_was_measured(tmp_path, capsys):
 
 def test_install_hint_names_the_package(monkeypatch, tmp_path, capsys):
     real = bench_suite._import
-    monkeypatch.setattr(bench_suite, "_import", lambda name: None if name in ("torch", "onnxruntime") else real(name))
+    monkeypatch.setattr(
+        bench_suite,
+        "_import",
+        lambda name: None if name in ("torch", "onnxruntime") else real(name),
+    )
     monkeypatch.setattr(bench, "_torch", lambda: None)
-    bench_suite.main(["--quick", "--tiny", "--threads", "1", "--impls", "attn_fast", "torch", "onnxruntime",
-                      "--out", str(tmp_path)])
+    bench_suite.main(
+        [
+            "--quick",
+            "--tiny",
+            "--threads",
+            "1",
+            "--impls",
+            "attn_fast",
+            "torch",
+            "onnxruntime",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert bench.main(["--tiny", "--threads", "1", "--no-numpy"]) == 0
     out = capsys.readouterr().out
     hints = [line for line in out.splitlines() if "pip install" in line]
@@ -200,11 +253,18 @@ def test_console_script_help():
     script = os.path.join(os.path.dirname(sys.executable), "attn-fast")
     if not os.path.exists(script):
         pytest.skip("the attn-fast console script is not installed next to this Python")
-    r = subprocess.run([script, "--help"], capture_output=True, check=False, text=True, timeout=120, env=_env())
+    r = subprocess.run(
+        [script, "--help"], capture_output=True, check=False, text=True, timeout=120, env=_env()
+    )
     assert r.returncode == 0 and r.stdout.startswith("usage: attn-fast COMMAND"), r.stdout
-    r = subprocess.run([sys.executable, "-m", "attn_fast", "--help"], capture_output=True, check=False, text=True,
-                       timeout=120,
-                       env=_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "attn_fast", "--help"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m attn_fast COMMAND"), r.stdout
 
 
@@ -213,9 +273,14 @@ def test_linear_attention_state_repr_is_short(rng):
     _, state = linear_attention(q, k, v, causal=True, return_state=True)
     text = repr(state)
     assert text == str(state)
-    assert text == "LinearAttentionState(kv (2, 8, 64, 64) float64, k_sum (2, 8, 64) float64, length=300)"
+    assert (
+        text
+        == "LinearAttentionState(kv (2, 8, 64, 64) float64, k_sum (2, 8, 64) float64, length=300)"
+    )
     assert repr(state.copy()) == text
-    odd = LinearAttentionState(kv=[[1.0]], k_sum=None, length=0)  # not arrays: still a short repr, no error
+    odd = LinearAttentionState(
+        kv=[[1.0]], k_sum=None, length=0
+    )  # not arrays: still a short repr, no error
     assert repr(odd) == "LinearAttentionState(kv list, k_sum NoneType, length=0)"
 
 
@@ -227,8 +292,23 @@ def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
     """bench --dtype bf16|fp16: each case again in that dtype, right after its float32 row;
     attn_fast checked and timed, the float32-only NumPy peer skipped; torch timed when installed."""
     impls = ["attn_fast", "numpy"] + (["torch"] if bench_suite._import("torch") else [])
-    assert bench.main(["--tiny", "--threads", "1", "--dtype", dtype, "--impls", *impls, "--no-memory",
-                       "--out", str(tmp_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--tiny",
+                "--threads",
+                "1",
+                "--dtype",
+                dtype,
+                "--impls",
+                *impls,
+                "--no-memory",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     (path,) = glob.glob(str(tmp_path / "suite-tiny-*.json"))
     with open(path) as f:
@@ -244,8 +324,10 @@ def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
             if "torch" in impls:
                 assert "speedup_attn_fast" in row["impls"]["torch"]
             if row["case"]["kind"] == "decode":  # 2 bytes per K/V element
-                assert bench_suite.Case(**row["case"]).kv_bytes * 2 == bench_suite.Case(
-                    **{**row["case"], "dtype": "fp32"}).kv_bytes
+                assert (
+                    bench_suite.Case(**row["case"]).kv_bytes * 2
+                    == bench_suite.Case(**{**row["case"], "dtype": "fp32"}).kv_bytes
+                )
         assert row["name"] in text
     for word in FORBIDDEN:
         assert word not in text, word

@@ -60,7 +60,9 @@ def test_a_different_word_order_is_the_same_bag_of_words(seed, L, D, d):
     rng = np.random.default_rng(seed)
     X, Wq, Wk, Wv = textbook_inputs(rng, L, D, d, d)
     rev = X[::-1]
-    np.testing.assert_allclose(af.attention(rev, Wq, Wk, Wv)[::-1], af.attention(X, Wq, Wk, Wv), **TOL)
+    np.testing.assert_allclose(
+        af.attention(rev, Wq, Wk, Wv)[::-1], af.attention(X, Wq, Wk, Wv), **TOL
+    )
 
 
 def rope_attention(q, k, v, positions):
@@ -84,7 +86,9 @@ def test_rope_breaks_permutation_equivariance(seed, L, half_d):
     pos = np.arange(L)
     # without positions: shuffled tokens, shuffled outputs (the claim above)
     O = af.scaled_dot_product_attention(q, k, v)
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q[perm], k[perm], v[perm]), O[perm], **TOL)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q[perm], k[perm], v[perm]), O[perm], **TOL
+    )
     # with RoPE, each token is rotated by where it stands: the shuffle changes the outputs
     O_rope = rope_attention(q, k, v, pos)
     O_rope_shuffled = rope_attention(q[perm], k[perm], v[perm], pos)
@@ -217,16 +221,22 @@ def test_multi_head_is_h_single_heads_concatenated(seed, L, H, dh, causal):
     Wq, Wk, Wv = (rng.standard_normal((D, D)) for _ in range(3))
     # one call with H heads: (L, D) -> (L, H, dh) -> (H, L, dh), each head scaled by 1/√dh
     split = lambda Y: Y.reshape(L, H, dh).transpose(1, 0, 2)
-    O_heads = af.scaled_dot_product_attention(split(X @ Wq.T), split(X @ Wk.T), split(X @ Wv.T), is_causal=causal)
+    O_heads = af.scaled_dot_product_attention(
+        split(X @ Wq.T), split(X @ Wk.T), split(X @ Wv.T), is_causal=causal
+    )
     O_multi = O_heads.transpose(1, 0, 2).reshape(L, D)  # concatenate the heads back
     # H independent single-head attentions, each with its slice of the projections
     rows = lambda W, h: W[h * dh : (h + 1) * dh]
-    singles = [af.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal) for h in range(H)]
+    singles = [
+        af.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal) for h in range(H)
+    ]
     np.testing.assert_allclose(O_multi, np.concatenate(singles, axis=-1), **TOL)
     # and both agree with the textbook, head by head
     for h in range(H):
         np.testing.assert_allclose(
-            singles[h], ref.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal), **TOL
+            singles[h],
+            ref.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal),
+            **TOL,
         )
 
 
@@ -246,7 +256,9 @@ def test_multi_head_is_h_single_heads_concatenated(seed, L, H, dh, causal):
     steps=st.integers(1, 8),
     capacity=st.integers(1, 32),
 )
-def test_kv_cache_decode_equals_full_recomputation(seed, B, H_kv, group, d, prompt, steps, capacity):
+def test_kv_cache_decode_equals_full_recomputation(
+    seed, B, H_kv, group, d, prompt, steps, capacity
+):
     rng = np.random.default_rng(seed)
     H, L = H_kv * group, prompt + steps
     q = rng.standard_normal((B, H, L, d))

@@ -18,7 +18,9 @@ from attn_fast import reference as ref
 def run(q, k, v, causal=False, dtype=np.float32, **kw):
     """Call the kernel on a poisoned output buffer and return (out, lse)."""
     out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
-    o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True, out=out, **kw)
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, return_lse=True, out=out, **kw
+    )
     assert o is out
     return o, lse
 
@@ -62,7 +64,11 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_against_oracle(isa, rng, shape, causal, dtype):
     B, H, Lq, Lk, d, dv = shape
-    q, k, v = randn(rng, (B, H, Lq, d), dtype), randn(rng, (B, H, Lk, d), dtype), randn(rng, (B, H, Lk, dv), dtype)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), dtype),
+        randn(rng, (B, H, Lk, d), dtype),
+        randn(rng, (B, H, Lk, dv), dtype),
+    )
     check(q, k, v, causal, dtype)
 
 
@@ -70,13 +76,17 @@ def test_against_oracle(isa, rng, shape, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_backend(rng, shape, causal):
     B, H, Lq, Lk, d, dv = shape
-    q, k, v = randn(rng, (B, H, Lq, d), np.float32), randn(rng, (B, H, Lk, d), np.float32), randn(rng, (B, H, Lk, dv), np.float32)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), np.float32),
+        randn(rng, (B, H, Lk, d), np.float32),
+        randn(rng, (B, H, Lk, dv), np.float32),
+    )
     check(q, k, v, causal, np.float32, backend="reference")
 
 
 @pytest.mark.parametrize("ndim", [2, 3, 4])
 def test_ranks(isa, rng, ndim):
-    shape = (2, 3, 33, 16)[4 - ndim:]
+    shape = (2, 3, 33, 16)[4 - ndim :]
     q, k, v = (randn(rng, shape, np.float32) for _ in range(3))
     o = af.scaled_dot_product_attention(q, k, v)
     assert o.shape == shape
@@ -123,7 +133,11 @@ def test_extreme_magnitudes(isa, rng, dtype):
 
 def test_fully_invisible_rows(isa, rng):
     # Lq > Lk, bottom-right causal: the first Lq - Lk rows see no key.
-    q, k, v = randn(rng, (1, 2, 90, 16), np.float32), randn(rng, (1, 2, 30, 16), np.float32), randn(rng, (1, 2, 30, 8), np.float32)
+    q, k, v = (
+        randn(rng, (1, 2, 90, 16), np.float32),
+        randn(rng, (1, 2, 30, 16), np.float32),
+        randn(rng, (1, 2, 30, 8), np.float32),
+    )
     o, lse = run(q, k, v, causal=True)
     assert np.all(o[:, :, :60] == 0) and np.all(np.isneginf(lse[:, :, :60]))
     assert not np.any(np.isnan(o))
@@ -131,7 +145,11 @@ def test_fully_invisible_rows(isa, rng):
 
 
 def test_empty_sequences(isa, rng):
-    q, k, v = randn(rng, (1, 2, 0, 8), np.float32), randn(rng, (1, 2, 0, 8), np.float32), randn(rng, (1, 2, 0, 8), np.float32)
+    q, k, v = (
+        randn(rng, (1, 2, 0, 8), np.float32),
+        randn(rng, (1, 2, 0, 8), np.float32),
+        randn(rng, (1, 2, 0, 8), np.float32),
+    )
     assert af.scaled_dot_product_attention(q, k, v).shape == (1, 2, 0, 8)
     # Queries but no keys: zeros, lse -inf.
     q = randn(rng, (1, 2, 5, 8), np.float32)
@@ -156,13 +174,21 @@ def test_threads_bitwise_identical(isa, rng):
 def test_block_sizes_do_not_change_result(isa, rng, bq, bk):
     q, k, v = (randn(rng, (1, 2, 150, 24), np.float64) for _ in range(3))
     o = af.scaled_dot_product_attention(q, k, v, is_causal=True, block_q=bq, block_k=bk)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=ref.causal_mask(150, 150)), **tol(np.float64))
+    np.testing.assert_allclose(
+        o, ref.sdpa(q, k, v, mask=ref.causal_mask(150, 150)), **tol(np.float64)
+    )
 
 
 def test_causal_bottom_right_vs_torch_top_left(rng):
-    q, k, v = randn(rng, (1, 1, 4, 8), np.float64), randn(rng, (1, 1, 10, 8), np.float64), randn(rng, (1, 1, 10, 8), np.float64)
+    q, k, v = (
+        randn(rng, (1, 1, 4, 8), np.float64),
+        randn(rng, (1, 1, 10, 8), np.float64),
+        randn(rng, (1, 1, 10, 8), np.float64),
+    )
     o = af.scaled_dot_product_attention(q, k, v, is_causal=True)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=ref.causal_mask(4, 10, "bottom_right")), atol=1e-12)
+    np.testing.assert_allclose(
+        o, ref.sdpa(q, k, v, mask=ref.causal_mask(4, 10, "bottom_right")), atol=1e-12
+    )
     assert not np.allclose(o, ref.sdpa(q, k, v, mask=ref.causal_mask(4, 10, "top_left")))
 
 
@@ -206,7 +232,9 @@ def test_error_dtypes():
 def test_error_shapes():
     q = np.ones((2, 4, 16, 8), np.float32)
     with pytest.raises(ValueError, match=r"k has shape \(2, 4, 16, 7\) but q has head dim 8"):
-        af.scaled_dot_product_attention(q, np.ones((2, 4, 16, 7), np.float32), np.ones((2, 4, 16, 7), np.float32))
+        af.scaled_dot_product_attention(
+            q, np.ones((2, 4, 16, 7), np.float32), np.ones((2, 4, 16, 7), np.float32)
+        )
     with pytest.raises(ValueError, match="same number of dimensions"):
         af.scaled_dot_product_attention(q, q[0], q[0])
     with pytest.raises(ValueError, match="batch"):
@@ -257,14 +285,18 @@ def test_big_endian_and_readonly_inputs(rng):
     q = randn(rng, (1, 1, 9, 4), np.float64)
     qbe = q.astype(">f8")
     qbe.flags.writeable = False
-    np.testing.assert_allclose(af.scaled_dot_product_attention(qbe, qbe, qbe), ref.sdpa(q, q, q), atol=1e-12)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(qbe, qbe, qbe), ref.sdpa(q, q, q), atol=1e-12
+    )
 
 
 def test_misaligned_buffer(rng):
     raw = np.zeros(4 * 64 + 1, np.uint8)[1:].view(np.float32).reshape(1, 1, 8, 8)
     raw[...] = randn(rng, (1, 1, 8, 8), np.float32)
     assert not raw.flags.aligned or raw.ctypes.data % 4
-    np.testing.assert_allclose(af.scaled_dot_product_attention(raw, raw, raw), ref.sdpa(raw, raw, raw), **tol(np.float32))
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(raw, raw, raw), ref.sdpa(raw, raw, raw), **tol(np.float32)
+    )
 
 
 # ---------------------------------------------------------------- configuration
@@ -273,7 +305,9 @@ def test_misaligned_buffer(rng):
 def run_py(code, **env):
     e = dict(os.environ)
     e.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120
+    )
 
 
 @pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
@@ -338,12 +372,18 @@ def test_all_isas_agree(rng):
 
 def test_window_softcap_alibi_sinks(isa, rng):
     B, H, Lq, Lk, d = 2, 3, 70, 90, 16
-    q, k, v = randn(rng, (B, H, Lq, d), np.float64), randn(rng, (B, H, Lk, d), np.float64), randn(rng, (B, H, Lk, 12), np.float64)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), np.float64),
+        randn(rng, (B, H, Lk, d), np.float64),
+        randn(rng, (B, H, Lk, 12), np.float64),
+    )
     win = ref.window_mask(Lq, Lk, 10, 3)
     o = af.scaled_dot_product_attention(q, k, v, window_size=(10, 3))
     np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=win), atol=1e-11)
     o = af.scaled_dot_product_attention(q, k, v, window_size=(10, None), is_causal=True)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=ref.window_mask(Lq, Lk, 10, 0)), atol=1e-11)
+    np.testing.assert_allclose(
+        o, ref.sdpa(q, k, v, mask=ref.window_mask(Lq, Lk, 10, 0)), atol=1e-11
+    )
     o = af.scaled_dot_product_attention(q * 10, k, v, softcap=5.0)
     np.testing.assert_allclose(o, ref.sdpa(q * 10, k, v, softcap=5.0), atol=1e-11)
     slopes = rng.uniform(0.01, 0.5, H)
@@ -351,7 +391,9 @@ def test_window_softcap_alibi_sinks(isa, rng):
     j = np.arange(Lk)[None, :]
     bias = -slopes[:, None, None] * np.abs(i - j)
     o = af.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, is_causal=True)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), atol=1e-11)
+    np.testing.assert_allclose(
+        o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), atol=1e-11
+    )
     sinks = rng.standard_normal(H) * 3
     o, lse = af.scaled_dot_product_attention(q, k, v, sinks=sinks, is_causal=True, return_lse=True)
     O, LSE = ref.sdpa(q, k, v, sinks=sinks, mask=ref.causal_mask(Lq, Lk), return_lse=True)
@@ -361,7 +403,11 @@ def test_window_softcap_alibi_sinks(isa, rng):
 
 def test_dense_masks(isa, rng):
     B, H, Lq, Lk, d = 2, 2, 40, 50, 8
-    q, k, v = randn(rng, (B, H, Lq, d), np.float32), randn(rng, (B, H, Lk, d), np.float32), randn(rng, (B, H, Lk, d), np.float32)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), np.float32),
+        randn(rng, (B, H, Lk, d), np.float32),
+        randn(rng, (B, H, Lk, d), np.float32),
+    )
     mask = rng.random((B, 1, Lq, Lk)) < 0.3
     mask[0, 0, 5] = False  # a fully masked row
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -369,7 +415,9 @@ def test_dense_masks(isa, rng):
     assert np.all(o[0, :, 5] == 0)
     bias = rng.standard_normal((Lq, Lk)).astype(np.float32)
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), **tol(np.float32))
+    np.testing.assert_allclose(
+        o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), **tol(np.float32)
+    )
     with pytest.raises(ValueError, match="not broadcastable"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :3])
     with pytest.raises(TypeError, match="boolean"):

@@ -71,7 +71,11 @@ def test_rope_matches_oracle(path, layout, interleaved, d, r, dtype, contig):
     B, L, H = 3, 7, 2
     mk, seq_axis = LAYOUTS[layout]
     shape = mk(B, L, H, d)
-    x = _noncontig(rng, shape, dtype) if contig is False else rng.standard_normal(shape).astype(dtype)
+    x = (
+        _noncontig(rng, shape, dtype)
+        if contig is False
+        else rng.standard_normal(shape).astype(dtype)
+    )
     x0 = x.copy()
     rope = RoPE(d, base=500.0, rotary_dim=r, interleaved=interleaved)
     ax = seq_axis + x.ndim
@@ -99,7 +103,9 @@ def test_rope_matches_oracle(path, layout, interleaved, d, r, dtype, contig):
 def test_rope_cython_equals_numpy_formula(monkeypatch):
     """The two paths on the same odd-sized strided input (not only each against the oracle)."""
     rng = np.random.default_rng(5)
-    x = _noncontig(rng, (2, 129, 3, 80), np.float32).transpose(0, 2, 1, 3)  # (B, H, L, d), no unit stride
+    x = _noncontig(rng, (2, 129, 3, 80), np.float32).transpose(
+        0, 2, 1, 3
+    )  # (B, H, L, d), no unit stride
     for interleaved in (False, True):
         rope = RoPE(80, rotary_dim=64, interleaved=interleaved)
         pos = rng.integers(0, 4096, size=(2, 129))
@@ -121,13 +127,23 @@ def test_rotate_qk(path, seq_axis, inplace):
     q = rng.standard_normal(shape(Hq))
     k = _noncontig(rng, shape(Hk), np.float64)
     offs = np.array([3, 40])
-    want_q, want_k = rope(q, offset=offs, seq_axis=seq_axis), rope(k, offset=offs, seq_axis=seq_axis)
-    q1, k1 = rope.rotate_qk(q.copy() if inplace else q, k.copy() if inplace else k, offset=offs,
-                            seq_axis=seq_axis, inplace=inplace)
+    want_q, want_k = (
+        rope(q, offset=offs, seq_axis=seq_axis),
+        rope(k, offset=offs, seq_axis=seq_axis),
+    )
+    q1, k1 = rope.rotate_qk(
+        q.copy() if inplace else q,
+        k.copy() if inplace else k,
+        offset=offs,
+        seq_axis=seq_axis,
+        inplace=inplace,
+    )
     np.testing.assert_allclose(q1, want_q, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(k1, want_k, rtol=1e-13, atol=1e-13)
     ax = seq_axis + 4
-    np.testing.assert_allclose(k1, _oracle(k, offs[:, None] + np.arange(L), ax, rope), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        k1, _oracle(k, offs[:, None] + np.arange(L), ax, rope), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_rope_fallback_layouts(path):
@@ -137,8 +153,9 @@ def test_rope_fallback_layouts(path):
     x = rng.standard_normal((2, 2, 4, 3, 6))
     np.testing.assert_allclose(rope(x, offset=2), _oracle(x, 2 + np.arange(4), 2, rope), atol=1e-12)
     h = x[0].astype(np.float16)
-    np.testing.assert_allclose(rope(h, offset=2).astype(np.float64), _oracle(h, 2 + np.arange(4), 1, rope),
-                               atol=1e-2)
+    np.testing.assert_allclose(
+        rope(h, offset=2).astype(np.float64), _oracle(h, 2 + np.arange(4), 1, rope), atol=1e-2
+    )
 
 
 def test_rope_bad_inputs(path):
@@ -176,7 +193,16 @@ def test_cyloops_rope_guards():
     with pytest.raises(ValueError, match="extents differ"):
         _cyloops.rope(x, np.ones((1, 3, 2, 5)), None, None, c, c, np.array([[0, 1, 2]]), False)
     with pytest.raises(ValueError, match="Buffer dtype mismatch"):
-        _cyloops.rope(x, x, None, None, c.astype(np.float32), c.astype(np.float32), np.array([[0, 1, 2]]), False)
+        _cyloops.rope(
+            x,
+            x,
+            None,
+            None,
+            c.astype(np.float32),
+            c.astype(np.float32),
+            np.array([[0, 1, 2]]),
+            False,
+        )
 
 
 # ---------------------------------------------------------------- KV cache writes
@@ -189,7 +215,7 @@ def _oracle_cache(chunks, window, ring, B):
         for b in range(B):
             seqs[b].extend(k[b, :, t] for t in range(lens[b]))
     if window is not None:
-        seqs = [s[max(0, len(s) - ring):] for s in seqs]
+        seqs = [s[max(0, len(s) - ring) :] for s in seqs]
     return seqs
 
 
@@ -198,8 +224,16 @@ def _oracle_cache(chunks, window, ring, B):
 def test_append_ragged_ring(path, window, dtype):
     rng = np.random.default_rng(11)
     B, H, d, dv, ring = 3, 2, 5, 3, 9
-    cache = KVCache(B, H, d, capacity=4, v_head_dim=dv, dtype=dtype, window=window,
-                    ring=ring if window else None)
+    cache = KVCache(
+        B,
+        H,
+        d,
+        capacity=4,
+        v_head_dim=dv,
+        dtype=dtype,
+        window=window,
+        ring=ring if window else None,
+    )
     chunks, vchunks = [], []
     for L in [3, 1, 4, 2, 5, 1, 1, 3]:  # wraps the ring several times
         k = _noncontig(rng, (B, H, L, d), dtype)
@@ -214,7 +248,9 @@ def test_append_ragged_ring(path, window, dtype):
     for b in range(B):
         assert cache.lengths[b] == len(want_k[b])
         np.testing.assert_array_equal(cache.keys(b), np.stack(want_k[b], axis=1).reshape(H, -1, d))
-        np.testing.assert_array_equal(cache.values(b), np.stack(want_v[b], axis=1).reshape(H, -1, dv))
+        np.testing.assert_array_equal(
+            cache.values(b), np.stack(want_v[b], axis=1).reshape(H, -1, dv)
+        )
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -257,7 +293,9 @@ def test_cache_write_bad_inputs(path):
     with pytest.raises(ValueError, match="expected"):
         cache.append(np.ones((2, 3, 1, 4), np.float32), np.ones((2, 3, 1, 4), np.float32))
     with pytest.raises(ValueError, match="head_dim 4"):
-        cache.append(np.ones((2, 2, 1, 4), np.float32), np.ones((2, 2, 1, 4), np.float32), rope=RoPE(6))
+        cache.append(
+            np.ones((2, 2, 1, 4), np.float32), np.ones((2, 2, 1, 4), np.float32), rope=RoPE(6)
+        )
     assert cache.lengths.tolist() == [0, 0]  # nothing changed
     dst = np.zeros((2, 2, 5, 4))
     with pytest.raises(ValueError, match="do not fit 5 slots"):
@@ -265,11 +303,14 @@ def test_cache_write_bad_inputs(path):
     with pytest.raises(ValueError, match="does not match storage"):
         _cyloops.cache_write(dst, np.ones((2, 2, 3, 3)), np.array([0, 0]), np.array([1, 1]))
     with pytest.raises(ValueError, match="Buffer dtype mismatch"):
-        _cyloops.cache_write(dst, np.ones((2, 2, 3, 4), np.float32), np.array([0, 0]), np.array([1, 1]))
+        _cyloops.cache_write(
+            dst, np.ones((2, 2, 3, 4), np.float32), np.array([0, 0]), np.array([1, 1])
+        )
     c = np.ones((3, 2))
     with pytest.raises(ValueError, match="outside the table of 3 rows"):
-        _cyloops.cache_write(dst, np.ones((2, 2, 3, 4)), np.array([0, 0]), np.array([2, 2]),
-                             c, c, np.array([0, 2]))
+        _cyloops.cache_write(
+            dst, np.ones((2, 2, 3, 4)), np.array([0, 0]), np.array([2, 2]), c, c, np.array([0, 2])
+        )
 
 
 # ---------------------------------------------------------------- masks
@@ -284,8 +325,10 @@ def _summary_loops(m, block):
         for h in range(H):
             for i in range(nq):
                 for j in range(nk):
-                    t = m[b, h, i * block:(i + 1) * block, j * block:(j + 1) * block]
-                    out[b, h, i, j] = BLOCK_MASKED if not t.any() else BLOCK_VISIBLE if t.all() else BLOCK_PARTIAL
+                    t = m[b, h, i * block : (i + 1) * block, j * block : (j + 1) * block]
+                    out[b, h, i, j] = (
+                        BLOCK_MASKED if not t.any() else BLOCK_VISIBLE if t.all() else BLOCK_PARTIAL
+                    )
     return out
 
 
@@ -299,7 +342,9 @@ def test_block_summary(path, shape, block):
         want = _summary_loops(m, block)
         np.testing.assert_array_equal(block_summary(m, block), want)
         np.testing.assert_array_equal(_summary_numpy(m, block), want)
-        t = np.ascontiguousarray(m.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # column-major tiles
+        t = np.ascontiguousarray(m.transpose(0, 1, 3, 2)).transpose(
+            0, 1, 3, 2
+        )  # column-major tiles
         np.testing.assert_array_equal(block_summary(t.view(np.uint8), block), want)
 
 
@@ -323,8 +368,16 @@ def test_layout_constructors(monkeypatch, causal):
                     monkeypatch.setattr(_loops, "USE_CYTHON", use)
                     acc.append(BlockSparse.local(seq_len, block, w, causal=causal).layout)
                     acc.append(BlockSparse.strided(seq_len, block, w, causal=causal).layout)
-                    acc.append(BlockSparse.global_tokens(seq_len, block, global_blocks=2, width=w - 1,
-                                                         random_blocks=1, causal=causal).layout)
+                    acc.append(
+                        BlockSparse.global_tokens(
+                            seq_len,
+                            block,
+                            global_blocks=2,
+                            width=w - 1,
+                            random_blocks=1,
+                            causal=causal,
+                        ).layout
+                    )
                 for g, e in zip(got, want):
                     assert g.dtype == np.bool_
                     np.testing.assert_array_equal(g, e)
@@ -347,8 +400,14 @@ def test_threads_do_not_change_results():
         for n in (1, 2):
             af.set_num_threads(n)
             _cyloops.cache_write(dst, src, np.array([0, 100]), np.array([600, 17]), num_threads=n)
-            res.append((rope(x, positions=pos), block_summary(m),
-                        BlockSparse.local(2048, 1, 5).layout, dst.copy()))
+            res.append(
+                (
+                    rope(x, positions=pos),
+                    block_summary(m),
+                    BlockSparse.local(2048, 1, 5).layout,
+                    dst.copy(),
+                )
+            )
     finally:
         af.set_num_threads(saved)
     for a, b in zip(*res):

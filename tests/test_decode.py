@@ -51,13 +51,18 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_against_oracle(isa, rng, shape, causal, dtype):
     B, Hq, Hkv, Lq, Lk, d, dv = shape
-    q, k, v = randn(rng, (B, Hq, Lq, d), dtype), randn(rng, (B, Hkv, Lk, d), dtype), randn(rng, (B, Hkv, Lk, dv), dtype)
+    q, k, v = (
+        randn(rng, (B, Hq, Lq, d), dtype),
+        randn(rng, (B, Hkv, Lk, d), dtype),
+        randn(rng, (B, Hkv, Lk, dv), dtype),
+    )
     o, lse = decode(q, k, v, causal=causal, split=256)
     O, LSE = ref.sdpa(q, k, v, mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
     check(o, lse, O, LSE, dtype)
     # through the public API: backend="decode", and the automatic choice
-    o2, lse2 = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True,
-                                               backend="decode")
+    o2, lse2 = af.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=True, return_lse=True, backend="decode"
+    )
     check(o2, lse2, O, LSE, dtype)
     o3 = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     np.testing.assert_allclose(o3, O, **tol(dtype))
@@ -70,11 +75,21 @@ def test_windows_and_top_left(isa, rng, window, causal):
     q, k, v = randn(rng, (B, Hq, Lq, d)), randn(rng, (B, Hkv, Lk, d)), randn(rng, (B, Hkv, Lk, d))
     left, right = window
     for align in ("bottom_right", "top_left"):
-        mask = ref.window_mask(Lq, Lk, None if left < 0 else left, None if right < 0 else right, align=align)
+        mask = ref.window_mask(
+            Lq, Lk, None if left < 0 else left, None if right < 0 else right, align=align
+        )
         if causal:
             mask = mask & ref.causal_mask(Lq, Lk, align=align)
-        o, lse = decode(q, k, v, causal=causal, top_left=align == "top_left", window_left=left,
-                        window_right=right, split=64)
+        o, lse = decode(
+            q,
+            k,
+            v,
+            causal=causal,
+            top_left=align == "top_left",
+            window_left=left,
+            window_right=right,
+            split=64,
+        )
         O, LSE = ref.sdpa(q, k, v, mask=mask, return_lse=True)
         check(o, lse, O, LSE)
 
@@ -91,7 +106,9 @@ def test_ragged_lengths_and_empty_rows(isa, rng):
         if n == 0:  # no keys at all
             assert (o[b] == 0).all() and np.isneginf(lse[b]).all()
             continue
-        O, LSE = ref.sdpa(q[b, :, :m], k[b, :, :n], v[b, :, :n], mask=ref.causal_mask(m, n), return_lse=True)
+        O, LSE = ref.sdpa(
+            q[b, :, :m], k[b, :, :n], v[b, :, :n], mask=ref.causal_mask(m, n), return_lse=True
+        )
         check(o[b, :, :m], lse[b, :, :m], O, LSE)
         assert (o[b, :, m:] == 0).all() and np.isneginf(lse[b, :, m:]).all()
 
@@ -157,10 +174,14 @@ def test_decode_backend_rejects_what_it_lacks(rng):
     with pytest.raises(ValueError, match="backend='decode' supports"):
         af.scaled_dot_product_attention(q, k, v, softcap=5.0, backend="decode")
     with pytest.raises(ValueError, match="backend='decode' supports"):
-        af.scaled_dot_product_attention(q, k, v, attn_mask=np.ones((1, 100), bool), backend="decode")
+        af.scaled_dot_product_attention(
+            q, k, v, attn_mask=np.ones((1, 100), bool), backend="decode"
+        )
     # the automatic path falls back to the tiled kernel for those, and stays exact
     O = ref.sdpa(q, k, v, softcap=5.0)
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, softcap=5.0), O, **tol(np.float32))
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, softcap=5.0), O, **tol(np.float32)
+    )
 
 
 def test_stream_read_probe():

@@ -39,7 +39,9 @@ def test_explain_matches_oracle_and_kernel(rng, dtype, causal, L, D, d, dv):
     X64, Wq64, Wk64, Wv64 = (a.astype(np.float64) for a in (X, Wq, Wk, Wv))
     for got, W in ((Q, Wq64), (K, Wk64), (V, Wv64)):
         np.testing.assert_allclose(got, X64 @ W.T, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(S[np.isfinite(S)], (Q @ K.T / np.sqrt(d))[np.isfinite(S)], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        S[np.isfinite(S)], (Q @ K.T / np.sqrt(d))[np.isfinite(S)], rtol=1e-12, atol=1e-12
+    )
     np.testing.assert_allclose(O, P @ V, rtol=1e-12, atol=1e-12)
     # the chapter's ten lines (reference.attention) and the fused kernel agree
     np.testing.assert_allclose(O, ref.attention(X, Wq, Wk, Wv, causal=causal), **tol(np.float64))
@@ -121,7 +123,9 @@ def test_display_width():
 
 
 def test_format_table_aligns_cjk():
-    lines = demo.format_table([["1.000", "0"], ["0.5", "12.25"]], ["猫", "激光点"], ["红色", "laser-dot"], "Q \\ K")
+    lines = demo.format_table(
+        [["1.000", "0"], ["0.5", "12.25"]], ["猫", "激光点"], ["红色", "laser-dot"], "Q \\ K"
+    )
     widths = {demo.display_width(x) for x in lines}
     assert len(widths) == 1
     # the column separator sits at the same display column on every line
@@ -196,7 +200,9 @@ def test_the_ten_lines_shown_are_the_code_that_runs(lang):
     exec(compile(source, "<demo ten lines>", "exec"), namespace)  # noqa: S102 - our own text
     for causal in (False, True):
         O = namespace["attention"](*demo.sentence(), causal=causal)
-        np.testing.assert_allclose(O, af.explain(*demo.sentence(), causal=causal).O, rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(
+            O, af.explain(*demo.sentence(), causal=causal).O, rtol=1e-14, atol=1e-15
+        )
 
 
 def test_step_pauses_between_steps():
@@ -211,7 +217,9 @@ def test_step_pauses_between_steps():
     def eof(_prompt):
         raise EOFError
 
-    assert demo.run(lang="zh", step=True, file=io.StringIO(), input_fn=eof) == 0  # stdin closed: keep going
+    assert (
+        demo.run(lang="zh", step=True, file=io.StringIO(), input_fn=eof) == 0
+    )  # stdin closed: keep going
 
 
 def test_cli_demo(capsys):
@@ -248,7 +256,9 @@ def test_plot_falls_back_to_english_without_cjk_font(tmp_path, monkeypatch, caps
     # pytest turns warnings into errors: a CJK label drawn without a font would fail here
     assert demo.run(lang="zh", plot=str(path), file=buf) == 0
     err = capsys.readouterr().err
-    assert "no CJK font" in err and len(err.strip().splitlines()) == 1  # the note: one line, on stderr
+    assert (
+        "no CJK font" in err and len(err.strip().splitlines()) == 1
+    )  # the note: one line, on stderr
     assert "no CJK font" not in buf.getvalue()
     assert path.read_bytes()[:4] == b"\x89PNG"
 
@@ -260,7 +270,9 @@ def test_found_cjk_font_has_the_glyphs():
     name = demo.find_cjk_font()
     if name is None:
         pytest.skip("no CJK font on this machine")
-    path = font_manager.findfont(font_manager.FontProperties(family=name), fallback_to_default=False)
+    path = font_manager.findfont(
+        font_manager.FontProperties(family=name), fallback_to_default=False
+    )
     assert demo._font_has(path, "猫追红色激光点")
 
 
@@ -290,8 +302,12 @@ def test_placeholder_font_is_not_a_cjk_font(monkeypatch):
     matplotlib = pytest.importorskip("matplotlib")
     from matplotlib import font_manager
 
-    dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False)
-    assert demo._font_has(dejavu, "éü√ᵀ①")  # a real font with real glyphs passes (the check can say yes)
+    dejavu = font_manager.findfont(
+        font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False
+    )
+    assert demo._font_has(
+        dejavu, "éü√ᵀ①"
+    )  # a real font with real glyphs passes (the check can say yes)
     assert not demo._font_has(dejavu, "猫")  # and one without the glyph does not
     lr = _placeholder_fonts()
     if not lr:
@@ -304,8 +320,11 @@ def test_placeholder_font_is_not_a_cjk_font(monkeypatch):
     for f in lr:
         assert not demo._font_has(f.fname, "猫追红色激光点")
     # a font list of DejaVu and Last Resort only has no CJK font
-    monkeypatch.setattr(font_manager.fontManager, "ttflist",
-                        [f for f in font_manager.fontManager.ttflist if f.fname == dejavu] + lr)
+    monkeypatch.setattr(
+        font_manager.fontManager,
+        "ttflist",
+        [f for f in font_manager.fontManager.ttflist if f.fname == dejavu] + lr,
+    )
     assert demo.find_cjk_font() is None
 
 
@@ -344,8 +363,11 @@ def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, cap
     from matplotlib import font_manager
 
     own = os.path.dirname(matplotlib.get_data_path())
-    monkeypatch.setattr(font_manager.fontManager, "ttflist",
-                        [f for f in font_manager.fontManager.ttflist if f.fname.startswith(own)])
+    monkeypatch.setattr(
+        font_manager.fontManager,
+        "ttflist",
+        [f for f in font_manager.fontManager.ttflist if f.fname.startswith(own)],
+    )
     texts = _figure_texts(monkeypatch)
     path = tmp_path / "zh.png"
     assert cli_main(["demo", "--lang", "zh", "--plot", str(path)]) == 0
@@ -355,7 +377,9 @@ def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, cap
     assert "no CJK font" in note and "English labels" in note
     assert "cat" in texts and "laser-dot" in texts
     assert not any(_CJK.search(t) for t in texts), [t for t in texts if _CJK.search(t)]
-    dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False)
+    dejavu = font_manager.findfont(
+        font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False
+    )
     assert demo._font_has(dejavu, "".join(texts))  # every glyph drawn is a real DejaVu glyph
 
 
@@ -396,8 +420,14 @@ def test_step_when_reading_stdin_fails_midway(capsys):
 def test_step_cli_with_closed_stdin(stdin):
     redirect = "<&-" if stdin == "closed" else "</dev/null"
     cmd = f'exec "{sys.executable}" -m attn_fast demo --step --lang en {redirect}'
-    r = subprocess.run(["sh", "-c", cmd], capture_output=True, check=False, text=True, timeout=120,
-                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    r = subprocess.run(
+        ["sh", "-c", cmd],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
     assert r.returncode == 0, r.stderr
     assert "④" in r.stdout and "lost sys.stdin" not in r.stderr
     assert r.stderr.strip().splitlines() == [demo.TEXT["en"]["no_pause"]]
@@ -409,7 +439,11 @@ def test_step_numbers_run_in_order(lang, causal):
     """① ② ③ ④ each start a line once, in that order (the observations are a. and b.)."""
     buf = io.StringIO()
     demo.run(lang=lang, causal=causal, file=buf)
-    marks = [line.lstrip()[0] for line in buf.getvalue().splitlines() if line.lstrip()[:1] in set("①②③④⑤")]
+    marks = [
+        line.lstrip()[0]
+        for line in buf.getvalue().splitlines()
+        if line.lstrip()[:1] in set("①②③④⑤")
+    ]
     assert marks == ["①", "②", "③", "④"]
 
 
@@ -454,11 +488,18 @@ def test_plot_bad_paths_fail_first(tmp_path, capsys):
 
 def test_plot_bad_path_cli_subprocess(tmp_path):
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, "-m", "attn_fast", "demo", "--plot", "/nonexistent/x.png"],
-                       capture_output=True, check=False, text=True, timeout=120,
-                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    r = subprocess.run(
+        [sys.executable, "-m", "attn_fast", "demo", "--plot", "/nonexistent/x.png"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == ["error: --plot /nonexistent/x.png: folder /nonexistent does not exist"]
+    assert r.stderr.strip().splitlines() == [
+        "error: --plot /nonexistent/x.png: folder /nonexistent does not exist"
+    ]
 
 
 def test_plot_other_formats(tmp_path, capsys):

@@ -63,22 +63,43 @@ def _tols(dtype):
 
 def _call(fn, q, k, v, causal, layout, window, gqa, **kw):
     from attn_fast import distributed as cp
+
     f = cp.ring_attention if fn == "ring" else cp.ulysses_attention
-    return f(q, k, v, is_causal=causal, layout=layout, window_size=None if window is None else tuple(window),
-             enable_gqa=gqa, **kw)
+    return f(
+        q,
+        k,
+        v,
+        is_causal=causal,
+        layout=layout,
+        window_size=None if window is None else tuple(window),
+        enable_gqa=gqa,
+        **kw,
+    )
 
 
 def case_forward(rank, P, seed, B, H, Hkv, L, d, dv, dtype, causal, layout, window, fn="ring"):
     from attn_fast import distributed as cp
+
     q, k, v = _inputs(seed, B, H, Hkv, L, d, dv, dtype)
     sh = [cp.shard_sequence(x, rank, P, layout) for x in (q, k, v)]
-    sh = [x.transpose(-1, -2).contiguous().transpose(-1, -2) if i == 1 else x for i, x in enumerate(sh)]  # strided k
+    sh = [
+        x.transpose(-1, -2).contiguous().transpose(-1, -2) if i == 1 else x
+        for i, x in enumerate(sh)
+    ]  # strided k
     out, lse = _call(fn, *sh, causal, layout, window, Hkv != H, return_lse=True)
     assert out.dtype == q.dtype and out.shape == (B, H, L // P, dv) and lse.shape == (B, H, L // P)
     one, one_lse = af.scaled_dot_product_attention(
-        q.numpy(), k.numpy(), v.numpy(), is_causal=causal, window_size=None if window is None else tuple(window),
-        enable_gqa=Hkv != H, return_lse=True)
-    o64, l64 = ref.sdpa(q.numpy(), k.numpy(), v.numpy(), mask=_vis(L, causal, window), return_lse=True)
+        q.numpy(),
+        k.numpy(),
+        v.numpy(),
+        is_causal=causal,
+        window_size=None if window is None else tuple(window),
+        enable_gqa=Hkv != H,
+        return_lse=True,
+    )
+    o64, l64 = ref.sdpa(
+        q.numpy(), k.numpy(), v.numpy(), mask=_vis(L, causal, window), return_lse=True
+    )
     pos = cp.positions(rank, P, L // P, layout)
     tl = _tols(dtype)
     np.testing.assert_allclose(out.numpy(), one[:, :, pos], **tl)
@@ -100,6 +121,7 @@ def _torch_reference(q, k, v, causal, window, g):
 
 def case_grad(rank, P, seed, B, H, Hkv, L, d, dv, dtype, causal, layout, window, fn="ring"):
     from attn_fast import distributed as cp
+
     q, k, v = _inputs(seed, B, H, Hkv, L, d, dv, dtype)
     dout = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((B, H, L, dv)))
     q64, k64, v64 = (x.detach().clone().double().requires_grad_() for x in (q, k, v))
@@ -110,25 +132,41 @@ def case_grad(rank, P, seed, B, H, Hkv, L, d, dv, dtype, causal, layout, window,
     tl = _tols(dtype) if dtype == "float64" else dict(rtol=1e-3, atol=1e-4)
     for name, mine, full in zip("qkv", sh, (q64, k64, v64)):
         assert mine.grad is not None and mine.grad.dtype == mine.dtype, name
-        np.testing.assert_allclose(mine.grad.numpy(), cp.shard_sequence(full.grad, rank, P, layout).numpy(),
-                                   err_msg=f"d{name}", **tl)
+        np.testing.assert_allclose(
+            mine.grad.numpy(),
+            cp.shard_sequence(full.grad, rank, P, layout).numpy(),
+            err_msg=f"d{name}",
+            **tl,
+        )
     return {}
 
 
 def case_stats(rank, P, L, causal, layout, window=None):
     from attn_fast import distributed as cp
+
     q, k, v = _inputs(7, 1, 2, 2, L, 8, 8, "float32")
     sh = [cp.shard_sequence(x, rank, P, layout) for x in (q, k, v)]
-    _, st = cp.ring_attention(*sh, is_causal=causal, layout=layout, return_stats=True,
-                              window_size=None if window is None else tuple(window))
-    return {"pairs": st.pairs, "blocks": st.blocks, "skipped": st.skipped, "bytes_sent": st.bytes_sent,
-            "nbytes_kv": (sh[1].numel() + sh[2].numel()) * 4}
+    _, st = cp.ring_attention(
+        *sh,
+        is_causal=causal,
+        layout=layout,
+        return_stats=True,
+        window_size=None if window is None else tuple(window),
+    )
+    return {
+        "pairs": st.pairs,
+        "blocks": st.blocks,
+        "skipped": st.skipped,
+        "bytes_sent": st.bytes_sent,
+        "nbytes_kv": (sh[1].numel() + sh[2].numel()) * 4,
+    }
 
 
 def case_mask(rank, P, seed, L):
     """Ulysses with mask objects, a per-head additive array and ALiBi: the local call does it all."""
     from attn_fast import distributed as cp
     from attn_fast import masks
+
     B, H = 2, 2 * P
     q, k, v = _inputs(seed, B, H, H, L, 8, 8, "float64")
     g = np.random.default_rng(seed + 2)
@@ -140,7 +178,9 @@ def case_mask(rank, P, seed, L):
     pos = cp.positions(rank, P, L // P, "zigzag")
     with torch.no_grad():
         out = cp.ulysses_attention(*sh, mask, alibi_slopes=slopes)
-    one = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), mask, alibi_slopes=slopes)
+    one = af.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy(), mask, alibi_slopes=slopes
+    )
     np.testing.assert_allclose(out.numpy(), one[:, :, pos], rtol=1e-10, atol=1e-11)
     # Gradients with the same mask, ALiBi and a softcap: the single-process fused backward
     # (itself checked against the textbook oracle in test_backward.py) on the whole sequence.
@@ -149,17 +189,23 @@ def case_mask(rank, P, seed, L):
     out = cp.ulysses_attention(*sh, mask, **opts)
     dout = torch.from_numpy(g.standard_normal((B, H, L, 8)))
     (out * dout[:, :, pos]).sum().backward()
-    o1, l1 = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), mask, return_lse=True, **opts)
-    grads = af.scaled_dot_product_attention_backward(dout.numpy(), q.numpy(), k.numpy(), v.numpy(), o1, l1,
-                                                     mask, **opts)
+    o1, l1 = af.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy(), mask, return_lse=True, **opts
+    )
+    grads = af.scaled_dot_product_attention_backward(
+        dout.numpy(), q.numpy(), k.numpy(), v.numpy(), o1, l1, mask, **opts
+    )
     for name, mine, full in zip("qkv", sh, grads):
-        np.testing.assert_allclose(mine.grad.numpy(), full[:, :, pos], rtol=1e-9, atol=1e-11, err_msg=f"d{name}")
+        np.testing.assert_allclose(
+            mine.grad.numpy(), full[:, :, pos], rtol=1e-9, atol=1e-11, err_msg=f"d{name}"
+        )
     return {}
 
 
 def case_error(rank, P, what):
     """Run one bad call (the same on every rank unless `what` says otherwise); report the exception."""
     from attn_fast import distributed as cp
+
     q, k, v = _inputs(3, 1, 4, 4, 8 * P, 4, 4, "float32")
     sh = [cp.shard_sequence(x, rank, P, "contiguous") for x in (q, k, v)]
     kw = dict(layout="contiguous")
@@ -206,15 +252,21 @@ def case_subgroup(rank, P, seed, fn):
     """Two halves of the world, each its own group: ranks are group ranks, peers global ranks."""
     import torch.distributed as dist
     from attn_fast import distributed as cp
+
     if P not in _SUBGROUPS:  # every rank creates every group, once
-        _SUBGROUPS[P] = [dist.new_group(list(range(P // 2))), dist.new_group(list(range(P // 2, P)))]
+        _SUBGROUPS[P] = [
+            dist.new_group(list(range(P // 2))),
+            dist.new_group(list(range(P // 2, P))),
+        ]
     half = rank // (P // 2)
     group, grank, gP = _SUBGROUPS[P][half], rank % (P // 2), P // 2
     q, k, v = _inputs(seed + half, 1, 2, 2, 4 * gP, 4, 4, "float64")
     f = cp.ring_attention if fn == "ring" else cp.ulysses_attention
     out = f(*(cp.shard_sequence(x, grank, gP) for x in (q, k, v)), is_causal=True, group=group)
     one = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), is_causal=True)
-    np.testing.assert_allclose(out.numpy(), one[:, :, cp.positions(grank, gP, 4)], rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(
+        out.numpy(), one[:, :, cp.positions(grank, gP, 4)], rtol=1e-10, atol=1e-11
+    )
     return {}
 
 
@@ -225,8 +277,10 @@ def case_hang(rank, P, seconds):
     return {}
 
 
-CASES = {f.__name__[5:]: f
-         for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang, case_subgroup)}
+CASES = {
+    f.__name__[5:]: f
+    for f in (case_forward, case_grad, case_stats, case_mask, case_error, case_hang, case_subgroup)
+}
 
 
 def _worker(rank, P, port, rfile, wfile):
@@ -237,8 +291,13 @@ def _worker(rank, P, port, rfile, wfile):
 
     torch.set_num_threads(1)
     af.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=CASE_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=P,
+        timeout=datetime.timedelta(seconds=CASE_S),
+    )
     wfile.write("ready\n")
     wfile.flush()
     for line in rfile:
@@ -246,7 +305,11 @@ def _worker(rank, P, port, rfile, wfile):
         try:
             res = {"ok": True, **CASES[case["name"]](rank, P, **case["args"])}
         except Exception as e:  # noqa: BLE001 - reported to the parent
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+            res = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "tb": traceback.format_exc()[-3000:],
+            }
         wfile.write(json.dumps(res) + "\n")
         wfile.flush()
 
@@ -315,11 +378,18 @@ class Cluster:
 
     def __init__(self, P):
         self.P = P
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1"
+        )
         self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--launch", str(P), str(_free_port())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env, start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=env,
+            start_new_session=True,
+        )
         self.buf = b""
         self.dead = False
         self._read("@@READY", STARTUP_S)
@@ -337,15 +407,19 @@ class Cluster:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
                 if line.startswith(prefix.encode()):
-                    return line[len(prefix):].decode().strip()
+                    return line[len(prefix) :].decode().strip()
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail(f"timeout after {timeout} s waiting for {prefix} from the {self.P} ranks")
+                self._fail(
+                    f"timeout after {timeout} s waiting for {prefix} from the {self.P} ranks"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             if ready:
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not chunk:
-                    self._fail(f"the ranks' launcher exited (code {self.proc.poll()}) before {prefix}")
+                    self._fail(
+                        f"the ranks' launcher exited (code {self.proc.poll()}) before {prefix}"
+                    )
                 self.buf += chunk
 
     def run(self, name, timeout=CASE_S, **args):
@@ -395,7 +469,9 @@ def cluster(request):
     if c is None or c.dead:
         try:
             c = Cluster(P)
-        except pytest.fail.Exception:  # e.g. the free port was taken before rank 0 bound it: once more
+        except (
+            pytest.fail.Exception
+        ):  # e.g. the free port was taken before rank 0 bound it: once more
             c = Cluster(P)
         _CLUSTERS[P] = c
     yield c
@@ -425,22 +501,58 @@ _SHAPES = {"mha": (1, 2, 2, 3, 8, 8), "gqa": (2, 4, 2, 2, 5, 3), "odd_d": (1, 1,
 def test_ring_forward_matches_single_process(cluster, layout, causal, shape, dtype):
     B, H, Hkv, c, d, dv = _SHAPES[shape]
     L = 2 * cluster.P * c
-    cluster.check("forward", seed=_seed(layout, causal, shape, dtype, cluster.P), B=B, H=H, Hkv=Hkv, L=L, d=d,
-                  dv=dv, dtype=dtype, causal=causal, layout=layout, window=None)
+    cluster.check(
+        "forward",
+        seed=_seed(layout, causal, shape, dtype, cluster.P),
+        B=B,
+        H=H,
+        Hkv=Hkv,
+        L=L,
+        d=d,
+        dv=dv,
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        window=None,
+    )
 
 
 @pytest.mark.parametrize("window", [(3, 0), (2, 5), (0, 0), (None, 1), (1, None), (100, 100)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_window_over_global_positions(cluster, window, causal, layout):
-    cluster.check("forward", seed=_seed(window, causal, layout), B=1, H=2, Hkv=1, L=4 * cluster.P * 3, d=4, dv=4,
-                  dtype="float64", causal=causal, layout=layout, window=list(window))
+    cluster.check(
+        "forward",
+        seed=_seed(window, causal, layout),
+        B=1,
+        H=2,
+        Hkv=1,
+        L=4 * cluster.P * 3,
+        d=4,
+        dv=4,
+        dtype="float64",
+        causal=causal,
+        layout=layout,
+        window=list(window),
+    )
 
 
 def test_ring_long_shard_float32(cluster):
     # Shards longer than a kernel tile: the diagonal block runs the kernel's own causal path.
-    cluster.check("forward", seed=5, B=1, H=2, Hkv=2, L=cluster.P * 2 * 129, d=80, dv=80, dtype="float32",
-                  causal=True, layout="zigzag", window=None)
+    cluster.check(
+        "forward",
+        seed=5,
+        B=1,
+        H=2,
+        Hkv=2,
+        L=cluster.P * 2 * 129,
+        d=80,
+        dv=80,
+        dtype="float32",
+        causal=True,
+        layout="zigzag",
+        window=None,
+    )
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -448,15 +560,43 @@ def test_ring_long_shard_float32(cluster):
 @pytest.mark.parametrize("shape", ["mha", "gqa"])
 def test_ulysses_forward_matches_single_process(cluster, layout, causal, shape):
     B, _, _, c, d, dv = _SHAPES[shape]
-    H, Hkv = (cluster.P, cluster.P) if shape == "mha" else (2 * cluster.P, 1)  # GQA with H_kv < P: K/V repeated
-    cluster.check("forward", seed=_seed("u", layout, causal, shape), B=B, H=H, Hkv=Hkv, L=2 * cluster.P * c, d=d,
-                  dv=dv, dtype="float32", causal=causal, layout=layout, window=None, fn="ulysses")
+    H, Hkv = (
+        (cluster.P, cluster.P) if shape == "mha" else (2 * cluster.P, 1)
+    )  # GQA with H_kv < P: K/V repeated
+    cluster.check(
+        "forward",
+        seed=_seed("u", layout, causal, shape),
+        B=B,
+        H=H,
+        Hkv=Hkv,
+        L=2 * cluster.P * c,
+        d=d,
+        dv=dv,
+        dtype="float32",
+        causal=causal,
+        layout=layout,
+        window=None,
+        fn="ulysses",
+    )
 
 
 def test_ulysses_window_and_gqa_sharded_kv(cluster):
     P = cluster.P
-    cluster.check("forward", seed=11, B=1, H=2 * P, Hkv=P, L=4 * P, d=4, dv=6, dtype="float64", causal=True,
-                  layout="zigzag", window=[2, 0], fn="ulysses")
+    cluster.check(
+        "forward",
+        seed=11,
+        B=1,
+        H=2 * P,
+        Hkv=P,
+        L=4 * P,
+        d=4,
+        dv=6,
+        dtype="float64",
+        causal=True,
+        layout="zigzag",
+        window=[2, 0],
+        fn="ulysses",
+    )
 
 
 def test_ulysses_masks_bias_alibi(cluster):
@@ -477,15 +617,41 @@ def test_process_subgroups(cluster, fn):
 def test_gradients_match_torch_autograd(cluster, fn, layout, causal):
     P = cluster.P
     H, Hkv = (2 * P, P) if fn == "ulysses" else (4, 2)
-    cluster.check("grad", seed=_seed("g", fn, layout, causal, P), B=1, H=H, Hkv=Hkv, L=4 * P, d=5, dv=3,
-                  dtype="float64", causal=causal, layout=layout, window=None, fn=fn)
+    cluster.check(
+        "grad",
+        seed=_seed("g", fn, layout, causal, P),
+        B=1,
+        H=H,
+        Hkv=Hkv,
+        L=4 * P,
+        d=5,
+        dv=3,
+        dtype="float64",
+        causal=causal,
+        layout=layout,
+        window=None,
+        fn=fn,
+    )
 
 
 @pytest.mark.parametrize("fn", ["ring", "ulysses"])
 def test_gradients_window_gqa_float32(cluster, fn):
     P = cluster.P
-    cluster.check("grad", seed=_seed("gw", fn, P), B=2, H=2 * P, Hkv=1, L=6 * P, d=4, dv=4, dtype="float32",
-                  causal=True, layout="zigzag", window=[3, 0], fn=fn)
+    cluster.check(
+        "grad",
+        seed=_seed("gw", fn, P),
+        B=2,
+        H=2 * P,
+        Hkv=1,
+        L=6 * P,
+        d=4,
+        dv=4,
+        dtype="float32",
+        causal=True,
+        layout="zigzag",
+        window=[3, 0],
+        fn=fn,
+    )
 
 
 # ---------------------------------------------------------------- tests: work and skipping
@@ -500,7 +666,9 @@ def test_zigzag_causal_balances_visible_pairs(cluster):
     assert sum(pairs) == 2 * (2 * P * c) * (2 * P * c + 1) // 2  # all causal pairs, each once
     # Per step 4 (query chunk, key chunk) blocks; the fully masked ones are skipped.
     assert all(x["blocks"] + x["skipped"] == 4 * P for x in res)
-    assert sum(x["blocks"] for x in res) == 2 * P * (2 * P + 1) // 2  # the chunk pairs with key chunk <= query chunk
+    assert (
+        sum(x["blocks"] for x in res) == 2 * P * (2 * P + 1) // 2
+    )  # the chunk pairs with key chunk <= query chunk
     assert all(x["bytes_sent"] == (P - 1) * x["nbytes_kv"] for x in res)
 
 
@@ -522,21 +690,24 @@ def test_window_skips_far_blocks(cluster):
 # ---------------------------------------------------------------- tests: errors
 
 
-@pytest.mark.parametrize("what, exc, words", [
-    ("shapes", "ValueError", "differ"),
-    ("options", "ValueError", "differ"),
-    ("function", "ValueError", "differ"),
-    ("odd_zigzag", "ValueError", "even"),
-    ("layout", "ValueError", "layout"),
-    ("numpy", "TypeError", "torch.Tensor"),
-    ("device", "TypeError", "meta"),
-    ("int", "TypeError", "int32"),
-    ("gqa", "ValueError", "enable_gqa"),
-    ("qk_len", "ValueError", "same length"),
-    ("heads", "ValueError", "H % P"),
-    ("window", "ArgumentTypeError", "window_size[0]"),  # a TypeError and a ValueError
-    ("ulysses_grad_sinks", "ValueError", "sinks as constants"),
-])
+@pytest.mark.parametrize(
+    "what, exc, words",
+    [
+        ("shapes", "ValueError", "differ"),
+        ("options", "ValueError", "differ"),
+        ("function", "ValueError", "differ"),
+        ("odd_zigzag", "ValueError", "even"),
+        ("layout", "ValueError", "layout"),
+        ("numpy", "TypeError", "torch.Tensor"),
+        ("device", "TypeError", "meta"),
+        ("int", "TypeError", "int32"),
+        ("gqa", "ValueError", "enable_gqa"),
+        ("qk_len", "ValueError", "same length"),
+        ("heads", "ValueError", "H % P"),
+        ("window", "ArgumentTypeError", "window_size[0]"),  # a TypeError and a ValueError
+        ("ulysses_grad_sinks", "ValueError", "sinks as constants"),
+    ],
+)
 def test_clear_errors_on_every_rank(cluster, what, exc, words):
     res = cluster.check("error", what=what)
     for r, x in enumerate(res):
@@ -579,6 +750,7 @@ def test_a_stalled_rank_is_killed_not_waited_for():
 def test_not_initialised_raises():
     import torch.distributed as dist
     from attn_fast import distributed as cp
+
     assert not dist.is_initialized()
     q = torch.zeros(1, 1, 4, 2)
     for f in (cp.ring_attention, cp.ulysses_attention):
@@ -591,6 +763,7 @@ def test_not_initialised_raises():
 
 def test_band_matches_dense_mask():
     from attn_fast.distributed import _band, _band_pairs
+
     for nq in range(1, 6):
         for nk in range(1, 6):
             for lo in [None, *range(-6, 7)]:
@@ -616,6 +789,7 @@ def test_band_matches_dense_mask():
 
 def test_merge_matches_merge_attention_states(rng):
     from attn_fast.distributed import _merge_
+
     oa, ob = rng.standard_normal((2, 3, 7, 5))
     la, lb = rng.standard_normal((2, 3, 7)) * 3
     la[0, :2] = -np.inf
@@ -626,7 +800,9 @@ def test_merge_matches_merge_attention_states(rng):
     acc_o[0, :2] = 0  # an accumulator with lse = -inf holds zeros
     _merge_(acc_o, acc_l, torch.from_numpy(ob), torch.from_numpy(lb))
     np.testing.assert_allclose(acc_o.numpy(), want_o, rtol=1e-13, atol=1e-14)
-    np.testing.assert_allclose(acc_l.numpy(), want_l, rtol=1e-14, atol=1e-14)  # -inf where both are empty
+    np.testing.assert_allclose(
+        acc_l.numpy(), want_l, rtol=1e-14, atol=1e-14
+    )  # -inf where both are empty
     assert torch.isneginf(acc_l[0, 1]) and (acc_o[0, 1] == 0).all()
 
 
@@ -634,16 +810,23 @@ def test_merge_matches_merge_attention_states(rng):
 def test_local_backward_is_torch_autograd_of_the_block(rng, window):
     """_local_backward (the fused kernel on NumPy views) gives torch autograd's dq, dk, dv for one block."""
     from attn_fast import distributed as cp
+
     q, dout = (torch.from_numpy(rng.standard_normal((1, 4, 5, 3))) for _ in range(2))
     k, v = (torch.from_numpy(rng.standard_normal((1, 2, 7, 3))) for _ in range(2))
     causal = window == (None, 0)
     kw = dict(is_causal=causal, scale=0.4, enable_gqa=True, window_size=None if causal else window)
-    out, lse = af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, **kw)
+    out, lse = af.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy(), return_lse=True, **kw
+    )
     got = cp._local_backward(dout, q, k, v, torch.from_numpy(out), torch.from_numpy(lse), **kw)
     q2, k2, v2 = (x.clone().requires_grad_() for x in (q, k, v))
     S = q2 @ k2.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.4
     vis = torch.from_numpy(ref.window_mask(5, 7, *(window or (None, None))))
-    (torch.softmax(S.masked_fill(~vis, float("-inf")), -1) @ v2.repeat_interleave(2, dim=1) * dout).sum().backward()
+    (
+        torch.softmax(S.masked_fill(~vis, float("-inf")), -1)
+        @ v2.repeat_interleave(2, dim=1)
+        * dout
+    ).sum().backward()
     for a, b in zip(got, (q2.grad, k2.grad, v2.grad)):
         assert isinstance(a, torch.Tensor) and a.dtype == torch.float64
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
@@ -652,6 +835,7 @@ def test_local_backward_is_torch_autograd_of_the_block(rng, window):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_shard_and_gather_round_trip(layout):
     from attn_fast import distributed as cp
+
     x = torch.arange(2 * 24 * 3, dtype=torch.float64).view(2, 24, 3)
     shards = [cp.shard_sequence(x, r, 4, layout) for r in range(4)]
     assert torch.equal(cp.gather_sequence(shards, layout), x)

@@ -95,7 +95,9 @@ def close(got, want, src, what="out"):
     kind = kind_of(src)
     got, A, want = f64(got), np.asarray(want.A, np.float64), np.asarray(want.O, np.float64)
     bad = ~(np.abs(got - want) <= RTOL[kind] * np.abs(want) + PTOL[kind] * A + ATOL)
-    assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} off, max err {np.nanmax(np.abs(got - want)):.3g}"
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} of {bad.size} off, max err {np.nanmax(np.abs(got - want)):.3g}"
+    )
 
 
 def check_lse(lse, LSE):
@@ -111,7 +113,9 @@ def result_dtype_ok(o, src):
     elif src == "ml_bf16":
         assert isinstance(o, np.ndarray) and o.dtype == ml_dtypes.bfloat16
     else:
-        assert isinstance(o, torch.Tensor) and o.dtype == (torch.float16 if src == "torch_f16" else torch.bfloat16)
+        assert isinstance(o, torch.Tensor) and o.dtype == (
+            torch.float16 if src == "torch_f16" else torch.bfloat16
+        )
 
 
 # ---------------------------------------------------------------- shapes
@@ -121,14 +125,26 @@ def result_dtype_ok(o, src):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "Lq, Lk, d, dv",
-    [(1, 1, 64, 64), (7, 7, 80, 80), (129, 129, 128, 128), (7, 129, 256, 256), (129, 7, 48, 40),
-     (33, 65, 40, 72), (1, 300, 64, 64), (5, 9, 1, 1), (3, 70, 5, 3), (20, 20, 33, 17)],
+    [
+        (1, 1, 64, 64),
+        (7, 7, 80, 80),
+        (129, 129, 128, 128),
+        (7, 129, 256, 256),
+        (129, 7, 48, 40),
+        (33, 65, 40, 72),
+        (1, 300, 64, 64),
+        (5, 9, 1, 1),
+        (3, 70, 5, 3),
+        (20, 20, 33, 17),
+    ],
 )
 def test_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
     q, k, v = gen(rng, src, (2, 3, Lq, d), (2, 3, Lk, d), (2, 3, Lk, dv))
     o, lse = sdpa(q, k, v, is_causal=causal, return_lse=True)
     result_dtype_ok(o, src)
-    O, LSE = orc(f64(q), f64(k), f64(v), mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
+    O, LSE = orc(
+        f64(q), f64(k), f64(v), mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True
+    )
     close(o, O, src)
     check_lse(lse, LSE)
 
@@ -158,7 +174,11 @@ def test_short_queries_use_decode_kernel(isa, rng, src):
 def test_non_contiguous_and_gqa(isa, rng, src):
     """(B, L, H, d) buffers read as their (B, H, L, d) transposes; 4 query heads on 2 kv heads."""
     q, k, v = gen(rng, src, (2, 17, 4, 80), (2, 23, 2, 80), (2, 23, 2, 56))
-    tr = (lambda x: x.transpose(1, 2)) if src.startswith("torch") else (lambda x: x.transpose(0, 2, 1, 3))
+    tr = (
+        (lambda x: x.transpose(1, 2))
+        if src.startswith("torch")
+        else (lambda x: x.transpose(0, 2, 1, 3))
+    )
     qt, kt, vt = tr(q), tr(k), tr(v)
     o = sdpa(qt, kt, vt, enable_gqa=True, window_size=(5, 3))
     O = orc(f64(qt), f64(kt), f64(vt), mask=ref.window_mask(17, 23, 5, 3))
@@ -183,7 +203,9 @@ def test_torch_result_shares_memory():
     assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape == (1, 2, 5, 8)
     assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
     xn = x.view(torch.int16).numpy().view(np.uint16)
-    on = np.asarray(sdpa(xn.view(_BF16Bits), xn.view(_BF16Bits), xn.view(_BF16Bits))).view(np.uint16)
+    on = np.asarray(sdpa(xn.view(_BF16Bits), xn.view(_BF16Bits), xn.view(_BF16Bits))).view(
+        np.uint16
+    )
     np.testing.assert_array_equal(o.view(torch.int16).numpy().view(np.uint16), on)
     t = to_input_kind(on, x)
     assert t.dtype == torch.bfloat16 and t.shape == (1, 2, 5, 8)
@@ -206,8 +228,18 @@ def test_masks_and_score_transforms(isa, rng, src):
 
     close(sdpa(q, k, v, attn_mask=keep), orc(Q, K, V, mask=keep), src, "bool mask")
     close(sdpa(q, k, v, attn_mask=bias), orc(Q, K, V, bias=bias), src, "additive mask")
-    close(sdpa(q, k, v, attn_mask=masks.Padding(kv_lens=kv_lens)), orc(Q, K, V, mask=pad), src, "padding")
-    close(sdpa(q, k, v, attn_mask=[keep, bias]), orc(Q, K, V, mask=keep, bias=bias), src, "mask + bias")
+    close(
+        sdpa(q, k, v, attn_mask=masks.Padding(kv_lens=kv_lens)),
+        orc(Q, K, V, mask=pad),
+        src,
+        "padding",
+    )
+    close(
+        sdpa(q, k, v, attn_mask=[keep, bias]),
+        orc(Q, K, V, mask=keep, bias=bias),
+        src,
+        "mask + bias",
+    )
     sinks = np.array([0.5, -1.0])
     o, lse = sdpa(q, k, v, softcap=3.0, sinks=sinks, return_lse=True)
     O, LSE = orc(Q, K, V, softcap=3.0, sinks=sinks, return_lse=True)
@@ -215,7 +247,12 @@ def test_masks_and_score_transforms(isa, rng, src):
     check_lse(lse, LSE)
     slopes = np.array([0.25, 0.5])
     dist = np.abs(np.arange(Lq)[:, None] + (Lk - Lq) - np.arange(Lk)[None, :])
-    close(sdpa(q, k, v, alibi_slopes=slopes), orc(Q, K, V, bias=-slopes[:, None, None] * dist), src, "alibi")
+    close(
+        sdpa(q, k, v, alibi_slopes=slopes),
+        orc(Q, K, V, bias=-slopes[:, None, None] * dist),
+        src,
+        "alibi",
+    )
 
 
 @pytest.mark.parametrize("src", ["torch_bf16", "torch_f16", "ml_bf16"])
@@ -239,7 +276,9 @@ def test_fully_masked_rows_and_nan_in_masked_v(isa, rng, src):
     keep = np.ones((B, H, L, L), bool)
     keep[..., 3] = False
     keep[:, :, 5, :] = False  # row 5 sees nothing
-    o, lse = sdpa(q, k, v, attn_mask=[keep, masks.Padding(kv_lens=[30], q_lens=[L])], return_lse=True)
+    o, lse = sdpa(
+        q, k, v, attn_mask=[keep, masks.Padding(kv_lens=[30], q_lens=[L])], return_lse=True
+    )
     o = f64(o)
     assert np.isfinite(o).all()
     assert (o[:, :, 5] == 0).all() and np.isneginf(np.asarray(lse)[:, :, 5]).all()
@@ -260,12 +299,19 @@ def test_one_key_returns_v_bit_exact(isa, rng, src):
     the widen-on-pack and the round-on-write unchanged (NaN stays NaN; assert_array_equal matches NaNs)."""
     need(src)
     if kind_of(src) == "f16":
-        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+        vals = np.array(
+            [0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32
+        )
     else:
-        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+        vals = np.array(
+            [0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32
+        )
     dv = 80
     vrow = np.resize(vals, dv) * np.where(rng.random(dv) < 0.5, 1, -1).astype(np.float32)
-    q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, 1, 8)), src)
+    q, k = (
+        make(rng.standard_normal((1, 1, 3, 8)), src),
+        make(rng.standard_normal((1, 1, 1, 8)), src),
+    )
     v = make(vrow.reshape(1, 1, 1, dv), src)
     o = sdpa(q, k, v)
     np.testing.assert_array_equal(f64(o), np.broadcast_to(f64(v), (1, 1, 3, dv)))
@@ -295,11 +341,15 @@ def test_mixed_dtypes_raise_with_cast_hint(rng):
         sdpa(q16, q32, q32)
     if torch is not None:
         t = torch.from_numpy(q32)
-        with pytest.raises(TypeError, match=r"mixed dtypes .*q bfloat16, k float16.*\.to\(q.dtype\)"):
+        with pytest.raises(
+            TypeError, match=r"mixed dtypes .*q bfloat16, k float16.*\.to\(q.dtype\)"
+        ):
             sdpa(t.bfloat16(), t.half(), t.half())
         with pytest.raises(TypeError, match=r"out has dtype float16, expected bfloat16"):
             sdpa(t.bfloat16(), t.bfloat16(), t.bfloat16(), out=t.half())
-    with pytest.raises(TypeError, match="float32 or float64, got dtype uint16"):  # uint16 is not bfloat16
+    with pytest.raises(
+        TypeError, match="float32 or float64, got dtype uint16"
+    ):  # uint16 is not bfloat16
         sdpa(q32.view(np.uint16)[..., :8], q32, q32)
 
 
@@ -308,7 +358,10 @@ def test_float32_cache_refuses_16bit_with_cast_hint():
         pytest.skip("torch not installed")
     x = torch.randn(1, 2, 4, 8).bfloat16()
     cache = af.KVCache(1, 2, 8)
-    with pytest.raises(TypeError, match=r"k has dtype bfloat16 but the cache stores float32; cast it first .*to\(torch.float32\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"k has dtype bfloat16 but the cache stores float32; cast it first .*to\(torch.float32\)",
+    ):
         cache.append(x, x)
     with pytest.raises(TypeError, match="float16 but the cache stores float32"):
         cache.attend(x.half())
@@ -328,8 +381,12 @@ def test_varlen(isa, rng, src):
         a, b = cu[s], cu[s + 1]
         if a == b:
             continue
-        O = orc(Q[a:b].transpose(1, 0, 2), K[a:b].transpose(1, 0, 2), V[a:b].transpose(1, 0, 2),
-                     mask=ref.causal_mask(b - a, b - a))
+        O = orc(
+            Q[a:b].transpose(1, 0, 2),
+            K[a:b].transpose(1, 0, 2),
+            V[a:b].transpose(1, 0, 2),
+            mask=ref.causal_mask(b - a, b - a),
+        )
         close(f64(o)[a:b].transpose(1, 0, 2), O, src)
 
 
@@ -338,7 +395,10 @@ def test_textbook_attention(rng, src):
     X, Wq, Wk, Wv = gen(rng, src, (9, 16), (8, 16), (8, 16), (6, 16))
     o = af.attention(X, Wq, Wk, Wv, causal=True)
     # Projections in fp32, rounded to the dtype (as a 16-bit matmul would), then attention.
-    P = [f64(make(f64(X).astype(np.float32) @ f64(W).astype(np.float32).T, src)) for W in (Wq, Wk, Wv)]
+    P = [
+        f64(make(f64(X).astype(np.float32) @ f64(W).astype(np.float32).T, src))
+        for W in (Wq, Wk, Wv)
+    ]
     close(o, orc(*P, mask=ref.causal_mask(9, 9)), src)
 
 
@@ -384,8 +444,13 @@ def _isa_in_subprocess(**env):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import attn_fast as af; print(af.get_isa())"],
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import attn_fast as af; print(af.get_isa())"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -400,7 +465,9 @@ def test_avx512_bf16_choice():
     assert "avx512" in isas
     assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="0", ATTN_FAST_ISA="") == "avx512"
     assert _isa_in_subprocess(ATTN_FAST_BF16_PROBE="1", ATTN_FAST_ISA="") == "avx512_bf16"
-    assert _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
+    assert (
+        _isa_in_subprocess(ATTN_FAST_ISA="avx512_bf16", ATTN_FAST_BF16_PROBE="0") == "avx512_bf16"
+    )
     assert _isa_in_subprocess(ATTN_FAST_ISA="avx512") == "avx512"
 
 
@@ -416,14 +483,25 @@ def _raw(x):
 
 @pytest.mark.parametrize("src", SOURCES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("Lq, Lk, d, dv", [(1, 1, 64, 64), (1, 129, 80, 80), (4, 7, 5, 3), (3, 300, 256, 256),
-                                           (2, 1100, 1, 1), (1, 700, 128, 96)])
+@pytest.mark.parametrize(
+    "Lq, Lk, d, dv",
+    [
+        (1, 1, 64, 64),
+        (1, 129, 80, 80),
+        (4, 7, 5, 3),
+        (3, 300, 256, 256),
+        (2, 1100, 1, 1),
+        (1, 700, 128, 96),
+    ],
+)
 def test_decode_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
     """backend='decode' on 16-bit q/k/v (GQA 4 on 2): O in q's dtype written over a NaN-poisoned
     out, lse float32; Lk = 1100 / 700 take several splits (merged in float32)."""
     q, k, v = gen(rng, src, (2, 4, Lq, d), (2, 2, Lk, d), (2, 2, Lk, dv))
     out = make(np.full((2, 4, Lq, dv), np.nan, np.float32), src)
-    o, lse = sdpa(q, k, v, is_causal=causal, enable_gqa=True, backend="decode", return_lse=True, out=out)
+    o, lse = sdpa(
+        q, k, v, is_causal=causal, enable_gqa=True, backend="decode", return_lse=True, out=out
+    )
     assert o is out
     Q, K, V = f64(q), f64(k).repeat(2, axis=1), f64(v).repeat(2, axis=1)
     O, LSE = orc(Q, K, V, mask=ref.causal_mask(Lq, Lk) if causal else None, return_lse=True)
@@ -451,8 +529,20 @@ def test_decode_ring_ragged_window(isa, rng, src, split):
     k, v = make(kf, src), make(vf, src)
     o = _raw(make(np.full((B, Hq, Lq, dv), np.nan, np.float32), src))
     lse = np.full((B, Hq, Lq), np.nan, np.float32)
-    _core.decode(_raw(q), _raw(k), _raw(v), o, lse, scale=d**-0.5, causal=True, window_left=50,
-                 q_lens=q_lens, kv_lens=kv_lens, kv_start=kv_start, split=split)
+    _core.decode(
+        _raw(q),
+        _raw(k),
+        _raw(v),
+        o,
+        lse,
+        scale=d**-0.5,
+        causal=True,
+        window_left=50,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        kv_start=kv_start,
+        split=split,
+    )
     o = f64(o)
     Q, K, V = f64(q), f64(k), f64(v)
     for b in range(B):
@@ -466,9 +556,9 @@ def test_decode_ring_ragged_window(isa, rng, src, split):
             diag = i + n - q_lens[b]
             vis = (np.arange(n) <= diag) & (np.arange(n) >= diag - 50)
             Kv, Vv = Kb[:, vis], Vb[:, vis]
-            O, LSE = orc(Q[b][:, i:i + 1], Kv, Vv, return_lse=True)
-            close(o[b, :, i:i + 1], O, src)
-            check_lse(lse[b, :, i:i + 1], LSE)
+            O, LSE = orc(Q[b][:, i : i + 1], Kv, Vv, return_lse=True)
+            close(o[b, :, i : i + 1], O, src)
+            check_lse(lse[b, :, i : i + 1], LSE)
 
 
 @pytest.mark.parametrize("src", SOURCES)
@@ -501,20 +591,34 @@ def test_decode_one_visible_key_bit_exact(isa, rng, src):
     value (subnormals, extremes, inf, NaN) survives the widen-on-load and the one rounding."""
     need(src)
     if kind_of(src) == "f16":
-        vals = np.array([0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+        vals = np.array(
+            [0, -0.0, 6e-8, -6e-8, 3e-5, 65504, -65504, 1 / 3, np.inf, -np.inf, np.nan], np.float32
+        )
     else:
-        vals = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32)
+        vals = np.array(
+            [0, -0.0, 1e-40, -1e-40, 1e-38, 3e38, -3e38, 1 / 3, np.inf, -np.inf, np.nan], np.float32
+        )
     Lk, dv = 90, 80
-    vrows = np.resize(vals, (Lk, dv)) * np.where(rng.random((Lk, dv)) < 0.5, 1, -1).astype(np.float32)
-    q, k = make(rng.standard_normal((1, 1, 3, 8)), src), make(rng.standard_normal((1, 1, Lk, 8)), src)
+    vrows = np.resize(vals, (Lk, dv)) * np.where(rng.random((Lk, dv)) < 0.5, 1, -1).astype(
+        np.float32
+    )
+    q, k = (
+        make(rng.standard_normal((1, 1, 3, 8)), src),
+        make(rng.standard_normal((1, 1, Lk, 8)), src),
+    )
     v = make(vrows.reshape(1, 1, Lk, dv), src)
     o = sdpa(q, k, v, window_size=(0, 0), backend="decode")
-    np.testing.assert_array_equal(f64(o), f64(v)[:, :, Lk - 3:])
+    np.testing.assert_array_equal(f64(o), f64(v)[:, :, Lk - 3 :])
 
 
 # ---------------------------------------------------------------- KVCache in 16 bits
 
-CACHE_DTYPE = {"numpy_f16": np.float16, "torch_f16": "float16", "torch_bf16": "bfloat16", "ml_bf16": "bfloat16"}
+CACHE_DTYPE = {
+    "numpy_f16": np.float16,
+    "torch_f16": "float16",
+    "torch_bf16": "bfloat16",
+    "ml_bf16": "bfloat16",
+}
 
 
 def _sl(x, t0, t1):
@@ -535,7 +639,9 @@ def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
     q, k, v = gen(rng, src, (B, Hq, Ltot, d), (B, Hkv, Ltot, d), (B, Hkv, Ltot, dv))
     lens = np.array([L0, 30])
     cache.append(_sl(k, 0, L0), _sl(v, 0, L0), lengths=lens)
-    ref32.append(f64(k)[:, :, :L0].astype(np.float32), f64(v)[:, :, :L0].astype(np.float32), lengths=lens)
+    ref32.append(
+        f64(k)[:, :, :L0].astype(np.float32), f64(v)[:, :, :L0].astype(np.float32), lengths=lens
+    )
     assert cache.nbytes * 2 == ref32.nbytes
     Q, K, V = f64(q), f64(k).repeat(3, axis=1), f64(v).repeat(3, axis=1)
 
@@ -544,8 +650,13 @@ def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
         vis = keys[None, :] <= np.array(qpos)[:, None]
         if window is not None:
             vis &= keys[None, :] > np.array(qpos)[:, None] - window
-        return orc(Q[b:b + 1][:, :, qpos], K[b:b + 1][:, :, keys], V[b:b + 1][:, :, keys], mask=vis,
-                   return_lse=True)
+        return orc(
+            Q[b : b + 1][:, :, qpos],
+            K[b : b + 1][:, :, keys],
+            V[b : b + 1][:, :, keys],
+            mask=vis,
+            return_lse=True,
+        )
 
     o, lse = cache.attend(_sl(q, 0, L0), return_lse=True)
     result_dtype_ok(o, src)
@@ -553,22 +664,22 @@ def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
     for b in range(B):
         n = int(lens[b])
         O, LSE = want(b, list(range(n)), list(range(n)))
-        close(f64(o)[b:b + 1, :, :n], O, src)
-        check_lse(np.asarray(lse)[b:b + 1, :, :n], LSE)
+        close(f64(o)[b : b + 1, :, :n], O, src)
+        check_lse(np.asarray(lse)[b : b + 1, :, :n], LSE)
     pos = lens.copy()
     for t in range(steps):
         # sequence b's next token is input row pos[b] (gathered per sequence)
-        kt = make(np.stack([f64(k)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
-        vt = make(np.stack([f64(v)[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
-        qt = make(np.stack([Q[b, :, pos[b]:pos[b] + 1] for b in range(B)]), src)
+        kt = make(np.stack([f64(k)[b, :, pos[b] : pos[b] + 1] for b in range(B)]), src)
+        vt = make(np.stack([f64(v)[b, :, pos[b] : pos[b] + 1] for b in range(B)]), src)
+        qt = make(np.stack([Q[b, :, pos[b] : pos[b] + 1] for b in range(B)]), src)
         cache.append(kt, vt)
         o, lse = cache.attend(qt, return_lse=True)
         result_dtype_ok(o, src)
         for b in range(B):
             p = int(pos[b])
             O, LSE = want(b, [p], list(range(p + 1)))
-            close(f64(o)[b:b + 1], O, src)
-            check_lse(np.asarray(lse)[b:b + 1], LSE)
+            close(f64(o)[b : b + 1], O, src)
+            check_lse(np.asarray(lse)[b : b + 1], LSE)
         pos += 1
 
 

@@ -96,9 +96,17 @@ ORIGINS = {
 def run_script(body, timeout=2 * DEADLINE + 60):
     """Run PRELUDE + body in a fresh interpreter (own session: a hung grandchild is killed too)."""
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
-    env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="1")  # only the origin starts threads
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, start_new_session=True)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="1"
+    )  # only the origin starts threads
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -121,7 +129,9 @@ def test_child_after_each_pool_origin_finishes_with_the_right_answer(origin):
     rc, out, err = run_script(body)
     assert rc == 0, err
     child, parent = out.split()[0], out.split()[1:]
-    assert child == "0", f"child of a process after {origin}: {child} (3 = wrong answer or thread count)\n{err}"
+    assert child == "0", (
+        f"child of a process after {origin}: {child} (3 = wrong answer or thread count)\n{err}"
+    )
     assert parent == ["False", "2"]  # the parent itself keeps its threads
 
 
@@ -174,8 +184,12 @@ def test_child_of_a_single_threaded_parent_keeps_its_threads():
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc to count threads")
     env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="1", OMP_WAIT_POLICY="passive")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     if "AssertionError" in r.stderr:
-        pytest.skip(f"the interpreter starts threads at import here: {r.stderr.strip().splitlines()[-1]}")
+        pytest.skip(
+            f"the interpreter starts threads at import here: {r.stderr.strip().splitlines()[-1]}"
+        )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"

@@ -27,12 +27,24 @@ from hypothesis import strategies as st  # noqa: E402
 
 N_EXAMPLES = int(os.environ.get("ATTN_FAST_FUZZ_EXAMPLES", "60"))
 
-SPOILERS = ["none"] * 6 + ["head_dim", "dtype", "mixed", "mask_shape", "gqa_flag", "out_shape", "block", "ndim"]
+SPOILERS = ["none"] * 6 + [
+    "head_dim",
+    "dtype",
+    "mixed",
+    "mask_shape",
+    "gqa_flag",
+    "out_shape",
+    "block",
+    "ndim",
+]
 
 
 def lay_out(data, x, name, allow_broadcast_axes=()):
     """Return an array equal to x stored in a drawn layout (a view, usually)."""
-    kind = data.draw(st.sampled_from(["c", "perm", "steps", "fortran", "broadcast", "bigendian", "misaligned"]), label=f"{name} layout")
+    kind = data.draw(
+        st.sampled_from(["c", "perm", "steps", "fortran", "broadcast", "bigendian", "misaligned"]),
+        label=f"{name} layout",
+    )
     if kind == "perm":
         perm = data.draw(st.permutations(range(x.ndim)), label=f"{name} perm")
         store = np.empty([x.shape[p] for p in perm], x.dtype)
@@ -40,7 +52,9 @@ def lay_out(data, x, name, allow_broadcast_axes=()):
         view[...] = x
         return view
     if kind == "steps":
-        steps = [data.draw(st.sampled_from([1, 2, -1, -2]), label=f"{name} step") for _ in range(x.ndim)]
+        steps = [
+            data.draw(st.sampled_from([1, 2, -1, -2]), label=f"{name} step") for _ in range(x.ndim)
+        ]
         big = np.full([n * abs(s) + 1 for n, s in zip(x.shape, steps)], np.nan, x.dtype)
         view = big[tuple(slice(None, None, s) for s in steps)]
         view = view[tuple(slice(0, n) for n in x.shape)]
@@ -80,8 +94,8 @@ def problems(draw):
     Lk = draw(st.integers(0, 70), label="Lk")
     d = draw(st.integers(1, 20), label="d")
     dv = draw(st.integers(0, 20), label="dv")
-    lead_q = (B, Hq)[4 - ndim:] if ndim > 2 else ()
-    lead_k = (B, Hkv)[4 - ndim:] if ndim > 2 else ()
+    lead_q = (B, Hq)[4 - ndim :] if ndim > 2 else ()
+    lead_k = (B, Hkv)[4 - ndim :] if ndim > 2 else ()
     q = rng.standard_normal(lead_q + (Lq, d)).astype(dtype)
     k = rng.standard_normal(lead_k + (Lk, d)).astype(dtype)
     v = rng.standard_normal(lead_k + (Lk, dv)).astype(dtype)
@@ -107,11 +121,13 @@ def problems(draw):
     if mask_kind != "none":
         full = (B, Hq, Lq, Lk)
         mshape = tuple(n if draw(st.booleans(), label="mask axis full") else 1 for n in full)
-        mshape = mshape[4 - draw(st.integers(2, 4), label="mask ndim"):]
+        mshape = mshape[4 - draw(st.integers(2, 4), label="mask ndim") :]
         if mask_kind == "bool":
             kw["attn_mask"] = rng.random(mshape) < 0.7
         else:
-            m = rng.standard_normal(mshape).astype(draw(st.sampled_from([np.float32, np.float64]), label="bias dtype"))
+            m = rng.standard_normal(mshape).astype(
+                draw(st.sampled_from([np.float32, np.float64]), label="bias dtype")
+            )
             m[rng.random(mshape) < 0.2] = -np.inf
             kw["attn_mask"] = m
     kw["return_lse"] = draw(st.booleans(), label="lse")
@@ -142,7 +158,13 @@ def spoiled(q, k, v, kw, spoil):
     if spoil == "gqa_flag" and kw["enable_gqa"]:
         return q, k, v, dict(kw, enable_gqa=False), ValueError
     if spoil == "out_shape":
-        return q, k, v, dict(kw, out=np.empty(q.shape[:-1] + (v.shape[-1] + 1,), q.dtype)), ValueError
+        return (
+            q,
+            k,
+            v,
+            dict(kw, out=np.empty(q.shape[:-1] + (v.shape[-1] + 1,), q.dtype)),
+            ValueError,
+        )
     if spoil == "block":
         return q, k, v, dict(kw, block_k=-3), ValueError
     if spoil == "ndim":
@@ -152,7 +174,9 @@ def spoiled(q, k, v, kw, spoil):
 
 def oracle(q, k, v, kw, dims):
     B, Hq, Lq, Lk = dims
-    q4, k4, v4 = (np.asarray(x, np.float64).reshape((1,) * (4 - x.ndim) + x.shape) for x in (q, k, v))
+    q4, k4, v4 = (
+        np.asarray(x, np.float64).reshape((1,) * (4 - x.ndim) + x.shape) for x in (q, k, v)
+    )
     vis = np.ones((Lq, Lk), bool)
     if kw["is_causal"]:
         vis &= ref.causal_mask(Lq, Lk)
@@ -165,7 +189,9 @@ def oracle(q, k, v, kw, dims):
         if m.dtype == np.bool_:
             mask = mask & m4
         else:
-            bias = bias + m4.astype(q.dtype).astype(np.float64)  # the kernel adds the bias in q's dtype
+            bias = bias + m4.astype(q.dtype).astype(
+                np.float64
+            )  # the kernel adds the bias in q's dtype
     if "alibi_slopes" in kw:
         i = np.arange(Lq)[:, None] + (Lk - Lq)
         j = np.arange(Lk)[None, :]
@@ -174,8 +200,17 @@ def oracle(q, k, v, kw, dims):
     sinks = kw.get("sinks")
     if sinks is not None:
         sinks = np.asarray(sinks).astype(q.dtype).astype(np.float64)
-    return ref.sdpa(q4, k4, v4, mask=mask, bias=bias, scale=kw.get("scale"), softcap=kw.get("softcap"),
-                    sinks=sinks, return_lse=True)
+    return ref.sdpa(
+        q4,
+        k4,
+        v4,
+        mask=mask,
+        bias=bias,
+        scale=kw.get("scale"),
+        softcap=kw.get("softcap"),
+        sinks=sinks,
+        return_lse=True,
+    )
 
 
 @settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -214,11 +249,15 @@ def test_fuzz_against_oracle(problem):
 def cache_programs(draw):
     """A cache configuration and a random sequence of append / attend / truncate / bad calls."""
     cfg = dict(
-        B=draw(st.integers(1, 3)), Hkv=draw(st.integers(1, 2)), G=draw(st.integers(1, 3)),
-        d=draw(st.sampled_from([1, 3, 8])), dv=draw(st.sampled_from([1, 4])),
+        B=draw(st.integers(1, 3)),
+        Hkv=draw(st.integers(1, 2)),
+        G=draw(st.integers(1, 3)),
+        d=draw(st.sampled_from([1, 3, 8])),
+        dv=draw(st.sampled_from([1, 4])),
         dtype=draw(st.sampled_from([np.float32, np.float64])),
         window=draw(st.one_of(st.none(), st.integers(1, 6))),
-        capacity=draw(st.integers(1, 8)), growable=draw(st.booleans()),
+        capacity=draw(st.integers(1, 8)),
+        growable=draw(st.booleans()),
     )
     if cfg["window"] is not None:
         cfg["ring"] = draw(st.one_of(st.none(), st.integers(cfg["window"], 2 * cfg["window"] + 2)))
@@ -227,14 +266,32 @@ def cache_programs(draw):
         kind = draw(st.sampled_from(["append"] * 3 + ["attend"] * 3 + ["truncate", "bad"]))
         if kind == "append":
             L = draw(st.integers(0, 6))
-            lens = draw(st.one_of(st.none(), st.lists(st.integers(0, L), min_size=cfg["B"], max_size=cfg["B"])))
+            lens = draw(
+                st.one_of(
+                    st.none(), st.lists(st.integers(0, L), min_size=cfg["B"], max_size=cfg["B"])
+                )
+            )
             ops.append(("append", L, lens))
         elif kind == "attend":
-            ops.append(("attend", draw(st.integers(1, 5)), draw(st.booleans()), draw(st.integers(0, 2**31))))
+            ops.append(
+                (
+                    "attend",
+                    draw(st.integers(1, 5)),
+                    draw(st.booleans()),
+                    draw(st.integers(0, 2**31)),
+                )
+            )
         elif kind == "truncate":
-            ops.append(("truncate", draw(st.lists(st.integers(0, 4), min_size=cfg["B"], max_size=cfg["B"]))))
+            ops.append(
+                (
+                    "truncate",
+                    draw(st.lists(st.integers(0, 4), min_size=cfg["B"], max_size=cfg["B"])),
+                )
+            )
         else:
-            ops.append(("bad", draw(st.sampled_from(["dtype", "heads", "lengths", "scale", "q_dim"]))))
+            ops.append(
+                ("bad", draw(st.sampled_from(["dtype", "heads", "lengths", "scale", "q_dim"])))
+            )
     return cfg, ops, draw(st.integers(0, 2**31))
 
 
@@ -252,12 +309,15 @@ def _cache_attend_oracle(q, hist_k, hist_v, pos, ql, window, causal):
         vis = j <= p if causal else np.ones_like(j <= p)
         if window is not None:
             vis = vis & (j >= p - window + 1)
-        O[b, :, :n], LSE[b, :, :n] = ref.sdpa(q[b, :, :n], hist_k[b][:, :pos[b]], hist_v[b][:, :pos[b]],
-                                              mask=vis, return_lse=True)
+        O[b, :, :n], LSE[b, :, :n] = ref.sdpa(
+            q[b, :, :n], hist_k[b][:, : pos[b]], hist_v[b][:, : pos[b]], mask=vis, return_lse=True
+        )
     return O, LSE
 
 
-@settings(max_examples=max(1, N_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=max(1, N_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck)
+)
 @given(cache_programs())
 def test_fuzz_kv_cache_against_oracle(program):
     """Random append / attend / truncate sequences against per-sequence histories
@@ -282,8 +342,12 @@ def test_fuzz_kv_cache_against_oracle(program):
         np.testing.assert_array_equal(cache.lengths, n)
         assert len(cache) == int(pos.max())
         for b in range(B):
-            np.testing.assert_array_equal(cache.keys(b), hist_k[b][:, pos[b] - n[b]:pos[b]].astype(dt))
-            np.testing.assert_array_equal(cache.values(b), hist_v[b][:, pos[b] - n[b]:pos[b]].astype(dt))
+            np.testing.assert_array_equal(
+                cache.keys(b), hist_k[b][:, pos[b] - n[b] : pos[b]].astype(dt)
+            )
+            np.testing.assert_array_equal(
+                cache.values(b), hist_v[b][:, pos[b] - n[b] : pos[b]].astype(dt)
+            )
 
     for op in ops:
         if op[0] == "append":
@@ -292,15 +356,17 @@ def test_fuzz_kv_cache_against_oracle(program):
             v = rng.standard_normal((B, Hkv, L, dv)).astype(dt)
             new = np.full(B, L) if lens is None else np.array(lens)
             room = cache.capacity - (w or 1) + 1 if w is not None else None
-            fits = cache.growable or (int((n + new).max()) <= cache.capacity if w is None else int(new.max()) <= room)
+            fits = cache.growable or (
+                int((n + new).max()) <= cache.capacity if w is None else int(new.max()) <= room
+            )
             if not fits:
                 with pytest.raises(ValueError):
                     cache.append(k, v, lengths=lens)
             else:
                 cache.append(k, v, lengths=lens)
                 for b in range(B):
-                    hist_k[b] = np.concatenate([hist_k[b], k[b, :, :new[b]]], axis=1)
-                    hist_v[b] = np.concatenate([hist_v[b], v[b, :, :new[b]]], axis=1)
+                    hist_k[b] = np.concatenate([hist_k[b], k[b, :, : new[b]]], axis=1)
+                    hist_v[b] = np.concatenate([hist_v[b], v[b, :, : new[b]]], axis=1)
                 pos = pos + new
                 n = n + new if w is None else np.minimum(cache.capacity, n + new)
         elif op[0] == "attend":
@@ -311,7 +377,9 @@ def test_fuzz_kv_cache_against_oracle(program):
             ql = np.minimum(qrng.integers(0, Lq + 1, B), n if causal else Lq)
             q = qrng.standard_normal((B, Hq, Lq, d)).astype(dt)
             if w is not None and ((ql > 0) & (np.maximum(0, pos - ql - (w - 1)) < pos - n)).any():
-                with pytest.raises(ValueError, match="reach back"):  # the ring dropped keys these rows see
+                with pytest.raises(
+                    ValueError, match="reach back"
+                ):  # the ring dropped keys these rows see
                     cache.attend(q, q_lens=ql, causal=causal)
                 check_state()
                 continue
@@ -345,7 +413,9 @@ def test_fuzz_kv_cache_against_oracle(program):
                 elif kind == "lengths":
                     cache.append(k1, v1, lengths=[2] * B)
                 elif kind == "scale":
-                    cache.forward(rng.standard_normal((B, Hq, 1, d)).astype(dt), k1, v1, scale=float("nan"))
+                    cache.forward(
+                        rng.standard_normal((B, Hq, 1, d)).astype(dt), k1, v1, scale=float("nan")
+                    )
                 else:
                     cache.forward(rng.standard_normal((B, Hq, 1, d + 1)).astype(dt), k1, v1)
         check_state()
@@ -406,10 +476,17 @@ def test_fuzz_in_a_forked_child_after_threaded_calls():
     import sys
     import textwrap
 
-    code = textwrap.dedent(FORK_FUZZ_CODE.format(
-        tests_dir=os.path.dirname(os.path.abspath(__file__)), n=max(4, N_EXAMPLES // 8),
-        libgomp="libgomp" in af._core.openmp_runtime(), deadline=240))
+    code = textwrap.dedent(
+        FORK_FUZZ_CODE.format(
+            tests_dir=os.path.dirname(os.path.abspath(__file__)),
+            n=max(4, N_EXAMPLES // 8),
+            libgomp="libgomp" in af._core.openmp_runtime(),
+            deadline=240,
+        )
+    )
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0", r.stdout + r.stderr

@@ -26,7 +26,11 @@ def randn(rng, shape, dtype=np.float32):
 
 
 def qkv(rng, B=2, H=3, Lq=9, Lk=11, d=5, dv=7, dtype=np.float32):
-    return randn(rng, (B, H, Lq, d), dtype), randn(rng, (B, H, Lk, d), dtype), randn(rng, (B, H, Lk, dv), dtype)
+    return (
+        randn(rng, (B, H, Lq, d), dtype),
+        randn(rng, (B, H, Lk, d), dtype),
+        randn(rng, (B, H, Lk, dv), dtype),
+    )
 
 
 def check(o, q, k, v, lse=None, **kw):
@@ -47,8 +51,14 @@ def check(o, q, k, v, lse=None, **kw):
         (((8,), (8,), (8,)), "2, 3 or 4 dimensions"),
         (((1, 1, 1, 4, 8),) * 3, "2, 3 or 4 dimensions"),
         (((4, 8), (1, 4, 8), (1, 4, 8)), "same number of dimensions"),
-        (((2, 3, 4, 8), (2, 3, 5, 8), (2, 3, 6, 8)), r"k has shape \(2, 3, 5, 8\) but v has shape \(2, 3, 6, 8\)"),
-        (((2, 3, 4, 8), (2, 3, 5, 9), (2, 3, 5, 8)), r"k has shape \(2, 3, 5, 9\) but q has head dim 8"),
+        (
+            ((2, 3, 4, 8), (2, 3, 5, 8), (2, 3, 6, 8)),
+            r"k has shape \(2, 3, 5, 8\) but v has shape \(2, 3, 6, 8\)",
+        ),
+        (
+            ((2, 3, 4, 8), (2, 3, 5, 9), (2, 3, 5, 8)),
+            r"k has shape \(2, 3, 5, 9\) but q has head dim 8",
+        ),
         (((2, 3, 4, 8), (1, 3, 5, 8), (1, 3, 5, 8)), "batch sizes differ"),
         (((2, 3, 4, 8), (2, 1, 5, 8), (2, 2, 5, 8)), "must match"),
         (((2, 3, 4, 8), (2, 1, 5, 8), (2, 1, 5, 8)), "enable_gqa"),
@@ -92,7 +102,10 @@ def test_textbook_api_errors(rng):
 
 
 # float16 is a supported dtype (tests/test_dtypes.py); uint16 is not bfloat16
-@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64, np.uint8, np.bool_, np.complex128, object, "U3", "M8[s]"])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.uint16, np.int32, np.int64, np.uint8, np.bool_, np.complex128, object, "U3", "M8[s]"],
+)
 def test_non_float_dtypes_rejected(dtype):
     good = np.ones((4, 8), np.float32)
     bad = np.zeros((4, 8), dtype=dtype)
@@ -226,7 +239,14 @@ def test_out_aliasing_an_input(rng, which):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "shape",
-    [(0, 2, 5, 5, 4, 4), (2, 0, 5, 5, 4, 4), (2, 2, 0, 5, 4, 4), (2, 2, 5, 0, 4, 4), (2, 2, 5, 5, 4, 0), (1, 1, 0, 0, 4, 0)],
+    [
+        (0, 2, 5, 5, 4, 4),
+        (2, 0, 5, 5, 4, 4),
+        (2, 2, 0, 5, 4, 4),
+        (2, 2, 5, 0, 4, 4),
+        (2, 2, 5, 5, 4, 0),
+        (1, 1, 0, 0, 4, 0),
+    ],
     ids=["B0", "H0", "Lq0", "Lk0", "dv0", "all0"],
 )
 def test_zero_size_axes(rng, backend, shape):
@@ -248,7 +268,7 @@ def test_zero_size_axes(rng, backend, shape):
 
 def test_mask_errors():
     q = np.ones((2, 3, 4, 8), np.float32)
-    bad_shapes = [(4, 5), (3, 4, 4, 4) , (2, 2, 4, 4), (1, 1, 1, 4, 4), ()]
+    bad_shapes = [(4, 5), (3, 4, 4, 4), (2, 2, 4, 4), (1, 1, 1, 4, 4), ()]
     for shape in bad_shapes:
         with pytest.raises(ValueError, match="attn_mask"):
             sdpa(q, q, q, attn_mask=np.ones(shape, bool))
@@ -297,7 +317,9 @@ def test_scalar_argument_errors():
 def test_scale_zero_and_huge_windows(isa, rng):
     q, k, v = qkv(rng, dtype=np.float64)
     o = sdpa(q, k, v, scale=0.0)
-    np.testing.assert_allclose(o, np.broadcast_to(v.mean(axis=2, keepdims=True), o.shape), atol=1e-12)
+    np.testing.assert_allclose(
+        o, np.broadcast_to(v.mean(axis=2, keepdims=True), o.shape), atol=1e-12
+    )
     # A window wider than any sequence is the same as no window.
     o = sdpa(q, k, v, window_size=(2**70, 2**63))
     check(o, q, k, v)
@@ -368,8 +390,12 @@ def test_nan_in_q_k_v(isa, rng, backend, dtype):
     vn[0, 0, 40, :2] = [np.nan, np.inf]
     o = sdpa(q, k, vn, backend=backend, is_causal=True)
     assert np.all(np.isnan(o[0, 0, 40:, 0])) and np.all(np.isposinf(o[0, 0, 40:, 1]))
-    np.testing.assert_allclose(o[0, 0, 40:, 2:], ref.sdpa(q, k, v, mask=causal)[0, 0, 40:, 2:], **tol(dtype))
-    np.testing.assert_allclose(o[0, 0, :40], ref.sdpa(q, k, v, mask=causal)[0, 0, :40], **tol(dtype))
+    np.testing.assert_allclose(
+        o[0, 0, 40:, 2:], ref.sdpa(q, k, v, mask=causal)[0, 0, 40:, 2:], **tol(dtype)
+    )
+    np.testing.assert_allclose(
+        o[0, 0, :40], ref.sdpa(q, k, v, mask=causal)[0, 0, :40], **tol(dtype)
+    )
     np.testing.assert_allclose(o[0, 1], ref.sdpa(q, k, v, mask=causal)[0, 1], **tol(dtype))
 
 
@@ -392,7 +418,9 @@ def test_nan_and_inf_scores_follow_oracle(isa, rng, backend):
     np.testing.assert_allclose(o, O, atol=1e-11, equal_nan=True)
     np.testing.assert_allclose(lse, LSE, atol=1e-11, equal_nan=True)
     assert np.all(o[0, 0, 11] == 0) and np.isneginf(lse[0, 0, 11])
-    assert np.isnan(o[0, 0, 3]).all() and np.isnan(o[0, 0, 10]).all() and np.isnan(o[0, 1, 13]).all()
+    assert (
+        np.isnan(o[0, 0, 3]).all() and np.isnan(o[0, 0, 10]).all() and np.isnan(o[0, 1, 13]).all()
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -422,8 +450,19 @@ def test_padding_rows_with_sinks_both_kernels(isa, rng, dtype):
     res = {}
     for name in ("fused", "reference"):
         o, lse = poisoned((B, H, Lq, d), dtype), poisoned((B, H, Lq), dtype)
-        af._core.forward(q, k, v, o, lse, scale=0.35, q_lens=q_lens, kv_lens=kv_lens, sinks=sinks,
-                         causal=True, reference=name == "reference")
+        af._core.forward(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            scale=0.35,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            sinks=sinks,
+            causal=True,
+            reference=name == "reference",
+        )
         res[name] = (o, lse)
         assert np.all(o[0, :, 5:] == 0) and np.all(np.isneginf(lse[0, :, 5:])), name
         assert np.all(o[1] == 0), name  # no keys at all: zeros, lse = the sink
@@ -453,7 +492,10 @@ for name, call in cases.items():
 """
 
 
-@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""), reason="ASan reserves more address space than the limit")
+@pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="ASan reserves more address space than the limit",
+)
 def test_allocation_failure_is_memory_error():
     # Scratch that cannot be allocated raises MemoryError. It used to be a
     # null-pointer write in the fused kernel, and std::terminate from inside a
@@ -461,6 +503,8 @@ def test_allocation_failure_is_memory_error():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", ALLOC_FAIL_CODE], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", ALLOC_FAIL_CODE], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["fused", "MemoryError", "reference", "MemoryError"], r.stdout

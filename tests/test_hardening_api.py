@@ -72,7 +72,13 @@ def close(got, want, dtype=F32):
 
 
 # Values that are not ints where a count is expected, and what each raises.
-NOT_INTS = [(2.5, TypeError), (True, TypeError), (np.True_, TypeError), ("3", TypeError), (None, TypeError)]
+NOT_INTS = [
+    (2.5, TypeError),
+    (True, TypeError),
+    (np.True_, TypeError),
+    ("3", TypeError),
+    (None, TypeError),
+]
 
 
 # ---------------------------------------------------------------- varlen_attention
@@ -81,11 +87,15 @@ NOT_INTS = [(2.5, TypeError), (True, TypeError), (np.True_, TypeError), ("3", Ty
 def _varlen_oracle(q, k, v, cu_q, cu_k, causal):
     out = np.zeros(q.shape[:2] + (v.shape[-1],))
     for s in range(len(cu_q) - 1):
-        qs, ks, vs = (x.transpose(1, 0, 2) for x in (q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]],
-                                                     v[cu_k[s]:cu_k[s + 1]]))
+        qs, ks, vs = (
+            x.transpose(1, 0, 2)
+            for x in (q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]])
+        )
         mask = ref.causal_mask(qs.shape[1], ks.shape[1]) if causal else None
         rep = qs.shape[0] // ks.shape[0]
-        out[cu_q[s]:cu_q[s + 1]] = ref.sdpa(qs, np.repeat(ks, rep, 0), np.repeat(vs, rep, 0), mask=mask).transpose(1, 0, 2)
+        out[cu_q[s] : cu_q[s + 1]] = ref.sdpa(
+            qs, np.repeat(ks, rep, 0), np.repeat(vs, rep, 0), mask=mask
+        ).transpose(1, 0, 2)
     return out
 
 
@@ -101,7 +111,10 @@ def test_varlen_unusual_layouts(rng, layout):
 @pytest.mark.parametrize(
     "cu_q, match",
     [
-        (np.array([0, 5, 3, 10], np.uint64), "non-decreasing"),  # a uint64 diff used to wrap: accepted
+        (
+            np.array([0, 5, 3, 10], np.uint64),
+            "non-decreasing",
+        ),  # a uint64 diff used to wrap: accepted
         (np.array([0, 5, 3, 10], np.int32), "non-decreasing"),
         (np.array([1, 5, 10]), "must start at 0"),
         (np.array([0, 5, 11]), "must end at the packed length 10"),
@@ -113,7 +126,11 @@ def test_varlen_unusual_layouts(rng, layout):
 )
 def test_varlen_bad_cu_seqlens(rng, cu_q, match):
     q = randn(rng, (10, 2, 4))
-    cu_k = np.array([0, 4, 7, 10]) if cu_q.ndim == 1 and cu_q.size == 4 else np.array([0, 10][: cu_q.size])
+    cu_k = (
+        np.array([0, 4, 7, 10])
+        if cu_q.ndim == 1 and cu_q.size == 4
+        else np.array([0, 10][: cu_q.size])
+    )
     with pytest.raises(ValueError, match=match):
         af.varlen_attention(q, q, q, cu_q, cu_k if cu_k.size == cu_q.size else np.array([0, 10]))
 
@@ -196,16 +213,36 @@ def test_attention_weights_bad_input(rng):
         (lambda: masks.SlidingWindow(True), ValueError, "left must be an integer"),
         (lambda: masks.SlidingWindow(2, -3), ValueError, "right must be >= 0"),
         (lambda: masks.Causal("top"), ValueError, "align must be one of"),
-        (lambda: masks.BlockSparse(np.ones((2, 2), np.int8), 4), TypeError, "must be a boolean array"),
+        (
+            lambda: masks.BlockSparse(np.ones((2, 2), np.int8), 4),
+            TypeError,
+            "must be a boolean array",
+        ),
         (lambda: masks.BlockSparse(np.ones(4, bool), 4), ValueError, r"got shape \(4,\)"),
         (lambda: masks.BlockSparse(np.ones((2, 2), bool), 0), ValueError, "block_q must be >= 1"),
-        (lambda: masks.BlockSparse(np.ones((2, 2), bool), 4, 2.0), ValueError, "block_k must be an integer"),
+        (
+            lambda: masks.BlockSparse(np.ones((2, 2), bool), 4, 2.0),
+            ValueError,
+            "block_k must be an integer",
+        ),
         (lambda: masks.BlockSparse.local(-3, 4, 1), ValueError, "seq_len must be >= 1"),
         (lambda: masks.BlockSparse.local(16, 4, 0), ValueError, "width must be >= 1"),
         (lambda: masks.BlockSparse.strided(16, 4, 1.5), ValueError, "stride must be an integer"),
-        (lambda: masks.BlockSparse.global_tokens(16, 4, [7]), ValueError, "global_blocks must be block indices"),
-        (lambda: masks.BlockSparse.global_tokens(16, 4, 2.5), TypeError, "global_blocks must be an int"),  # was [2]
-        (lambda: masks.BlockSparse.global_tokens(16, 4, [True]), TypeError, "global_blocks must be an int"),
+        (
+            lambda: masks.BlockSparse.global_tokens(16, 4, [7]),
+            ValueError,
+            "global_blocks must be block indices",
+        ),
+        (
+            lambda: masks.BlockSparse.global_tokens(16, 4, 2.5),
+            TypeError,
+            "global_blocks must be an int",
+        ),  # was [2]
+        (
+            lambda: masks.BlockSparse.global_tokens(16, 4, [True]),
+            TypeError,
+            "global_blocks must be an int",
+        ),
         (lambda: masks.Dense(np.ones((4, 4), np.int32)), TypeError, "boolean .* or float"),
         (lambda: masks.Dense(np.ones((4, 4), np.complex64)), TypeError, "boolean .* or float"),
         (lambda: masks.Dense(np.float32(1.0)), ValueError, "broadcastable"),
@@ -227,8 +264,16 @@ def test_mask_constructor_errors(make, exc, match):
         (masks.Padding(np.array([True, False])), TypeError, "kv_lens must hold integers"),
         (masks.Padding(3, q_lens=np.array([1, 6])), ValueError, r"q_lens must lie in \[0, 5\]"),
         (masks.BlockSparse(np.ones((1, 1), bool), 4), ValueError, r"covers \(4, 4\) positions"),
-        (masks.BlockSparse(np.ones((4, 2, 2), bool), 4), ValueError, r"not broadcastable to \(B, H, nq, nk\)"),
-        (masks.Dense(np.ones((5, 6), bool)), ValueError, r"\(5, 6\), not broadcastable to \(B, H, Lq, Lk\)"),
+        (
+            masks.BlockSparse(np.ones((4, 2, 2), bool), 4),
+            ValueError,
+            r"not broadcastable to \(B, H, nq, nk\)",
+        ),
+        (
+            masks.Dense(np.ones((5, 6), bool)),
+            ValueError,
+            r"\(5, 6\), not broadcastable to \(B, H, Lq, Lk\)",
+        ),
         (masks.Dense(np.zeros((3, 1, 5, 7))), ValueError, r"\(3, 1, 5, 7\), not broadcastable"),
         (masks.Causal("top_left") & masks.SlidingWindow(2), ValueError, "alignment"),
     ],
@@ -279,8 +324,11 @@ def test_out_sharing_memory_with_a_wrapped_bias(rng, wrap):
     bias = randn(rng, (1, 2, L, L))
     causal = ref.causal_mask(L, L) if "Causal" in wrap else None
     want = ref.sdpa(q, k, v, bias=bias.copy(), mask=causal)
-    mask = {"list": [bias, np.ones((L, L), bool)], "Dense": masks.Dense(bias),
-            "Dense & Causal": masks.Dense(bias) & masks.Causal()}[wrap]
+    mask = {
+        "list": [bias, np.ones((L, L), bool)],
+        "Dense": masks.Dense(bias),
+        "Dense & Causal": masks.Dense(bias) & masks.Causal(),
+    }[wrap]
     out = bias.swapaxes(-1, -2)  # row i of out is column i of the bias
     assert af.scaled_dot_product_attention(q, k, v, attn_mask=mask, out=out) is out
     close(out, want)
@@ -303,7 +351,9 @@ def test_mask_nan_bias_rows(rng):
 # ---------------------------------------------------------------- KVCache: construction
 
 
-@pytest.mark.parametrize("arg", ["batch", "num_kv_heads", "head_dim", "capacity", "v_head_dim", "window"])
+@pytest.mark.parametrize(
+    "arg", ["batch", "num_kv_heads", "head_dim", "capacity", "v_head_dim", "window"]
+)
 @pytest.mark.parametrize("bad, exc", NOT_INTS[:4] + [(0, ValueError), (-2, ValueError)])
 def test_kv_cache_constructor_ints(arg, bad, exc):
     kw = dict(batch=1, num_kv_heads=2, head_dim=4)
@@ -312,7 +362,9 @@ def test_kv_cache_constructor_ints(arg, bad, exc):
         af.KVCache(**kw)
 
 
-@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.complex64, bool, ">f4", ">f2", "not a dtype"])
+@pytest.mark.parametrize(
+    "dtype", [np.uint16, np.int32, np.complex64, bool, ">f4", ">f2", "not a dtype"]
+)
 def test_kv_cache_constructor_dtype(dtype):
     with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16"):
         af.KVCache(1, 2, 4, dtype=dtype)
@@ -386,15 +438,25 @@ def test_kv_cache_nonfinite(rng):
     v[:, :, 6, 1] = np.inf
     for window in (None, w):
         cache = af.KVCache(B, H, d, window=window)
-        o = np.concatenate([cache.forward(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]) for t in range(L)], 2)
-        close(o[:, :, :4], _cache_oracle(q[:, :, :4], k[:, :, :4], v[:, :, :4], window)[0])  # before the NaN key
+        o = np.concatenate(
+            [
+                cache.forward(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+                for t in range(L)
+            ],
+            2,
+        )
+        close(
+            o[:, :, :4], _cache_oracle(q[:, :, :4], k[:, :, :4], v[:, :, :4], window)[0]
+        )  # before the NaN key
         if window is None:
             assert np.isnan(o[:, :, 4:]).all()
         else:
-            assert np.isnan(o[:, :, 4:4 + w]).all()  # rows 4, 5, 6 see the NaN key 4
+            assert np.isnan(o[:, :, 4 : 4 + w]).all()  # rows 4, 5, 6 see the NaN key 4
             # Rows 7.. no longer see key 4; rows 7, 8 see the inf in v[6, 1] (in that column only).
-            O, _ = _cache_oracle(q, k, v, window)  # the oracle multiplies masked weights by 0: compare finite columns
-            close(o[:, :, 4 + w:, [0, 2, 3]], O[:, :, 4 + w:, [0, 2, 3]])
+            O, _ = _cache_oracle(
+                q, k, v, window
+            )  # the oracle multiplies masked weights by 0: compare finite columns
+            close(o[:, :, 4 + w :, [0, 2, 3]], O[:, :, 4 + w :, [0, 2, 3]])
             assert not np.isfinite(o[:, :, 7:9, 1]).any()
             v9 = v.copy()
             v9[:, :, 6] = 0
@@ -405,8 +467,13 @@ def test_kv_cache_nonfinite(rng):
 
 
 def _snapshot(cache):
-    return (len(cache), cache.lengths, cache.positions, cache.capacity,
-            [(cache.keys(b).copy(), cache.values(b).copy()) for b in range(cache.batch)])
+    return (
+        len(cache),
+        cache.lengths,
+        cache.positions,
+        cache.capacity,
+        [(cache.keys(b).copy(), cache.values(b).copy()) for b in range(cache.batch)],
+    )
 
 
 def _assert_same(cache, snap):
@@ -429,24 +496,70 @@ def _bad_append_calls(rng):
     k, v = randn(rng, (2, 2, 2, 4)), randn(rng, (2, 2, 2, 3))
     return [
         ("k 3-D", (ValueError, r"k has shape \(2, 2, 4\)"), lambda c: c.append(k[0], v)),
-        ("k heads", (ValueError, r"k has shape \(2, 3, 2, 4\)"), lambda c: c.append(randn(rng, (2, 3, 2, 4)), v)),
-        ("v dim", (ValueError, r"v has shape \(2, 2, 2, 4\)"), lambda c: c.append(k, randn(rng, (2, 2, 2, 4)))),
+        (
+            "k heads",
+            (ValueError, r"k has shape \(2, 3, 2, 4\)"),
+            lambda c: c.append(randn(rng, (2, 3, 2, 4)), v),
+        ),
+        (
+            "v dim",
+            (ValueError, r"v has shape \(2, 2, 2, 4\)"),
+            lambda c: c.append(k, randn(rng, (2, 2, 2, 4))),
+        ),
         ("k batch", (ValueError, r"k has shape \(1, 2, 2, 4\)"), lambda c: c.append(k[:1], v[:1])),
         ("L differ", (ValueError, "lengths differ"), lambda c: c.append(k, v[:, :, :1])),
         ("int k", (TypeError, "float32 or float64"), lambda c: c.append(k.astype(np.int32), v)),
-        ("complex v", (TypeError, "float32 or float64"), lambda c: c.append(k, v.astype(np.complex64))),
-        ("f16 k", (TypeError, "float16 but the cache stores float32; cast"), lambda c: c.append(k.astype(np.float16), v)),
-        ("f64 k", (TypeError, "the cache stores float32"), lambda c: c.append(k.astype(F64), v.astype(F64))),
-        ("lengths > L", (ValueError, "lengths must be <= 2"), lambda c: c.append(k, v, lengths=[3, 1])),
-        ("lengths < 0", (ValueError, "lengths must be >= 0"), lambda c: c.append(k, v, lengths=[-1, 1])),
-        ("lengths float", (TypeError, "lengths must be an int"), lambda c: c.append(k, v, lengths=[1.0, 1.0])),
-        ("lengths bool", (TypeError, "lengths must be an int"), lambda c: c.append(k, v, lengths=[True, False])),
-        ("lengths shape", (ValueError, r"shape \(2,\)"), lambda c: c.append(k, v, lengths=[1, 1, 1])),
-        ("rope dim", (ValueError, "rope must be a RoPE with head_dim 4"),
-         lambda c: c.append(k, v, rope=positional.RoPE(6))),
+        (
+            "complex v",
+            (TypeError, "float32 or float64"),
+            lambda c: c.append(k, v.astype(np.complex64)),
+        ),
+        (
+            "f16 k",
+            (TypeError, "float16 but the cache stores float32; cast"),
+            lambda c: c.append(k.astype(np.float16), v),
+        ),
+        (
+            "f64 k",
+            (TypeError, "the cache stores float32"),
+            lambda c: c.append(k.astype(F64), v.astype(F64)),
+        ),
+        (
+            "lengths > L",
+            (ValueError, "lengths must be <= 2"),
+            lambda c: c.append(k, v, lengths=[3, 1]),
+        ),
+        (
+            "lengths < 0",
+            (ValueError, "lengths must be >= 0"),
+            lambda c: c.append(k, v, lengths=[-1, 1]),
+        ),
+        (
+            "lengths float",
+            (TypeError, "lengths must be an int"),
+            lambda c: c.append(k, v, lengths=[1.0, 1.0]),
+        ),
+        (
+            "lengths bool",
+            (TypeError, "lengths must be an int"),
+            lambda c: c.append(k, v, lengths=[True, False]),
+        ),
+        (
+            "lengths shape",
+            (ValueError, r"shape \(2,\)"),
+            lambda c: c.append(k, v, lengths=[1, 1, 1]),
+        ),
+        (
+            "rope dim",
+            (ValueError, "rope must be a RoPE with head_dim 4"),
+            lambda c: c.append(k, v, rope=positional.RoPE(6)),
+        ),
         ("k None", (TypeError, "k must be an array"), lambda c: c.append(None, v)),
-        ("rope duck", (TypeError, "rope must be a positional.RoPE"),  # was AttributeError
-         lambda c: c.append(k, v, rope=type("FakeRoPE", (), {"head_dim": 4})())),
+        (
+            "rope duck",
+            (TypeError, "rope must be a positional.RoPE"),  # was AttributeError
+            lambda c: c.append(k, v, rope=type("FakeRoPE", (), {"head_dim": 4})()),
+        ),
     ]
 
 
@@ -523,11 +636,20 @@ def test_kv_cache_attend_errors(rng):
     snap = _snapshot(cache)
     q = randn(rng, (2, 4, 1, 4))
     calls = [
-        ((ValueError, "scale must be finite"), lambda: cache.attend(q, scale=float("inf"))),  # was a silent NaN/0 result
+        (
+            (ValueError, "scale must be finite"),
+            lambda: cache.attend(q, scale=float("inf")),
+        ),  # was a silent NaN/0 result
         ((ValueError, "scale must be finite"), lambda: cache.attend(q, scale=np.float32("nan"))),
         ((TypeError, "scale must be a real number"), lambda: cache.attend(q, scale=1j)),
-        ((ValueError, r"q must be \(B, H_q, L_new, d\), got shape \(4, 1, 4\)"), lambda: cache.attend(q[0])),
-        ((TypeError, "float16 but the cache stores float32; cast"), lambda: cache.attend(q.astype(np.float16))),
+        (
+            (ValueError, r"q must be \(B, H_q, L_new, d\), got shape \(4, 1, 4\)"),
+            lambda: cache.attend(q[0]),
+        ),
+        (
+            (TypeError, "float16 but the cache stores float32; cast"),
+            lambda: cache.attend(q.astype(np.float16)),
+        ),
         ((TypeError, "float32 or float64"), lambda: cache.attend(q.astype(np.int64))),
         ((ValueError, "q_lens must be <= 1"), lambda: cache.attend(q, q_lens=[2, 1])),
         ((TypeError, "q_lens must be an int"), lambda: cache.attend(q, q_lens=0.5)),
@@ -570,7 +692,9 @@ def test_kv_cache_attend_out(rng):
         cache.attend(q, causal=False, out=misaligned(np.empty(shape, F32)))
     with pytest.raises(TypeError, match="out has dtype >f4"):
         cache.attend(q, causal=False, out=np.empty(shape, ">f4"))
-    overlapping = np.lib.stride_tricks.as_strided(np.zeros(8, F32), shape, (0, 0, 4, 4))  # writeable, racy
+    overlapping = np.lib.stride_tricks.as_strided(
+        np.zeros(8, F32), shape, (0, 0, 4, 4)
+    )  # writeable, racy
     with pytest.raises(ValueError, match="overlapping memory"):
         cache.attend(q, causal=False, out=overlapping)
     # Any strides work, and an out that shares memory with q gets the right result.
@@ -592,7 +716,9 @@ def test_kv_cache_attend_matches_oracle_after_truncate_and_ragged(rng):
     np.testing.assert_array_equal(cache.lengths, [5, 2])
     o = cache.attend(q[:, :, :1], causal=False)
     for b, n in enumerate([5, 2]):
-        close(o[b], ref.sdpa(q[b, :, :1], np.repeat(k[b, :, :n], 2, 0), np.repeat(v[b, :, :n], 2, 0)))
+        close(
+            o[b], ref.sdpa(q[b, :, :1], np.repeat(k[b, :, :n], 2, 0), np.repeat(v[b, :, :n], 2, 0))
+        )
 
 
 # ---------------------------------------------------------------- LayerCaches
@@ -618,7 +744,11 @@ def test_layer_caches_truncate_is_all_or_nothing(rng):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_merge_unusual_layouts(rng, layout):
-    q, k, v = randn(rng, (2, 3, 4, 5), F64), randn(rng, (2, 3, 9, 5), F64), randn(rng, (2, 3, 9, 6), F64)
+    q, k, v = (
+        randn(rng, (2, 3, 4, 5), F64),
+        randn(rng, (2, 3, 9, 5), F64),
+        randn(rng, (2, 3, 9, 6), F64),
+    )
     o_a, l_a = ref.sdpa(q, k[:, :, :4], v[:, :, :4], return_lse=True)
     o_b, l_b = ref.sdpa(q, k[:, :, 4:], v[:, :, 4:], return_lse=True)
     f = LAYOUTS[layout]
@@ -631,10 +761,18 @@ def test_merge_unusual_layouts(rng, layout):
 @pytest.mark.parametrize(
     "args, exc, match",
     [
-        (((3, 4), (3,), (3, 4), (3,), (F32, F32, F64, F64)), TypeError, "mixed dtypes"),  # was silently promoted
+        (
+            ((3, 4), (3,), (3, 4), (3,), (F32, F32, F64, F64)),
+            TypeError,
+            "mixed dtypes",
+        ),  # was silently promoted
         (((3, 4), (3,), (3, 4), (3,), (F32, F64, F32, F32)), TypeError, "mixed dtypes"),
         (((), (), (), (), (F32,) * 4), ValueError, "at least one axis"),
-        (((3, 4), (3,), (3, 5), (3,), (F32,) * 4), ValueError, r"o_a has shape \(3, 4\) but o_b has shape \(3, 5\)"),
+        (
+            ((3, 4), (3,), (3, 5), (3,), (F32,) * 4),
+            ValueError,
+            r"o_a has shape \(3, 4\) but o_b has shape \(3, 5\)",
+        ),
         (((3, 4), (4,), (3, 4), (3,), (F32,) * 4), ValueError, r"lse_a \(4,\)"),
         (((3, 4), (3,), (3, 4), (3,), (np.float16,) * 4), TypeError, "float32 or float64"),
         (((3, 4), (3,), (3, 4), (3,), (np.int32,) * 4), TypeError, "float32 or float64"),
@@ -674,7 +812,11 @@ def test_merge_nonfinite(rng):
         (dict(L=3, D=4, base=0.0), ValueError, "base must be > 0"),  # was a NaN table
         (dict(L=3, D=4, base=np.nan), ValueError, "base must be finite"),
         (dict(L=3, D=4, base="1e4"), TypeError, "base must be a real number"),
-        (dict(L=3, D=4, dtype=np.int32), TypeError, "dtype must be float32 or float64"),  # was truncated to ints
+        (
+            dict(L=3, D=4, dtype=np.int32),
+            TypeError,
+            "dtype must be float32 or float64",
+        ),  # was truncated to ints
         (dict(L=3, D=4, dtype=np.complex64), TypeError, "dtype must be float32 or float64"),
         (dict(L=3, D=4, offset=1.5), TypeError, "offset"),
         (dict(L=3, D=4, offset=np.array([True])), TypeError, "offset"),
@@ -691,8 +833,12 @@ def test_sinusoidal_zero_length_and_offsets():
     pe = positional.sinusoidal(4, 5, offset=np.array([0, 7], np.uint8), dtype=F64)
     p = np.array([[0, 1, 2, 3], [7, 8, 9, 10]], F64)[..., None]
     i = np.arange(0, 5, 2)
-    np.testing.assert_allclose(pe[..., 0::2], np.sin(p / 10000.0 ** (i / 5)), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(pe[..., 1::2], np.cos(p / 10000.0 ** (i[:2] / 5)), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        pe[..., 0::2], np.sin(p / 10000.0 ** (i / 5)), rtol=1e-12, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        pe[..., 1::2], np.cos(p / 10000.0 ** (i[:2] / 5)), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize(
@@ -719,8 +865,9 @@ def test_rope_constructor_errors(kw, exc, match):
 def test_rope_unusual_layouts(rng, layout, interleaved):
     x = randn(rng, (2, 7, 3, 8))
     rope = positional.RoPE(8, interleaved=interleaved, rotary_dim=6)
-    want = positional.rope_reference(x.transpose(0, 2, 1, 3), np.arange(5, 12), rotary_dim=6,
-                                     interleaved=interleaved).transpose(0, 2, 1, 3)
+    want = positional.rope_reference(
+        x.transpose(0, 2, 1, 3), np.arange(5, 12), rotary_dim=6, interleaved=interleaved
+    ).transpose(0, 2, 1, 3)
     got = rope(LAYOUTS[layout](x), offset=5)
     close(got, want)
     q, k = rope.rotate_qk(LAYOUTS[layout](x), LAYOUTS[layout](x[:, :, :1]), offset=5)
@@ -741,7 +888,11 @@ def test_rope_misaligned_in_place(rng):
     [
         (lambda r, x: r(x.astype(np.int32)), TypeError, "must be a float array"),
         (lambda r, x: r(x.astype(np.complex64)), TypeError, "must be a float array"),
-        (lambda r, x: r(x[..., :4]), ValueError, r"shape \(2, 5, 3, 4\), expected last axis head_dim = 8"),
+        (
+            lambda r, x: r(x[..., :4]),
+            ValueError,
+            r"shape \(2, 5, 3, 4\), expected last axis head_dim = 8",
+        ),
         (lambda r, x: r(x[0, 0, 0]), ValueError, "expected last axis"),
         (lambda r, x: r(x, seq_axis=3), ValueError, "seq_axis=3"),
         (lambda r, x: r(x, offset=-1), ValueError, "offset must be >= 0"),
@@ -750,7 +901,11 @@ def test_rope_misaligned_in_place(rng):
         (lambda r, x: r(x, positions=np.arange(4)), ValueError, "positions must have shape"),
         (lambda r, x: r(x, positions=np.arange(5.0)), TypeError, "positions must be an int array"),
         (lambda r, x: r(x, positions=-np.arange(5)), ValueError, "positions must be >= 0"),
-        (lambda r, x: r(x, offset=np.uint64(2**64 - 1)), ValueError, "offset \\+ L must be <="),  # was OverflowError
+        (
+            lambda r, x: r(x, offset=np.uint64(2**64 - 1)),
+            ValueError,
+            "offset \\+ L must be <=",
+        ),  # was OverflowError
         (lambda r, x: r(x, offset=2**62), ValueError, "offset \\+ L must be <="),
         (lambda r, x: r(x, offset=np.array([0, 2**40])), ValueError, "offset \\+ L must be <="),
         (lambda r, x: r(x, positions=np.full(5, 2**40)), ValueError, "positions must be <"),
@@ -758,11 +913,25 @@ def test_rope_misaligned_in_place(rng):
         (lambda r, x: r(x, out=x[..., :4]), ValueError, "out has shape"),
         (lambda r, x: r(readonly(x), inplace=True), ValueError, "read-only"),
         (lambda r, x: r(x, out=np.empty_like(x), inplace=True), ValueError, "either inplace"),
-        (lambda r, x: r(x, out=np.lib.stride_tricks.as_strided(np.zeros(8, F32), x.shape, (0, 0, 0, 4))),
-         ValueError, "out has overlapping memory"),  # was written by racing threads
-        (lambda r, x: r(np.lib.stride_tricks.as_strided(x, x.shape, (0, 32, 0, 4)), inplace=True),
-         ValueError, "overlapping memory"),
-        (lambda r, x: r.rotate_qk(x, x.astype(F64)), TypeError, "q has dtype float32 but k has dtype float64"),
+        (
+            lambda r, x: r(
+                x, out=np.lib.stride_tricks.as_strided(np.zeros(8, F32), x.shape, (0, 0, 0, 4))
+            ),
+            ValueError,
+            "out has overlapping memory",
+        ),  # was written by racing threads
+        (
+            lambda r, x: r(
+                np.lib.stride_tricks.as_strided(x, x.shape, (0, 32, 0, 4)), inplace=True
+            ),
+            ValueError,
+            "overlapping memory",
+        ),
+        (
+            lambda r, x: r.rotate_qk(x, x.astype(F64)),
+            TypeError,
+            "q has dtype float32 but k has dtype float64",
+        ),
         (lambda r, x: r.rotate_qk(x, x[:, :4]), ValueError, "positions differ"),
     ],
 )
@@ -796,10 +965,22 @@ def test_rope_nonfinite_stays_in_its_row(rng):
         (dict(d_model=8, num_heads=3), ValueError, "not divisible"),
         (dict(d_model=8, num_heads=2, head_dim=-1), ValueError, "head_dim must be >= 1"),
         (dict(d_model=8, num_heads=2, kv_dim=0), ValueError, "kv_dim must be >= 1"),
-        (dict(d_model=8, num_heads=2, scale=np.nan), ValueError, "scale must be finite"),  # was a NaN output
-        (dict(d_model=8, num_heads=2, dtype=np.float16), TypeError, "dtype must be float32 or float64"),
+        (
+            dict(d_model=8, num_heads=2, scale=np.nan),
+            ValueError,
+            "scale must be finite",
+        ),  # was a NaN output
+        (
+            dict(d_model=8, num_heads=2, dtype=np.float16),
+            TypeError,
+            "dtype must be float32 or float64",
+        ),
         (dict(d_model=8, num_heads=2, positional="alibi"), ValueError, "positional must be"),
-        (dict(d_model=8, num_heads=2, positional=positional.RoPE(6)), ValueError, "RoPE has head_dim 6"),
+        (
+            dict(d_model=8, num_heads=2, positional=positional.RoPE(6)),
+            ValueError,
+            "RoPE has head_dim 6",
+        ),
         (dict(d_model=8, num_heads=2, rng=True), TypeError, "rng must be"),
         (dict(d_model=8, num_heads=2, rng=1.5), TypeError, "rng must be"),
     ],
@@ -837,7 +1018,9 @@ def test_mha_call_errors(rng):
         m(x.astype(F64))
     with pytest.raises(TypeError, match="x must be float32 or float64"):
         m(np.ones((2, 5, 8), np.int64))
-    with pytest.raises(ValueError, match=r"x must be \(L, 8\) or \(B, L, 8\), got shape \(2, 5, 7\)"):
+    with pytest.raises(
+        ValueError, match=r"x must be \(L, 8\) or \(B, L, 8\), got shape \(2, 5, 7\)"
+    ):
         m(x[..., :7])
     with pytest.raises(ValueError, match=r"got shape \(1, 2, 5, 8\)"):
         m(x[None])
@@ -847,7 +1030,9 @@ def test_mha_call_errors(rng):
         m(x, mask=np.ones((5, 6), bool))
     with pytest.raises(ValueError, match="positions= is only meaningful"):
         m(x, positions=np.arange(5))
-    with pytest.raises(TypeError, match="cache must be a KVCache"):  # was AttributeError: no 'append'
+    with pytest.raises(
+        TypeError, match="cache must be a KVCache"
+    ):  # was AttributeError: no 'append'
         m(x, cache=af.LayerCaches(1, 2, 2, 4))
     with pytest.raises(ValueError, match="cache has .* = \\(2, 1, 4, 4, float32\\)"):
         m(x, cache=af.KVCache(2, 1, 4))
@@ -902,8 +1087,15 @@ def test_mha_load_weights_is_all_or_nothing(value, exc, match):
     m = af.MultiHeadAttention(8, 2, rng=0)
     sd = {k: v.copy() for k, v in m.state_dict().items()}
     shape = sd["Wo"].shape
-    value = {"nan": np.full(shape, np.nan, F32), "complex": np.ones(shape, np.complex64),
-             "bool": np.ones(shape, bool)}.get(value, value) if isinstance(value, str) else value
+    value = (
+        {
+            "nan": np.full(shape, np.nan, F32),
+            "complex": np.ones(shape, np.complex64),
+            "bool": np.ones(shape, bool),
+        }.get(value, value)
+        if isinstance(value, str)
+        else value
+    )
     with pytest.raises(exc, match=match):
         m.load_weights(_bad_weights(sd, "Wo", value))  # Wq was copied before Wo failed
     for k, v in m.state_dict().items():
@@ -1002,7 +1194,11 @@ def test_lm_token_errors(lm, tokens, exc, match):
 
 
 def test_lm_generate_errors(lm):
-    for bad, exc in [(2.5, TypeError), (True, TypeError), (-1, ValueError)]:  # 2.5 and True used to run
+    for bad, exc in [
+        (2.5, TypeError),
+        (True, TypeError),
+        (-1, ValueError),
+    ]:  # 2.5 and True used to run
         with pytest.raises(exc, match="max_new_tokens"):
             lm.generate([1, 2], bad)
     for bad, exc in [(np.nan, ValueError), (-0.5, ValueError), ("hot", TypeError)]:
@@ -1017,7 +1213,10 @@ def test_lm_forward_bad_cache_leaves_every_layer_unchanged(lm, rng):
     good = lm.make_cache(1, 8)
     lm.forward(np.array([[1, 2, 3]]), cache=good)
     snaps = [_snapshot(c) for c in good]
-    odd = [good[0], af.KVCache(1, 1, 4, capacity=8, dtype=F64)]  # layer 1's cache has the wrong dtype
+    odd = [
+        good[0],
+        af.KVCache(1, 1, 4, capacity=8, dtype=F64),
+    ]  # layer 1's cache has the wrong dtype
     with pytest.raises(ValueError, match=r"cache\[1\]"):
         lm.forward(np.array([[4]]), cache=odd)
     with pytest.raises(ValueError, match="cache has 1 layers"):
@@ -1081,24 +1280,74 @@ def test_variants_unusual_layouts(rng, layout):
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda q: variants.linformer_attention(q, q, q, np.ones((2, 5), np.int32)), TypeError, "E must be float32"),
-        (lambda q: variants.linformer_attention(q, q, q, np.ones((2, 4), F32)), ValueError, r"E must be \(k, 5\)"),
-        (lambda q: variants.linformer_attention(q, q, q, np.ones(5, F32)), ValueError, r"E must be a \(k, L\)"),
-        (lambda q: variants.linformer_attention(q, q, q, np.ones((2, 5), F32), np.ones((3, 5), F32)),
-         ValueError, "same k"),
-        (lambda q: variants.linformer_attention(q, q[:1], q[:1], np.ones((2, 5), F32)), ValueError, "batch and heads"),
+        (
+            lambda q: variants.linformer_attention(q, q, q, np.ones((2, 5), np.int32)),
+            TypeError,
+            "E must be float32",
+        ),
+        (
+            lambda q: variants.linformer_attention(q, q, q, np.ones((2, 4), F32)),
+            ValueError,
+            r"E must be \(k, 5\)",
+        ),
+        (
+            lambda q: variants.linformer_attention(q, q, q, np.ones(5, F32)),
+            ValueError,
+            r"E must be a \(k, L\)",
+        ),
+        (
+            lambda q: variants.linformer_attention(
+                q, q, q, np.ones((2, 5), F32), np.ones((3, 5), F32)
+            ),
+            ValueError,
+            "same k",
+        ),
+        (
+            lambda q: variants.linformer_attention(q, q[:1], q[:1], np.ones((2, 5), F32)),
+            ValueError,
+            "batch and heads",
+        ),
         (lambda q: variants.linear_attention(q, q, q.astype(F64)), TypeError, "mixed dtypes"),
         (lambda q: variants.linear_attention(q, q[..., :2, :], q), ValueError, "must match"),
-        (lambda q: variants.linear_attention(q, q, q, eps=np.nan), ValueError, "eps must be finite"),
+        (
+            lambda q: variants.linear_attention(q, q, q, eps=np.nan),
+            ValueError,
+            "eps must be finite",
+        ),
         (lambda q: variants.linear_attention(q, q, q, eps=-1.0), ValueError, "eps must be >= 0"),
-        (lambda q: variants.linear_attention(q, q, q, feature_map="softmax"), ValueError, "unknown feature_map"),
-        (lambda q: variants.linear_attention(q, q, q, state=(1, 2)), TypeError, "LinearAttentionState"),
-        (lambda q: variants.linear_attention(q, q, q, state=variants.LinearAttentionState(
-            np.zeros((2, 3, 4, 4)), np.zeros((2, 3, 4)), 2.5)), TypeError, "state.length must be an int"),
-        (lambda q: variants.linear_attention_step(q[0, 0, 0], np.float32(1), q[0, 0, 0]), ValueError,
-         r"k must be one token.*got shape \(\)"),  # was IndexError
+        (
+            lambda q: variants.linear_attention(q, q, q, feature_map="softmax"),
+            ValueError,
+            "unknown feature_map",
+        ),
+        (
+            lambda q: variants.linear_attention(q, q, q, state=(1, 2)),
+            TypeError,
+            "LinearAttentionState",
+        ),
+        (
+            lambda q: variants.linear_attention(
+                q,
+                q,
+                q,
+                state=variants.LinearAttentionState(
+                    np.zeros((2, 3, 4, 4)), np.zeros((2, 3, 4)), 2.5
+                ),
+            ),
+            TypeError,
+            "state.length must be an int",
+        ),
+        (
+            lambda q: variants.linear_attention_step(q[0, 0, 0], np.float32(1), q[0, 0, 0]),
+            ValueError,
+            r"k must be one token.*got shape \(\)",
+        ),  # was IndexError
         (lambda q: variants.linear_attention_step(q, q, q), ValueError, "q must be one token"),
-        (lambda q: variants.linear_attention_step(q[0, :, 0], q[0, :, 0], q[0, 0, 0]), ValueError, "must all be"),
+        (
+            lambda q: variants.linear_attention_step(q[0, :, 0], q[0, :, 0], q[0, 0, 0]),
+            ValueError,
+            "must all be",
+        ),
     ],
 )
 def test_variants_errors(rng, call, exc, match):
@@ -1137,8 +1386,18 @@ def test_linformer_layer_errors(rng):
 # ---------------------------------------------------------------- set_num_threads
 
 
-@pytest.mark.parametrize("bad, exc", [(2.0, TypeError), (True, TypeError), (np.True_, TypeError), ("2", TypeError),
-                                      (0, ValueError), (-1, ValueError), (2**31, ValueError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (2.0, TypeError),
+        (True, TypeError),
+        (np.True_, TypeError),
+        ("2", TypeError),
+        (0, ValueError),
+        (-1, ValueError),
+        (2**31, ValueError),
+    ],
+)
 def test_set_num_threads_errors_keep_the_setting(bad, exc):
     before = af.get_num_threads()
     with pytest.raises(exc, match="n must"):
@@ -1157,16 +1416,36 @@ def _core_args(rng, B=2, H=2, Lq=5, Lk=7, d=4):
 @pytest.mark.parametrize(
     "kw, exc, match",
     [
-        (dict(mask=np.ones((1, 1, 1, 1), np.uint8)), ValueError, r"mask has shape \(1, 1, 1, 1\), expected \(2, 2, 5, 7\)"),
+        (
+            dict(mask=np.ones((1, 1, 1, 1), np.uint8)),
+            ValueError,
+            r"mask has shape \(1, 1, 1, 1\), expected \(2, 2, 5, 7\)",
+        ),
         (dict(mask=np.ones((2, 2, 5, 6), np.uint8)), ValueError, "mask has shape"),
         (dict(mask=np.ones((2, 2, 5, 7), bool)), TypeError, "mask must be uint8"),
         (dict(bias=np.zeros((2, 2, 4, 7), F32)), ValueError, r"bias has shape \(2, 2, 4, 7\)"),
         (dict(bias=np.zeros((2, 1, 5, 7), F32)), ValueError, "bias has shape"),
         (dict(bias=np.zeros((2, 2, 5, 7), F64)), TypeError, "bias must have q's dtype"),
-        (dict(layout=np.ones((2, 2, 1, 1), np.uint8), layout_bq=4, layout_bk=4), ValueError, "layout has shape"),
-        (dict(layout=np.ones((1, 2, 2, 2), np.uint8), layout_bq=4, layout_bk=4), ValueError, "layout has shape"),
-        (dict(layout=np.ones((2, 2, 2, 2), np.uint8), layout_bq=0, layout_bk=4), ValueError, ">= 1"),
-        (dict(layout=np.ones((2, 2, 1, 1), np.uint8), layout_bq=2**62, layout_bk=2**62 + 1), None, None),
+        (
+            dict(layout=np.ones((2, 2, 1, 1), np.uint8), layout_bq=4, layout_bk=4),
+            ValueError,
+            "layout has shape",
+        ),
+        (
+            dict(layout=np.ones((1, 2, 2, 2), np.uint8), layout_bq=4, layout_bk=4),
+            ValueError,
+            "layout has shape",
+        ),
+        (
+            dict(layout=np.ones((2, 2, 2, 2), np.uint8), layout_bq=0, layout_bk=4),
+            ValueError,
+            ">= 1",
+        ),
+        (
+            dict(layout=np.ones((2, 2, 1, 1), np.uint8), layout_bq=2**62, layout_bk=2**62 + 1),
+            None,
+            None,
+        ),
         (dict(q_lens=np.array([1, 2, 3])), ValueError, "q_lens: expected 2 elements"),
         (dict(kv_lens=np.array([1.0, 2.0])), TypeError, "kv_lens"),
         (dict(kv_lens=np.array([1, 2], np.int32)), TypeError, "kv_lens"),
@@ -1201,7 +1480,9 @@ def test_core_forward_checks_shapes(rng, kw, exc, match):
 def test_core_forward_checks_cu_seqlens(rng, cu_q, cu_k, match):
     q, k, v, o = _core_args(rng, B=1)
     with pytest.raises(ValueError, match=match):
-        _core.forward(q, k, v, o, scale=0.5, cu_q=np.array(cu_q, np.int64), cu_k=np.array(cu_k, np.int64))
+        _core.forward(
+            q, k, v, o, scale=0.5, cu_q=np.array(cu_q, np.int64), cu_k=np.array(cu_k, np.int64)
+        )
 
 
 def test_core_forward_varlen_batch(rng):

@@ -72,8 +72,12 @@ except KeyboardInterrupt:
 @pytest.mark.skipif(ASAN, reason="ASan reserves more address space than the limit")
 @pytest.mark.parametrize("case", ["long_chunk", "broadcast_2_36", "dv_1024"])
 def test_decode_huge_calls_never_crash(case):
-    p = subprocess.Popen([sys.executable, "-c", CAPPED_CHILD, case], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CAPPED_CHILD, case],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout.readline().strip() == "started", p.stderr.read()
         time.sleep(1.5)  # the old kernel crashed within milliseconds (allocation)
@@ -103,7 +107,9 @@ print(repr(float(o.ravel()[0])), repr(float(lse[0])))
 
 @pytest.mark.skipif(ASAN, reason="ASan reserves more address space than the limit")
 def test_decode_split_1_over_2_26_keys():
-    r = subprocess.run([sys.executable, "-c", SPLIT1_CHILD], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", SPLIT1_CHILD], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     o, lse = map(float, r.stdout.split())
     # Every key has the score 0.25 * 2 = 0.5 and the value -1.5.
@@ -131,10 +137,14 @@ print(grown, float(np.abs(o - ref).max()))
 def test_decode_scratch_bounded_for_a_long_chunk():
     # The partial (O, m, l) buffers grew like Lq * Lk * dv / split; the query
     # rows are now taken in slices whose partials fit a few MiB.
-    r = subprocess.run([sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     grown_kib, err = r.stdout.split()
-    assert int(grown_kib) < 24 * 1024, f"peak RSS grew by {int(grown_kib) // 1024} MiB (the old buffers: 64 MiB)"
+    assert int(grown_kib) < 24 * 1024, (
+        f"peak RSS grew by {int(grown_kib) // 1024} MiB (the old buffers: 64 MiB)"
+    )
     assert float(err) < 1e-4
 
 
@@ -143,13 +153,30 @@ def test_decode_slices_match_reference(isa, rng, dtype):
     # Many slices (small split, long chunk, GQA, causal, ragged lengths) give
     # the reference result, and every row is written (poisoned out).
     B, Hq, Hkv, Lq, Lk, d, dv = 2, 4, 2, 130, 400, 5, 80
-    q, k, v = randn(rng, (B, Hq, Lq, d), dtype), randn(rng, (B, Hkv, Lk, d), dtype), randn(rng, (B, Hkv, Lk, dv), dtype)
+    q, k, v = (
+        randn(rng, (B, Hq, Lq, d), dtype),
+        randn(rng, (B, Hkv, Lk, d), dtype),
+        randn(rng, (B, Hkv, Lk, dv), dtype),
+    )
     q_lens, kv_lens = np.array([130, 77], np.int64), np.array([400, 201], np.int64)
     for split in (1, 64, 0):
         o, lse = poisoned((B, Hq, Lq, dv), dtype), poisoned((B * Hq * Lq,), dtype)
-        _core.decode(q, k, v, o, lse, scale=0.4, causal=True, q_lens=q_lens, kv_lens=kv_lens, split=split)
+        _core.decode(
+            q, k, v, o, lse, scale=0.4, causal=True, q_lens=q_lens, kv_lens=kv_lens, split=split
+        )
         o_r, lse_r = poisoned((B, Hq, Lq, dv), dtype), poisoned((B * Hq * Lq,), dtype)
-        _core.forward(q, k, v, o_r, lse_r, scale=0.4, causal=True, q_lens=q_lens, kv_lens=kv_lens, reference=True)
+        _core.forward(
+            q,
+            k,
+            v,
+            o_r,
+            lse_r,
+            scale=0.4,
+            causal=True,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            reference=True,
+        )
         np.testing.assert_allclose(o, o_r, **tol(dtype))
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
         fin = np.isfinite(lse_r)
@@ -177,7 +204,11 @@ def test_decode_nan_block_of_keys(isa, dtype):
     # The reproducer: a whole 64-key block of NaN keys was treated as empty
     # (lse 5.21 where the formula gives NaN).
     rng = np.random.default_rng(7)
-    q, k, v = randn(rng, (1, 1, 1, 16), dtype), randn(rng, (1, 1, 128, 16), dtype), randn(rng, (1, 1, 128, 16), dtype)
+    q, k, v = (
+        randn(rng, (1, 1, 1, 16), dtype),
+        randn(rng, (1, 1, 128, 16), dtype),
+        randn(rng, (1, 1, 128, 16), dtype),
+    )
     k[0, 0, :64] = np.nan
     o, lse, O, LSE = _decode_and_reference(q, k, v)
     assert np.isnan(lse).all() and np.isnan(LSE).all()
@@ -185,12 +216,18 @@ def test_decode_nan_block_of_keys(isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("where", ["k_visible", "k_masked", "q", "v_visible", "v_masked", "k_split"])
+@pytest.mark.parametrize(
+    "where", ["k_visible", "k_masked", "q", "v_visible", "v_masked", "k_split"]
+)
 def test_decode_nan_follows_fused_rules(isa, rng, dtype, where):
     # GQA (2 query heads per kv head), 3 query tokens, causal over 1500 keys:
     # several splits and blocks per row.
     B, Hq, Hkv, Lq, Lk, d, dv = 1, 4, 2, 3, 1500, 8, 5
-    q, k, v = randn(rng, (B, Hq, Lq, d), dtype), randn(rng, (B, Hkv, Lk, d), dtype), randn(rng, (B, Hkv, Lk, dv), dtype)
+    q, k, v = (
+        randn(rng, (B, Hq, Lq, d), dtype),
+        randn(rng, (B, Hkv, Lk, d), dtype),
+        randn(rng, (B, Hkv, Lk, dv), dtype),
+    )
     if where == "k_visible":
         k[0, 1, 64:128] = np.nan  # a whole block: kv head 1, every row
     elif where == "k_masked":
@@ -258,20 +295,32 @@ def test_scale_beyond_float32_rejected(backend):
         sdpa(x, x, x, scale=1e300, backend=backend)
     with pytest.raises(ValueError, match="scale"):
         sdpa(x, x, x, scale=-1e39, backend=backend)
-    with pytest.raises(ValueError, match="scale"):  # the bindings' safety net (KVCache passes no dtype)
+    with pytest.raises(
+        ValueError, match="scale"
+    ):  # the bindings' safety net (KVCache passes no dtype)
         _core.forward(x, x, x, np.empty_like(x), scale=1e300)
     with pytest.raises(ValueError, match="scale"):
         _core.decode(x, x, x, np.empty_like(x), scale=1e300)
     with pytest.raises(ValueError, match="scale"):
-        af.varlen_attention(x[0].transpose(1, 0, 2), x[0].transpose(1, 0, 2), x[0].transpose(1, 0, 2),
-                            np.array([0, 4]), np.array([0, 4]), scale=1e300)
-    with pytest.raises(ValueError, match="scale"):  # checked at construction, with the module's dtype
+        af.varlen_attention(
+            x[0].transpose(1, 0, 2),
+            x[0].transpose(1, 0, 2),
+            x[0].transpose(1, 0, 2),
+            np.array([0, 4]),
+            np.array([0, 4]),
+            scale=1e300,
+        )
+    with pytest.raises(
+        ValueError, match="scale"
+    ):  # checked at construction, with the module's dtype
         af.MultiHeadAttention(8, 2, scale=1e300, dtype=np.float32)
     af.MultiHeadAttention(8, 2, scale=1e300, dtype=np.float64)
     # The same value is fine in float64, and the largest float32 in float32.
     y = x.astype(np.float64)
     assert np.isfinite(sdpa(y, y, y, scale=1e300, backend=backend)).all()
-    assert np.isfinite(sdpa(x * 0, x, x, scale=float(np.finfo(np.float32).max), backend=backend)).all()
+    assert np.isfinite(
+        sdpa(x * 0, x, x, scale=float(np.finfo(np.float32).max), backend=backend)
+    ).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -279,7 +328,11 @@ def test_scale_beyond_float32_rejected(backend):
 def test_sink_plus_inf_takes_all_weight(isa, rng, dtype, backend):
     # The limit of a sink logit -> +inf: O = 0, lse = +inf (was NaN, inf - inf).
     B, H, Lq, Lk, d = 2, 3, 7, 130, 5
-    q, k, v = randn(rng, (B, H, Lq, d), dtype), randn(rng, (B, H, Lk, d), dtype), randn(rng, (B, H, Lk, d), dtype)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), dtype),
+        randn(rng, (B, H, Lk, d), dtype),
+        randn(rng, (B, H, Lk, d), dtype),
+    )
     sinks = np.array([np.inf, 0.5, -np.inf], dtype)
     mask = np.ones((Lq, Lk), bool)
     mask[3] = False  # a row that sees no key: the sink alone

@@ -83,7 +83,9 @@ def test_ring_reads_match_the_full_history_or_raise(rng, dtype):
             assert "reach back" in str(e) or "exceed the stored lengths" in str(e)
             raised += 1
             # it raises only when a row really needs a dropped key
-            assert max(0, pos - Lq - (window - 1)) < pos - int(cache.lengths[0]) or (causal and Lq > cache.lengths[0])
+            assert max(0, pos - Lq - (window - 1)) < pos - int(cache.lengths[0]) or (
+                causal and Lq > cache.lengths[0]
+            )
             continue
         want = window_oracle(q, K, K, pos, Lq, window, causal)
         np.testing.assert_allclose(got, want, **tol(dtype))
@@ -107,8 +109,14 @@ def test_rope_beyond_the_table_equals_the_table(rng, interleaved, monkeypatch):
             monkeypatch.setattr(positional, "TABLE_MAX", 8)
         cache = KVCache(2, 3, 16, dtype=np.float32)
         cache.append(x.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3), rope=rope, lengths=[37, 20])
-        want[kind] = (rope(x, offset=100), rope(x, positions=pos), rope(x.astype(np.float64), offset=[5, 250]),
-                      cache.keys(0), cache.keys(1), rope.cos_sin(50, np.float32)[0])
+        want[kind] = (
+            rope(x, offset=100),
+            rope(x, positions=pos),
+            rope(x.astype(np.float64), offset=[5, 250]),
+            cache.keys(0),
+            cache.keys(1),
+            rope.cos_sin(50, np.float32)[0],
+        )
         if kind == "direct":
             assert rope._n <= 8
     for a, b in zip(want["table"], want["direct"]):
@@ -129,9 +137,15 @@ def test_rope_at_a_huge_position_builds_no_table(rng):
     # a table up to 2^30 would be 2^30 x 64 x 8 B x 2 = 1 TiB; this call needs kilobytes
     assert peak < 4 << 20, peak
     assert rope._n <= positional.TABLE_MAX
-    want = rope_reference(x.transpose(0, 2, 1, 3), np.arange(p0, p0 + 2), base=500000.0).transpose(0, 2, 1, 3)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # float32 cos/sin of angles ~1e9 rad
-    want2 = rope_reference(x.transpose(0, 2, 1, 3), np.array([7, p0 + 5]), base=500000.0).transpose(0, 2, 1, 3)
+    want = rope_reference(x.transpose(0, 2, 1, 3), np.arange(p0, p0 + 2), base=500000.0).transpose(
+        0, 2, 1, 3
+    )
+    np.testing.assert_allclose(
+        got, want, rtol=1e-4, atol=1e-4
+    )  # float32 cos/sin of angles ~1e9 rad
+    want2 = rope_reference(x.transpose(0, 2, 1, 3), np.array([7, p0 + 5]), base=500000.0).transpose(
+        0, 2, 1, 3
+    )
     np.testing.assert_allclose(got_pos, want2, rtol=1e-4, atol=1e-4)
     # float64 input: the angle p * theta is formed in float64, so exact to rounding
     got64 = rope(x.astype(np.float64), offset=p0)
@@ -158,7 +172,9 @@ def test_kv_cache_with_rope_at_a_large_position_stays_small(rng):
     cache = KVCache(2, 1, 8, window=4, dtype=np.float64)
     start = 10**6
     cache.append(np.zeros((2, 1, 1, 8)), np.zeros((2, 1, 1, 8)))
-    cache._pos[:] = start  # jump ahead as if 10^6 tokens had been generated (the ring holds the last few)
+    cache._pos[:] = (
+        start  # jump ahead as if 10^6 tokens had been generated (the ring holds the last few)
+    )
     tracemalloc.start()
     try:
         ks = []
@@ -188,19 +204,30 @@ def test_requires_grad_tensors_are_read_detached(rng):
     slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
     sinks = torch.tensor([0.1, -1.0], dtype=torch.float64, requires_grad=True)
     scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    plain = dict(attn_mask=mask.detach().numpy(), alibi_slopes=slopes.detach(), sinks=sinks.detach(), scale=0.3)
+    plain = dict(
+        attn_mask=mask.detach().numpy(),
+        alibi_slopes=slopes.detach(),
+        sinks=sinks.detach(),
+        scale=0.3,
+    )
     grad = dict(attn_mask=mask, alibi_slopes=slopes, sinks=sinks, scale=scale)
     want = np.asarray(af.scaled_dot_product_attention(q, q, q, **plain))
     got = np.asarray(af.scaled_dot_product_attention(q, q, q, **grad))
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(np.asarray(af.attention_weights(q, q, **grad)),
-                                  np.asarray(af.attention_weights(q, q, **plain)))
+    np.testing.assert_array_equal(
+        np.asarray(af.attention_weights(q, q, **grad)),
+        np.asarray(af.attention_weights(q, q, **plain)),
+    )
     bmask = torch.ones(5, 5, dtype=torch.float64, requires_grad=True)
-    np.testing.assert_array_equal(np.asarray(af.scaled_dot_product_attention(q, q, q, masks.Dense(bmask))),
-                                  np.asarray(af.scaled_dot_product_attention(q, q, q, bmask.detach())))
+    np.testing.assert_array_equal(
+        np.asarray(af.scaled_dot_product_attention(q, q, q, masks.Dense(bmask))),
+        np.asarray(af.scaled_dot_product_attention(q, q, q, bmask.detach())),
+    )
     cache = KVCache(1, 2, 8, dtype=np.float64)
     cache.append(q.numpy(), q.numpy())
-    np.testing.assert_array_equal(cache.attend(q.numpy(), scale=scale), cache.attend(q.numpy(), scale=0.3))
+    np.testing.assert_array_equal(
+        cache.attend(q.numpy(), scale=scale), cache.attend(q.numpy(), scale=0.3)
+    )
     rope = RoPE(8)
     x = torch.from_numpy(randn(rng, (5, 2, 8))).requires_grad_()
     np.testing.assert_array_equal(np.asarray(rope(x)), rope(x.detach().numpy()))
@@ -211,7 +238,11 @@ def test_requires_grad_tensors_are_read_detached(rng):
 
 def test_huge_sliding_window_is_no_window(rng):
     q = randn(rng, (1, 2, 7, 5), np.float32)
-    for left, right, want_kw in [(2**63, 0, dict(is_causal=True)), (2**63, 2**70, {}), (None, 2**64, {})]:
+    for left, right, want_kw in [
+        (2**63, 0, dict(is_causal=True)),
+        (2**63, 2**70, {}),
+        (None, 2**64, {}),
+    ]:
         got = af.scaled_dot_product_attention(q, q, q, attn_mask=masks.SlidingWindow(left, right))
         np.testing.assert_array_equal(got, af.scaled_dot_product_attention(q, q, q, **want_kw))
 
@@ -359,11 +390,19 @@ SIGINT_CODE = """
 @pytest.mark.parametrize("kind", ["rope", "kv_append", "band_layout", "block_summary"])
 def test_ctrl_c_interrupts_the_long_cython_loops(kind, threads):
     code = textwrap.dedent(SIGINT_CODE.format(kind=kind, threads=threads))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.split("\n")
-    assert lines[0].startswith("interrupted inside the loop"), (lines, r.stderr)  # stopped before its end
+    assert lines[0].startswith("interrupted inside the loop"), (
+        lines,
+        r.stderr,
+    )  # stopped before its end
     if kind == "kv_append":
         assert lines[1] == "cache ok"
 
@@ -376,7 +415,9 @@ def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, mo
 
     cache = KVCache(2, 1, 4, window=3, ring=6, dtype=np.float64, growable=False)
     ks = randn(rng, (2, 1, 5, 4))
-    cache.append(ks[:, :, :4], ks[:, :, :4], lengths=[4, 2])  # seq 0 holds 4 of 6 slots, seq 1 holds 2
+    cache.append(
+        ks[:, :, :4], ks[:, :, :4], lengths=[4, 2]
+    )  # seq 0 holds 4 of 6 slots, seq 1 holds 2
     real = kv_cache._cyloops.cache_write
 
     def interrupted(dst, src, first, count, *a, **kw):
@@ -396,7 +437,11 @@ def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, mo
     q = randn(rng, (2, 1, 1, 4))
     cache.append(new[:, :, :1], new[:, :, :1])
     got = cache.attend(q)
-    for b, hist in enumerate([np.concatenate([ks[0, :, 1:4], new[0, :, :1]], 1),
-                              np.concatenate([ks[1, :, :2], new[1, :, :1]], 1)]):
+    for b, hist in enumerate(
+        [
+            np.concatenate([ks[0, :, 1:4], new[0, :, :1]], 1),
+            np.concatenate([ks[1, :, :2], new[1, :, :1]], 1),
+        ]
+    ):
         hist = hist[:, -3:]  # the window: the query sees its last 3 positions
         np.testing.assert_allclose(got[b], ref.sdpa(q[b], hist, hist), rtol=1e-12, atol=1e-12)

@@ -29,7 +29,9 @@ def kernel_inputs(monkeypatch):
     real = F._core.forward
 
     def spy(q, k, v, o, lse=None, **kw):
-        seen.append({n: (a.ctypes.data, a.strides) for n, a in (("q", q), ("k", k), ("v", v), ("o", o))})
+        seen.append(
+            {n: (a.ctypes.data, a.strides) for n, a in (("q", q), ("k", k), ("v", v), ("o", o))}
+        )
         return real(q, k, v, o, lse, **kw)
 
     monkeypatch.setattr(F._core, "forward", spy)
@@ -82,12 +84,18 @@ def test_array_interface_zero_copy(rng, kernel_inputs):
     qi = ArrayInterface(base[:, :, :, ::2])  # strided view
     o = af.scaled_dot_product_attention(qi, qi, qi, is_causal=True)
     x = base[:, :, :, ::2]
-    np.testing.assert_allclose(o, ref.sdpa(x, x, x, mask=ref.causal_mask(11, 11)), **tol(np.float32))
+    np.testing.assert_allclose(
+        o, ref.sdpa(x, x, x, mask=ref.causal_mask(11, 11)), **tol(np.float32)
+    )
     assert kernel_inputs[-1]["q"] == (x.ctypes.data, x.strides)
 
 
 def test_dlpack_zero_copy(rng, kernel_inputs):
-    q, k, v = randn(rng, (1, 2, 5, 8), np.float64), randn(rng, (1, 2, 7, 8), np.float64), randn(rng, (1, 2, 7, 3), np.float64)
+    q, k, v = (
+        randn(rng, (1, 2, 5, 8), np.float64),
+        randn(rng, (1, 2, 7, 8), np.float64),
+        randn(rng, (1, 2, 7, 3), np.float64),
+    )
     o = af.scaled_dot_product_attention(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v))
     np.testing.assert_allclose(o, ref.sdpa(q, k, v), **tol(np.float64))
     rec = kernel_inputs[-1]
@@ -126,9 +134,16 @@ def test_torch_tensors_read_in_place(rng, kernel_inputs, dtype):
     vb = torch.from_numpy(randn(rng, (B, Lk, Hkv, d), np.float64)).to(dtype)
     q, k, v = qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2)
     assert not q.is_contiguous()
-    o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, return_lse=True
+    )
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)  # torch in, torch out
-    assert o.dtype == q.dtype and lse.dtype == q.dtype and o.shape == (B, H, Lq, d) and lse.shape == (B, H, Lq)
+    assert (
+        o.dtype == q.dtype
+        and lse.dtype == q.dtype
+        and o.shape == (B, H, Lq, d)
+        and lse.shape == (B, H, Lq)
+    )
     o, lse = o.numpy(), lse.numpy()  # zero-copy views of the same result
     qn, kn, vn = q.numpy(), np.repeat(k.numpy(), 2, axis=1), np.repeat(v.numpy(), 2, axis=1)
     O, LSE = ref.sdpa(qn, kn, vn, mask=ref.causal_mask(Lq, Lk), return_lse=True)
@@ -190,14 +205,18 @@ def test_torch_textbook_api_and_mask(rng):
     X = torch.from_numpy(randn(rng, (10, 8), np.float64))
     W = [torch.from_numpy(randn(rng, (4, 8), np.float64)) for _ in range(3)]
     O = af.attention(X, *W, causal=True)
-    np.testing.assert_allclose(O, ref.attention(X.numpy(), *(w.numpy() for w in W), causal=True), **tol(np.float64))
+    np.testing.assert_allclose(
+        O, ref.attention(X.numpy(), *(w.numpy() for w in W), causal=True), **tol(np.float64)
+    )
     # A boolean torch mask (True = attend), broadcast over heads and queries.
     q = torch.from_numpy(randn(rng, (2, 3, 5, 8)))
     keep = torch.from_numpy(rng.random((2, 1, 1, 5)) < 0.7)
     keep[..., 0] = True
     o = af.scaled_dot_product_attention(q, q, q, attn_mask=keep)
     m = np.broadcast_to(keep.numpy(), (2, 3, 5, 5))
-    np.testing.assert_allclose(o, ref.sdpa(q.numpy(), q.numpy(), q.numpy(), mask=m), **tol(np.float32))
+    np.testing.assert_allclose(
+        o, ref.sdpa(q.numpy(), q.numpy(), q.numpy(), mask=m), **tol(np.float32)
+    )
 
 
 def test_as_array_shares_memory_for_torch():

@@ -77,8 +77,12 @@ except KeyboardInterrupt:
 
 
 def _interrupt(case):
-    p = subprocess.Popen([sys.executable, "-c", CHILD, case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, case],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = p.stdout.readline().strip()
         assert line == "started", (line, p.stderr.read())
@@ -104,6 +108,8 @@ def _interrupt(case):
     assert waited < 5, f"{case}: took {waited:.1f} s to stop after SIGINT"
 
 
-@pytest.mark.parametrize("case", ["prefill", "varlen", "reference", "decode", "linear", "kv_cache", "backward"])
+@pytest.mark.parametrize(
+    "case", ["prefill", "varlen", "reference", "decode", "linear", "kv_cache", "backward"]
+)
 def test_sigint_stops_a_long_call(case):
     _interrupt(case)

@@ -25,7 +25,11 @@ def oracle(q, k, v, window=None, causal=True):
 
 
 def qkv(rng, B, Hq, Hkv, L, d, dv, dtype=np.float32):
-    return randn(rng, (B, Hq, L, d), dtype), randn(rng, (B, Hkv, L, d), dtype), randn(rng, (B, Hkv, L, dv), dtype)
+    return (
+        randn(rng, (B, Hq, L, d), dtype),
+        randn(rng, (B, Hkv, L, d), dtype),
+        randn(rng, (B, Hkv, L, dv), dtype),
+    )
 
 
 def check(o, lse, O, LSE, dtype=np.float32):
@@ -51,8 +55,8 @@ def test_token_by_token_equals_full_causal(isa, rng, cfg, window, dtype):
     O, LSE = oracle(q, k, v, window)
     cache = af.KVCache(B, Hkv, d, capacity=4, v_head_dim=dv, dtype=dtype, window=window)
     for t in range(L):
-        cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        o, lse = cache.attend(q[:, :, t:t + 1], return_lse=True)
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        o, lse = cache.attend(q[:, :, t : t + 1], return_lse=True)
         check(o[:, :, 0], lse[:, :, 0], O[:, :, t], LSE[:, :, t], dtype)
     assert len(cache) == L
     np.testing.assert_array_equal(cache.positions, [L] * B)
@@ -71,8 +75,8 @@ def test_chunked_prefill_equals_one_shot(rng, chunk, window):
     cache = af.KVCache(B, Hkv, d, capacity=16, v_head_dim=dv, window=window)
     outs, lses = [], []
     for t in range(0, L, chunk):
-        cache.append(k[:, :, t:t + chunk], v[:, :, t:t + chunk])
-        o, lse = cache.attend(q[:, :, t:t + chunk], return_lse=True)
+        cache.append(k[:, :, t : t + chunk], v[:, :, t : t + chunk])
+        o, lse = cache.attend(q[:, :, t : t + chunk], return_lse=True)
         outs.append(o)
         lses.append(lse)
     check(np.concatenate(outs, 2), np.concatenate(lses, 2), O, LSE)
@@ -98,7 +102,9 @@ def test_ragged_batch(rng, window):
     cache = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, window=window)
     P = int(prompt.max())
     cache.append(k[:, :, :P], v[:, :, :P], lengths=prompt)
-    o_pre, lse_pre = cache.attend(q[:, :, :P], return_lse=True)  # q_lens default: the append's lengths
+    o_pre, lse_pre = cache.attend(
+        q[:, :, :P], return_lse=True
+    )  # q_lens default: the append's lengths
     np.testing.assert_array_equal(cache.positions, prompt)
     dec = []
     for t in range(steps):
@@ -132,8 +138,8 @@ def test_truncate_then_continue(rng, window):
     assert len(cache) == 20
     np.testing.assert_array_equal(cache.positions, [20, 20])
     for t in range(20, L):
-        cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        o, lse = cache.attend(q[:, :, t:t + 1], return_lse=True)
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        o, lse = cache.attend(q[:, :, t : t + 1], return_lse=True)
         check(o[:, :, 0], lse[:, :, 0], O[:, :, t], LSE[:, :, t])
     # per-sequence truncate
     cache.truncate(np.array([25, 28]))
@@ -146,7 +152,7 @@ def test_growth_keeps_contents(rng):
     cache = af.KVCache(B, H, d, capacity=3)
     caps = set()
     for t in range(0, 100, 7):
-        cache.append(k[:, :, t:t + 7], v[:, :, t:t + 7])
+        cache.append(k[:, :, t : t + 7], v[:, :, t : t + 7])
         caps.add(cache.capacity)
     assert cache.capacity >= 100 and len(caps) > 2
     for b in range(B):
@@ -160,10 +166,10 @@ def test_window_ring_is_bounded(rng):
     cache = af.KVCache(B, H, d, window=w, growable=False)
     k = randn(rng, (B, H, 1000, d))
     for t in range(1000):
-        cache.append(k[:, :, t:t + 1], k[:, :, t:t + 1])
+        cache.append(k[:, :, t : t + 1], k[:, :, t : t + 1])
     assert cache.capacity == 2 * w and cache.nbytes == 2 * B * H * 2 * w * d * 4
     assert len(cache) == 1000 and cache.lengths[0] == 2 * w
-    np.testing.assert_array_equal(cache.keys(0), k[0, :, 1000 - 2 * w:])
+    np.testing.assert_array_equal(cache.keys(0), k[0, :, 1000 - 2 * w :])
 
 
 def test_non_contiguous_inputs(rng):
@@ -259,7 +265,11 @@ def test_reset_and_layer_caches(rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_merge_attention_states(rng, dtype):
     B, H, Lq, Lk, d, dv = 2, 3, 5, 40, 16, 12
-    q, k, v = randn(rng, (B, H, Lq, d), dtype), randn(rng, (B, H, Lk, d), dtype), randn(rng, (B, H, Lk, dv), dtype)
+    q, k, v = (
+        randn(rng, (B, H, Lq, d), dtype),
+        randn(rng, (B, H, Lk, d), dtype),
+        randn(rng, (B, H, Lk, dv), dtype),
+    )
     perm = rng.permutation(Lk)
     a, b = perm[:13], perm[13:]
     o_a, lse_a = af.scaled_dot_product_attention(q, k[:, :, a], v[:, :, a], return_lse=True)
@@ -270,7 +280,9 @@ def test_merge_attention_states(rng, dtype):
     check(o, lse, O, LSE, dtype)
     # an empty part (-inf lse) is the identity; both empty gives 0 and -inf
     empty_o, empty_lse = np.full_like(o_a, np.nan), np.full_like(lse_a, -np.inf)
-    o2, lse2 = af.merge_attention_states(o_a, lse_a, empty_o, empty_lse)  # empty part's o is ignored
+    o2, lse2 = af.merge_attention_states(
+        o_a, lse_a, empty_o, empty_lse
+    )  # empty part's o is ignored
     check(o2, lse2, o_a, lse_a, dtype)
     o3, lse3 = af.merge_attention_states(empty_o, empty_lse, empty_o, empty_lse)
     assert (o3 == 0).all() and np.isneginf(lse3).all()
@@ -286,8 +298,13 @@ st = hyp.strategies
 
 @hyp.settings(max_examples=15, deadline=None)
 @hyp.given(
-    B=st.integers(1, 3), Hkv=st.integers(1, 3), G=st.integers(1, 4), L=st.integers(1, 40), d=st.integers(1, 20),
-    window=st.one_of(st.none(), st.integers(1, 12)), chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    B=st.integers(1, 3),
+    Hkv=st.integers(1, 3),
+    G=st.integers(1, 4),
+    L=st.integers(1, 40),
+    d=st.integers(1, 20),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8),
     seed=st.integers(0, 2**31),
 )
 def test_property_cache_equals_full_causal(B, Hkv, G, L, d, window, chunks, seed):
@@ -300,8 +317,8 @@ def test_property_cache_equals_full_causal(B, Hkv, G, L, d, window, chunks, seed
     while t < L:
         c = chunks[i % len(chunks)]
         i += 1
-        cache.append(k[:, :, t:t + c], v[:, :, t:t + c])
-        o, lse = cache.attend(q[:, :, t:t + c], return_lse=True)
-        check(o, lse, O[:, :, t:t + c], LSE[:, :, t:t + c])
+        cache.append(k[:, :, t : t + c], v[:, :, t : t + c])
+        o, lse = cache.attend(q[:, :, t : t + c], return_lse=True)
+        check(o, lse, O[:, :, t : t + c], LSE[:, :, t : t + c])
         t += c
     assert len(cache) == L

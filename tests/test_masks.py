@@ -26,13 +26,19 @@ def randn(rng, shape, dtype=np.float64):
 
 
 def qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype=np.float64):
-    return randn(rng, (B, Hq, Lq, d), dtype), randn(rng, (B, Hkv, Lk, d), dtype), randn(rng, (B, Hkv, Lk, dv), dtype)
+    return (
+        randn(rng, (B, Hq, Lq, d), dtype),
+        randn(rng, (B, Hkv, Lk, d), dtype),
+        randn(rng, (B, Hkv, Lk, dv), dtype),
+    )
 
 
 # ---------------------------------------------------------------- dense equivalents
 
 
-def dense_causal(B, Lq, Lk, q_len=None, k_len=None, align="bottom_right", left=None, right=0, causal=True):
+def dense_causal(
+    B, Lq, Lk, q_len=None, k_len=None, align="bottom_right", left=None, right=0, causal=True
+):
     """(B, 1, Lq, Lk) visibility of causal/window/padding, one sequence at a time."""
     q_len = [Lq] * B if q_len is None else list(q_len)
     k_len = [Lk] * B if k_len is None else list(k_len)
@@ -60,7 +66,9 @@ def dense_layout(layout, bq, bk, Lq, Lk):
 def run_and_check(q, k, v, mask_arg, dense, bias=None, dtype=np.float64, row_valid=None, **kw):
     """Kernel (poisoned out) vs oracle; rows the oracle says see nothing are zeros, lse -inf."""
     out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
-    o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=mask_arg, out=out, return_lse=True, **kw)
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask_arg, out=out, return_lse=True, **kw
+    )
     O, LSE = ref.sdpa(q, k, v, mask=dense, bias=bias, return_lse=True)
     if row_valid is not None:  # padding rows: zeros and -inf whatever the oracle says
         O = np.where(row_valid[..., None], O, 0.0)
@@ -105,9 +113,20 @@ def test_sliding_window(isa, rng, shape, left, right, dtype):
     run_and_check(q, k, v, M.SlidingWindow(left, right), dense, dtype=dtype, enable_gqa=True)
     # The same through window_size, and with Causal (Mistral's local attention).
     if right == 0:
-        run_and_check(q, k, v, M.SlidingWindow(left) & M.Causal(), dense, dtype=dtype, enable_gqa=True)
-        run_and_check(q, k, v, None, dense, dtype=dtype, enable_gqa=True, is_causal=True,
-                      window_size=(left, None))
+        run_and_check(
+            q, k, v, M.SlidingWindow(left) & M.Causal(), dense, dtype=dtype, enable_gqa=True
+        )
+        run_and_check(
+            q,
+            k,
+            v,
+            None,
+            dense,
+            dtype=dtype,
+            enable_gqa=True,
+            is_causal=True,
+            window_size=(left, None),
+        )
 
 
 def test_sliding_window_top_left(rng):
@@ -126,13 +145,27 @@ def test_padding(isa, rng, shape):
     q_default = kv_lens if Lq == Lk else np.full(B, Lq)
     dense = dense_causal(B, Lq, Lk, q_default, kv_lens, causal=False, right=None)
     valid0 = np.arange(Lq).reshape(1, 1, Lq) < q_default.reshape(B, 1, 1)
-    run_and_check(q, k, v, M.Padding(kv_lens), dense, row_valid=np.broadcast_to(valid0, (B, Hq, Lq)),
-                  enable_gqa=True)
+    run_and_check(
+        q,
+        k,
+        v,
+        M.Padding(kv_lens),
+        dense,
+        row_valid=np.broadcast_to(valid0, (B, Hq, Lq)),
+        enable_gqa=True,
+    )
     # queries and keys, with causal: each sequence has its own diagonal
     dense = dense_causal(B, Lq, Lk, q_lens, kv_lens)
     valid = np.arange(Lq).reshape(1, 1, Lq) < q_lens.reshape(B, 1, 1)
-    o, lse = run_and_check(q, k, v, M.Padding(kv_lens, q_lens) & M.Causal(), dense,
-                           row_valid=np.broadcast_to(valid, (B, Hq, Lq)), enable_gqa=True)
+    o, lse = run_and_check(
+        q,
+        k,
+        v,
+        M.Padding(kv_lens, q_lens) & M.Causal(),
+        dense,
+        row_valid=np.broadcast_to(valid, (B, Hq, Lq)),
+        enable_gqa=True,
+    )
     assert np.all(o[~np.broadcast_to(valid, (B, Hq, Lq))] == 0)
 
 
@@ -145,11 +178,17 @@ def test_causal_and_kv_padding_is_what_torch_gives(rng, isa, dtype):
     B, H, L, d = 3, 2, 64, 16
     lens = np.array([30, 64, 1])
     q, k, v = qkv(rng, B, H, H, L, L, d, d, dtype)
-    for mask in (M.Causal() & M.Padding(kv_lens=lens), M.Padding(lens) & M.Causal(), [M.Padding(lens), M.Causal()]):
+    for mask in (
+        M.Causal() & M.Padding(kv_lens=lens),
+        M.Padding(lens) & M.Causal(),
+        [M.Padding(lens), M.Causal()],
+    ):
         o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
         o2 = af.scaled_dot_product_attention(q, k, v, attn_mask=M.Padding(lens), is_causal=True)
         np.testing.assert_array_equal(o, o2)
-        vis = np.tril(np.ones((L, L), bool))[None] & (np.arange(L)[None, None, :] < lens[:, None, None])
+        vis = np.tril(np.ones((L, L), bool))[None] & (
+            np.arange(L)[None, None, :] < lens[:, None, None]
+        )
         O, LSE = ref.sdpa(q, k, v, mask=vis[:, None], return_lse=True)
         for b, n in enumerate(lens):
             np.testing.assert_allclose(o[b, :, :n], O[b, :, :n], **tol(dtype))
@@ -158,10 +197,15 @@ def test_causal_and_kv_padding_is_what_torch_gives(rng, isa, dtype):
     torch = pytest.importorskip("torch")
     t = torch.from_numpy
     vis_t = t(vis[:, None].copy())
-    want = torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=vis_t).numpy()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        t(q), t(k), t(v), attn_mask=vis_t
+    ).numpy()
     for b, n in enumerate(lens):
-        np.testing.assert_allclose(o[b, :, :n], want[b, :, :n], **tol(dtype) if dtype == np.float64 else
-                                   dict(rtol=1e-4, atol=1e-5))
+        np.testing.assert_allclose(
+            o[b, :, :n],
+            want[b, :, :n],
+            **tol(dtype) if dtype == np.float64 else dict(rtol=1e-4, atol=1e-5),
+        )
 
 
 def test_kv_padding_with_fewer_queries_stays_bottom_right(rng):
@@ -240,16 +284,41 @@ def test_combination_of_every_kind(isa, rng):
     layout = rng.random((Hq, 6, 8)) < 0.7
     mask = rng.random((B, 1, Lq, Lk)) < 0.8
     bias = rng.standard_normal((Hq, Lq, Lk)) * 0.5
-    combo = M.Causal() & M.SlidingWindow(40) & M.Padding(kv_lens, q_lens) & M.BlockSparse(layout, 16, 16)
+    combo = (
+        M.Causal()
+        & M.SlidingWindow(40)
+        & M.Padding(kv_lens, q_lens)
+        & M.BlockSparse(layout, 16, 16)
+    )
     combo = combo & mask & M.Dense(bias)
-    dense = (dense_causal(B, Lq, Lk, q_lens, kv_lens, left=40) & dense_layout(layout, 16, 16, Lq, Lk)[None] & mask)
+    dense = (
+        dense_causal(B, Lq, Lk, q_lens, kv_lens, left=40)
+        & dense_layout(layout, 16, 16, Lq, Lk)[None]
+        & mask
+    )
     valid = np.broadcast_to((np.arange(Lq) < q_lens.reshape(B, 1, 1)), (B, Hq, Lq))
     run_and_check(q, k, v, combo, dense, bias=bias[None], row_valid=valid, enable_gqa=True)
     # The same parts as a list, and an array on the left of &.
-    run_and_check(q, k, v, [mask, M.Causal(), M.SlidingWindow(40), M.Padding(kv_lens, q_lens),
-                            M.BlockSparse(layout, 16, 16), M.Dense(bias)],
-                  dense, bias=bias[None], row_valid=valid, enable_gqa=True)
-    run_and_check(q, k, v, mask & M.Causal(), mask & dense_causal(B, Lq, Lk, right=None), enable_gqa=True)
+    run_and_check(
+        q,
+        k,
+        v,
+        [
+            mask,
+            M.Causal(),
+            M.SlidingWindow(40),
+            M.Padding(kv_lens, q_lens),
+            M.BlockSparse(layout, 16, 16),
+            M.Dense(bias),
+        ],
+        dense,
+        bias=bias[None],
+        row_valid=valid,
+        enable_gqa=True,
+    )
+    run_and_check(
+        q, k, v, mask & M.Causal(), mask & dense_causal(B, Lq, Lk, right=None), enable_gqa=True
+    )
 
 
 def test_merge_rules(rng):
@@ -279,7 +348,9 @@ def test_merge_rules(rng):
     dense = dense_layout(l1, 15, 15, Lq, Lk) | dense_layout(l2, 6, 10, Lq, Lk)
     run_and_check(q, k, v, u, dense)
     # top-left and bottom-right coincide when Lq == Lk: no error
-    run_and_check(q, k, v, M.Causal("top_left") & M.SlidingWindow(4), dense_causal(B, Lq, Lk, left=4))
+    run_and_check(
+        q, k, v, M.Causal("top_left") & M.SlidingWindow(4), dense_causal(B, Lq, Lk, left=4)
+    )
 
 
 def test_alignment_conflict(rng):
@@ -287,19 +358,31 @@ def test_alignment_conflict(rng):
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), is_causal=True)
     with pytest.raises(ValueError, match="alignment"):
-        af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left") & M.SlidingWindow(3))
+        af.scaled_dot_product_attention(
+            q, k, v, attn_mask=M.Causal("top_left") & M.SlidingWindow(3)
+        )
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), window_size=(3, 0))
     # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused too.
     q2, k2, v2 = qkv(rng, 2, 1, 1, 10, 10, 4, 4)
     with pytest.raises(ValueError, match="alignment"):
-        af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4], [10, 10]),
-                                        is_causal=True)
+        af.scaled_dot_product_attention(
+            q2,
+            k2,
+            v2,
+            attn_mask=M.Causal("top_left") & M.Padding([10, 4], [10, 10]),
+            is_causal=True,
+        )
     # kv_lens alone with Lq == Lk: q_lens = kv_lens, both diagonals are i = j, no conflict
-    o = af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4]),
-                                        is_causal=True)
-    np.testing.assert_allclose(o, af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Padding([10, 4]),
-                                                                  is_causal=True), rtol=1e-12, atol=1e-12)
+    o = af.scaled_dot_product_attention(
+        q2, k2, v2, attn_mask=M.Causal("top_left") & M.Padding([10, 4]), is_causal=True
+    )
+    np.testing.assert_allclose(
+        o,
+        af.scaled_dot_product_attention(q2, k2, v2, attn_mask=M.Padding([10, 4]), is_causal=True),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 def test_alibi_softcap_sinks_with_masks(isa, rng):
@@ -312,7 +395,9 @@ def test_alibi_softcap_sinks_with_masks(isa, rng):
     off = (kv_lens - Lq).reshape(B, 1, 1, 1)
     i, j = np.arange(Lq).reshape(1, 1, Lq, 1), np.arange(Lk).reshape(1, 1, 1, Lk)
     alibi = -slopes.reshape(1, Hq, 1, 1) * np.abs(i + off - j)
-    o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, alibi_slopes=slopes, softcap=2.0, enable_gqa=True)
+    o = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, alibi_slopes=slopes, softcap=2.0, enable_gqa=True
+    )
     # oracle: softcap first, then the ALiBi bias
     kk = np.repeat(k, Hq, axis=1)
     S = 2.0 * np.tanh(q @ kk.swapaxes(-1, -2) / np.sqrt(d) / 2.0) + alibi
@@ -322,7 +407,9 @@ def test_alibi_softcap_sinks_with_masks(isa, rng):
     P /= P.sum(-1, keepdims=True)
     np.testing.assert_allclose(o, P @ np.repeat(v, Hq, axis=1), atol=1e-11)
     sinks = rng.standard_normal(Hq)
-    o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, return_lse=True)
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, return_lse=True
+    )
     O, LSE = ref.sdpa(q, k, v, mask=dense, sinks=sinks, return_lse=True)
     np.testing.assert_allclose(o, O, atol=1e-11)
     np.testing.assert_allclose(lse, LSE, atol=1e-11)
@@ -339,11 +426,14 @@ def test_gqa_ratios(isa, rng, ratio, dtype):
     B, Lq, Lk, d, dv = 2, 19, 41, 8, 6
     q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype)
     dense = dense_causal(B, Lq, Lk, left=9)
-    o, _ = run_and_check(q, k, v, M.Causal() & M.SlidingWindow(9), dense, dtype=dtype, enable_gqa=True)
+    o, _ = run_and_check(
+        q, k, v, M.Causal() & M.SlidingWindow(9), dense, dtype=dtype, enable_gqa=True
+    )
     # torch's order: head h reads kv head h // ratio (repeat_interleave, not tile)
     for h in (0, Hq - 1, Hq // 2):
-        one = af.scaled_dot_product_attention(q[:, h], k[:, h // ratio], v[:, h // ratio],
-                                              attn_mask=M.Causal() & M.SlidingWindow(9))
+        one = af.scaled_dot_product_attention(
+            q[:, h], k[:, h // ratio], v[:, h // ratio], attn_mask=M.Causal() & M.SlidingWindow(9)
+        )
         np.testing.assert_allclose(o[:, h], one, **tol(dtype))
 
 
@@ -355,7 +445,9 @@ def test_gqa_kv_not_copied(rng):
     kb, vb = randn(rng, (B, L, Hkv, d)), randn(rng, (B, L, Hkv, d))
     k, v = kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3)
     o = af.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
-    o2 = af.scaled_dot_product_attention(q, np.ascontiguousarray(k), np.ascontiguousarray(v), enable_gqa=True, is_causal=True)
+    o2 = af.scaled_dot_product_attention(
+        q, np.ascontiguousarray(k), np.ascontiguousarray(v), enable_gqa=True, is_causal=True
+    )
     np.testing.assert_array_equal(o, o2)
 
 
@@ -401,7 +493,9 @@ def test_fully_masked_rows_and_nan_in_masked_kv(isa, rng, case, backend):
     expect = ref.sdpa(q, k, v, mask=dense)
     for kk, vv in ((k, v), (k_bad, v), (k, v_bad), (k_bad, v_bad)):
         out = poisoned((B, H, Lq, d), np.float32)
-        o, lse = af.scaled_dot_product_attention(q, kk, vv, attn_mask=m, out=out, return_lse=True, backend=backend)
+        o, lse = af.scaled_dot_product_attention(
+            q, kk, vv, attn_mask=m, out=out, return_lse=True, backend=backend
+        )
         assert not np.any(np.isnan(o)), name
         dead = ~dense.any(axis=-1)
         assert dead.any(), name
@@ -432,9 +526,13 @@ def test_block_sparse_constructors():
     assert loc.layout.shape == (10, 10) and loc.block_q == loc.block_k == 10
     x, y = np.indices((10, 10))
     np.testing.assert_array_equal(loc.layout, np.abs(x - y) < 2)
-    np.testing.assert_array_equal(M.BlockSparse.local(100, 10, 3, causal=True).layout, (x - y >= 0) & (x - y < 3))
+    np.testing.assert_array_equal(
+        M.BlockSparse.local(100, 10, 3, causal=True).layout, (x - y >= 0) & (x - y < 3)
+    )
     st_ = M.BlockSparse.strided(64, 8, 3)
-    np.testing.assert_array_equal(st_.layout, (x[:8, :8] >= y[:8, :8]) & (((x - y)[:8, :8] < 3) | ((x - y)[:8, :8] % 3 == 0)))
+    np.testing.assert_array_equal(
+        st_.layout, (x[:8, :8] >= y[:8, :8]) & (((x - y)[:8, :8] < 3) | ((x - y)[:8, :8] % 3 == 0))
+    )
     assert st_.layout[7, 1] and not st_.layout[7, 3] and not st_.layout[1, 7]
     g = M.BlockSparse.global_tokens(95, 10, global_blocks=[0, 5], width=1)
     assert g.layout.shape == (10, 10)
@@ -442,9 +540,13 @@ def test_block_sparse_constructors():
     expect[[0, 5], :] = True
     expect[:, [0, 5]] = True
     np.testing.assert_array_equal(g.layout, expect)
-    r = M.BlockSparse.global_tokens(100, 10, global_blocks=1, width=2, random_blocks=2, seed=3, causal=True)
+    r = M.BlockSparse.global_tokens(
+        100, 10, global_blocks=1, width=2, random_blocks=2, seed=3, causal=True
+    )
     assert not np.any(np.triu(r.layout, 1))
-    r2 = M.BlockSparse.global_tokens(100, 10, global_blocks=1, width=2, random_blocks=2, seed=3, causal=True)
+    r2 = M.BlockSparse.global_tokens(
+        100, 10, global_blocks=1, width=2, random_blocks=2, seed=3, causal=True
+    )
     np.testing.assert_array_equal(r.layout, r2.layout)
     assert 0 < r.density < 1
 
@@ -452,9 +554,11 @@ def test_block_sparse_constructors():
 @pytest.mark.parametrize("ctor", ["local", "strided", "global"])
 def test_block_sparse_constructors_run(isa, rng, ctor):
     L, blk = 150, 16
-    m = {"local": M.BlockSparse.local(L, blk, 2, causal=True),
-         "strided": M.BlockSparse.strided(L, blk, 3),
-         "global": M.BlockSparse.global_tokens(L, blk, 1, width=1, random_blocks=1, seed=1)}[ctor]
+    m = {
+        "local": M.BlockSparse.local(L, blk, 2, causal=True),
+        "strided": M.BlockSparse.strided(L, blk, 3),
+        "global": M.BlockSparse.global_tokens(L, blk, 1, width=1, random_blocks=1, seed=1),
+    }[ctor]
     q, k, v = qkv(rng, 1, 2, 2, L, L, 8, 8)
     dense = dense_layout(m.layout, blk, blk, L, L)[None, None] & dense_causal(1, L, L, right=None)
     run_and_check(q, k, v, m & M.Causal(), dense)
@@ -499,8 +603,9 @@ def test_stats_count_kept_blocks_exactly(rng):
     n = L // blk
     layout = rng.random((H, n, n)) < 0.5
     layout[:, 0, 0] = True
-    _, s = af.scaled_dot_product_attention(q, k, v, attn_mask=M.BlockSparse(layout, blk), return_stats=True,
-                                           block_q=blk, block_k=blk)
+    _, s = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=M.BlockSparse(layout, blk), return_stats=True, block_q=blk, block_k=blk
+    )
     check_reported_tile(s, blk, blk, L)
     Br, Bc = s.block_q, s.block_k
     kept = [dense_layout(layout[h], blk, blk, L, L) for h in range(H)]
@@ -519,7 +624,9 @@ def test_stats_report_the_tile_used(rng, isa, dtype):
     q, k, v = qkv(rng, 1, 2, 2, L, L, d, d, dtype)
     base = af.scaled_dot_product_attention(q, k, v, is_causal=True)
     for bq, bk in [(1, 1), (7, 5), (32, 32), (48, 100), (0, 0), (4096, 4096)]:
-        o, s = af.scaled_dot_product_attention(q, k, v, is_causal=True, return_stats=True, block_q=bq, block_k=bk)
+        o, s = af.scaled_dot_product_attention(
+            q, k, v, is_causal=True, return_stats=True, block_q=bq, block_k=bk
+        )
         assert 1 <= s.block_q <= L and 1 <= s.block_k <= 4096
         if bq:
             assert s.block_q == min(bq, L)
@@ -540,15 +647,20 @@ def test_stats_window_grows_linearly(rng):
     counts = []
     for L in (256, 512, 1024):
         q, k, v = qkv(rng, 1, H, H, L, L, d, d, np.float32)
-        _, s = af.scaled_dot_product_attention(q, k, v, attn_mask=M.SlidingWindow(w), return_stats=True,
-                                               block_q=blk, block_k=blk)
+        _, s = af.scaled_dot_product_attention(
+            q, k, v, attn_mask=M.SlidingWindow(w), return_stats=True, block_q=blk, block_k=blk
+        )
         check_reported_tile(s, blk, blk, L)
         counts.append(s.tiles_computed)
         # the key blocks covering each query block's band, and no others
         assert s.tiles_computed == band_tiles(L, s.block_q, s.block_k, w)
     assert counts[1] <= 2 * counts[0] + 2 and counts[2] <= 2 * counts[1] + 2
     _, dense = af.scaled_dot_product_attention(q, k, v, return_stats=True, block_q=blk, block_k=blk)
-    assert dense.tiles_computed == -(-1024 // dense.block_q) * -(-1024 // dense.block_k) > 4 * counts[2]
+    assert (
+        dense.tiles_computed
+        == -(-1024 // dense.block_q) * -(-1024 // dense.block_k)
+        > 4 * counts[2]
+    )
 
 
 def _check_stats_fall_with_density(data_layouts, blk=16):
@@ -556,15 +668,18 @@ def _check_stats_fall_with_density(data_layouts, blk=16):
     L = blk * data_layouts[0].shape[-1]
     q, k, v = qkv(rng, 1, 1, 1, L, L, 4, 4, np.float32)
     stats = [
-        af.scaled_dot_product_attention(q, k, v, attn_mask=M.BlockSparse(lay, blk), return_stats=True,
-                                        block_q=blk, block_k=blk)[1]
+        af.scaled_dot_product_attention(
+            q, k, v, attn_mask=M.BlockSparse(lay, blk), return_stats=True, block_q=blk, block_k=blk
+        )[1]
         for lay in data_layouts
     ]
     counts = [s.tiles_computed for s in stats]
     # nested layouts (each a subset of the next): computed tiles never rise as blocks are removed
     assert counts == sorted(counts)
-    assert counts == [kernel_tiles(dense_layout(lay, blk, blk, L, L), s.block_q, s.block_k)
-                      for lay, s in zip(data_layouts, stats)]
+    assert counts == [
+        kernel_tiles(dense_layout(lay, blk, blk, L, L), s.block_q, s.block_k)
+        for lay, s in zip(data_layouts, stats)
+    ]
 
 
 if given is not None:
@@ -632,7 +747,9 @@ def test_to_dense_matches_kernel(rng):
     m = M.Causal() & M.SlidingWindow(3, 1) & M.Padding([9, 5], [7, 7])
     d = m.to_dense(2, 3, 7, 9)
     assert d.shape == (2, 3, 7, 9) and d.dtype == bool
-    np.testing.assert_array_equal(d[:, 0], dense_causal(2, 7, 9, [7, 7], [9, 5], left=3, right=0)[:, 0])
+    np.testing.assert_array_equal(
+        d[:, 0], dense_causal(2, 7, 9, [7, 7], [9, 5], left=3, right=0)[:, 0]
+    )
     assert "Causal" in repr(m) and "SlidingWindow" in repr(m)
 
 
@@ -656,12 +773,20 @@ def test_torch_causal_lower_right_and_upper_left(rng):
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     F = torch.nn.functional.scaled_dot_product_attention
     expect = F(tq, tk, tv, attn_mask=causal_lower_right(Lq, Lk)).numpy()
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, is_causal=True), expect, atol=1e-12)
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal()), expect, atol=1e-12)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, is_causal=True), expect, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal()), expect, atol=1e-12
+    )
     expect = F(tq, tk, tv, is_causal=True).numpy()  # torch's is_causal: top-left
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left")), expect, atol=1e-12)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left")), expect, atol=1e-12
+    )
     expect = F(tq, tk, tv, attn_mask=causal_upper_left(Lq, Lk)).numpy()
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left")), expect, atol=1e-12)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left")), expect, atol=1e-12
+    )
 
 
 @needs_torch
@@ -677,17 +802,25 @@ def test_torch_enable_gqa(rng, ratio):
     np.testing.assert_allclose(o, expect, atol=1e-12)
     bias = rng.standard_normal((Lq, Lk))
     expect = F(tq, tk, tv, attn_mask=torch.from_numpy(bias), enable_gqa=True, scale=0.3).numpy()
-    np.testing.assert_allclose(af.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True, scale=0.3),
-                               expect, atol=1e-12)
+    np.testing.assert_allclose(
+        af.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True, scale=0.3),
+        expect,
+        atol=1e-12,
+    )
 
 
 if given is not None:
 
     @settings(max_examples=25, deadline=None)
     @given(
-        Lq=st.integers(1, 70), Lk=st.integers(1, 70), causal=st.sampled_from([None, "bottom_right", "top_left"]),
-        left=st.one_of(st.none(), st.integers(0, 20)), right=st.one_of(st.none(), st.integers(0, 20)),
-        pad=st.booleans(), blk=st.one_of(st.none(), st.integers(1, 20)), seed=st.integers(0, 2**31 - 1),
+        Lq=st.integers(1, 70),
+        Lk=st.integers(1, 70),
+        causal=st.sampled_from([None, "bottom_right", "top_left"]),
+        left=st.one_of(st.none(), st.integers(0, 20)),
+        right=st.one_of(st.none(), st.integers(0, 20)),
+        pad=st.booleans(),
+        blk=st.one_of(st.none(), st.integers(1, 20)),
+        seed=st.integers(0, 2**31 - 1),
     )
     def test_property_random_combinations(Lq, Lk, causal, left, right, pad, blk, seed):
         """Any combination of mask kinds equals the oracle with the dense equivalent."""
@@ -702,7 +835,9 @@ if given is not None:
             parts.append(M.Causal(causal))
         if left is not None or right is not None:
             parts.append(M.SlidingWindow(left, right, align=align))
-        dense &= dense_causal(B, Lq, Lk, q_len, k_len, align, left, right, causal=causal is not None)
+        dense &= dense_causal(
+            B, Lq, Lk, q_len, k_len, align, left, right, causal=causal is not None
+        )
         if pad:
             parts.append(M.Padding(k_len, q_len))
         if blk:
@@ -713,7 +848,9 @@ if given is not None:
         run_and_check(q, k, v, parts or None, dense, row_valid=valid)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 200), (1, 1, 150, 1), (1, 3, 150, 200), (150, 200)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 1, 1, 200), (1, 1, 150, 1), (1, 3, 150, 200), (150, 200)], ids=str
+)
 def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     """The block summary of a dense boolean mask only lets the kernel skip
     empty tiles sooner: same result bit for bit, same tile counts, and the

@@ -145,13 +145,20 @@ PEAK_CODE = """
 
 
 def run_json(code, timeout):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="ASan's quarantine and shadow memory grow the RSS (the sanitizer checks leaks itself)")
+@pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="ASan's quarantine and shadow memory grow the RSS (the sanitizer checks leaks itself)",
+)
 def test_no_leak_over_10k_calls():
     report = run_json(LEAK_CODE.replace("N_CALLS", "10_000"), timeout=600)
     print("growth over 10k calls, (RSS, malloc in use) in KiB:", report)
@@ -172,7 +179,8 @@ def test_no_leak_over_10k_calls():
             "None",
             id="full",
             marks=pytest.mark.skipif(
-                os.environ.get("ATTN_FAST_SLOW_TESTS") != "1", reason="set ATTN_FAST_SLOW_TESTS=1 (about a minute)"
+                os.environ.get("ATTN_FAST_SLOW_TESTS") != "1",
+                reason="set ATTN_FAST_SLOW_TESTS=1 (about a minute)",
             ),
         ),
     ],

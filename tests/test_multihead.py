@@ -34,8 +34,20 @@ def oracle_mha(m, x, context=None, mask=None, causal=False, rope_offset=0):
         v = V[..., g * dh : (g + 1) * dh]
         if m.rope is not None and context is None:
             r = m.rope
-            q = rope_reference(q, np.arange(Lq) + rope_offset, base=r.base, rotary_dim=r.rotary_dim, interleaved=r.interleaved)
-            k = rope_reference(k, np.arange(Lk) + rope_offset, base=r.base, rotary_dim=r.rotary_dim, interleaved=r.interleaved)
+            q = rope_reference(
+                q,
+                np.arange(Lq) + rope_offset,
+                base=r.base,
+                rotary_dim=r.rotary_dim,
+                interleaved=r.interleaved,
+            )
+            k = rope_reference(
+                k,
+                np.arange(Lk) + rope_offset,
+                base=r.base,
+                rotary_dim=r.rotary_dim,
+                interleaved=r.interleaved,
+            )
         bias = mask if (mask is not None and mask.dtype != bool) else None
         outs.append(ref.sdpa(q, k, v, mask=dense, bias=bias, scale=m.scale))
     return np.concatenate(outs, axis=-1) @ W["Wo"].T + (W["bo"] if m.bias else 0)
@@ -52,7 +64,9 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "D{}H{}kv{}dh{}L{}{}".format(*c[:5], "B" if c[5] else ""))
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: "D{}H{}kv{}dh{}L{}{}".format(*c[:5], "B" if c[5] else "")
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_mha_equals_concat_of_heads(rng, cfg, causal, dtype):
@@ -75,10 +89,14 @@ def test_gqa_equals_mha_with_repeated_kv_heads(rng):
     w = gqa.state_dict()
     # kv head g serves query heads g·rep … g·rep + rep - 1: repeat its rows
     rep_rows = lambda W: np.repeat(W.reshape(Hkv, dh, D), rep, axis=0).reshape(H * dh, D)  # noqa: E731
-    mha.load_weights({"Wq": w["Wq"], "Wk": rep_rows(w["Wk"]), "Wv": rep_rows(w["Wv"]), "Wo": w["Wo"]})
+    mha.load_weights(
+        {"Wq": w["Wq"], "Wk": rep_rows(w["Wk"]), "Wv": rep_rows(w["Wv"]), "Wo": w["Wo"]}
+    )
     x = rng.standard_normal((3, 17, D)).astype(np.float32)
     for causal in (False, True):
-        np.testing.assert_allclose(gqa(x, causal=causal), mha(x, causal=causal), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            gqa(x, causal=causal), mha(x, causal=causal), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("kv_dim", [None, 12])
@@ -95,7 +113,11 @@ def test_cross_attention(rng, kv_dim, Lq, Lk):
     np.testing.assert_allclose(m(x[1], context=ctx[1]), y[1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rope", ["rope", RoPE(8, base=500.0, rotary_dim=4, interleaved=True)], ids=["neox", "gptj_partial"])
+@pytest.mark.parametrize(
+    "rope",
+    ["rope", RoPE(8, base=500.0, rotary_dim=4, interleaved=True)],
+    ids=["neox", "gptj_partial"],
+)
 def test_rope_inside_attention(rng, rope):
     m = af.MultiHeadAttention(32, 4, 2, positional=rope, rng=rng)
     x = rng.standard_normal((2, 11, 32)).astype(np.float32)
@@ -112,9 +134,13 @@ def test_masks(rng):
     np.testing.assert_allclose(y, oracle_mha(m, x, mask=keep), **tol(np.float64))
     assert np.all(np.isfinite(y))
     additive = rng.standard_normal((L, L))
-    np.testing.assert_allclose(m(x, mask=additive), oracle_mha(m, x, mask=additive), **tol(np.float64))
+    np.testing.assert_allclose(
+        m(x, mask=additive), oracle_mha(m, x, mask=additive), **tol(np.float64)
+    )
     # mask combined with causal
-    np.testing.assert_allclose(m(x, mask=keep, causal=True), oracle_mha(m, x, mask=keep, causal=True), **tol(np.float64))
+    np.testing.assert_allclose(
+        m(x, mask=keep, causal=True), oracle_mha(m, x, mask=keep, causal=True), **tol(np.float64)
+    )
 
 
 def test_heads_split_by_strides_not_copies(rng, monkeypatch):
@@ -132,7 +158,9 @@ def test_heads_split_by_strides_not_copies(rng, monkeypatch):
     y = m(x)
     q, k, v, out = seen["q"], seen["k"], seen["v"], seen["out"]
     assert q.shape == (2, 4, 5, 6) and k.shape == v.shape == (2, 2, 5, 6)
-    assert not q.flags.c_contiguous and np.may_share_memory(q, k) and np.may_share_memory(k, v)  # one buffer
+    assert (
+        not q.flags.c_contiguous and np.may_share_memory(q, k) and np.may_share_memory(k, v)
+    )  # one buffer
     assert out.strides[1] < out.strides[2]  # written through a (B, L, H, d_h) buffer
     np.testing.assert_allclose(y, oracle_mha(m, x), **tol(np.float32))
 
@@ -153,12 +181,16 @@ def test_load_weights_and_errors(rng):
         m.load_weights(bad)
     with pytest.raises(ValueError, match="NaN"):
         m.load_weights(dict(w, Wo=np.full((16, 16), np.nan)))
-    with pytest.raises(KeyError, match=r"unknown weights: bk, bo, bq, bv \(biases need bias=True\)"):
+    with pytest.raises(
+        KeyError, match=r"unknown weights: bk, bo, bq, bv \(biases need bias=True\)"
+    ):
         af.MultiHeadAttention(16, 4, 2).load_weights(w)
     with pytest.raises(KeyError, match="unknown weights: Wqq"):
         m.load_weights(dict(w, Wqq=w["Wq"]))
     with pytest.raises(ValueError, match=r"attn.Wq has shape"):
-        m.load_weights(dict({"attn." + n: a for n, a in w.items()}, **{"attn.Wq": np.zeros(3)}), prefix="attn.")
+        m.load_weights(
+            dict({"attn." + n: a for n, a in w.items()}, **{"attn.Wq": np.zeros(3)}), prefix="attn."
+        )
 
 
 def test_bad_arguments(rng):
@@ -173,7 +205,9 @@ def test_bad_arguments(rng):
     with pytest.raises(TypeError, match="dtype"):
         af.MultiHeadAttention(16, 4, dtype=np.int32)
     m = af.MultiHeadAttention(16, 4, rng=rng)
-    with pytest.raises(ValueError, match=r"x must be \(L, 16\) or \(B, L, 16\), got shape \(3, 5, 12\)"):
+    with pytest.raises(
+        ValueError, match=r"x must be \(L, 16\) or \(B, L, 16\), got shape \(3, 5, 12\)"
+    ):
         m(np.zeros((3, 5, 12), np.float32))
     with pytest.raises(ValueError, match="got shape"):
         m(np.zeros((1, 3, 5, 16), np.float32))
@@ -212,7 +246,9 @@ def test_explicit_rope_positions(rng):
     m = af.MultiHeadAttention(16, 2, positional="rope", rng=rng, dtype=np.float64)
     x = rng.standard_normal((2, 6, 16))
     base = m(x, causal=True)
-    np.testing.assert_allclose(m(x, causal=True, positions=np.arange(6) + 100), base, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        m(x, causal=True, positions=np.arange(6) + 100), base, rtol=1e-9, atol=1e-9
+    )
     pos = np.array([[0, 1, 2, 3, 4, 5], [7, 9, 10, 11, 12, 13]])  # a gap in sequence 1
     y = m(x, causal=True, positions=pos)
     np.testing.assert_allclose(y[0], base[0], rtol=1e-9, atol=1e-9)

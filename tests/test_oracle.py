@@ -12,7 +12,10 @@ def triple_loop_attention(q, k, v, visible):
     Lk, dv = v.shape
     out = np.zeros((Lq, dv))
     for i in range(Lq):
-        scores = [sum(q[i, e] * k[j, e] for e in range(d)) / math.sqrt(d) if visible[i][j] else None for j in range(Lk)]
+        scores = [
+            sum(q[i, e] * k[j, e] for e in range(d)) / math.sqrt(d) if visible[i][j] else None
+            for j in range(Lk)
+        ]
         vis = [s for s in scores if s is not None]
         if not vis:
             continue
@@ -27,9 +30,19 @@ def triple_loop_attention(q, k, v, visible):
 
 def test_oracle_matches_triple_loops(rng):
     for Lq, Lk, d, dv in [(1, 1, 1, 1), (4, 4, 3, 3), (5, 9, 2, 4), (9, 5, 3, 2)]:
-        q, k, v = rng.standard_normal((Lq, d)), rng.standard_normal((Lk, d)), rng.standard_normal((Lk, dv))
-        for mask in (np.ones((Lq, Lk), bool), ref.causal_mask(Lq, Lk), ref.causal_mask(Lq, Lk, "top_left")):
-            np.testing.assert_allclose(ref.sdpa(q, k, v, mask=mask), triple_loop_attention(q, k, v, mask), atol=1e-12)
+        q, k, v = (
+            rng.standard_normal((Lq, d)),
+            rng.standard_normal((Lk, d)),
+            rng.standard_normal((Lk, dv)),
+        )
+        for mask in (
+            np.ones((Lq, Lk), bool),
+            ref.causal_mask(Lq, Lk),
+            ref.causal_mask(Lq, Lk, "top_left"),
+        ):
+            np.testing.assert_allclose(
+                ref.sdpa(q, k, v, mask=mask), triple_loop_attention(q, k, v, mask), atol=1e-12
+            )
 
 
 def test_textbook_attention_is_sdpa(rng):
@@ -38,7 +51,9 @@ def test_textbook_attention_is_sdpa(rng):
     for causal in (False, True):
         Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T
         mask = ref.causal_mask(6, 6) if causal else None
-        np.testing.assert_allclose(ref.attention(X, Wq, Wk, Wv, causal), ref.sdpa(Q, K, V, mask=mask), atol=1e-12)
+        np.testing.assert_allclose(
+            ref.attention(X, Wq, Wk, Wv, causal), ref.sdpa(Q, K, V, mask=mask), atol=1e-12
+        )
 
 
 def test_oracle_fully_masked_rows_are_zero(rng):

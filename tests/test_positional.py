@@ -27,7 +27,9 @@ def test_sinusoidal_formula(L, D):
 
 def test_sinusoidal_offset_and_batch():
     full = sinusoidal(40, 12, base=500.0, dtype=np.float64)
-    np.testing.assert_array_equal(sinusoidal(5, 12, base=500.0, offset=30, dtype=np.float64), full[30:35])
+    np.testing.assert_array_equal(
+        sinusoidal(5, 12, base=500.0, offset=30, dtype=np.float64), full[30:35]
+    )
     per = sinusoidal(5, 12, base=500.0, offset=np.array([0, 30, 7]), dtype=np.float64)
     assert per.shape == (3, 5, 12)
     for b, o in enumerate([0, 30, 7]):
@@ -69,7 +71,12 @@ def test_rope_against_formula(rng, interleaved, d, r):
     rope = RoPE(d, base=base, rotary_dim=r, interleaved=interleaved)
     got = rope(x, offset=1000, seq_axis=-2)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(rope_reference(x, pos, base=base, rotary_dim=r, interleaved=interleaved), want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        rope_reference(x, pos, base=base, rotary_dim=r, interleaved=interleaved),
+        want,
+        rtol=1e-9,
+        atol=1e-9,
+    )
     # float32: computed in float32, to float32 accuracy
     got32 = rope(x.astype(np.float32), positions=pos, seq_axis=-2)
     assert got32.dtype == np.float32
@@ -103,7 +110,14 @@ def test_rope_layouts_and_modes(rng):
     B, L, H, d = 2, 7, 3, 10
     rope = RoPE(d, rotary_dim=8, interleaved=False)
     x = rng.standard_normal((B, L, H, d)).astype(np.float32)
-    want = np.stack([np.stack([rope_reference(x[b, :, h], np.arange(L) + 4, rotary_dim=8) for h in range(H)], 1) for b in range(B)])
+    want = np.stack(
+        [
+            np.stack(
+                [rope_reference(x[b, :, h], np.arange(L) + 4, rotary_dim=8) for h in range(H)], 1
+            )
+            for b in range(B)
+        ]
+    )
     a = rope(x, offset=4)  # (B, L, H, d), seq_axis=-3
     np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-5)
     # (B, H, L, d) as a transposed, non-contiguous view
@@ -134,7 +148,9 @@ def test_rope_per_sequence_offsets_and_positions(rng):
     ring = np.array([7, 8, 9, 2, 3])
     got1 = rope(x, positions=ring)
     for t in range(L):
-        np.testing.assert_allclose(got1[:, t], rope(x[:, t : t + 1], offset=int(ring[t]))[:, 0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            got1[:, t], rope(x[:, t : t + 1], offset=int(ring[t]))[:, 0], rtol=1e-12, atol=1e-12
+        )
 
 
 def test_rope_tables_cached_and_grow():

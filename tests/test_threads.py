@@ -23,7 +23,11 @@ def run_py(code, timeout=120, **env):
     e = dict(os.environ)
     e.update(env)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=timeout
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
     )
 
 
@@ -35,7 +39,11 @@ def test_concurrent_callers_while_thread_count_changes(rng):
     for i in range(4):
         dtype = (np.float32, np.float64)[i % 2]
         L = 40 + 17 * i
-        q, k, v = randn(rng, (1, 2, L, 16), dtype), randn(rng, (1, 2, L + 5, 16), dtype), randn(rng, (1, 2, L + 5, 8), dtype)
+        q, k, v = (
+            randn(rng, (1, 2, L, 16), dtype),
+            randn(rng, (1, 2, L + 5, 16), dtype),
+            randn(rng, (1, 2, L + 5, 8), dtype),
+        )
         kw = dict(is_causal=bool(i % 2), window_size=(9, None) if i == 2 else None)
         cases.append((q, k, v, kw, af.scaled_dot_product_attention(q, k, v, **kw)))
     old = af.get_num_threads()
@@ -46,7 +54,9 @@ def test_concurrent_callers_while_thread_count_changes(rng):
         q, k, v, kw, expect = cases[i]
         try:
             for _ in range(60):
-                np.testing.assert_array_equal(af.scaled_dot_product_attention(q, k, v, **kw), expect)
+                np.testing.assert_array_equal(
+                    af.scaled_dot_product_attention(q, k, v, **kw), expect
+                )
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -108,7 +118,9 @@ def test_thread_count_is_per_process():
         t.start()
         t.join()
         af.set_num_threads(2)
-        t = threading.Thread(target=lambda: (seen.append(af.get_num_threads()), af.set_num_threads(1)))
+        t = threading.Thread(
+            target=lambda: (seen.append(af.get_num_threads()), af.set_num_threads(1))
+        )
         t.start()
         t.join()
         seen.append(af.get_num_threads())  # set in the other thread, seen here

@@ -62,7 +62,9 @@ def test_cache_ring_when_sequence_does_not_fit(isa, rng):
     # head of the group finds its blocks evicted.
     q = randn(rng, (1, 2, 9, 256))
     k, v = randn(rng, (1, 1, 13000, 256)), randn(rng, (1, 1, 13000, 256))
-    sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(9, 13000), is_causal=True, enable_gqa=True)
+    sdpa_checked(
+        q, k, v, np.float32, mask=ref.causal_mask(9, 13000), is_causal=True, enable_gqa=True
+    )
 
 
 def test_window_start_inside_a_key_block(isa, rng):
@@ -70,7 +72,9 @@ def test_window_start_inside_a_key_block(isa, rng):
     for left, right in ((37, 0), (200, 45)):
         mask = ref.window_mask(500, 500, left, right)
         sdpa_checked(q, k, v, np.float64, mask=mask, window_size=(left, right))
-        sdpa_checked(q, k, v, np.float64, mask=mask, window_size=(left, right), block_q=20, block_k=50)
+        sdpa_checked(
+            q, k, v, np.float64, mask=mask, window_size=(left, right), block_q=20, block_k=50
+        )
 
 
 def test_nonfinite_value_in_cached_block(isa, rng):

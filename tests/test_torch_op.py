@@ -60,7 +60,9 @@ def _gradcheck_case(case, Lq, Lk, H):
         m[0, 0, 1] = False  # a fully masked row: zero output and gradient
         return {"attn_mask": m}
     if case == "additive_mask":
-        b = torch.randn(1, H, Lq, Lk, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+        b = torch.randn(
+            1, H, Lq, Lk, dtype=torch.float64, generator=torch.Generator().manual_seed(6)
+        )
         b[0, 0, 0, 2] = -float("inf")
         return {"attn_mask": b}
     if case == "window":
@@ -76,8 +78,21 @@ def _gradcheck_case(case, Lq, Lk, H):
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["none", "causal", "bool_mask", "additive_mask", "window", "padding",
-                                  "block_sparse", "softcap", "alibi", "sinks"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "none",
+        "causal",
+        "bool_mask",
+        "additive_mask",
+        "window",
+        "padding",
+        "block_sparse",
+        "softcap",
+        "alibi",
+        "sinks",
+    ],
+)
 def test_gradcheck_float64(case):
     Lq, Lk, H = 5, 7, 2
     q, k, v = _qkv(2, 1, H, H, Lq, Lk, 3, 2)
@@ -87,13 +102,17 @@ def test_gradcheck_float64(case):
         assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
         return
     kw = _gradcheck_case(case, Lq, Lk, H)
-    assert torch.autograd.gradcheck(lambda q, k, v: aft.scaled_dot_product_attention(q, k, v, **kw), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: aft.scaled_dot_product_attention(q, k, v, **kw), (q, k, v)
+    )
 
 
 def test_gradcheck_gqa_lq_ne_lk_dv_ne_d():
     q, k, v = _qkv(4, 2, 4, 2, 6, 3, 4, 2)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: aft.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), (q, k, v))
+        lambda q, k, v: aft.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        (q, k, v),
+    )
 
 
 def test_torch_compile_fullgraph():
@@ -112,7 +131,9 @@ def test_torch_compile_fullgraph():
 
 def test_torch_func_grad():
     q, k, v = _qkv(8, 1, 2, 2, 6, 8, 4, 3)
-    g = torch.func.grad(lambda q, k: aft.scaled_dot_product_attention(q, k, v).sum(), argnums=(0, 1))(q, k)
+    g = torch.func.grad(
+        lambda q, k: aft.scaled_dot_product_attention(q, k, v).sum(), argnums=(0, 1)
+    )(q, k)
     want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v).sum(), (q, k))
     for a, b in zip(g, want):
         torch.testing.assert_close(a, b)
@@ -120,8 +141,9 @@ def test_torch_func_grad():
 
 def test_opcheck():
     q, k, v = _qkv(9, 1, 2, 2, 5, 6, 4, 3)
-    torch.library.opcheck(torch.ops.attn_fast.sdpa.default,
-                          (q, k, v, None, True, 0.5, False, -1, -1, 0.0, None, None))
+    torch.library.opcheck(
+        torch.ops.attn_fast.sdpa.default, (q, k, v, None, True, 0.5, False, -1, -1, 0.0, None, None)
+    )
 
 
 def test_errors():

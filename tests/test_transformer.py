@@ -87,20 +87,37 @@ def test_block_against_transcription(rng, kw, dtype, L):
     np.testing.assert_allclose(y, block64(blk, x, ctx), rtol=t["rtol"] * 5, atol=t["atol"] * 10)
     # encoder-style (bidirectional) and unbatched
     y1 = blk(x[0], context=None if ctx is None else ctx[0], causal=False)
-    np.testing.assert_allclose(y1, block64(blk, x[:1], None if ctx is None else ctx[:1], causal=False)[0], rtol=t["rtol"] * 5, atol=t["atol"] * 10)
+    np.testing.assert_allclose(
+        y1,
+        block64(blk, x[:1], None if ctx is None else ctx[:1], causal=False)[0],
+        rtol=t["rtol"] * 5,
+        atol=t["atol"] * 10,
+    )
 
 
 def test_block_decode_with_caches_equals_full(rng):
     """A decoder block with cross-attention, fed one token at a time through
     a self-attention cache and a cross-attention cache, equals the full call."""
     D, L = 16, 6
-    blk = af.TransformerBlock(D, 4, 2, norm="rmsnorm", ffn="swiglu", positional="rope", cross_attention=True, kv_dim=10, rng=rng)
+    blk = af.TransformerBlock(
+        D,
+        4,
+        2,
+        norm="rmsnorm",
+        ffn="swiglu",
+        positional="rope",
+        cross_attention=True,
+        kv_dim=10,
+        rng=rng,
+    )
     x = rng.standard_normal((2, L, D)).astype(np.float32)
     ctx = rng.standard_normal((2, 13, 10)).astype(np.float32)
     full = blk(x, context=ctx)
     cache, cross = af.KVCache(2, 2, 4, capacity=4), af.KVCache(2, 2, 4, capacity=13)
     steps = [blk(x[:, :3], context=ctx, cache=cache, cross_cache=cross)]  # prefill 3
-    steps += [blk(x[:, t : t + 1], context=ctx, cache=cache, cross_cache=cross) for t in range(3, L)]
+    steps += [
+        blk(x[:, t : t + 1], context=ctx, cache=cache, cross_cache=cross) for t in range(3, L)
+    ]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
     assert len(cross) == 13 and len(cache) == L
     with pytest.raises(ValueError, match="reset"):
@@ -118,7 +135,15 @@ def test_block_errors(rng):
     with pytest.raises(ValueError, match=r"got shape \(3, 12\)"):
         blk(np.zeros((3, 12), np.float32))
     w = blk.state_dict()
-    assert {"norm1.weight", "norm1.bias", "attn.Wq", "attn.Wo", "norm2.weight", "ffn.W1", "ffn.b2"} <= set(w)
+    assert {
+        "norm1.weight",
+        "norm1.bias",
+        "attn.Wq",
+        "attn.Wo",
+        "norm2.weight",
+        "ffn.W1",
+        "ffn.b2",
+    } <= set(w)
     with pytest.raises(ValueError, match=r"ffn.W1 has shape \(3, 3\), expected \(64, 16\)"):
         blk.load_weights(dict(w, **{"ffn.W1": np.zeros((3, 3))}))
     with pytest.raises(KeyError, match="unknown weights: ffn.W_gate"):
@@ -128,7 +153,9 @@ def test_block_errors(rng):
 # ---------------------------------------------------------------- language model
 @pytest.mark.parametrize("positional", ["rope", "sinusoidal"])
 def test_lm_forward_against_transcription(rng, positional):
-    lm = af.TinyTransformerLM(37, 32, 2, 4, 2, positional=positional, seed=int(rng.integers(1 << 30)))
+    lm = af.TinyTransformerLM(
+        37, 32, 2, 4, 2, positional=positional, seed=int(rng.integers(1 << 30))
+    )
     randomise(lm, rng)
     tokens = rng.integers(0, 37, size=(2, 19))
     logits = lm.forward(tokens)
@@ -180,7 +207,9 @@ def test_generate_sampling(rng):
     assert a.min() >= 0 and a.max() < 23
     draws = {tuple(lm.generate(p, 12, temperature=5.0, seed=s)[5:]) for s in range(4)}
     assert len(draws) > 1  # hot sampling differs between seeds
-    np.testing.assert_array_equal(lm.generate(p, 12, temperature=1e-6, seed=1), lm.generate(p, 12))  # cold = greedy
+    np.testing.assert_array_equal(
+        lm.generate(p, 12, temperature=1e-6, seed=1), lm.generate(p, 12)
+    )  # cold = greedy
     np.testing.assert_array_equal(lm.generate(p, 0), p)
 
 
@@ -196,7 +225,13 @@ def test_lm_weights_roundtrip_npz(rng, tmp_path):
         other.load_weights(f)
     np.testing.assert_array_equal(other.forward(tokens), lm.forward(tokens))
     names = set(lm.state_dict())
-    assert {"embed.weight", "blocks.1.attn.Wk", "blocks.0.ffn.W_down", "norm.weight", "lm_head.weight"} <= names
+    assert {
+        "embed.weight",
+        "blocks.1.attn.Wk",
+        "blocks.0.ffn.W_down",
+        "norm.weight",
+        "lm_head.weight",
+    } <= names
     sd = {n: np.array(a) for n, a in lm.state_dict().items()}
     with pytest.raises(KeyError, match="missing weights: blocks.1.attn.Wv"):
         other.load_weights({n: a for n, a in sd.items() if n != "blocks.1.attn.Wv"})
@@ -231,5 +266,7 @@ def test_activations_finite_for_large_inputs():
 
     x = np.array([-1e4, -100.0, -1.0, 0.0, 1.0, 100.0, 1e4], dtype=np.float32)
     x64 = x.astype(np.float64)
-    np.testing.assert_allclose(silu(x), x64 * np.exp(-np.logaddexp(0.0, -x64)), rtol=1e-6, atol=1e-30)  # x·sigmoid(x)
+    np.testing.assert_allclose(
+        silu(x), x64 * np.exp(-np.logaddexp(0.0, -x64)), rtol=1e-6, atol=1e-30
+    )  # x·sigmoid(x)
     np.testing.assert_allclose(gelu(x)[[0, 1, 5, 6]], [0, 0, 100, 1e4], atol=1e-6)

@@ -18,8 +18,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch not installed (pip install 'attn_fast[transformers]')")
-transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install 'attn_fast[transformers]')")
+torch = pytest.importorskip(
+    "torch", reason="torch not installed (pip install 'attn_fast[transformers]')"
+)
+transformers = pytest.importorskip(
+    "transformers", reason="transformers not installed (pip install 'attn_fast[transformers]')"
+)
 
 import attn_fast.functional as F  # noqa: E402
 import attn_fast.integrations.transformers as af_hf  # noqa: E402
@@ -42,13 +46,27 @@ def calls(monkeypatch):
     def counting(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, **kw):
         seen.append(
             dict(
-                q=tuple(q.shape), k=tuple(k.shape), is_causal=is_causal, enable_gqa=enable_gqa,
+                q=tuple(q.shape),
+                k=tuple(k.shape),
+                is_causal=is_causal,
+                enable_gqa=enable_gqa,
                 dtypes=tuple(x.dtype for x in (q, k, v)),
                 mask=None if attn_mask is None else tuple(np.shape(attn_mask)),
-                window=kw.get("window_size"), softcap=kw.get("softcap"), sinks=kw.get("sinks") is not None,
+                window=kw.get("window_size"),
+                softcap=kw.get("softcap"),
+                sinks=kw.get("sinks") is not None,
             )
         )
-        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
+        return real(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            **kw,
+        )
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
     return seen
@@ -65,8 +83,14 @@ def greedy(model, impl, ids, am, new, **kw):
     model.set_attn_implementation(impl)
     with torch.no_grad():
         g = model.generate(
-            input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, **kw,
+            input_ids=ids,
+            attention_mask=am,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
         )
     return g.sequences, torch.stack(g.logits, dim=1)
 
@@ -102,15 +126,22 @@ def padded_batch(B, L, vocab, left, pads):
 
 def bert(**kw):
     cfg = transformers.BertConfig(
-        vocab_size=100, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, **kw,
+        vocab_size=100,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **kw,
     )
     return transformers.BertModel(cfg).eval()
 
 
 def test_bert_encoder_padded_batch(calls):
     model = bert()
-    ids, am = padded_batch(3, 19, 100, left=False, pads=[0, 7, 18])  # right padding, one row with one token
+    ids, am = padded_batch(
+        3, 19, 100, left=False, pads=[0, 7, 18]
+    )  # right padding, one row with one token
     ref = run(model, "sdpa", input_ids=ids, attention_mask=am).last_hidden_state
     got = run(model, "attn_fast", input_ids=ids, attention_mask=am).last_hidden_state
     diff = close(got, ref, am.bool())
@@ -134,8 +165,15 @@ def test_bert_encoder_no_padding_and_float64(calls):
 
 def llama(**kw):
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **kw,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        **kw,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -168,7 +206,9 @@ def test_llama_greedy_generate_same_tokens(calls):
     new = 12
     diff = same_generation(model, ids, am, new)
     print(f"llama generate logits max|Δ| = {diff:.2e}")
-    assert len(calls) == 2 * new, len(calls)  # prefill + (new - 1) one-token decode steps, per layer
+    assert len(calls) == 2 * new, len(
+        calls
+    )  # prefill + (new - 1) one-token decode steps, per layer
     decode = [c for c in calls if c["q"][2] == 1]
     assert len(decode) == 2 * (new - 1)
     # One-token decode against transformers' KV cache: all Lk cached keys, left padding as a key mask.
@@ -210,14 +250,23 @@ def test_static_cache_generate(calls):
     # the dense (B, 1, 7, 11) mask (top-left causal, empty slots hidden), each decode step through a causal
     # flag and a (B, 1, 1, 11) key mask hiding the padding and the slots not yet written.
     assert all(c["k"][2] == 11 for c in calls), calls
-    assert [c["mask"] for c in calls[:2]] == [(2, 1, 7, 11)] * 2 and not calls[0]["is_causal"], calls
+    assert [c["mask"] for c in calls[:2]] == [(2, 1, 7, 11)] * 2 and not calls[0]["is_causal"], (
+        calls
+    )
     assert all(c["mask"] == (2, 1, 1, 11) and c["is_causal"] for c in calls[2:]), calls
 
 
 def mistral():
     cfg = transformers.MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=128, sliding_window=6, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        sliding_window=6,
+        pad_token_id=0,
     )
     return transformers.MistralForCausalLM(cfg).eval()
 
@@ -239,9 +288,18 @@ def test_sliding_window_prefill_and_generate(calls):
 
 def test_gemma2_softcap_and_alternating_windows(calls):
     cfg = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=5,
-        attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=5,
+        attn_logit_softcapping=2.0,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
     )
     model = transformers.Gemma2ForCausalLM(cfg).eval()
     ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
@@ -249,15 +307,26 @@ def test_gemma2_softcap_and_alternating_windows(calls):
     got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
     diff = close(got, ref, am.bool())
     assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
-    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], calls  # one sliding, one full layer
+    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], (
+        calls
+    )  # one sliding, one full layer
     print(f"gemma2 softcap max|Δ| = {diff:.2e}")
 
 
 def test_gpt_oss_sinks(calls):
     cfg = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
-        max_position_embeddings=131072, pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        max_position_embeddings=131072,
+        pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
     )
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -272,8 +341,16 @@ def test_gpt_oss_sinks(calls):
 
 def test_t5_position_bias_encoder_decoder(calls):
     cfg = transformers.T5Config(
-        vocab_size=100, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=100,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     ids, am = padded_batch(2, 10, 100, left=False, pads=[0, 3])
@@ -370,7 +447,9 @@ def test_register_and_from_pretrained_name(tmp_path, calls):
     assert "attn_fast" in transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
     model = llama()
     model.save_pretrained(tmp_path)
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="attn_fast").eval()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="attn_fast"
+    ).eval()
     assert loaded.config._attn_implementation == "attn_fast"
     with torch.no_grad():
         loaded(input_ids=torch.randint(1, 128, (1, 5)))
@@ -402,22 +481,42 @@ MU = transformers.masking_utils
 @pytest.mark.parametrize(
     "Lq, Lk, q_off, kv_off, window, pad, fn, kind",
     [
-        (9, 9, 0, 0, None, None, "causal", "none"),          # plain prefill: no mask, causal flag
+        (9, 9, 0, 0, None, None, "causal", "none"),  # plain prefill: no mask, causal flag
         (9, 9, 0, 0, None, "left", "causal", "flags"),
-        (1, 12, 11, 0, None, None, "causal", "none"),        # decode: no mask
+        (1, 12, 11, 0, None, None, "causal", "none"),  # decode: no mask
         (1, 12, 11, 0, None, "left", "causal", "flags"),
-        (4, 12, 8, 0, None, "right", "causal", "flags"),      # chunked prefill against a cache
-        (5, 12, 0, 0, None, "right", "causal", "dense"),      # static cache prefill: top-left, empty slots
-        (9, 9, 0, 0, 4, "left", "sliding", "flags"),          # Mistral sliding window
-        (1, 6, 20, 15, 6, None, "sliding", "flags"),          # sliding-window cache, full
+        (4, 12, 8, 0, None, "right", "causal", "flags"),  # chunked prefill against a cache
+        (
+            5,
+            12,
+            0,
+            0,
+            None,
+            "right",
+            "causal",
+            "dense",
+        ),  # static cache prefill: top-left, empty slots
+        (9, 9, 0, 0, 4, "left", "sliding", "flags"),  # Mistral sliding window
+        (1, 6, 20, 15, 6, None, "sliding", "flags"),  # sliding-window cache, full
         (3, 8, 17, 12, 6, "left", "sliding", "flags"),
         (7, 7, 0, 0, None, "right", "bidirectional", "flags"),
         (7, 7, 0, 0, 2, "right", "bidir_sliding", "flags"),
         (6, 11, 0, 0, None, "right", "bidirectional", "flags"),  # cross-attention sizes
-        (8, 8, 0, 0, 3, None, "chunked", "dense"),            # Llama 4 chunks: no flag description, read densely
+        (
+            8,
+            8,
+            0,
+            0,
+            3,
+            None,
+            "chunked",
+            "dense",
+        ),  # Llama 4 chunks: no flag description, read densely
     ],
 )
-def test_mask_builder_matches_transformers_sdpa_mask(calls, Lq, Lk, q_off, kv_off, window, pad, fn, kind):
+def test_mask_builder_matches_transformers_sdpa_mask(
+    calls, Lq, Lk, q_off, kv_off, window, pad, fn, kind
+):
     # kind: what the builder should return: "none" (no mask), "flags" (verified description), "dense".
     B, H, Hkv, d = 3, 4, 2, 8
     g = torch.Generator().manual_seed(Lq * 100 + Lk + q_off)
@@ -434,8 +533,16 @@ def test_mask_builder_matches_transformers_sdpa_mask(calls, Lq, Lk, q_off, kv_of
         "bidir_sliding": MU.sliding_window_bidirectional_mask_function(window or 1),
         "chunked": MU.chunked_causal_mask_function(window or 1, torch.zeros(B, dtype=torch.long)),
     }[fn]
-    kw = dict(batch_size=B, q_length=Lq, kv_length=Lk, q_offset=q_off, kv_offset=kv_off, mask_function=mask_fn,
-              attention_mask=None if pad is None else padding, local_size=window)
+    kw = dict(
+        batch_size=B,
+        q_length=Lq,
+        kv_length=Lk,
+        q_offset=q_off,
+        kv_offset=kv_off,
+        mask_function=mask_fn,
+        attention_mask=None if pad is None else padding,
+        local_size=window,
+    )
     dense = MU.sdpa_mask(**kw, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     ours = af_hf.attention_mask(**kw, allow_is_causal_skip=True, allow_is_bidirectional_skip=True)
     q = torch.randn(B, H, Lq, d, generator=g, dtype=torch.float64)
@@ -448,7 +555,9 @@ def test_mask_builder_matches_transformers_sdpa_mask(calls, Lq, Lk, q_off, kv_of
     got_kind = "none" if ours is None else "flags" if hasattr(ours, "_attn_fast_spec") else "dense"
     assert got_kind == kind
     if kind == "flags":
-        assert calls[0]["mask"] in (None, (B, 1, 1, Lk)), calls  # flags + key padding, never the dense mask
+        assert calls[0]["mask"] in (None, (B, 1, 1, Lk)), (
+            calls
+        )  # flags + key padding, never the dense mask
     if kind == "dense":
         assert calls[0]["mask"] == (B, 1, Lq, Lk) and not calls[0]["is_causal"], calls
 
@@ -480,7 +589,9 @@ def grads(model, impl, **inputs):
     model.zero_grad(set_to_none=True)
     loss = model(**inputs).loss
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def lm_labels(ids, am):
@@ -539,9 +650,18 @@ def test_llama_training_steps_same_losses_as_sdpa(calls):
 
 def test_gemma2_softcap_window_training_gradients_match_eager(calls):
     cfg = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=5,
-        attn_logit_softcapping=2.0, query_pre_attn_scalar=16, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=5,
+        attn_logit_softcapping=2.0,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
     )
     model = transformers.Gemma2ForCausalLM(cfg)
     ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
@@ -551,9 +671,18 @@ def test_gemma2_softcap_window_training_gradients_match_eager(calls):
 
 def test_gpt_oss_sinks_training_gradients_match_eager(calls):
     cfg = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
-        max_position_embeddings=131072, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        max_position_embeddings=131072,
+        pad_token_id=0,
     )
     model = transformers.GptOssForCausalLM(cfg)
     with torch.no_grad():

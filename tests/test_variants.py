@@ -106,7 +106,9 @@ def test_linformer_with_identity_projection_is_full_attention(rng):
     """E = F = I (k = L): Linformer is exactly full attention."""
     q, k, v = (randn(rng, (2, 50, 8), np.float64) for _ in range(3))
     eye = np.eye(50)
-    np.testing.assert_allclose(V.linformer_attention(q, k, v, eye, eye), sdpa(q, k, v), **tol(np.float64))
+    np.testing.assert_allclose(
+        V.linformer_attention(q, k, v, eye, eye), sdpa(q, k, v), **tol(np.float64)
+    )
 
 
 def linformer_layer_oracle(layer, X):
@@ -139,7 +141,9 @@ def test_linformer_layer(dtype, rng):
     np.testing.assert_allclose(layer(Xs), layer(pad)[:61], **tol(dtype))
     shared = V.Linformer(48, 4, seq_len=90, k=16, share_kv=True, seed=2)
     assert shared.F is shared.E
-    np.testing.assert_allclose(shared(X[1]), linformer_layer_oracle(shared, X[1]), **tol(np.float32))
+    np.testing.assert_allclose(
+        shared(X[1]), linformer_layer_oracle(shared, X[1]), **tol(np.float32)
+    )
 
 
 def test_linformer_errors(rng):
@@ -203,13 +207,19 @@ def test_linear_attention_strided_inputs(causal, rng):
 def test_linear_attention_eps_and_empty_rows(eps, rng):
     """relu features can vanish: with eps = 0 such rows give zeros, not NaN."""
     L, d = 40, 6
-    q, k, v = randn(rng, (L, d), np.float64), randn(rng, (L, d), np.float64), randn(rng, (L, 5), np.float64)
+    q, k, v = (
+        randn(rng, (L, d), np.float64),
+        randn(rng, (L, d), np.float64),
+        randn(rng, (L, 5), np.float64),
+    )
     q[::3] = -np.abs(q[::3])  # phi(q) = 0 for every third row
     k[:4] = -np.abs(k[:4])  # and the first keys contribute nothing
     for causal in (False, True):
         o = V.linear_attention(q, k, v, "relu", causal, eps=eps)
         assert np.all(np.isfinite(o))
-        np.testing.assert_allclose(o, linear_oracle(q, k, v, "relu", causal, eps), **tol(np.float64))
+        np.testing.assert_allclose(
+            o, linear_oracle(q, k, v, "relu", causal, eps), **tol(np.float64)
+        )
         if eps == 0.0:
             assert np.all(o[::3] == 0)
 
@@ -229,7 +239,9 @@ def test_linear_kernel_writes_every_output_and_ignores_threads(rng):
                 af._core.linear_attention(fq, fk, v, o, causal=causal, eps=1e-6)
                 outs.append(o)
             assert np.all(np.isfinite(outs[0]))
-            np.testing.assert_allclose(outs[0], linear_oracle(fq, fk, v, lambda x: x, causal), **tol(np.float32))
+            np.testing.assert_allclose(
+                outs[0], linear_oracle(fq, fk, v, lambda x: x, causal), **tol(np.float32)
+            )
             for o in outs[1:]:
                 np.testing.assert_array_equal(o, outs[0])
     finally:
@@ -247,9 +259,13 @@ def test_linear_attention_state_continues(causal, rng):
     np.testing.assert_allclose(st_all.kv, np.swapaxes(fk, -1, -2) @ v, rtol=1e-12)
     np.testing.assert_allclose(st_all.k_sum, fk.sum(-2), rtol=1e-12)
     assert st_all.length == L
-    o1, st = V.linear_attention(q[:, :, :23], k[:, :, :23], v[:, :, :23], causal=causal, return_state=True)
+    o1, st = V.linear_attention(
+        q[:, :, :23], k[:, :, :23], v[:, :, :23], causal=causal, return_state=True
+    )
     kv_before = st.kv.copy()
-    o2, st2 = V.linear_attention(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], causal=causal, state=st, return_state=True)
+    o2, st2 = V.linear_attention(
+        q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], causal=causal, state=st, return_state=True
+    )
     np.testing.assert_array_equal(st.kv, kv_before)  # the input state is not modified
     assert st2.length == L
     if causal:
@@ -335,7 +351,11 @@ def test_permuting_keys_and_values_together_changes_nothing(rng):
     v = randn(rng, (2, 45, 6), np.float64)
     E, F = randn(rng, (5, 45), np.float64), randn(rng, (5, 45), np.float64)
     p = rng.permutation(45)
-    np.testing.assert_allclose(V.linear_attention(q, k[:, p], v[:, p]), V.linear_attention(q, k, v), rtol=1e-12)
     np.testing.assert_allclose(
-        V.linformer_attention(q, k[:, p], v[:, p], E[:, p], F[:, p]), V.linformer_attention(q, k, v, E, F), rtol=1e-12
+        V.linear_attention(q, k[:, p], v[:, p]), V.linear_attention(q, k, v), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        V.linformer_attention(q, k[:, p], v[:, p], E[:, p], F[:, p]),
+        V.linformer_attention(q, k, v, E, F),
+        rtol=1e-12,
     )

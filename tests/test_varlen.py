@@ -23,9 +23,9 @@ def per_sequence(q, k, v, cu_q, cu_k, **kw):
     """One sdpa call per sequence on (H, L, d) views; returns (out, lse) packed like varlen."""
     outs, lses = [], []
     for s in range(len(cu_q) - 1):
-        qs = q[cu_q[s]:cu_q[s + 1]].transpose(1, 0, 2)
-        ks = k[cu_k[s]:cu_k[s + 1]].transpose(1, 0, 2)
-        vs = v[cu_k[s]:cu_k[s + 1]].transpose(1, 0, 2)
+        qs = q[cu_q[s] : cu_q[s + 1]].transpose(1, 0, 2)
+        ks = k[cu_k[s] : cu_k[s + 1]].transpose(1, 0, 2)
+        vs = v[cu_k[s] : cu_k[s + 1]].transpose(1, 0, 2)
         o, lse = af.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True, return_lse=True, **kw)
         outs.append(o.transpose(1, 0, 2))
         lses.append(lse)
@@ -41,11 +41,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lens", CASES, ids=lambda c: "-".join(map(str, c[0])) + "_" + "-".join(map(str, c[1])))
+@pytest.mark.parametrize(
+    "lens", CASES, ids=lambda c: "-".join(map(str, c[0])) + "_" + "-".join(map(str, c[1]))
+)
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"causal": True}, {"causal": True, "window_size": (8, 0)}, {"window_size": (5, 3)},
-     {"softcap": 3.0, "causal": True}, {"alibi": True, "causal": True}, {"sinks": True}],
+    [
+        {},
+        {"causal": True},
+        {"causal": True, "window_size": (8, 0)},
+        {"window_size": (5, 3)},
+        {"softcap": 3.0, "causal": True},
+        {"alibi": True, "causal": True},
+        {"sinks": True},
+    ],
     ids=["full", "causal", "mistral", "window", "softcap", "alibi", "sinks"],
 )
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
@@ -92,15 +101,22 @@ def test_varlen_strided_inputs_and_nan_isolation(rng):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     assert not q.flags.c_contiguous
     o = af.varlen_attention(q, k, v, cu, cu, causal=True)
-    O, _ = per_sequence(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), cu, cu, is_causal=True)
+    O, _ = per_sequence(
+        np.ascontiguousarray(q),
+        np.ascontiguousarray(k),
+        np.ascontiguousarray(v),
+        cu,
+        cu,
+        is_causal=True,
+    )
     np.testing.assert_allclose(o, O, atol=1e-12)
     # A NaN in one sequence's keys and values stays in that sequence.
     k2, v2 = k.copy(), v.copy()
-    k2[cu[1]:cu[2]] = np.nan
-    v2[cu[1]:cu[2]] = np.nan
+    k2[cu[1] : cu[2]] = np.nan
+    v2[cu[1] : cu[2]] = np.nan
     o2 = af.varlen_attention(q, k2, v2, cu, cu, causal=True)
-    np.testing.assert_array_equal(o2[:cu[1]], o[:cu[1]])
-    np.testing.assert_array_equal(o2[cu[2]:], o[cu[2]:])
+    np.testing.assert_array_equal(o2[: cu[1]], o[: cu[1]])
+    np.testing.assert_array_equal(o2[cu[2] :], o[cu[2] :])
 
 
 def test_varlen_empty_and_keyless():
@@ -121,8 +137,14 @@ def test_varlen_stats(rng):
     _, s = af.varlen_attention(q, k, v, cu, cu, return_stats=True, block_q=64, block_k=64)
     per_seq = -(-64 // s.block_q) * -(-64 // s.block_k)  # the tile used (block_k may be rounded up)
     assert s.tiles_computed == 4 * per_seq  # only each sequence's own tiles: no cross-sequence work
-    _, s = af.scaled_dot_product_attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
-                                           return_stats=True, block_q=64, block_k=64)
+    _, s = af.scaled_dot_product_attention(
+        q.transpose(1, 0, 2),
+        k.transpose(1, 0, 2),
+        v.transpose(1, 0, 2),
+        return_stats=True,
+        block_q=64,
+        block_k=64,
+    )
     assert s.tiles_computed == -(-256 // s.block_q) * -(-256 // s.block_k)
 
 

@@ -35,7 +35,9 @@ def test_weights_match_oracle_and_output(rng, dtype):
     sums = P.sum(-1)
     np.testing.assert_allclose(sums[dense.any(-1)], 1, atol=10 * t)
     assert np.all(P[1, :, 10:] == 0)
-    o, P2 = af.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True, return_weights=True)
+    o, P2 = af.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, enable_gqa=True, return_weights=True
+    )
     np.testing.assert_array_equal(P, P2)
     np.testing.assert_allclose(P.astype(np.float64) @ np.repeat(v, 2, axis=1), o, atol=100 * t)
 
@@ -51,17 +53,24 @@ def test_weights_options(rng):
     slopes = rng.uniform(0.1, 1, H)
     P = af.attention_weights(q, k, alibi_slopes=slopes, window_size=(2, 2))
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
-    expect = oracle_P(q, k, mask=ref.window_mask(L, L, 2, 2), bias=-slopes[:, None, None] * np.abs(i - j))
+    expect = oracle_P(
+        q, k, mask=ref.window_mask(L, L, 2, 2), bias=-slopes[:, None, None] * np.abs(i - j)
+    )
     np.testing.assert_allclose(P, expect, atol=1e-12)
     # block-sparse layouts, dense 2-D input
     lay = M.BlockSparse.strided(L, 2, 2)
     P = af.attention_weights(q[0], k[0], attn_mask=lay)
-    np.testing.assert_allclose(P, oracle_P(q[0], k[0], mask=lay.to_dense(1, 1, L, L)[0, 0]), atol=1e-12)
+    np.testing.assert_allclose(
+        P, oracle_P(q[0], k[0], mask=lay.to_dense(1, 1, L, L)[0, 0]), atol=1e-12
+    )
 
 
 def test_weights_size_limit(rng):
     q = np.ones((1, 2, 64, 8), np.float32)
-    with pytest.raises(ValueError, match=r"1\*2\*64\*64 = 8192 elements, above max_elements = 1000; pass force=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"1\*2\*64\*64 = 8192 elements, above max_elements = 1000; pass force=True",
+    ):
         af.attention_weights(q, q, max_elements=1000)
     assert af.attention_weights(q, q, max_elements=1000, force=True).shape == (1, 2, 64, 64)
     big = np.ones((1, 1, 4096, 2), np.float32)

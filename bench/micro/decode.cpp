@@ -41,8 +41,18 @@ int main(int argc, char** argv) {
   }
   for (int64_t i = 0; i < Hq * d; i++) q[i] = ((i * 7919u) % 1000) / 1000.f - 0.5f;
   DecodeArgs<float> a;
-  a.q = q; a.k = k; a.v = v; a.o = o; a.lse = lse;
-  a.B = 1; a.Hq = Hq; a.Hkv = Hkv; a.Lq = 1; a.R = L; a.d = d; a.dv = d;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.o = o;
+  a.lse = lse;
+  a.B = 1;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.Lq = 1;
+  a.R = L;
+  a.d = d;
+  a.dv = d;
   a.sq = {Hq * d, d, d, 1};
   a.sk = {Hkv * L * d, L * d, d, 1};
   a.sv = a.sk;

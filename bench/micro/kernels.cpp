@@ -49,7 +49,8 @@ int main() {
             qk_micro<float, 6, 2>(Qp + i * d, d, Kp + jv * d, S + i * ldS + jv, ldS);
       auto t1 = std::chrono::steady_clock::now();
       int64_t pc[2 * 16];
-      for (int p = 0; p < Br / 6; p++) pc[2 * p] = 0, pc[2 * p + 1] = Bc;  // every panel sees the whole tile
+      for (int p = 0; p < Br / 6; p++)
+        pc[2 * p] = 0, pc[2 * p + 1] = Bc;  // every panel sees the whole tile
       for (int r = 0; r < reps; r++) pv_block<float>(S, ldS, Br, pc, Vp, Bc, d, O);
       auto t2 = std::chrono::steady_clock::now();
       c.qk.push_back(fl / std::chrono::duration<double>(t1 - t0).count() / 1e9);
@@ -58,7 +59,9 @@ int main() {
   for (auto& c : cf) {
     std::sort(c.qk.begin(), c.qk.end());
     std::sort(c.pv.begin(), c.pv.end());
-    std::printf("d=%3d Br=%d Bc=%d pad=%2d  QK med %5.1f best %5.1f | PV med %5.1f best %5.1f GFLOP/s (%g)\n",
-                c.d, c.Br, c.Bc, c.pad, c.qk[7], c.qk.back(), c.pv[7], c.pv.back(), double(S[5] + O[3]));
+    std::printf(
+        "d=%3d Br=%d Bc=%d pad=%2d  QK med %5.1f best %5.1f | PV med %5.1f best %5.1f GFLOP/s "
+        "(%g)\n",
+        c.d, c.Br, c.Bc, c.pad, c.qk[7], c.qk.back(), c.pv[7], c.pv.back(), double(S[5] + O[3]));
   }
 }

@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   }
   const int64_t L = std::atol(argv[1]), d = std::atol(argv[2]), H = 2;
   const int causal = std::atoi(argv[3]), pairs = std::atoi(argv[4]);
-  const int bq[2] = {std::atoi(argv[5]), std::atoi(argv[7])}, bk[2] = {std::atoi(argv[6]), std::atoi(argv[8])};
+  const int bq[2] = {std::atoi(argv[5]), std::atoi(argv[7])},
+            bk[2] = {std::atoi(argv[6]), std::atoi(argv[8])};
   std::vector<float> q(H * L * d), k(H * L * d), v(H * L * d), o(H * L * d), lse(H * L);
   uint32_t x = 1;
   auto rnd = [&]() {
@@ -36,10 +37,22 @@ int main(int argc, char** argv) {
   for (auto* p : {&q, &k, &v})
     for (auto& e : *p) e = rnd();
   AttnArgs<float> a;
-  a.q = q.data(); a.k = k.data(); a.v = v.data(); a.o = o.data(); a.lse = lse.data();
-  a.B = 1; a.Hq = H; a.Hkv = H; a.Lq = L; a.Lk = L; a.d = d; a.dv = d;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.o = o.data();
+  a.lse = lse.data();
+  a.B = 1;
+  a.Hq = H;
+  a.Hkv = H;
+  a.Lq = L;
+  a.Lk = L;
+  a.d = d;
+  a.dv = d;
   a.sq = {H * L * d, L * d, d, 1};
-  a.sk = a.sq; a.sv = a.sq; a.so = a.sq;
+  a.sk = a.sq;
+  a.sv = a.sq;
+  a.so = a.sq;
   a.scale = 1 / std::sqrt(double(d));
   a.causal = causal;
   std::vector<double> t[2], ratio;
@@ -58,8 +71,10 @@ int main(int argc, char** argv) {
   for (auto& ts : t) std::sort(ts.begin(), ts.end());
   std::sort(ratio.begin(), ratio.end());
   const double fl = 4.0 * H * L * L * d * (causal ? 0.5 : 1);
-  std::printf("L=%ld d=%ld causal=%d: A(%d,%d) %.1f GF/s, B(%d,%d) %.1f GF/s (medians); "
-              "time A/B median %.3f [quartiles %.3f %.3f]\n",
-              static_cast<long>(L), static_cast<long>(d), causal, bq[0], bk[0], fl / t[0][pairs / 2] / 1e9,
-              bq[1], bk[1], fl / t[1][pairs / 2] / 1e9, ratio[pairs / 2], ratio[pairs / 4], ratio[3 * pairs / 4]);
+  std::printf(
+      "L=%ld d=%ld causal=%d: A(%d,%d) %.1f GF/s, B(%d,%d) %.1f GF/s (medians); "
+      "time A/B median %.3f [quartiles %.3f %.3f]\n",
+      static_cast<long>(L), static_cast<long>(d), causal, bq[0], bk[0], fl / t[0][pairs / 2] / 1e9,
+      bq[1], bk[1], fl / t[1][pairs / 2] / 1e9, ratio[pairs / 2], ratio[pairs / 4],
+      ratio[3 * pairs / 4]);
 }

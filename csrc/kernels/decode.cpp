@@ -105,8 +105,8 @@ namespace ATTN_NS {
 
 namespace {
 
-constexpr int kRB = 8;          // rows (query head x query token) per row block
-constexpr int64_t kBc = 64;     // keys per block
+constexpr int kRB = 8;       // rows (query head x query token) per row block
+constexpr int64_t kBc = 64;  // keys per block
 // Keys per split (when the caller does not choose): long splits when there
 // are enough of them to keep 16+ threads busy (a split's first block is read
 // without prefetch: 2048-key splits measured ~6 % faster than 512 at 32k
@@ -114,14 +114,14 @@ constexpr int64_t kBc = 64;     // keys per block
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 
-
 inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename T>
 T* dalloc(int64_t n) {
-  const size_t bytes = static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
+  const size_t bytes =
+      static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
   return static_cast<T*>(std::aligned_alloc(64, bytes));
 }
 
@@ -132,9 +132,15 @@ T* dalloc(int64_t n) {
 #include "storage.h"  // ld / put
 // W consecutive elements of storage type S as one compute-type register.
 template <typename T>
-inline typename Vec<T>::R ldv(const T* p) { return Vec<T>::load(p); }
-inline Vec<float>::R ldv(const bf16_t* p) { return Vec<float>::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
-inline Vec<float>::R ldv(const fp16_t* p) { return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p)); }
+inline typename Vec<T>::R ldv(const T* p) {
+  return Vec<T>::load(p);
+}
+inline Vec<float>::R ldv(const bf16_t* p) {
+  return Vec<float>::load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+inline Vec<float>::R ldv(const fp16_t* p) {
+  return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p));
+}
 
 // Per-sequence geometry.
 template <typename T>
@@ -202,13 +208,15 @@ inline void reduce4(const typename Vec<T>::R* a, T* out) {
 inline void reduce4_256(const __m256* a, float* out) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
   const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(t0, t1);      // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
+  const __m256 t2 = _mm256_hadd_ps(t0, t1);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
 }
 #endif
 #if defined(ATTN_ISA_AVX2)
 template <>
-inline void reduce4<float>(const __m256* a, float* out) { reduce4_256(a, out); }
+inline void reduce4<float>(const __m256* a, float* out) {
+  reduce4_256(a, out);
+}
 #elif defined(ATTN_ISA_AVX512)
 template <>
 inline void reduce4<float>(const __m512* a, float* out) {
@@ -265,8 +273,8 @@ inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols,
 // pass (N * E accumulators kept in registers across the keys). Returns the
 // first column not done (a multiple of E*W past e0).
 template <typename T, typename SV, int N, int E>
-inline int64_t pv_cols(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t e0, int64_t e1,
-                       T* O, int64_t ldo, Pf* pf) {
+inline int64_t pv_cols(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t e0,
+                       int64_t e1, T* O, int64_t ldo, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NE = N * E;
   int64_t e = e0;
@@ -308,32 +316,48 @@ inline void pv_rows(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, 
 
 // Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
 template <typename T, typename SK>
-void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d, T* S,
-                 int64_t lds, Pf* pf) {
+void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d,
+                 T* S, int64_t lds, Pf* pf) {
   switch (nr) {
-    case 1: return qk_rows<T, SK, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 2: return qk_rows<T, SK, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 3: return qk_rows<T, SK, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 4: return qk_rows<T, SK, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 5: return qk_rows<T, SK, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 6: return qk_rows<T, SK, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 7: return qk_rows<T, SK, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    default: return qk_rows<T, SK, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 1:
+      return qk_rows<T, SK, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 2:
+      return qk_rows<T, SK, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 3:
+      return qk_rows<T, SK, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 4:
+      return qk_rows<T, SK, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 5:
+      return qk_rows<T, SK, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 6:
+      return qk_rows<T, SK, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    case 7:
+      return qk_rows<T, SK, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
+    default:
+      return qk_rows<T, SK, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
   }
 }
 
 template <typename T, typename SV>
-void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv, T* O,
-                 int64_t ldo, Pf* pf) {
+void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv,
+                 T* O, int64_t ldo, Pf* pf) {
   switch (nr) {
-    case 1: return pv_rows<T, SV, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 2: return pv_rows<T, SV, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 3: return pv_rows<T, SV, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 4: return pv_rows<T, SV, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 5: return pv_rows<T, SV, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 6: return pv_rows<T, SV, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 7: return pv_rows<T, SV, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    default: return pv_rows<T, SV, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 1:
+      return pv_rows<T, SV, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 2:
+      return pv_rows<T, SV, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 3:
+      return pv_rows<T, SV, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 4:
+      return pv_rows<T, SV, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 5:
+      return pv_rows<T, SV, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 6:
+      return pv_rows<T, SV, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    case 7:
+      return pv_rows<T, SV, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
+    default:
+      return pv_rows<T, SV, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
   }
 }
 
@@ -381,23 +405,32 @@ struct Group {
 // ST: the storage type of q, k, v, o; T: the compute type.
 template <typename ST, typename T = compute_t<ST>>
 struct DScratch {
-  T* Qs;      // kRB x dp, scaled query rows (padded)
-  T* S;       // kRB x kBc scores / probabilities
-  ST* Kp;     // kBc x dp packed K block (only for strided d), storage type
-  ST* Vpk;    // kBc x dvp packed V block (only for strided dv), storage type
+  T* Qs;    // kRB x dp, scaled query rows (padded)
+  T* S;     // kRB x kBc scores / probabilities
+  ST* Kp;   // kBc x dp packed K block (only for strided d), storage type
+  ST* Vpk;  // kBc x dvp packed V block (only for strided dv), storage type
   const ST** kp;
   const ST** vp;
   int64_t* lo;
   int64_t* hi;
   T* sink;
-  T* Ob;      // dvp: one output row while the merge sums the splits (rounded once)
+  T* Ob;             // dvp: one output row while the merge sums the splits (rounded once)
   const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
 };
 
 template <typename S>
 void free_scratch(DScratch<S>& sc) {
-  std::free(sc.Qs); std::free(sc.S); std::free(sc.Kp); std::free(sc.Vpk); std::free(sc.kp);
-  std::free(sc.vp); std::free(sc.lo); std::free(sc.hi); std::free(sc.sink); std::free(sc.Ob); std::free(sc.pfa);
+  std::free(sc.Qs);
+  std::free(sc.S);
+  std::free(sc.Kp);
+  std::free(sc.Vpk);
+  std::free(sc.kp);
+  std::free(sc.vp);
+  std::free(sc.lo);
+  std::free(sc.hi);
+  std::free(sc.sink);
+  std::free(sc.Ob);
+  std::free(sc.pfa);
 }
 
 // All of one thread's scratch; false (and nothing left allocated) on failure.
@@ -406,7 +439,8 @@ bool alloc_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t dp = dround(d, W), dvp = dround(dv, W);
-  const int64_t lines = (d * static_cast<int64_t>(sizeof(S)) + 63) / 64 + (dv * static_cast<int64_t>(sizeof(S)) + 63) / 64;
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(S)) + 63) / 64 +
+                        (dv * static_cast<int64_t>(sizeof(S)) + 63) / 64;
   sc.Qs = dalloc<T>(kRB * dp);
   sc.S = dalloc<T>(kRB * kBc);
   sc.Kp = dalloc<S>(kBc * dp);
@@ -418,7 +452,8 @@ bool alloc_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   sc.sink = dalloc<T>(1);
   sc.Ob = dalloc<T>(dvp);
   sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
-  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.Ob && sc.pfa) {
+  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.Ob &&
+      sc.pfa) {
     sc.sink[0] = T(0);
     return true;
   }
@@ -430,8 +465,8 @@ bool alloc_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
 // call is cancelled.
 template <typename S, typename T = compute_t<S>>
-void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1, const DScratch<S>& sc,
-               T* Op, T* mp, T* lp, CancelToken& tok) {
+void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
+               const DScratch<S>& sc, T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
@@ -496,8 +531,10 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1, c
       for (int64_t c = 0; c < ncols; ++c) {
         const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
         const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(S)); off += 64) sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(S)); off += 64) sc.pfa[pf.n++] = vr + off;
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(S)); off += 64)
+          sc.pfa[pf.n++] = kr + off;
+        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(S)); off += 64)
+          sc.pfa[pf.n++] = vr + off;
         if (++ns == a.R) ns = 0;
       }
     }
@@ -522,7 +559,8 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1, c
       if (m_new == NEG_INF) {  // nothing visible so far, or only NaN: max() drops NaN
         bool nan = false;
         for (int64_t c = 0; c < cols; ++c) nan = nan || srow[c] != srow[c];
-        if (nan) mp[r] = lp[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
+        if (nan)
+          mp[r] = lp[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
         for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
         continue;
       }
@@ -567,8 +605,8 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1, c
 // storage type) and lse. Ob: dv compute-type elements of scratch (only read
 // when the group has splits).
 template <typename S, typename T = compute_t<S>>
-void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T* mpart, const T* lpart,
-                 T* Ob) {
+void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T* mpart,
+                 const T* lpart, T* Ob) {
   constexpr int W = Vec<T>::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
   const T NaN = std::numeric_limits<T>::quiet_NaN();
@@ -634,9 +672,9 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   constexpr int W = Vec<T>::W;
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
   const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
-  const int64_t rows = a.Lq * G;                  // rows per (sequence, kv head)
-  const int64_t upb = (rows + kRB - 1) / kRB;     // row blocks per sequence
-  const int64_t n_groups = a.B * upb * a.Hkv;     // group x = (b * upb + row block) * Hkv + hk
+  const int64_t rows = a.Lq * G;               // rows per (sequence, kv head)
+  const int64_t upb = (rows + kRB - 1) / kRB;  // row blocks per sequence
+  const int64_t n_groups = a.B * upb * a.Hkv;  // group x = (b * upb + row block) * Hkv + hk
   // One pass over the row blocks: the split length (by shape only, never the
   // thread count), the longest key range, the work.
   int64_t long_items = 0, max_range = 0;
@@ -687,11 +725,16 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   T* Opart = dalloc<T>(slice_items * kRB * dvp);
   T* mpart = dalloc<T>(slice_items * kRB);
   T* lpart = dalloc<T>(slice_items * kRB);
-  Group* gbuf = static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
-  int64_t* dbuf = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(2 * slice_groups)));
+  Group* gbuf =
+      static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
+  int64_t* dbuf =
+      static_cast<int64_t*>(std::malloc(sizeof(int64_t) * static_cast<size_t>(2 * slice_groups)));
   if (!(Opart && mpart && lpart && gbuf && dbuf)) {
-    std::free(dbuf); std::free(gbuf);
-    std::free(Opart); std::free(mpart); std::free(lpart);
+    std::free(dbuf);
+    std::free(gbuf);
+    std::free(Opart);
+    std::free(mpart);
+    std::free(lpart);
     throw std::bad_alloc();
   }
 
@@ -704,7 +747,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
     int64_t ng, ni;
     bool last;
   } sl[2] = {{gbuf, dbuf, 0, 0, false}, {gbuf + slice_groups, dbuf + slice_groups, 0, 0, false}};
-  int64_t x_next = 0;  // first group not yet in a slice
+  int64_t x_next = 0;           // first group not yet in a slice
   auto build = [&](Slice& S) {  // the next groups, as many as fit the partials
     S.ng = S.ni = 0;
     while (x_next < n_groups && S.ng < slice_groups && !tok.cancelled()) {
@@ -738,16 +781,20 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
       // Groups without visible keys: write their zero rows now.
 #pragma omp for schedule(static) nowait
       for (int64_t x = 0; x < S.ng; ++x)
-        if (groups[x].nsplit == 0) merge_group(a, groups[x], Opart, mpart, lpart, static_cast<T*>(nullptr));
+        if (groups[x].nsplit == 0)
+          merge_group(a, groups[x], Opart, mpart, lpart, static_cast<T*>(nullptr));
       // Splits; the thread that finishes the last split of a group merges it
       // (no barrier between the two phases).
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t w = 0; w < S.ni; ++w) {
         if (!ok || tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
-        int64_t lo = 0, hi = S.ng;  // last group with item0 <= w (and items)
+        int64_t lo = 0, hi = S.ng;        // last group with item0 <= w (and items)
         while (hi - lo > 1) {
           const int64_t mid = (lo + hi) / 2;
-          if (groups[mid].item0 <= w) lo = mid; else hi = mid;
+          if (groups[mid].item0 <= w)
+            lo = mid;
+          else
+            hi = mid;
         }
         while (groups[lo].nsplit == 0 || w >= groups[lo].item0 + groups[lo].nsplit) ++lo;
         const Group& g = groups[lo];

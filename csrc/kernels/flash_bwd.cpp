@@ -85,7 +85,8 @@ inline int64_t rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename T>
 T* alloc_t(int64_t n) {
-  const size_t bytes = static_cast<size_t>(rup((n > 0 ? n : 1) * static_cast<int64_t>(sizeof(T)), 64));
+  const size_t bytes =
+      static_cast<size_t>(rup((n > 0 ? n : 1) * static_cast<int64_t>(sizeof(T)), 64));
   return static_cast<T*>(std::aligned_alloc(64, bytes));
 }
 
@@ -93,8 +94,8 @@ T* alloc_t(int64_t n) {
 // A[r * lda + k], or A[k * lda + r] when TA (A stored transposed: P^T and dS^T
 // are read straight from P and dS, no transpose copy).
 template <typename T, int MR, int NR, bool TA>
-inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict Bm, int64_t ldb, int64_t K,
-                       T* __restrict C, int64_t ldc, bool accumulate) {
+inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict Bm, int64_t ldb,
+                       int64_t K, T* __restrict C, int64_t ldc, bool accumulate) {
   using V = Vec<T>;
   constexpr int W = V::W;
   typename V::R acc[MR][NR];
@@ -113,13 +114,14 @@ inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict B
 }
 
 template <typename T, int NR, bool TA>
-inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K, T* C,
-                       int64_t ldc, bool accumulate) {
+inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K,
+                       T* C, int64_t ldc, bool accumulate) {
   const int64_t step = TA ? 1 : lda;  // A's offset between rows
   int64_t m = 0;
   for (; m + kBMR <= M; m += kBMR)
     gemm_micro<T, kBMR, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
-  for (; m < M; ++m) gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+  for (; m < M; ++m)
+    gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
 }
 
 // C[M][N] (+)= op(A)[M][K] B[K][N], op(A) = A or (TA) A^T stored [K][M];
@@ -138,8 +140,8 @@ void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bm,
 // with a zero weight are skipped, not multiplied (0 * NaN would leak).
 // dP[r][j] = P[r][j] == 0 ? 0 : <dO_r, V_j>
 template <typename T>
-void dp_guarded(int64_t rows, int64_t cols, const T* P, int64_t ldp, const T* dO, int64_t lddo, const T* VT,
-                int64_t ldvt, int64_t dv, T* dP) {
+void dp_guarded(int64_t rows, int64_t cols, const T* P, int64_t ldp, const T* dO, int64_t lddo,
+                const T* VT, int64_t ldvt, int64_t dv, T* dP) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; ++j) {
       T acc = T(0);
@@ -151,8 +153,8 @@ void dp_guarded(int64_t rows, int64_t cols, const T* P, int64_t ldp, const T* dO
 
 // dQb[r][:] = sum_{j: dS[r][j] != 0} dS[r][j] K_j
 template <typename T>
-void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* Kb, int64_t ldk, int64_t dp,
-                T* dQb) {
+void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* Kb, int64_t ldk,
+                int64_t dp, T* dQb) {
   using V = Vec<T>;
   constexpr int W = V::W;
   for (int64_t r = 0; r < rows; ++r) {
@@ -162,7 +164,8 @@ void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* K
       const T s = dS[r * lds + j];
       if (s == T(0)) continue;
       const typename V::R a = V::set1(s);
-      for (int64_t e = 0; e < dp; e += W) V::store(out + e, V::fma(a, V::load(Kb + j * ldk + e), V::load(out + e)));
+      for (int64_t e = 0; e < dp; e += W)
+        V::store(out + e, V::fma(a, V::load(Kb + j * ldk + e), V::load(out + e)));
     }
   }
 }
@@ -174,7 +177,8 @@ struct BScratch {
   int64_t* qlo;  // per query block: union of its rows' structural key ranges
   int64_t* qhi;
   bool ok() const {
-    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && G && dQb && lse && D && qlo && qhi;
+    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && G && dQb && lse && D && qlo &&
+           qhi;
   }
   void release() {
     for (T* p : {Kb, KT, VT, dKa, dVa, Qs, dOb, S, dS, G, dQb, lse, D}) std::free(p);
@@ -200,18 +204,19 @@ inline int64_t lse_row(const AttnArgs<T>& a, const SeqInfo& si, int64_t h) {
 // the structural range: block-sparse layout and dense mask.
 template <typename T>
 inline bool user_visible(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t i, int64_t j) {
-  if (a.layout &&
-      !a.layout[si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l + (j / a.layout_bk) * a.slayout.d])
+  if (a.layout && !a.layout[si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l +
+                            (j / a.layout_bk) * a.slayout.d])
     return false;
-  if (a.mask && !a.mask[si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j * a.smask.d]) return false;
+  if (a.mask && !a.mask[si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j * a.smask.d])
+    return false;
   return true;
 }
 
 // One (query head h, query block at local row i0) x (key block at j0) tile.
 template <typename T>
-void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-              int64_t cols, int64_t Br, int64_t Bcp, bool nonfinite, BScratch<T>& sc, T* dq_target,
-              const int64_t* dq_str) {
+void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
+              int64_t j0, int64_t cols, int64_t Br, int64_t Bcp, bool nonfinite, BScratch<T>& sc,
+              T* dq_target, const int64_t* dq_str) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const AttnArgs<T>& a = g.f;
@@ -268,7 +273,8 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
       continue;
     }
     const typename V::R vl = V::set1(L);
-    for (int64_t j = 0; j < Bcp; j += W) V::store(s + j, V::exp(V::sub(V::load(s + j), vl)));  // -inf -> 0
+    for (int64_t j = 0; j < Bcp; j += W)
+      V::store(s + j, V::exp(V::sub(V::load(s + j), vl)));  // -inf -> 0
   }
 
   // dV += P^T dO.
@@ -288,9 +294,11 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     const typename V::R vD = V::set1(sc.D[r]);
     if (capped)
       for (int64_t j = 0; j < Bcp; j += W)
-        V::store(ds + j, V::mul(V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)), V::load(gr + j)));
+        V::store(ds + j,
+                 V::mul(V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)), V::load(gr + j)));
     else
-      for (int64_t j = 0; j < Bcp; j += W) V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)));
+      for (int64_t j = 0; j < Bcp; j += W)
+        V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), vD)));
   }
 
   // dK += dS^T (scale Q).
@@ -429,7 +437,8 @@ void backward_impl(const BwdArgs<T>& g0) {
   constexpr int W = Vec<T>::W;
   const AttnArgs<T>& a = g0.f;
   if (a.B <= 0 || a.Hq <= 0 || a.Hkv <= 0) return;
-  const int64_t Bc = imin(rup(a.block_k > 0 ? a.block_k : 128, W), rup(imin(imax(a.Lk, 1), 4096), W));
+  const int64_t Bc =
+      imin(rup(a.block_k > 0 ? a.block_k : 128, W), rup(imin(imax(a.Lk, 1), 4096), W));
   const int64_t Br = imin(a.block_q > 0 ? a.block_q : 64, imin(imax(a.Lq, 1), 4096));
   const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
   const T NEG_INF = -std::numeric_limits<T>::infinity();
@@ -437,7 +446,8 @@ void backward_impl(const BwdArgs<T>& g0) {
   // Split rule (shapes only): few (sequence, kv head) pairs -> cut the keys.
   const int64_t pairs = a.B * a.Hkv;
   int64_t nsplit = 1;
-  if (pairs < kMinItems) nsplit = imin(kMaxSplit, imin((kMinItems + pairs - 1) / pairs, (a.Lk + Bc - 1) / Bc));
+  if (pairs < kMinItems)
+    nsplit = imin(kMaxSplit, imin((kMinItems + pairs - 1) / pairs, (a.Lk + Bc - 1) / Bc));
   nsplit = imax(nsplit, 1);
   const int64_t rows_total = a.cu_q ? a.Lq : a.B * a.Lq;  // rows per head in lse's layout
 
@@ -456,7 +466,8 @@ void backward_impl(const BwdArgs<T>& g0) {
   g.split_stride = nD * d;
 
   int nt = a.num_threads > 0 ? a.num_threads : 1;
-  const double work = static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv) * 2.5;
+  const double work =
+      static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv) * 2.5;
   if (work < kSerialWork) nt = 1;
 
   // Pass 1: D = rowsum(dO * O) per (sequence, head, row); 0 on rows that see nothing.
@@ -471,7 +482,8 @@ void backward_impl(const BwdArgs<T>& g0) {
     for (int64_t i = 0; i < si.q_rows; ++i) {
       T acc = T(0);
       if (i < si.q_len && a.lse[lr + i] != NEG_INF)
-        for (int64_t e = 0; e < dv; ++e) acc += dob[i * g.sdo.l + e * g.sdo.d] * ob[i * a.so.l + e * a.so.d];
+        for (int64_t e = 0; e < dv; ++e)
+          acc += dob[i * g.sdo.l + e * g.sdo.d] * ob[i * a.so.l + e * a.so.d];
       Dbuf[lr + i] = acc;
     }
   }

@@ -55,9 +55,9 @@
 //
 // Numerics: exp is the vector polynomial of vec_*.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
-//   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is masked for some query of the tile
-//   is not multiplied by 0: tiles whose packed V holds a non-finite value use a
-//   path that skips zero weights, so masked rows cannot leak NaN.
+//   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is
+//   masked for some query of the tile is not multiplied by 0: tiles whose packed V holds a
+//   non-finite value use a path that skips zero weights, so masked rows cannot leak NaN.
 //
 // Storage types: q, k, v, o are float, double, bf16_t or fp16_t (the template
 //   parameter S); the kernel computes in compute_t<S> (fp32 for the 16-bit
@@ -125,7 +125,7 @@ inline void ld_row16(const S* src, float* dst, int64_t n) {
   int64_t e = 0;
   for (; e + V::W <= n; e += V::W)
     V::store(dst + e, std::is_same<S, bf16_t>::value ? V::load_bf16(bits_of(src + e))
-                                                                       : V::load_f16(bits_of(src + e)));
+                                                     : V::load_f16(bits_of(src + e)));
   for (; e < n; ++e) dst[e] = ld(src + e);
 }
 inline void ld_row(const bf16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
@@ -165,8 +165,8 @@ T* alloc_scratch(int64_t n) {
 // (Kp[k*NR*W + c]): both are read as two contiguous streams, the inner loop is
 // NR aligned loads, MR broadcasts and MR*NR FMAs.
 template <typename T, int MR, int NR>
-inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp,
-                     T* __restrict S, int64_t lds) {
+inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, T* __restrict S,
+                     int64_t lds) {
   using V = Vec<T>;
   constexpr int W = V::W;
   typename V::R acc[MR][NR];
@@ -194,8 +194,8 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp,
 #if defined(ATTN_ISA_AVX512_BF16)
 constexpr bool kDotBf16 = true;
 template <int MR, int NR>
-inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw, float scale,
-                         float* __restrict S, int64_t lds) {
+inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
+                         float scale, float* __restrict S, int64_t lds) {
   using V = Vec<float>;
   constexpr int W = V::W;
   __m512 acc[MR][NR];
@@ -211,14 +211,16 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
   }
   const __m512 vs = _mm512_set1_ps(scale);
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
+    for (int n = 0; n < NR; ++n)
+      _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
 }
 
 // O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
 // along the keys (Pw[r*ldp + c2], Vw[c2*ldv + e]).
 template <int MR, int NR>
-inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n, const uint32_t* __restrict Vw,
-                         int64_t ldv, float* __restrict O, int64_t ldo) {
+inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n,
+                         const uint32_t* __restrict Vw, int64_t ldv, float* __restrict O,
+                         int64_t ldo) {
   constexpr int W = Vec<float>::W;
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -250,8 +252,8 @@ inline void p_to_bf16(float* S, int64_t lds, int64_t rows_p, int64_t cols_p) {
 
 // O[rows_p][dvp] += P V on the bf16-pair layouts; column ranges pc as pv_block,
 // widened to whole pairs (the weights there are exactly 0).
-inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int64_t* pc, const float* Vp,
-                         int64_t Bc, int64_t dvp, float* O) {
+inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int64_t* pc,
+                         const float* Vp, int64_t Bc, int64_t dvp, float* O) {
   constexpr int W = Vec<float>::W, NRW = kNR * W;
   const uint32_t* Pw = reinterpret_cast<const uint32_t*>(S);
   const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
@@ -262,9 +264,11 @@ inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int6
       const int64_t c2lo = pc[2 * (i / kMR)] / 2, c2hi = (pc[2 * (i / kMR) + 1] + 1) / 2;
       if (c2hi <= c2lo) continue;
       if (width == NRW)
-        pv_micro_dot<kMR, kNR>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * NRW, NRW, O + i * dvp + c0, dvp);
+        pv_micro_dot<kMR, kNR>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * NRW, NRW,
+                               O + i * dvp + c0, dvp);
       else
-        pv_micro_dot<kMR, 1>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * W, W, O + i * dvp + c0, dvp);
+        pv_micro_dot<kMR, 1>(Pw + i * lds + c2lo, lds, c2hi - c2lo, strip + c2lo * W, W,
+                             O + i * dvp + c0, dvp);
     }
     c0 += width;
   }
@@ -272,8 +276,8 @@ inline void pv_block_dot(const float* S, int64_t lds, int64_t rows_p, const int6
 
 // NaN-safe P V for a V block holding inf/NaN (pv_block_guarded on the pair layout):
 // P stays fp32, zero weights are skipped.
-inline void pv_block_guarded_dot(const float* P, int64_t ldp, int64_t rows, int64_t cols, const float* Vp,
-                                 int64_t Bc, int64_t dvp, float* O) {
+inline void pv_block_guarded_dot(const float* P, int64_t ldp, int64_t rows, int64_t cols,
+                                 const float* Vp, int64_t Bc, int64_t dvp, float* O) {
   constexpr int W = Vec<float>::W, NRW = kNR * W;
   const uint16_t* Vh = reinterpret_cast<const uint16_t*>(Vp);
   for (int64_t r = 0; r < rows; ++r)
@@ -368,8 +372,8 @@ void pv_block(const T* P, int64_t ldp, int64_t rows_p, const int64_t* pc, const 
 // NaN-safe P*V for tiles whose V block holds a non-finite value: weights that
 // are exactly zero (masked pairs) are skipped instead of multiplied.
 template <typename T>
-void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const T* Vp,
-                      int64_t Bc, int64_t dvp, T* O) {
+void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const T* Vp, int64_t Bc,
+                      int64_t dvp, T* O) {
   using V = Vec<T>;
   constexpr int W = V::W;
   for (int64_t r = 0; r < rows; ++r)
@@ -385,19 +389,19 @@ void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const
 
 template <typename T>
 struct Scratch {
-  T* Qp;       // Brp * d: Q block scaled, MR-row panels, k-major
-  T* S;        // Brp * lds: scores, then P
+  T* Qp;        // Brp * d: Q block scaled, MR-row panels, k-major
+  T* S;         // Brp * lds: scores, then P
   int64_t lds;  // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
-  T* O;        // Brp * dvp: unnormalised output accumulator
+  T* O;         // Brp * dvp: unnormalised output accumulator
   T* m;
   T* l;
   int64_t* lo;
   int64_t* hi;
-  int64_t* pc;  // 2 per micro-panel: the tile columns its rows can see
-  T* Kc;       // nslots * Bc * d: panels of kNR*W keys, k-major
-  T* Vc;       // nslots * Bc * dvp: rows
-  int64_t* tag;         // nslots: block held by the slot, -1 = none
-  uint8_t* nonfinite;   // nslots: the slot's V block holds an inf/NaN
+  int64_t* pc;         // 2 per micro-panel: the tile columns its rows can see
+  T* Kc;               // nslots * Bc * d: panels of kNR*W keys, k-major
+  T* Vc;               // nslots * Bc * dvp: rows
+  int64_t* tag;        // nslots: block held by the slot, -1 = none
+  uint8_t* nonfinite;  // nslots: the slot's V block holds an inf/NaN
   int64_t nslots = 1;
   int64_t key_s = -1, key_hk = -1;  // owner of the cached blocks
 };
@@ -434,7 +438,8 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     for (int64_t c = 0; c < cols_p; ++c) {
       uint32_t* dst = Kw + (c / NRW) * d2 * NRW + c % NRW;
       const S* src = kbase + c * a.sk.l;
-      for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+      for (int64_t k2 = 0; k2 < d2; ++k2)
+        dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
     }
   } else {
     for (int64_t c = 0; c < cols_p; ++c) {
@@ -532,7 +537,8 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
 
 template <typename S>
 void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
-                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st, CancelToken& tok) {
+                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st,
+                  CancelToken& tok) {
   using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
@@ -540,7 +546,7 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
   const int64_t d = a.d, dv = a.dv;
   const int64_t dvp = round_up(dv, W);
   const int64_t i0 = qb * Br;
-  const int64_t rows_all = imin(Br, si.q_rows - i0);      // rows to write
+  const int64_t rows_all = imin(Br, si.q_rows - i0);            // rows to write
   const int64_t rows = imax(0, imin(rows_all, si.q_len - i0));  // rows to compute
   const int64_t hk = h / (a.Hq / a.Hkv);
 
@@ -574,7 +580,8 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
       for (int64_t r = 0; r < rows_p; ++r) {
         uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
         const S* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t k2 = 0; k2 < d2; ++k2) dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+        for (int64_t k2 = 0; k2 < d2; ++k2)
+          dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
       }
     } else {
       for (int64_t r = 0; r < rows_p; ++r) {
@@ -650,8 +657,8 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
           if constexpr (dot_path<S>()) {
             const int64_t d2 = (d + 1) / 2;
             qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
-                                   reinterpret_cast<const uint32_t*>(Kt) + jv * d2, static_cast<float>(a.scale),
-                                   sc.S + i * sc.lds + jv, sc.lds);
+                                   reinterpret_cast<const uint32_t*>(Kt) + jv * d2,
+                                   static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds);
             continue;
           }
 #endif
@@ -675,13 +682,14 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
         for (int64_t j = 0; j < imin(lo, cols); ++j) s[j] = NEG_INF;
         for (int64_t j = imax(hi, 0); j < cols; ++j) s[j] = NEG_INF;
         if (a.layout) {
-          const uint8_t* L = a.layout + si.b * a.slayout.b + h * a.slayout.h +
-                             (i / a.layout_bq) * a.slayout.l;
+          const uint8_t* L =
+              a.layout + si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l;
           for (int64_t j = 0; j < cols; ++j)
             if (!L[((j0 + j) / a.layout_bk) * a.slayout.d]) s[j] = NEG_INF;
         }
         if (a.mask) {
-          const uint8_t* M = a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
+          const uint8_t* M =
+              a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
           for (int64_t j = 0; j < cols; ++j)
             if (!M[j * a.smask.d]) s[j] = NEG_INF;
         }
@@ -701,7 +709,7 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
       const T m_old = sc.m[r];
       const T m_new = mx > m_old ? mx : m_old;
       if (m_new == NEG_INF) {  // nothing visible in this row so far, or only NaN
-        bool nan = false;       // (max() drops NaN, so look for it here)
+        bool nan = false;      // (max() drops NaN, so look for it here)
         for (int64_t j = 0; j < cols; ++j) nan = nan || s[j] != s[j];
         if (nan) sc.m[r] = sc.l[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row
         for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
@@ -765,7 +773,8 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     T l = r < rows ? sc.l[r] : T(0);
     bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
     T factor = T(0);
-    if (r < rows && a.sinks && a.sinks[h] == std::numeric_limits<T>::infinity() && m == m && l == l) {
+    if (r < rows && a.sinks && a.sinks[h] == std::numeric_limits<T>::infinity() && m == m &&
+        l == l) {
       // A +inf sink takes all the weight: the limit O = 0, lse = +inf (the
       // formula's inf - inf would be NaN). A NaN row stays NaN.
       has_o = false;
@@ -828,7 +837,8 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   if (n_items < nt) nt = static_cast<int>(n_items > 0 ? n_items : 1);
   // Tiny calls (a few microseconds of work) run on the calling thread: waking
   // a team costs more than it saves, and on a loaded machine much more.
-  const double work = static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
+  const double work =
+      static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
   if (work < kSerialWork) nt = 1;
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
@@ -851,8 +861,8 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
     sc.nonfinite = static_cast<uint8_t*>(std::malloc(sc.nslots));
     // A thread whose scratch could not be allocated computes nothing; the
     // call then throws std::bad_alloc (MemoryError) instead of crashing.
-    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.pc && sc.Kc && sc.Vc &&
-                    sc.tag && sc.nonfinite;
+    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.pc && sc.Kc &&
+                    sc.Vc && sc.tag && sc.nonfinite;
     failed += ok ? 0 : 1;
     AttnStats st;
 #pragma omp for schedule(dynamic, 1) nowait
@@ -862,7 +872,10 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
       int64_t lo = 0, hi = a.B;
       while (hi - lo > 1) {
         const int64_t mid = (lo + hi) / 2;
-        if (prefix[mid] * a.Hq <= w) lo = mid; else hi = mid;
+        if (prefix[mid] * a.Hq <= w)
+          lo = mid;
+        else
+          hi = mid;
       }
       const int64_t s = lo;
       const int64_t nblk = prefix[s + 1] - prefix[s];
@@ -874,8 +887,17 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
     tok.finish_share();  // the calling thread keeps polling until the team is done
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
-    std::free(sc.Qp); std::free(sc.S); std::free(sc.O); std::free(sc.m); std::free(sc.l);
-    std::free(sc.lo); std::free(sc.hi); std::free(sc.pc); std::free(sc.Kc); std::free(sc.Vc); std::free(sc.tag);
+    std::free(sc.Qp);
+    std::free(sc.S);
+    std::free(sc.O);
+    std::free(sc.m);
+    std::free(sc.l);
+    std::free(sc.lo);
+    std::free(sc.hi);
+    std::free(sc.pc);
+    std::free(sc.Kc);
+    std::free(sc.Vc);
+    std::free(sc.tag);
     std::free(sc.nonfinite);
   }
   std::free(prefix);
@@ -904,14 +926,21 @@ double dpbf16_loop(int64_t iters) {
          c6 = _mm512_set1_ps(6e-3f), c7 = _mm512_set1_ps(7e-3f), c8 = _mm512_set1_ps(8e-3f),
          c9 = _mm512_set1_ps(9e-3f);
   for (int64_t it = 0; it < iters; ++it) {
-    c0 = _mm512_dpbf16_ps(c0, a, b); c1 = _mm512_dpbf16_ps(c1, a, b); c2 = _mm512_dpbf16_ps(c2, a, b);
-    c3 = _mm512_dpbf16_ps(c3, a, b); c4 = _mm512_dpbf16_ps(c4, a, b); c5 = _mm512_dpbf16_ps(c5, a, b);
-    c6 = _mm512_dpbf16_ps(c6, a, b); c7 = _mm512_dpbf16_ps(c7, a, b); c8 = _mm512_dpbf16_ps(c8, a, b);
+    c0 = _mm512_dpbf16_ps(c0, a, b);
+    c1 = _mm512_dpbf16_ps(c1, a, b);
+    c2 = _mm512_dpbf16_ps(c2, a, b);
+    c3 = _mm512_dpbf16_ps(c3, a, b);
+    c4 = _mm512_dpbf16_ps(c4, a, b);
+    c5 = _mm512_dpbf16_ps(c5, a, b);
+    c6 = _mm512_dpbf16_ps(c6, a, b);
+    c7 = _mm512_dpbf16_ps(c7, a, b);
+    c8 = _mm512_dpbf16_ps(c8, a, b);
     c9 = _mm512_dpbf16_ps(c9, a, b);
   }
-  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                                   _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
-                                                 _mm512_add_ps(c8, c9)));
+  const __m512 sum =
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
+                                  _mm512_add_ps(c8, c9)));
   const float sink = _mm512_reduce_add_ps(sum);
   return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
 }
@@ -930,12 +959,20 @@ double fma_loop(int64_t iters) {
                 c8 = V::set1(8e-3f), c9 = V::set1(9e-3f);
   const typename V::R a = V::set1(0.999999f), b = V::set1(1e-7f);
   for (int64_t it = 0; it < iters; ++it) {
-    c0 = V::fma(c0, a, b); c1 = V::fma(c1, a, b); c2 = V::fma(c2, a, b); c3 = V::fma(c3, a, b);
-    c4 = V::fma(c4, a, b); c5 = V::fma(c5, a, b); c6 = V::fma(c6, a, b); c7 = V::fma(c7, a, b);
-    c8 = V::fma(c8, a, b); c9 = V::fma(c9, a, b);
+    c0 = V::fma(c0, a, b);
+    c1 = V::fma(c1, a, b);
+    c2 = V::fma(c2, a, b);
+    c3 = V::fma(c3, a, b);
+    c4 = V::fma(c4, a, b);
+    c5 = V::fma(c5, a, b);
+    c6 = V::fma(c6, a, b);
+    c7 = V::fma(c7, a, b);
+    c8 = V::fma(c8, a, b);
+    c9 = V::fma(c9, a, b);
   }
-  const float sink = V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
-                                    V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
+  const float sink =
+      V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
+                     V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
   return sink == 12345.f ? 0.0 : 2.0 * 10 * V::W * static_cast<double>(iters);
 }
 

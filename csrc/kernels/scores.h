@@ -10,8 +10,8 @@
 // -inf bias masks the pair even when the score is NaN (a NaN in a masked-out
 // K row must not leak): assign, do not add.
 template <typename S, typename T>
-inline void add_alibi_bias(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i, int64_t j0, int64_t cols,
-                           T* s) {
+inline void add_alibi_bias(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i,
+                           int64_t j0, int64_t cols, T* s) {
   if (a.alibi) {
     const T slope = a.alibi[h];
     for (int64_t j = 0; j < cols; ++j) {

@@ -17,4 +17,3 @@ inline const uint16_t* bits_of(const bf16_t* p) { return reinterpret_cast<const 
 inline const uint16_t* bits_of(const fp16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline uint16_t* bits_of(bf16_t* p) { return reinterpret_cast<uint16_t*>(p); }
 inline uint16_t* bits_of(fp16_t* p) { return reinterpret_cast<uint16_t*>(p); }
-

@@ -52,7 +52,8 @@ struct Vec<float> {
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_castps_si256(r), _mm256_set1_epi32(127 - 0x4B400000)), 23);
     R y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(t0, _mm256_set1_ps(-126.f), _CMP_LT_OQ));
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
+                         _mm256_cmp_ps(t0, _mm256_set1_ps(-126.f), _CMP_LT_OQ));
     // t0 NaN: keep NaN (the clamp above turned it into a number).
     return _mm256_blendv_ps(y, t0, _mm256_cmp_ps(t0, t0, _CMP_UNORD_Q));
   }
@@ -82,24 +83,31 @@ struct Vec<float> {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static R load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static R load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store_bf16(uint16_t* p, R x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan),
                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
   static void store_f16(uint16_t* p, R x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
   static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
   static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
-  static uint16_t to_f16(float x) { return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+  static uint16_t to_f16(float x) {
+    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 };
 
 // Same scheme in double: magic 1.5 * 2^52, Taylor series of 2^f to degree 12
@@ -135,15 +143,16 @@ struct Vec<double> {
     const R n = _mm256_sub_pd(r, magic);
     const R f = _mm256_mul_pd(_mm256_sub_pd(t, n), _mm256_set1_pd(0.69314718055994530942));
     R p = _mm256_set1_pd(1.0 / 479001600);
-    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
-                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                          1.0 / 5040,     1.0 / 720,     1.0 / 120,    1.0 / 24,
+                          1.0 / 6,        0.5,           1.0,          1.0};
     for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
     const __m256i e = _mm256_slli_epi64(
-        _mm256_add_epi64(_mm256_castpd_si256(r),
-                         _mm256_set1_epi64x(1023 - 0x4338000000000000LL)),
+        _mm256_add_epi64(_mm256_castpd_si256(r), _mm256_set1_epi64x(1023 - 0x4338000000000000LL)),
         52);
     R y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
-    y = _mm256_blendv_pd(y, _mm256_setzero_pd(), _mm256_cmp_pd(t0, _mm256_set1_pd(-1022.), _CMP_LT_OQ));
+    y = _mm256_blendv_pd(y, _mm256_setzero_pd(),
+                         _mm256_cmp_pd(t0, _mm256_set1_pd(-1022.), _CMP_LT_OQ));
     return _mm256_blendv_pd(y, t0, _mm256_cmp_pd(t0, t0, _CMP_UNORD_Q));
   }
   // 2^t for t <= 0 (see Vec<float>::exp2_neg); r = t + (1.5 * 2^52 + 1023).
@@ -151,10 +160,12 @@ struct Vec<double> {
     const R t = _mm256_max_pd(_mm256_set1_pd(-1023.), t0);
     const R magic = _mm256_set1_pd(6755399441056767.0);  // 1.5 * 2^52 + 1023
     const R r = _mm256_add_pd(t, magic);
-    const R f = _mm256_mul_pd(_mm256_sub_pd(t, _mm256_sub_pd(r, magic)), _mm256_set1_pd(0.69314718055994530942));
+    const R f = _mm256_mul_pd(_mm256_sub_pd(t, _mm256_sub_pd(r, magic)),
+                              _mm256_set1_pd(0.69314718055994530942));
     R p = _mm256_set1_pd(1.0 / 479001600);
-    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
-                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                          1.0 / 5040,     1.0 / 720,     1.0 / 120,    1.0 / 24,
+                          1.0 / 6,        0.5,           1.0,          1.0};
     for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
     return _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(r), 52)));
   }

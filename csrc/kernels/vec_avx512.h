@@ -66,25 +66,32 @@ struct Vec<float> {
   // narrows with round to nearest even (NaN kept NaN, quieted; denormals kept,
   // unlike vcvtneps2bf16); fp16 by vcvtph2ps / vcvtps2ph.
   static R load_bf16(const uint16_t* p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  static R load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static R load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store_bf16(uint16_t* p, R x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, qnan);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   static void store_f16(uint16_t* p, R x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
   static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
   static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
-  static uint16_t to_f16(float x) { return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+  static uint16_t to_f16(float x) {
+    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 };
 
 template <>
@@ -135,10 +142,12 @@ struct Vec<double> {
     const R t = _mm512_max_pd(_mm512_set1_pd(-1023.), t0);
     const R magic = _mm512_set1_pd(6755399441056767.0);  // 1.5 * 2^52 + 1023
     const R r = _mm512_add_pd(t, magic);
-    const R f = _mm512_mul_pd(_mm512_sub_pd(t, _mm512_sub_pd(r, magic)), _mm512_set1_pd(0.69314718055994530942));
+    const R f = _mm512_mul_pd(_mm512_sub_pd(t, _mm512_sub_pd(r, magic)),
+                              _mm512_set1_pd(0.69314718055994530942));
     R p = _mm512_set1_pd(1.0 / 479001600);
-    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040,
-                          1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                          1.0 / 5040,     1.0 / 720,     1.0 / 120,    1.0 / 24,
+                          1.0 / 6,        0.5,           1.0,          1.0};
     for (double ci : c) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(ci));
     return _mm512_mul_pd(p, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(r), 52)));
   }

@@ -42,6 +42,7 @@ if _forced:
 from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
 from . import masks  # noqa: E402  (mask objects: Causal, SlidingWindow, Padding, BlockSparse, Dense)
 from . import variants  # noqa: E402  (Linformer, linear attention: attn_fast.variants)
+
 __all__.append("variants")
 
 from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
@@ -53,7 +54,14 @@ from . import positional  # noqa: E402
 from .multihead import MultiHeadAttention  # noqa: E402
 from .transformer import LayerNorm, RMSNorm, TinyTransformerLM, TransformerBlock  # noqa: E402
 
-__all__ += ["positional", "MultiHeadAttention", "TransformerBlock", "TinyTransformerLM", "LayerNorm", "RMSNorm"]
+__all__ += [
+    "positional",
+    "MultiHeadAttention",
+    "TransformerBlock",
+    "TinyTransformerLM",
+    "LayerNorm",
+    "RMSNorm",
+]
 
 # The chapter's demo: every intermediate (Q, K, V, S, P, O) of one attention call.
 from .demo import explain  # noqa: E402

@@ -120,6 +120,7 @@ def to_input_kind(result, like):
         return torch.from_numpy(a)
     return half_result(result)
 
+
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 
 
@@ -149,12 +150,18 @@ def _check_on_cpu(x, name):
     """TypeError unless `x` (not a NumPy array) lives in CPU memory."""
     if _is_torch_tensor(x):
         if x.device.type != "cpu":
-            raise TypeError(f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU only (use .cpu())")
+            raise TypeError(
+                f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU only (use .cpu())"
+            )
         if str(x.layout) != "torch.strided":  # sparse layouts have no strides to read
-            raise TypeError(f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors are supported")
+            raise TypeError(
+                f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors are supported"
+            )
         return
     if hasattr(x, "__cuda_array_interface__"):
-        raise TypeError(f"{name} ({type(x).__name__}) lives in GPU memory; attn_fast computes on the CPU only")
+        raise TypeError(
+            f"{name} ({type(x).__name__}) lives in GPU memory; attn_fast computes on the CPU only"
+        )
     dl_device = getattr(x, "__dlpack_device__", None)
     if dl_device is not None:
         try:
@@ -190,7 +197,9 @@ def as_array(x, name):
         try:
             return t.numpy()  # shares memory, keeps strides
         except (TypeError, RuntimeError) as e:
-            raise TypeError(f"{name}: cannot read a torch tensor of dtype {t.dtype} as an array ({e})") from None
+            raise TypeError(
+                f"{name}: cannot read a torch tensor of dtype {t.dtype} as an array ({e})"
+            ) from None
     if (
         hasattr(x, "__dlpack__")
         and not hasattr(x, "__array_interface__")
@@ -200,7 +209,9 @@ def as_array(x, name):
         try:
             return np.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError, ValueError) as e:
-            raise TypeError(f"{name}: cannot read {type(x).__name__} through DLPack ({e})") from None
+            raise TypeError(
+                f"{name}: cannot read {type(x).__name__} through DLPack ({e})"
+            ) from None
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 - report what the object was
@@ -276,7 +287,9 @@ def as_out_array(out, name="out"):
         o = o.view(np.uint16)
     if not isinstance(out, np.ndarray) and o.base is None:
         # np.asarray made a fresh copy (a list, say): results written there would be lost.
-        raise TypeError(f"{name} must be a numpy.ndarray (or expose its memory), got {type(out).__name__}")
+        raise TypeError(
+            f"{name} must be a numpy.ndarray (or expose its memory), got {type(out).__name__}"
+        )
     if not o.flags.writeable:
         raise ValueError(f"{name} is read-only")
     return o
@@ -333,7 +346,9 @@ def check_real(x, name, *, minimum=None, positive=False):
     try:
         x = float(x)  # floats, ints, NumPy scalars, 0-d arrays
     except (TypeError, ValueError):
-        raise ArgumentTypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}") from None
+        raise ArgumentTypeError(
+            f"{name} must be a real number, got {type(x).__name__} {x!r}"
+        ) from None
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
     if positive and not x > 0:
@@ -357,7 +372,9 @@ def check_scale(scale, d, dtype=None):
     if dtype is not None:
         dt = compute_dtype(dtype)  # 16-bit inputs are computed in float32
         if abs(scale) > float(np.finfo(dt).max):
-            raise ValueError(f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest {np.finfo(dt).max})")
+            raise ValueError(
+                f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest {np.finfo(dt).max})"
+            )
     return scale
 
 
@@ -403,7 +420,9 @@ def check_out(out, shape, dtype, name="out"):
     if not o.flags.aligned or not o.dtype.isnative:
         raise ValueError(f"{name} must be aligned and in native byte order")
     if self_overlapping(o):
-        raise ValueError(f"{name} has overlapping memory (strides {o.strides} for shape {shape_str(o)})")
+        raise ValueError(
+            f"{name} has overlapping memory (strides {o.strides} for shape {shape_str(o)})"
+        )
     return o
 
 

@@ -21,7 +21,9 @@ def set_isa(name):
     """
     name = str(name).strip().lower()
     if name not in ("scalar", "avx2", "avx512", "avx512_bf16"):
-        raise ValueError(f"ISA must be one of 'scalar', 'avx2', 'avx512', 'avx512_bf16', got {name!r}")
+        raise ValueError(
+            f"ISA must be one of 'scalar', 'avx2', 'avx512', 'avx512_bf16', got {name!r}"
+        )
     try:
         _core.set_isa(name)
     except RuntimeError as e:

@@ -17,7 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._checks import as_float_array, check_bool, check_same_dtype, check_scale, shape_str, to_input_kind
+from ._checks import (
+    as_float_array,
+    check_bool,
+    check_same_dtype,
+    check_scale,
+    shape_str,
+    to_input_kind,
+)
 from .functional import (
     _block_size,
     _check_qkv,
@@ -37,13 +44,17 @@ def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
     lse = as_float_array(lse, "lse")
     check_same_dtype(q=q, dout=dout, out=out, lse=lse)
     if out.shape != out_shape:
-        raise ValueError(f"out has shape {shape_str(out)}, expected {shape_str(np.empty(out_shape, np.int8))} "
-                         f"(q has shape {shape_str(q)})")
+        raise ValueError(
+            f"out has shape {shape_str(out)}, expected {shape_str(np.empty(out_shape, np.int8))} "
+            f"(q has shape {shape_str(q)})"
+        )
     if dout.shape != out_shape:
         raise ValueError(f"dout has shape {shape_str(dout)} but out has shape {shape_str(out)}")
     if lse.shape != lse_shape:
-        raise ValueError(f"lse has shape {shape_str(lse)}, expected {shape_str(np.empty(lse_shape, np.int8))} "
-                         f"(q has shape {shape_str(q)})")
+        raise ValueError(
+            f"lse has shape {shape_str(lse)}, expected {shape_str(np.empty(lse_shape, np.int8))} "
+            f"(q has shape {shape_str(q)})"
+        )
     if not out.flags.writeable:  # the kernel only reads it; its binding takes o as writeable
         out = out.copy()
     return dout, out, np.ascontiguousarray(lse)
@@ -107,9 +118,22 @@ def scaled_dot_product_attention_backward(
     dv = np.empty(v.shape, q.dtype)
     dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
     if B * Hq:
-        _core.backward(_to4(dout, "dout"), q4, k4, v4, _to4(out, "out"), lse,
-                       _to4(dq, "dq"), _to4(dk, "dk"), _to4(dv, "dv"), dsinks,
-                       scale=scale, block_q=block_q, block_k=block_k, **kw)
+        _core.backward(
+            _to4(dout, "dout"),
+            q4,
+            k4,
+            v4,
+            _to4(out, "out"),
+            lse,
+            _to4(dq, "dq"),
+            _to4(dk, "dk"),
+            _to4(dv, "dv"),
+            dsinks,
+            scale=scale,
+            block_q=block_q,
+            block_k=block_k,
+            **kw,
+        )
     else:
         dq[...], dk[...], dv[...] = 0, 0, 0
         if dsinks is not None:
@@ -151,7 +175,9 @@ def varlen_attention_backward(
     """
     like = q
     causal = check_bool(causal, "causal")
-    q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v, cu_q, cu_k = check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
     (Tq, Hq, d), dv_ = q.shape, v.shape[2]
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
@@ -167,8 +193,24 @@ def varlen_attention_backward(
         return x.transpose(1, 0, 2)[None]
 
     if cu_q.size > 1 and Hq:
-        _core.backward(t(dout), t(q), t(k), t(v), t(out), lse, t(dq), t(dk), t(dv), dsinks,
-                       cu_q=cu_q, cu_k=cu_k, scale=scale, block_q=block_q, block_k=block_k, **kw)
+        _core.backward(
+            t(dout),
+            t(q),
+            t(k),
+            t(v),
+            t(out),
+            lse,
+            t(dq),
+            t(dk),
+            t(dv),
+            dsinks,
+            cu_q=cu_q,
+            cu_k=cu_k,
+            scale=scale,
+            block_q=block_q,
+            block_k=block_k,
+            **kw,
+        )
     else:
         dq[...], dk[...], dv[...] = 0, 0, 0
         if dsinks is not None:

@@ -134,8 +134,15 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
         flops = 4.0 * B * H * L * L * d * (0.5 if causal else 1.0)
         settle()
         t_af = median_time(lambda: scaled_dot_product_attention(q, k, v, is_causal=causal), repeats)
-        row = {"B": B, "H": H, "L": L, "d": d, "causal": causal, "attn_fast_s": t_af[0],
-               "attn_fast_gflops": flops / t_af[0] / 1e9}
+        row = {
+            "B": B,
+            "H": H,
+            "L": L,
+            "d": d,
+            "causal": causal,
+            "attn_fast_s": t_af[0],
+            "attn_fast_gflops": flops / t_af[0] / 1e9,
+        }
         t_np = t_th = None
         if include_numpy and B * H * L * L * 4 <= 2 << 30:
             check_against_oracle(numpy_textbook(q, k, v, causal), q, k, v, causal)
@@ -151,10 +158,14 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
                 t_th = median_time(lambda: F(tq, tk, tv, is_causal=causal), repeats)
             row["torch_s"] = t_th[0]
         rows.append(row)
-        np_s = f"{t_np[0]*1e3:9.1f} {t_np[0]/t_af[0]:5.2f}x" if t_np else f"{'-':>9} {'-':>6}"
-        th_s = f"{t_th[0]*1e3:9.1f} {t_th[0]/t_af[0]:5.2f}x" if t_th else f"{'-':>9} {'-':>6}"
-        print(f"{B:>2} {H:>3} {L:>5} {d:>4} {str(causal):>6} | {t_af[0]*1e3:12.1f} {row['attn_fast_gflops']:8.1f} "
-              f"{100*row['attn_fast_gflops']/peak:5.0f}% | {np_s} | {th_s}", file=out, flush=True)
+        np_s = f"{t_np[0] * 1e3:9.1f} {t_np[0] / t_af[0]:5.2f}x" if t_np else f"{'-':>9} {'-':>6}"
+        th_s = f"{t_th[0] * 1e3:9.1f} {t_th[0] / t_af[0]:5.2f}x" if t_th else f"{'-':>9} {'-':>6}"
+        print(
+            f"{B:>2} {H:>3} {L:>5} {d:>4} {str(causal):>6} | {t_af[0] * 1e3:12.1f} {row['attn_fast_gflops']:8.1f} "
+            f"{100 * row['attn_fast_gflops'] / peak:5.0f}% | {np_s} | {th_s}",
+            file=out,
+            flush=True,
+        )
     print("x = peer time / attn_fast time (higher means attn_fast is faster)", file=out)
     return {"config": cfg, "threads": nt, "peak_gflops": peak, "rows": rows}
 
@@ -163,31 +174,53 @@ def main(argv=None, prog=None):
     """`bench [--threads N] [--repeats N] [--no-numpy] [--tiny]`; `--full`/`--quick` run the suite."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or "python -m attn_fast bench"
-    if "--full" in argv or "--quick" in argv or "--dtype" in argv:  # --dtype: the suite's 16-bit rows
+    if (
+        "--full" in argv or "--quick" in argv or "--dtype" in argv
+    ):  # --dtype: the suite's 16-bit rows
         from .bench_suite import main as suite_main
 
         return suite_main(argv, prog=prog)
-    p = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for attn_fast and torch (default: attn_fast.get_num_threads(), "
-                        "which honours OMP_NUM_THREADS)")
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for attn_fast and torch (default: attn_fast.get_num_threads(), "
+        "which honours OMP_NUM_THREADS)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-numpy", action="store_true", help="skip the textbook NumPy peer")
-    p.add_argument("--tiny", action="store_true",
-                   help="two tiny cases and a short probe: checks that the command runs (seconds); "
-                        "its figures mean nothing")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="two tiny cases and a short probe: checks that the command runs (seconds); "
+        "its figures mean nothing",
+    )
     p.add_argument("--full", action="store_true", help=f"the full suite ({prog} --full -h)")
     p.add_argument("--quick", action="store_true", help="the suite's quick subset (about a minute)")
-    p.add_argument("--dtype", nargs="+", help="bf16 / fp16 rows in the suite (--full unless --quick)")
+    p.add_argument(
+        "--dtype", nargs="+", help="bf16 / fp16 rows in the suite (--full unless --quick)"
+    )
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.tiny:
-        run(TINY_CASES, repeats=min(args.repeats, 1), threads=args.threads, include_numpy=not args.no_numpy,
-            probe_seconds=0.02)
+        run(
+            TINY_CASES,
+            repeats=min(args.repeats, 1),
+            threads=args.threads,
+            include_numpy=not args.no_numpy,
+            probe_seconds=0.02,
+        )
     else:
-        run(DEFAULT_CASES, repeats=args.repeats, threads=args.threads, include_numpy=not args.no_numpy)
+        run(
+            DEFAULT_CASES,
+            repeats=args.repeats,
+            threads=args.threads,
+            include_numpy=not args.no_numpy,
+        )
     return 0

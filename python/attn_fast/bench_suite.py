@@ -95,19 +95,35 @@ def with_dtypes(cases, dtypes):
     return [c2 for c in cases for c2 in [c] + [replace(c, dtype=dt) for dt in extra]]
 
 
-PREFILL_SHAPES = [(1, 12, 512, 64), (1, 16, 2048, 64), (1, 32, 2048, 128), (4, 8, 1024, 128),
-                  (1, 8, 8192, 64)]
+PREFILL_SHAPES = [
+    (1, 12, 512, 64),
+    (1, 16, 2048, 64),
+    (1, 32, 2048, 128),
+    (4, 8, 1024, 128),
+    (1, 8, 8192, 64),
+]
 
 
 def full_cases():
-    cases = [Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in PREFILL_SHAPES for c in (False, True)]
+    cases = [
+        Case("prefill", B, H, H, L, L, d, c)
+        for (B, H, L, d) in PREFILL_SHAPES
+        for c in (False, True)
+    ]
     cases.append(Case("gqa", 1, 32, 8, 2048, 2048, 128, True))
-    cases += [Case("decode", B, 32, 8, 1, Lk, 128, False) for (B, Lk) in ((1, 4096), (1, 32768), (8, 4096))]
+    cases += [
+        Case("decode", B, 32, 8, 1, Lk, 128, False)
+        for (B, Lk) in ((1, 4096), (1, 32768), (8, 4096))
+    ]
     return cases
 
 
 def quick_cases():
-    cases = [Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in PREFILL_SHAPES[:2] for c in (False, True)]
+    cases = [
+        Case("prefill", B, H, H, L, L, d, c)
+        for (B, H, L, d) in PREFILL_SHAPES[:2]
+        for c in (False, True)
+    ]
     cases.append(Case("decode", 1, 32, 8, 1, 4096, 128, False))
     return cases
 
@@ -183,7 +199,9 @@ def prepare(impl, case, q, k, v, threads):
         raise Skip("float32 only")
     if impl == "attn_fast":
         set_num_threads(threads)
-        return lambda: scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=group > 1)
+        return lambda: scaled_dot_product_attention(
+            q, k, v, is_causal=case.causal, enable_gqa=group > 1
+        )
     if impl == "numpy":
         if case.B * case.Hq * case.Lq * case.Lk * 4 > (1 << 30):
             raise Skip("score matrix over 1 GiB")
@@ -223,8 +241,14 @@ def _prepare_ort(case, q, k, v, threads):
     F = TensorProto.FLOAT
     ms = "com.microsoft"
     if case.Hq == case.Hkv and case.kind != "decode":
-        node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain=ms,
-                                num_heads=case.Hq, unidirectional=int(case.causal))
+        node = helper.make_node(
+            "MultiHeadAttention",
+            ["q", "k", "v"],
+            ["o"],
+            domain=ms,
+            num_heads=case.Hq,
+            unidirectional=int(case.causal),
+        )
         inputs = [helper.make_tensor_value_info(n, F, ["B", "L", case.Hq * case.d]) for n in "qkv"]
         outputs = [helper.make_tensor_value_info("o", F, None)]
         feed = {"q": _bsh(q), "k": _bsh(k), "v": _bsh(v)}
@@ -236,31 +260,63 @@ def _prepare_ort(case, q, k, v, threads):
             raise Skip("GroupQueryAttention is causal only")
         hkv = case.Hkv * case.d
         decode = case.kind == "decode"
-        names = ["q", "k", "v", "pk" if decode else "", "pv" if decode else "", "seqlens_k", "total_len"]
-        node = helper.make_node("GroupQueryAttention", names, ["o", "present_k", "present_v"], domain=ms,
-                                num_heads=case.Hq, kv_num_heads=case.Hkv)
-        inputs = [helper.make_tensor_value_info("q", F, ["B", "S", case.Hq * case.d]),
-                  helper.make_tensor_value_info("k", F, ["B", "S", hkv]),
-                  helper.make_tensor_value_info("v", F, ["B", "S", hkv])]
+        names = [
+            "q",
+            "k",
+            "v",
+            "pk" if decode else "",
+            "pv" if decode else "",
+            "seqlens_k",
+            "total_len",
+        ]
+        node = helper.make_node(
+            "GroupQueryAttention",
+            names,
+            ["o", "present_k", "present_v"],
+            domain=ms,
+            num_heads=case.Hq,
+            kv_num_heads=case.Hkv,
+        )
+        inputs = [
+            helper.make_tensor_value_info("q", F, ["B", "S", case.Hq * case.d]),
+            helper.make_tensor_value_info("k", F, ["B", "S", hkv]),
+            helper.make_tensor_value_info("v", F, ["B", "S", hkv]),
+        ]
         if decode:
-            inputs += [helper.make_tensor_value_info(n, F, ["B", case.Hkv, "P", case.d]) for n in ("pk", "pv")]
-        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
-                   helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
-        outputs = [helper.make_tensor_value_info(n, F, None) for n in ("o", "present_k", "present_v")]
+            inputs += [
+                helper.make_tensor_value_info(n, F, ["B", case.Hkv, "P", case.d])
+                for n in ("pk", "pv")
+            ]
+        inputs += [
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+            helper.make_tensor_value_info("total_len", TensorProto.INT32, []),
+        ]
+        outputs = [
+            helper.make_tensor_value_info(n, F, None) for n in ("o", "present_k", "present_v")
+        ]
         L = case.Lk
         feed = {"seqlens_k": np.full(case.B, L - 1, np.int32), "total_len": np.array(L, np.int32)}
         if decode:
-            feed.update(q=_bsh(q), k=_bsh(k[:, :, -1:]), v=_bsh(v[:, :, -1:]),
-                        pk=np.ascontiguousarray(k[:, :, :-1]), pv=np.ascontiguousarray(v[:, :, :-1]))
+            feed.update(
+                q=_bsh(q),
+                k=_bsh(k[:, :, -1:]),
+                v=_bsh(v[:, :, -1:]),
+                pk=np.ascontiguousarray(k[:, :, :-1]),
+                pv=np.ascontiguousarray(v[:, :, :-1]),
+            )
         else:
             feed.update(q=_bsh(q), k=_bsh(k), v=_bsh(v))
     graph = helper.make_graph([node], "attn", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)]
+    )
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     try:
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(
+            model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+        )
     except Exception as e:  # noqa: BLE001 - an op this ORT build lacks is a skip
         raise Skip(f"onnxruntime: {str(e).splitlines()[0][:80]}") from None
     B, Lq, Hq, d = case.B, case.Lq, case.Hq, case.d
@@ -320,7 +376,7 @@ def time_interleaved(fns, repeats, warmup=1, max_seconds=20.0, cooldown=True):
     spent = {n: 0.0 for n in names}
     prev = None
     for rnd in range(warmup + repeats):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for n in order:
             if rnd >= warmup and len(samples[n]) >= 3 and spent[n] > max_seconds:
                 continue
@@ -365,8 +421,12 @@ print(json.dumps({"before": before, "peak": peak}))
 def peak_memory(case, impl, threads, timeout=300):
     """Extra RSS (bytes) of one call in a fresh process, or None if it failed."""
     try:
-        r = subprocess.run([sys.executable, "-c", _MEM_SNIPPET, json.dumps(asdict(case)), impl, str(threads)],
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            [sys.executable, "-c", _MEM_SNIPPET, json.dumps(asdict(case)), impl, str(threads)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         m = json.loads(r.stdout.strip().splitlines()[-1])
         return max(0, m["peak"] - m["before"])
     except Exception:  # noqa: BLE001 - a skipped peer or a crash gives no figure
@@ -380,8 +440,17 @@ def _fmt_ms(s):
     return f"{s * 1e3:8.1f}" if s < 10 else f"{s:7.1f}s"
 
 
-def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=None, max_seconds=20.0,
-        probe_seconds=0.3, probe_bytes=512 << 20):
+def run(
+    cases,
+    thread_counts,
+    repeats=5,
+    memory=True,
+    impls=IMPLS,
+    out=None,
+    max_seconds=20.0,
+    probe_seconds=0.3,
+    probe_bytes=512 << 20,
+):
     """Measure `cases` at each of `thread_counts`; print the tables to `out`; return the result dict.
 
     One section per thread count: each row is printed as its case finishes
@@ -397,13 +466,26 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=None, max
     for mod in ("torch", "onnxruntime", "onnx"):
         m = _import(mod) if mod in impls or mod == "onnx" else None
         versions[mod] = getattr(m, "__version__", None) if m else None
-    result = {"machine": {"cpu": cfg["cpu"], "cores": os.cpu_count(), "isa": cfg["isa"],
-                          "available_isas": cfg["available_isas"], "openmp": cfg["openmp"],
-                          "platform": platform.platform()},
-              "versions": {"attn_fast": cfg["version"], **versions},
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "repeats": repeats, "limits": {}, "results": [], "notes": []}
-    print(f"attn_fast {cfg['version']}  ISA {cfg['isa']}  CPU {cfg['cpu']} ({os.cpu_count()} cores)", file=out)
+    result = {
+        "machine": {
+            "cpu": cfg["cpu"],
+            "cores": os.cpu_count(),
+            "isa": cfg["isa"],
+            "available_isas": cfg["available_isas"],
+            "openmp": cfg["openmp"],
+            "platform": platform.platform(),
+        },
+        "versions": {"attn_fast": cfg["version"], **versions},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "repeats": repeats,
+        "limits": {},
+        "results": [],
+        "notes": [],
+    }
+    print(
+        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  CPU {cfg['cpu']} ({os.cpu_count()} cores)",
+        file=out,
+    )
     print("  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v), file=out)
     active = [i for i in impls]
     for peer, mod in (("torch", "torch"), ("onnxruntime", "onnxruntime")):
@@ -414,16 +496,32 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=None, max
             active.remove(peer)
     threads_before = get_num_threads()
     try:
-        _run_sections(result, cases, thread_counts, repeats, active, out, max_seconds, probe_seconds, probe_bytes)
+        _run_sections(
+            result,
+            cases,
+            thread_counts,
+            repeats,
+            active,
+            out,
+            max_seconds,
+            probe_seconds,
+            probe_bytes,
+        )
     finally:
         set_num_threads(threads_before)
     measured = measured_impls(result)
-    print("\n== % of this machine's limits: prefill of the FP32 FMA peak, decode of the read bandwidth "
-          "(each section: the highest of its probes)", file=out)
+    print(
+        "\n== % of this machine's limits: prefill of the FP32 FMA peak, decode of the read bandwidth "
+        "(each section: the highest of its probes)",
+        file=out,
+    )
     for nt in thread_counts:
         lim = result["limits"][str(nt)]
-        print(f"-- {nt} thread(s): FP32 FMA peak {lim['fma_peak_gflops']:.0f} GFLOP/s, "
-              f"read bandwidth {lim['read_bandwidth_gbs']:.1f} GB/s", file=out)
+        print(
+            f"-- {nt} thread(s): FP32 FMA peak {lim['fma_peak_gflops']:.0f} GFLOP/s, "
+            f"read bandwidth {lim['read_bandwidth_gbs']:.1f} GB/s",
+            file=out,
+        )
         hdr = f"{'case':34s} | {'rate':>10s} | " + " ".join(f"{p[:11]:>11s}" for p in measured)
         print(hdr, file=out)
         for row in result["results"]:
@@ -431,29 +529,46 @@ def run(cases, thread_counts, repeats=5, memory=True, impls=IMPLS, out=None, max
                 print(_format_pct_row(row, measured), file=out)
     if memory:
         nt = max(thread_counts)
-        print(f"\n== peak memory of one call (fresh process, RSS above inputs, {nt} threads), MiB", file=out)
+        print(
+            f"\n== peak memory of one call (fresh process, RSS above inputs, {nt} threads), MiB",
+            file=out,
+        )
         print(f"{'case':34s} | " + " ".join(f"{p[:11]:>11s}" for p in active), file=out, flush=True)
         for case in cases:
             mem = {}
             for impl in active:
-                row = next(r for r in result["results"] if r["name"] == case.name and r["threads"] == nt)
+                row = next(
+                    r for r in result["results"] if r["name"] == case.name and r["threads"] == nt
+                )
                 mem[impl] = None if "skipped" in row["impls"][impl] else peak_memory(case, impl, nt)
                 row["impls"][impl]["peak_extra_rss_bytes"] = mem[impl]
-            print(f"{case.name:34s} | " + " ".join(
-                f"{m / 2**20:11.1f}" if m is not None else f"{'-':>11s}" for m in mem.values()), file=out, flush=True)
-    print("\nx = peer time / attn_fast time (above 1: attn_fast is faster); rate: attn_fast's GFLOP/s "
-          "(prefill) or GB/s of K and V read (decode)", file=out)
+            print(
+                f"{case.name:34s} | "
+                + " ".join(
+                    f"{m / 2**20:11.1f}" if m is not None else f"{'-':>11s}" for m in mem.values()
+                ),
+                file=out,
+                flush=True,
+            )
+    print(
+        "\nx = peer time / attn_fast time (above 1: attn_fast is faster); rate: attn_fast's GFLOP/s "
+        "(prefill) or GB/s of K and V read (decode)",
+        file=out,
+    )
     # The maintainers' performance checks, judged on this run: kept in the JSON only.
     result["targets"] = evaluate_targets(result)
     return result
 
 
-def _run_sections(result, cases, thread_counts, repeats, active, out, max_seconds, probe_seconds, probe_bytes):
+def _run_sections(
+    result, cases, thread_counts, repeats, active, out, max_seconds, probe_seconds, probe_bytes
+):
     for nt in thread_counts:
         peak, bw = machine_limits(nt, probe_seconds, nbytes=probe_bytes)
         print(f"\n== {nt} thread(s)", file=out)
         hdr = f"{'case':34s} | {'attn_fast ms [min-max]':>25s} {'rate':>10s}" + "".join(
-            f" | {p[:11]:>11s} {'x':>5s}" for p in active if p != "attn_fast")
+            f" | {p[:11]:>11s} {'x':>5s}" for p in active if p != "attn_fast"
+        )
         print(hdr, file=out)
         print("-" * len(hdr), file=out, flush=True)
         for case in cases:
@@ -474,7 +589,9 @@ def _run_sections(result, cases, thread_counts, repeats, active, out, max_second
             # changes by the minute, and only lowers a probe, so the section's
             # limit is the highest probe seen (the final table uses it).
             if case.kind == "decode":
-                row["probe_read_bandwidth_gbs"] = _core.read_bandwidth_gbs(nt, probe_bytes, probe_seconds / 2)
+                row["probe_read_bandwidth_gbs"] = _core.read_bandwidth_gbs(
+                    nt, probe_bytes, probe_seconds / 2
+                )
                 bw = max(bw, row["probe_read_bandwidth_gbs"])
             else:
                 row["probe_fma_peak_gflops"] = _core.fma_peak_gflops(nt, probe_seconds / 2)
@@ -497,7 +614,9 @@ def _run_sections(result, cases, thread_counts, repeats, active, out, max_second
 
 def measured_impls(result):
     """Implementations with at least one timed result, in IMPLS order."""
-    seen = {impl for row in result["results"] for impl, r in row["impls"].items() if "median_s" in r}
+    seen = {
+        impl for row in result["results"] for impl, r in row["impls"].items() if "median_s" in r
+    }
     return [impl for impl in IMPLS if impl in seen]
 
 
@@ -516,23 +635,34 @@ def _rates(row, peak, bw):
 
 def _format_row(row, active):
     a = row["impls"]["attn_fast"]
-    rate = f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
+    rate = (
+        f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
+    )
     cols = []
     for p in active:
         if p == "attn_fast":
             continue
         r = row["impls"][p]
-        cols.append(f"{_fmt_ms(r['median_s']):>11s} {r['speedup_attn_fast']:4.2f}x" if "median_s" in r
-                    else f"{'skip':>11s} {'-':>5s}")
-    span = f"{_fmt_ms(a['median_s'])} [{a['min_s']*1e3:.0f}-{a['max_s']*1e3:.0f}]"
+        cols.append(
+            f"{_fmt_ms(r['median_s']):>11s} {r['speedup_attn_fast']:4.2f}x"
+            if "median_s" in r
+            else f"{'skip':>11s} {'-':>5s}"
+        )
+    span = f"{_fmt_ms(a['median_s'])} [{a['min_s'] * 1e3:.0f}-{a['max_s'] * 1e3:.0f}]"
     return f"{row['name']:34s} | {span:>25s} {rate:>10s}" + "".join(" | " + c for c in cols)
 
 
 def _format_pct_row(row, impls):
     a = row["impls"]["attn_fast"]
-    rate = f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
-    cols = [f"{row['impls'][p]['pct_limit']:10.0f}%" if "pct_limit" in row["impls"].get(p, {}) else f"{'-':>11s}"
-            for p in impls]
+    rate = (
+        f"{a['gbs']:6.1f} GB/s" if row["case"]["kind"] == "decode" else f"{a['gflops']:5.0f} GF/s"
+    )
+    cols = [
+        f"{row['impls'][p]['pct_limit']:10.0f}%"
+        if "pct_limit" in row["impls"].get(p, {})
+        else f"{'-':>11s}"
+        for p in impls
+    ]
     return f"{row['name']:34s} | {rate:>10s} | " + " ".join(cols)
 
 
@@ -541,56 +671,95 @@ def evaluate_targets(result):
     res = result["results"]
     counts = sorted(int(t) for t in result["limits"])
     nt = counts[-1]
-    at = [r for r in res if r["threads"] == nt and r["case"]["kind"] != "decode"
-          and r["case"].get("dtype", "fp32") == "fp32"]
+    at = [
+        r
+        for r in res
+        if r["threads"] == nt
+        and r["case"]["kind"] != "decode"
+        and r["case"].get("dtype", "fp32") == "fp32"
+    ]
     out = []
 
     def add(target, ok, detail):
         out.append({"target": target, "met": bool(ok), "detail": detail})
 
     for d, want in ((64, 80.0), (128, 85.0)):
-        rows = [r for r in at if not r["case"]["causal"] and r["case"]["Lq"] >= 2048 and r["case"]["d"] == d]
+        rows = [
+            r
+            for r in at
+            if not r["case"]["causal"] and r["case"]["Lq"] >= 2048 and r["case"]["d"] == d
+        ]
         if rows:
             got = [r["impls"]["attn_fast"]["pct_limit"] for r in rows]
-            add(f"non-causal L>=2048 d={d}: >= {want:.0f}% of FMA peak at {nt} threads", min(got) >= want,
-                ", ".join(f"{r['name']}: {g:.0f}%" for r, g in zip(rows, got)))
+            add(
+                f"non-causal L>=2048 d={d}: >= {want:.0f}% of FMA peak at {nt} threads",
+                min(got) >= want,
+                ", ".join(f"{r['name']}: {g:.0f}%" for r, g in zip(rows, got)),
+            )
     pairs = []
     for r in at:
         c = r["case"]
         if c["causal"] and c["kind"] == "prefill":
             nc = next((x for x in at if x["case"] == {**c, "causal": False}), None)
             if nc:
-                pairs.append((r["name"], r["impls"]["attn_fast"]["median_s"] / nc["impls"]["attn_fast"]["median_s"]))
+                pairs.append(
+                    (
+                        r["name"],
+                        r["impls"]["attn_fast"]["median_s"] / nc["impls"]["attn_fast"]["median_s"],
+                    )
+                )
     if pairs:
-        add("causal time <= 0.55 x non-causal time", all(p <= 0.55 for _, p in pairs),
-            ", ".join(f"{n}: {p:.2f}" for n, p in pairs))
+        add(
+            "causal time <= 0.55 x non-causal time",
+            all(p <= 0.55 for _, p in pairs),
+            ", ".join(f"{n}: {p:.2f}" for n, p in pairs),
+        )
     for peer, want in (("torch", 1.25), ("onnxruntime", 1.0)):
-        sp = [(r["name"], r["impls"][peer].get("speedup_attn_fast")) for r in at if peer in r["impls"]]
+        sp = [
+            (r["name"], r["impls"][peer].get("speedup_attn_fast")) for r in at if peer in r["impls"]
+        ]
         sp = [(n, s) for n, s in sp if s is not None]
         if sp:
-            add(f"every prefill case >= {want:.2f}x {peer}", all(s >= want for _, s in sp),
-                f"min {min(s for _, s in sp):.2f}x ({min(sp, key=lambda x: x[1])[0]})")
+            add(
+                f"every prefill case >= {want:.2f}x {peer}",
+                all(s >= want for _, s in sp),
+                f"min {min(s for _, s in sp):.2f}x ({min(sp, key=lambda x: x[1])[0]})",
+            )
     for r in res:  # bf16 decode over a bf16 cache vs float32 decode of the same shape
         c = r["case"]
         if c["kind"] != "decode" or c.get("dtype") != "bf16" or r["threads"] != nt:
             continue
-        f32 = next((x for x in res if x["threads"] == nt and x["case"] == {**c, "dtype": "fp32"}), None)
+        f32 = next(
+            (x for x in res if x["threads"] == nt and x["case"] == {**c, "dtype": "fp32"}), None
+        )
         if f32 is None or "median_s" not in r["impls"]["attn_fast"]:
             continue
         a = r["impls"]["attn_fast"]
         ratio = f32["impls"]["attn_fast"]["median_s"] / a["median_s"]
         add(f"{r['name']}: >= 1.8x float32 decode tokens/s", ratio >= 1.8, f"{ratio:.2f}x")
-        add(f"{r['name']}: >= 80% of the read bandwidth", a["pct_limit"] >= 80, f"{a['pct_limit']:.0f}%")
+        add(
+            f"{r['name']}: >= 80% of the read bandwidth",
+            a["pct_limit"] >= 80,
+            f"{a['pct_limit']:.0f}%",
+        )
     if len(counts) > 1 and counts[0] == 1:
         ups = []
         for r in at:
             one = next((x for x in res if x["threads"] == 1 and x["name"] == r["name"]), None)
             if one:
-                ups.append((r["name"], one["impls"]["attn_fast"]["median_s"] / r["impls"]["attn_fast"]["median_s"]))
+                ups.append(
+                    (
+                        r["name"],
+                        one["impls"]["attn_fast"]["median_s"] / r["impls"]["attn_fast"]["median_s"],
+                    )
+                )
         if ups:
-            add(f"1 -> {nt} threads speed-up >= {0.95 * nt:.2f}x", all(u >= 0.95 * nt for _, u in ups),
+            add(
+                f"1 -> {nt} threads speed-up >= {0.95 * nt:.2f}x",
+                all(u >= 0.95 * nt for _, u in ups),
                 f"min {min(u for _, u in ups):.2f}x ({min(ups, key=lambda x: x[1])[0]}), "
-                f"max {max(u for _, u in ups):.2f}x")
+                f"max {max(u for _, u in ups):.2f}x",
+            )
     return out
 
 
@@ -611,14 +780,20 @@ def plot_figure(result):
     for ax, nt in zip(axes[:, 0], counts):
         rows = {r["name"]: r for r in result["results"] if r["threads"] == nt}
         for i, impl in enumerate(impls):
-            ys = [rows[n]["impls"].get(impl, {}).get("pct_limit", 0) if n in rows else 0 for n in names]
+            ys = [
+                rows[n]["impls"].get(impl, {}).get("pct_limit", 0) if n in rows else 0
+                for n in names
+            ]
             ax.bar(np.arange(len(names)) + (i - (len(impls) - 1) / 2) * w, ys, w, label=impl)
         ax.set_xticks(np.arange(len(names)))
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         lim = result["limits"][str(nt)]
         ax.set_ylabel("% of limit")
-        ax.set_title(f"{nt} thread(s): prefill as % of FMA peak ({lim['fma_peak_gflops']:.0f} GFLOP/s), "
-                     f"decode as % of read bandwidth ({lim['read_bandwidth_gbs']:.1f} GB/s)", fontsize=9)
+        ax.set_title(
+            f"{nt} thread(s): prefill as % of FMA peak ({lim['fma_peak_gflops']:.0f} GFLOP/s), "
+            f"decode as % of read bandwidth ({lim['read_bandwidth_gbs']:.1f} GB/s)",
+            fontsize=9,
+        )
         ax.axhline(100, color="grey", lw=0.5)
         if impls:
             ax.legend(fontsize=8)
@@ -633,23 +808,41 @@ def plot(result, path):
 def main(argv=None, prog=None):
     """`bench --full` / `--quick` / `--tiny`; returns the process exit code."""
     prog = prog or "python -m attn_fast bench"
-    p = argparse.ArgumentParser(prog=f"{prog} --full|--quick", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"{prog} --full|--quick",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--full", action="store_true", help="every case, 1 and all threads, peak memory")
-    p.add_argument("--quick", action="store_true", help="a few cases at all threads (about a minute)")
-    p.add_argument("--tiny", action="store_true",
-                   help="one tiny case of each kind, 1 repeat, short probes: checks that the command runs "
-                        "(seconds); its figures mean nothing")
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="thread counts (default: attn_fast.get_num_threads(), which honours OMP_NUM_THREADS; "
-                        "--full also runs 1)")
+    p.add_argument(
+        "--quick", action="store_true", help="a few cases at all threads (about a minute)"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="one tiny case of each kind, 1 repeat, short probes: checks that the command runs "
+        "(seconds); its figures mean nothing",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="thread counts (default: attn_fast.get_num_threads(), which honours OMP_NUM_THREADS; "
+        "--full also runs 1)",
+    )
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--cases", default=None, help="only cases whose name contains this text")
-    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["fp32"],
-                   help="also run every case with q, k, v in bf16 / fp16 (attn_fast vs torch in that dtype, "
-                        "rows beside the float32 ones)")
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=DTYPES,
+        default=["fp32"],
+        help="also run every case with q, k, v in bf16 / fp16 (attn_fast vs torch in that dtype, "
+        "rows beside the float32 ones)",
+    )
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG files")
     args = p.parse_args(argv)
     if args.threads and min(args.threads) < 1:
@@ -659,7 +852,9 @@ def main(argv=None, prog=None):
     if "attn_fast" not in args.impls:
         p.error("--impls must include attn_fast (the peers are timed against it)")
     mode = "tiny" if args.tiny else "quick" if args.quick and not args.full else "full"
-    cases = with_dtypes({"tiny": tiny_cases, "quick": quick_cases, "full": full_cases}[mode](), args.dtype)
+    cases = with_dtypes(
+        {"tiny": tiny_cases, "quick": quick_cases, "full": full_cases}[mode](), args.dtype
+    )
     if args.cases:
         cases = [c for c in cases if args.cases in c.name]
         if not cases:
@@ -669,8 +864,15 @@ def main(argv=None, prog=None):
     repeats = args.repeats or {"tiny": 1, "quick": 3, "full": 5}[mode]
     probes = {"probe_seconds": 0.02, "probe_bytes": 8 << 20} if mode == "tiny" else {}
     t0 = time.perf_counter()
-    result = run(cases, threads, repeats=repeats, memory=mode == "full" and not args.no_memory, impls=args.impls,
-                 max_seconds={"tiny": 1.0, "quick": 4.0, "full": 20.0}[mode], **probes)
+    result = run(
+        cases,
+        threads,
+        repeats=repeats,
+        memory=mode == "full" and not args.no_memory,
+        impls=args.impls,
+        max_seconds={"tiny": 1.0, "quick": 4.0, "full": 20.0}[mode],
+        **probes,
+    )
     result["wall_s"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -171,11 +171,20 @@ def format_table(cells, row_labels, col_labels, corner=""):
     Every returned line has the same display width.
     """
     w0 = max(display_width(x) for x in [corner, *row_labels])
-    widths = [max(display_width(c), *(display_width(r[j]) for r in cells)) for j, c in enumerate(col_labels)]
-    head = _pad(corner, w0, right=False) + " | " + "  ".join(_pad(c, w) for c, w in zip(col_labels, widths))
+    widths = [
+        max(display_width(c), *(display_width(r[j]) for r in cells))
+        for j, c in enumerate(col_labels)
+    ]
+    head = (
+        _pad(corner, w0, right=False)
+        + " | "
+        + "  ".join(_pad(c, w) for c, w in zip(col_labels, widths))
+    )
     lines = [head, "-" * display_width(head)]
     for lab, row in zip(row_labels, cells):
-        lines.append(_pad(lab, w0, right=False) + " | " + "  ".join(_pad(c, w) for c, w in zip(row, widths)))
+        lines.append(
+            _pad(lab, w0, right=False) + " | " + "  ".join(_pad(c, w) for c, w in zip(row, widths))
+        )
     return lines
 
 
@@ -421,7 +430,9 @@ def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=inpu
     say(T["step2"], T["guess2"])
     pause()
     sums = ex.P.sum(axis=-1)
-    cells = [[("0" if p == 0 else f"{p:.3f}") for p in row] + [f"{s:.3f}"] for row, s in zip(ex.P, sums)]
+    cells = [
+        [("0" if p == 0 else f"{p:.3f}") for p in row] + [f"{s:.3f}"] for row, s in zip(ex.P, sums)
+    ]
     say(*("   " + x for x in format_table(cells, tokens, [*tokens, T["sum"]], "Q \\ K")))
     say(T["sums_ok"].format(err=float(np.max(np.abs(sums - 1))), mn=float(ex.P.min())))
     if causal:
@@ -502,8 +513,11 @@ def check_plot_path(path):
     kinds = FigureCanvasBase.get_supported_filetypes()
     if ext not in kinds:
         what = f"a .{ext} file" if ext else "a file name without an extension"
-        raise ValueError(f"--plot {path}: matplotlib cannot write {what}; use one of "
-                         + ", ".join("." + k for k in ("png", "svg", "pdf") if k in kinds) + ", ...")
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write {what}; use one of "
+            + ", ".join("." + k for k in ("png", "svg", "pdf") if k in kinds)
+            + ", ..."
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--plot {path}: folder {folder} does not exist")
@@ -581,7 +595,11 @@ def find_cjk_font(text=None):
     """A matplotlib font family that has glyphs for every character of `text`, or None."""
     from matplotlib import font_manager
 
-    text = text if text is not None else "".join(TOKENS["zh"]) + "".join(QK_AXES["zh"]) + "分数权重行和查询被"
+    text = (
+        text
+        if text is not None
+        else "".join(TOKENS["zh"]) + "".join(QK_AXES["zh"]) + "分数权重行和查询被"
+    )
     fonts = font_manager.fontManager.ttflist
     known = {f: i for i, f in enumerate(_CJK_FAMILIES)}
     candidates = sorted((f for f in fonts if f.name in known), key=lambda f: known[f.name])
@@ -631,13 +649,19 @@ def plot_tables(ex, path, lang="en", causal=False):
     note = None
     if font is None:
         if lang == "zh":
-            note = ("note: no CJK font found for matplotlib (e.g. apt install fonts-noto-cjk); "
-                    "the picture uses English labels.")
+            note = (
+                "note: no CJK font found for matplotlib (e.g. apt install fonts-noto-cjk); "
+                "the picture uses English labels."
+            )
         lang = "en"
         tokens = TOKENS["en"]
         title = PLOT_TEXT["en"]["title_ascii"]
     else:
-        tokens = TOKENS[lang] if lang == "zh" else tuple(f"{z}\n{e}" for z, e in zip(TOKENS["zh"], TOKENS["en"]))
+        tokens = (
+            TOKENS[lang]
+            if lang == "zh"
+            else tuple(f"{z}\n{e}" for z, e in zip(TOKENS["zh"], TOKENS["en"]))
+        )
         title = PLOT_TEXT[lang]["title"]
     PT = PLOT_TEXT[lang]
     # DejaVu first for digits and symbols; matplotlib falls back per glyph to the CJK font.
@@ -649,7 +673,14 @@ def plot_tables(ex, path, lang="en", causal=False):
     masked = ~np.isfinite(ex.S)
     panels = (
         (axes[0], np.where(masked, np.nan, ex.S), PT["S"], "Blues", "−∞", None),
-        (axes[1], np.where(masked, np.nan, ex.P), PT["P"], "Oranges", "0", 0.0),  # weights: colour from 0
+        (
+            axes[1],
+            np.where(masked, np.nan, ex.P),
+            PT["P"],
+            "Oranges",
+            "0",
+            0.0,
+        ),  # weights: colour from 0
     )
     for ax, M, label, cmap, masked_text, vmin in panels:
         finite = M[np.isfinite(M)]
@@ -664,7 +695,9 @@ def plot_tables(ex, path, lang="en", causal=False):
                     x = M[i, j]
                     txt = f"{x:.2f}"
                     color = "white" if (x - lo) > 0.6 * (hi - lo) else "black"
-                ax.text(j, i, txt, ha="center", va="center", color=color, fontsize=11, family=family)
+                ax.text(
+                    j, i, txt, ha="center", va="center", color=color, fontsize=11, family=family
+                )
         ax.set_xticks(range(L), tokens, family=family, fontsize=11)
         ax.set_yticks(range(L), tokens, family=family, fontsize=11)
         ax.xaxis.tick_top()
@@ -706,9 +739,18 @@ def main(argv=None, prog=None):
     )
     p.add_argument("--step", action="store_true", help="pause between the steps (press Enter)")
     p.add_argument("--causal", action="store_true", help="apply the causal mask (lower triangle)")
-    p.add_argument("--lang", choices=("en", "zh"), default=None, help="labels and commentary (default: from $LANG)")
-    p.add_argument("--plot", metavar="FILE", default=None,
-                   help="also draw S and P as heatmaps into FILE (.png, .svg, .pdf, ...; needs matplotlib)")
+    p.add_argument(
+        "--lang",
+        choices=("en", "zh"),
+        default=None,
+        help="labels and commentary (default: from $LANG)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="also draw S and P as heatmaps into FILE (.png, .svg, .pdf, ...; needs matplotlib)",
+    )
     args = p.parse_args(argv)
     stream = sys.stdout
     enc = getattr(stream, "encoding", None) or "ascii"

@@ -57,11 +57,21 @@ import attn_fast as af
 
 from ._checks import check_int, check_scale
 
-__all__ = ["ring_attention", "ulysses_attention", "RingStats", "shard_sequence", "gather_sequence", "positions"]
+__all__ = [
+    "ring_attention",
+    "ulysses_attention",
+    "RingStats",
+    "shard_sequence",
+    "gather_sequence",
+    "positions",
+]
 
 LAYOUTS = ("zigzag", "contiguous")
 _FLOAT = (torch.float32, torch.float64)
-_TAG_KV, _TAG_DKV = 11, 12  # distinct tags: K/V and dK/dV between the same pair of ranks in flight at once
+_TAG_KV, _TAG_DKV = (
+    11,
+    12,
+)  # distinct tags: K/V and dK/dV between the same pair of ranks in flight at once
 
 
 class RingStats(NamedTuple):
@@ -114,8 +124,10 @@ def positions(rank, world_size, n, layout="zigzag"):
     _check_layout(layout)
     if layout == "zigzag" and n % 2:
         raise ValueError(f"the zigzag layout needs an even shard length, got n = {n}")
-    return np.concatenate([np.arange(g, g + m) for _, m, g in _chunks(rank, world_size, n, layout)] or
-                          [np.zeros(0, np.int64)]).astype(np.int64)
+    return np.concatenate(
+        [np.arange(g, g + m) for _, m, g in _chunks(rank, world_size, n, layout)]
+        or [np.zeros(0, np.int64)]
+    ).astype(np.int64)
 
 
 def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
@@ -123,7 +135,9 @@ def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
     L = x.shape[dim]
     if L % world_size or (layout == "zigzag" and L % (2 * world_size)):
         need = 2 * world_size if layout == "zigzag" else world_size
-        raise ValueError(f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of {need}")
+        raise ValueError(
+            f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of {need}"
+        )
     idx = torch.from_numpy(positions(rank, world_size, L // world_size, layout))
     return x.index_select(dim, idx)
 
@@ -235,7 +249,9 @@ def _check_window(window_size):
     for name, x in (("window_size[0]", left), ("window_size[1]", right)):
         x = None if x is None else check_int(x, name)
         if x is not None and x < -1:
-            raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+            raise ValueError(
+                f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}"
+            )
         out.append(None if x is None or x == -1 else x)
     return tuple(out)
 
@@ -244,7 +260,8 @@ def _group_info(group):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group "
-            "(e.g. backend='gloo' under torchrun) before ring_attention / ulysses_attention")
+            "(e.g. backend='gloo' under torchrun) before ring_attention / ulysses_attention"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the process group passed as `group`")
@@ -254,11 +271,17 @@ def _group_info(group):
 def _check_tensors(q, k, v, enable_gqa):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (this rank's CPU shard), got {type(x).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.Tensor (this rank's CPU shard), got {type(x).__name__}"
+            )
         if x.device.type != "cpu":
-            raise TypeError(f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use .cpu())")
+            raise TypeError(
+                f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use .cpu())"
+            )
         if x.layout != torch.strided:
-            raise TypeError(f"{name} has layout {x.layout}; only dense (strided) tensors are supported")
+            raise TypeError(
+                f"{name} has layout {x.layout}; only dense (strided) tensors are supported"
+            )
         if x.dtype not in _FLOAT:
             raise TypeError(f"{name} has dtype {x.dtype}; float32 or float64 is supported")
         if x.ndim != 4:
@@ -273,16 +296,22 @@ def _check_tensors(q, k, v, enable_gqa):
         raise ValueError(f"q has shape {tuple(q.shape)}: head dim d must be at least 1")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(
-            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match")
+            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match"
+        )
     if Bk != B:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: batch sizes differ")
+        raise ValueError(
+            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: batch sizes differ"
+        )
     if nk != n:
         raise ValueError(
             f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel self-attention "
-            "needs q and k/v shards of the same length")
+            "needs q and k/v shards of the same length"
+        )
     if Hkv != H:
         if not enable_gqa:
-            raise ValueError(f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention")
+            raise ValueError(
+                f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
+            )
         if Hkv == 0 or H % Hkv:
             raise ValueError(f"q has {H} heads, not a multiple of k/v's {Hkv} heads")
 
@@ -296,7 +325,9 @@ def _check_shards(q, k, v, cfg_codes, group, world):
         rows = [a.tolist() for a in allv]
         desc = "; ".join(
             f"rank {r}: q {tuple(int(x) for x in a[0:4])} k {tuple(int(x) for x in a[4:8])} "
-            f"v {tuple(int(x) for x in a[8:12])} options {a[12:]}" for r, a in enumerate(rows))
+            f"v {tuple(int(x) for x in a[8:12])} options {a[12:]}"
+            for r, a in enumerate(rows)
+        )
         raise ValueError(f"the ranks' shards or options differ (all must match): {desc}")
 
 
@@ -308,11 +339,22 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
     n = q.shape[2]
     if layout == "zigzag" and n % 2:
         raise ValueError(
-            f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}")
+            f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}"
+        )
     scale = check_scale(scale, q.shape[-1], q.detach().numpy().dtype)
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
-    extra = (tuple(extra_codes) + (0,) * 8)[:8]  # a fixed length: all_gather needs one size on every rank
-    codes = (_FLOAT.index(q.dtype), LAYOUTS.index(layout), bool(is_causal), bool(enable_gqa), scale, *w, *extra)
+    extra = (tuple(extra_codes) + (0,) * 8)[
+        :8
+    ]  # a fixed length: all_gather needs one size on every rank
+    codes = (
+        _FLOAT.index(q.dtype),
+        LAYOUTS.index(layout),
+        bool(is_causal),
+        bool(enable_gqa),
+        scale,
+        *w,
+        *extra,
+    )
     _check_shards(q, k, v, codes, group, world)
     return _Cfg(bool(is_causal), scale, bool(enable_gqa), window, layout, group, rank, world)
 
@@ -331,7 +373,11 @@ def _merge_(o_acc, lse_acc, o_b, lse_b):
     wa = torch.where(torch.isneginf(lse_acc), torch.zeros_like(safe), torch.exp(lse_acc - safe))
     wb = torch.where(torch.isneginf(lse_b), torch.zeros_like(safe), torch.exp(lse_b - safe))
     o_acc.mul_(wa.unsqueeze(-1))
-    o_acc.add_(torch.where((wb > 0).unsqueeze(-1) | torch.isnan(wb).unsqueeze(-1), o_b * wb.unsqueeze(-1), 0.0))
+    o_acc.add_(
+        torch.where(
+            (wb > 0).unsqueeze(-1) | torch.isnan(wb).unsqueeze(-1), o_b * wb.unsqueeze(-1), 0.0
+        )
+    )
     lse_acc.copy_(lse_new)
 
 
@@ -345,8 +391,10 @@ def _peer(cfg, delta):
 
 def _exchange(cfg, send_buf, recv_buf, tag):
     """Start sending send_buf to the next rank and receiving recv_buf from the previous one."""
-    return [dist.isend(send_buf, _peer(cfg, 1), group=cfg.group, tag=tag),
-            dist.irecv(recv_buf, _peer(cfg, -1), group=cfg.group, tag=tag)]
+    return [
+        dist.isend(send_buf, _peer(cfg, 1), group=cfg.group, tag=tag),
+        dist.irecv(recv_buf, _peer(cfg, -1), group=cfg.group, tag=tag),
+    ]
 
 
 def _wait(reqs):
@@ -362,7 +410,7 @@ def _unpack(buf, shapes):
     out, at = [], 0
     for s in shapes:
         m = int(np.prod(s))
-        out.append(buf[at:at + m].view(s))
+        out.append(buf[at : at + m].view(s))
         at += m
     return out
 
@@ -397,10 +445,18 @@ def _ring_forward(q, k, v, cfg, stats):
                 continue
             r0, r1, s0, s1, window = band
             ob, lb = af.scaled_dot_product_attention(
-                qn[:, :, qs + r0:qs + r1], kb[:, :, ks + s0:ks + s1], vb[:, :, ks + s0:ks + s1],
-                return_lse=True, **_sdpa_kwargs(cfg, window))
-            _merge_(o_acc[:, :, qs + r0:qs + r1], lse_acc[:, :, qs + r0:qs + r1],
-                    torch.from_numpy(ob), torch.from_numpy(lb))
+                qn[:, :, qs + r0 : qs + r1],
+                kb[:, :, ks + s0 : ks + s1],
+                vb[:, :, ks + s0 : ks + s1],
+                return_lse=True,
+                **_sdpa_kwargs(cfg, window),
+            )
+            _merge_(
+                o_acc[:, :, qs + r0 : qs + r1],
+                lse_acc[:, :, qs + r0 : qs + r1],
+                torch.from_numpy(ob),
+                torch.from_numpy(lb),
+            )
             blocks += 1
             pairs += npairs
         t1 = time.perf_counter()
@@ -408,7 +464,11 @@ def _ring_forward(q, k, v, cfg, stats):
         compute += t1 - t0
         wait += time.perf_counter() - t1
     if stats is not None:
-        stats.append(RingStats(compute, wait, time.perf_counter() - t_start, pairs * B * H, blocks, skipped, sent))
+        stats.append(
+            RingStats(
+                compute, wait, time.perf_counter() - t_start, pairs * B * H, blocks, skipped, sent
+            )
+        )
     return o_acc, lse_acc
 
 
@@ -437,15 +497,25 @@ def _ring_backward(dout, q, k, v, out, lse, cfg):
             rq, rk = slice(qs + r0, qs + r1), slice(ks + s0, ks + s1)
             kw = _sdpa_kwargs(cfg, window)
             gq, gk, gv = _local_backward(
-                dout[:, :, rq], q[:, :, rq], kb[:, :, rk], vb[:, :, rk], out[:, :, rq], lse[:, :, rq],
-                is_causal=kw["is_causal"], scale=cfg.scale, enable_gqa=cfg.enable_gqa,
-                window_size=kw.get("window_size"))
+                dout[:, :, rq],
+                q[:, :, rq],
+                kb[:, :, rk],
+                vb[:, :, rk],
+                out[:, :, rq],
+                lse[:, :, rq],
+                is_causal=kw["is_causal"],
+                scale=cfg.scale,
+                enable_gqa=cfg.enable_gqa,
+                window_size=kw.get("window_size"),
+            )
             dq[:, :, rq] += gq
             dkb[:, :, rk] += gk
             dvb[:, :, rk] += gv
         if cfg.world > 1:
             _wait(dkv_send)  # the other buffer is free again
-            dkv_send, dkv_recv = (lambda r: ([r[0]], [r[1]]))(_exchange(cfg, acc, dkv[(step + 1) % 2], _TAG_DKV))
+            dkv_send, dkv_recv = (lambda r: ([r[0]], [r[1]]))(
+                _exchange(cfg, acc, dkv[(step + 1) % 2], _TAG_DKV)
+            )
         _wait(kv_reqs)
     _wait(dkv_recv)
     _wait(dkv_send)
@@ -453,7 +523,9 @@ def _ring_backward(dout, q, k, v, out, lse, cfg):
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
-def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, window_size, **options):
+def _local_backward(
+    dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, window_size, **options
+):
     """One block's contribution to (dq, dk, dv) given the *global* out and lse.
 
     dout, q, out (B, H, Lq, ·); k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv); lse
@@ -468,9 +540,18 @@ def _local_backward(dout, q, k, v, out, lse, *, is_causal, scale, enable_gqa, wi
     """
     dt = q.dtype
     res = af.scaled_dot_product_attention_backward(
-        dout.detach().to(dt).numpy(), q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
-        out.detach().to(dt).numpy(), lse.detach().to(dt).numpy(),
-        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window_size=window_size, **options)
+        dout.detach().to(dt).numpy(),
+        q.detach().numpy(),
+        k.detach().numpy(),
+        v.detach().numpy(),
+        out.detach().to(dt).numpy(),
+        lse.detach().to(dt).numpy(),
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        window_size=window_size,
+        **options,
+    )
     return tuple(torch.from_numpy(np.asarray(x)) for x in res[:3])
 
 
@@ -490,12 +571,26 @@ class _RingFn(torch.autograd.Function):
         q, k, v, out, lse64 = ctx.saved_tensors
         if dout is None:
             return None, None, None, None, None
-        dq, dk, dv = _ring_backward(dout.contiguous(), q.detach(), k.detach(), v.detach(), out, lse64, ctx.cfg)
+        dq, dk, dv = _ring_backward(
+            dout.contiguous(), q.detach(), k.detach(), v.detach(), out, lse64, ctx.cfg
+        )
         return dq, dk, dv, None, None
 
 
-def ring_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, group=None,
-                   layout="zigzag", window_size=None, return_lse=False, return_stats=False):
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    group=None,
+    layout="zigzag",
+    window_size=None,
+    return_lse=False,
+    return_stats=False,
+):
     """Context-parallel attention: this rank's shard of softmax(scale·q kᵀ + mask) v.
 
     q : (B, H, n, d) float32/float64 CPU torch tensor, this rank's n = L/P rows
@@ -527,7 +622,9 @@ def ring_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, gr
     Differentiable in q, k and v (not in lse). Returns out (B, H, n, dv) of
     q's dtype, or a tuple (out, lse, stats) of those asked for.
     """
-    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(0,))
+    cfg = _prepare(
+        q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(0,)
+    )
     stats = [] if return_stats else None
     out, lse = _RingFn.apply(q, k, v, cfg, stats)
     extra = ([lse] if return_lse else []) + ([stats[0]] if return_stats else [])
@@ -590,8 +687,16 @@ class _UlyssesFn(torch.autograd.Function):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         qh, kh, vh = (_seq_to_heads(x.detach(), cfg) for x in (q, k, v))
         oh, lh = af.scaled_dot_product_attention(
-            qh.numpy(), kh.numpy(), vh.numpy(), is_causal=cfg.is_causal, scale=cfg.scale,
-            enable_gqa=cfg.enable_gqa, window_size=cfg.window, return_lse=True, **sdpa_kw)
+            qh.numpy(),
+            kh.numpy(),
+            vh.numpy(),
+            is_causal=cfg.is_causal,
+            scale=cfg.scale,
+            enable_gqa=cfg.enable_gqa,
+            window_size=cfg.window,
+            return_lse=True,
+            **sdpa_kw,
+        )
         oh, lh = torch.from_numpy(oh), torch.from_numpy(lh)
         out = _heads_to_seq(oh, cfg, n)
         # lse back to sequence shards only when asked for (the backward uses the head shards)
@@ -609,8 +714,19 @@ class _UlyssesFn(torch.autograd.Function):
         qh, kh, vh, oh, lh = ctx.saved_tensors
         cfg, n = ctx.cfg, ctx.n
         doh = _seq_to_heads(dout.contiguous(), cfg)
-        gq, gk, gv = _local_backward(doh, qh, kh, vh, oh, lh, is_causal=cfg.is_causal, scale=cfg.scale,
-                                     enable_gqa=cfg.enable_gqa, window_size=cfg.window, **ctx.sdpa_kw)
+        gq, gk, gv = _local_backward(
+            doh,
+            qh,
+            kh,
+            vh,
+            oh,
+            lh,
+            is_causal=cfg.is_causal,
+            scale=cfg.scale,
+            enable_gqa=cfg.enable_gqa,
+            window_size=cfg.window,
+            **ctx.sdpa_kw,
+        )
         dq, dk, dv = (_heads_to_seq(g.to(qh.dtype).contiguous(), cfg, n) for g in (gq, gk, gv))
         if ctx.rep > 1:
             B, Hr, _, _ = dk.shape
@@ -619,9 +735,23 @@ class _UlyssesFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, enable_gqa=False, group=None,
-                      layout="zigzag", window_size=None, return_lse=False, softcap=None,
-                      alibi_slopes=None, sinks=None):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    group=None,
+    layout="zigzag",
+    window_size=None,
+    return_lse=False,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+):
     """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this rank's shard of the output.
 
     q : (B, H, n, d), k : (B, H_kv, n, d), v : (B, H_kv, n, dv): this rank's
@@ -653,19 +783,24 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
     H, Hkv = q.shape[1], k.shape[1]
     if H % world:
         raise ValueError(
-            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)")
+            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)"
+        )
     rep = 1 if Hkv % world == 0 else H // Hkv
     # 1 = Ulysses (0 = ring: a rank calling the other function fails the check instead of hanging)
     used = tuple(x is not None for x in (attn_mask, softcap, alibi_slopes, sinks))
-    cfg = _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(1, *used))
+    cfg = _prepare(
+        q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, extra_codes=(1, *used)
+    )
     if rep > 1:
         cfg = dataclasses.replace(cfg, enable_gqa=False)
     h = H // world
     heads = slice(rank * h, (rank + 1) * h)
     sdpa_kw = {}
     if isinstance(sinks, torch.Tensor) and sinks.requires_grad and torch.is_grad_enabled():
-        raise ValueError("ulysses_attention takes sinks as constants (no gradient); pass sinks.detach(), "
-                         "or attn_fast.torch.scaled_dot_product_attention on one process for their gradient")
+        raise ValueError(
+            "ulysses_attention takes sinks as constants (no gradient); pass sinks.detach(), "
+            "or attn_fast.torch.scaled_dot_product_attention on one process for their gradient"
+        )
     if attn_mask is not None:
         sdpa_kw["attn_mask"] = _mask_heads(attn_mask, H, heads)
     if softcap is not None:
@@ -674,7 +809,9 @@ def ulysses_attention(q, k, v, attn_mask=None, *, is_causal=False, scale=None, e
         if val is not None:
             arr = np.asarray(val.detach() if isinstance(val, torch.Tensor) else val).reshape(-1)
             if arr.shape != (H,):
-                raise ValueError(f"{name} must have one value per query head ({H},), got shape {np.shape(val)}")
+                raise ValueError(
+                    f"{name} must have one value per query head ({H},), got shape {np.shape(val)}"
+                )
             sdpa_kw[name] = arr[heads]
     out, lse = _UlyssesFn.apply(q, k, v, cfg, rep, sdpa_kw, bool(return_lse))
     return (out, lse) if return_lse else out

@@ -74,7 +74,9 @@ def _to4(x, name):
         return x[None]
     if x.ndim == 4:
         return x
-    raise ValueError(f"{name} must have 2, 3 or 4 dimensions ((L, d), (H, L, d) or (B, H, L, d)), got shape {shape_str(x)}")
+    raise ValueError(
+        f"{name} must have 2, 3 or 4 dimensions ((L, d), (H, L, d) or (B, H, L, d)), got shape {shape_str(x)}"
+    )
 
 
 class KernelStats(NamedTuple):
@@ -109,10 +111,16 @@ def _mask_arrays(attn_mask):
     if isinstance(attn_mask, (list, tuple)):
         return [a for m in attn_mask for a in _mask_arrays(m)]
     if isinstance(attn_mask, masks.Mask):
-        return [a for p in attn_mask._parts() for a in (getattr(p, "array", None), getattr(p, "layout", None))
-                if isinstance(a, np.ndarray)]
+        return [
+            a
+            for p in attn_mask._parts()
+            for a in (getattr(p, "array", None), getattr(p, "layout", None))
+            if isinstance(a, np.ndarray)
+        ]
     try:
-        return [np.asarray(detached(attn_mask))]  # a tensor or other array-like: the memory the kernel will read
+        return [
+            np.asarray(detached(attn_mask))
+        ]  # a tensor or other array-like: the memory the kernel will read
     except Exception:  # noqa: BLE001 - reported by the mask checks themselves
         return []
 
@@ -135,7 +143,9 @@ def _window_kwargs(window_size):
     left = -1 if left is None else check_int(left, "window_size[0]")  # 2.5 and True are not sizes
     right = -1 if right is None else check_int(right, "window_size[1]")
     if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}")
+        raise ValueError(
+            f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}"
+        )
     left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result
     return {"window_left": left, "window_right": right, "_align": "bottom_right"}
 
@@ -155,7 +165,9 @@ def _score_kwargs(Hq, dtype, softcap, alibi_slopes, sinks):
                 raise TypeError(f"{name} must be real, got a complex {type(val).__name__}")
             arr = np.ascontiguousarray(np.asarray(val, dtype=dtype).reshape(-1))
             if arr.shape != (Hq,):
-                raise ValueError(f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}")
+                raise ValueError(
+                    f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}"
+                )
             kw["alibi" if name == "alibi_slopes" else "sinks"] = arr
     return kw
 
@@ -184,7 +196,9 @@ def _half_mask(attn_mask):
     if attn_mask is None or isinstance(attn_mask, (list, tuple, masks.Mask)):
         return attn_mask
     if type(attn_mask).__module__.startswith("torch") and str(getattr(attn_mask, "dtype", "")) in (
-            "torch.bfloat16", "torch.float16"):
+        "torch.bfloat16",
+        "torch.float16",
+    ):
         return attn_mask.detach().float().cpu().numpy()
     if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.name == "bfloat16":
         return attn_mask.astype(np.float32)
@@ -201,7 +215,9 @@ def _check_qkv(q, k, v, enable_gqa):
     check_same_dtype(q=q, k=k, v=v)
     if not (q.ndim == k.ndim and (v is None or v.ndim == q.ndim)):
         vs = "" if v is None else f", v {shape_str(v)}"
-        raise ValueError(f"q, k and v must have the same number of dimensions, got q {shape_str(q)}, k {shape_str(k)}{vs}")
+        raise ValueError(
+            f"q, k and v must have the same number of dimensions, got q {shape_str(q)}, k {shape_str(k)}{vs}"
+        )
     q4, k4 = _to4(q, "q"), _to4(k, "k")
     B, Hq, Lq, d = q4.shape
     Bk, Hkv, Lk, dk = k4.shape
@@ -215,9 +231,13 @@ def _check_qkv(q, k, v, enable_gqa):
         v4 = _to4(v, "v")
         Bv, Hv, Lv, dv = v4.shape
         if (Bk, Hkv, Lk) != (Bv, Hv, Lv):
-            raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match")
+            raise ValueError(
+                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match"
+            )
     if Bk != B:
-        raise ValueError(f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ")
+        raise ValueError(
+            f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ"
+        )
     _check_heads(Hq, Hkv, enable_gqa)
     return q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv)
 
@@ -240,7 +260,11 @@ def _check_backend(backend):
 def _qkv_names(q, k, v, query, key, value):
     """q/k/v given positionally (or as q=, k=, v=) or under torch's names query=, key=, value=."""
     got = []
-    for short, long_name, a, b in (("q", "query", q, query), ("k", "key", k, key), ("v", "value", v, value)):
+    for short, long_name, a, b in (
+        ("q", "query", q, query),
+        ("k", "key", k, key),
+        ("v", "value", v, value),
+    ):
         if a is not None and b is not None:
             raise TypeError(f"got both {short} and {long_name}; pass one of them")
         got.append(a if b is None else b)
@@ -255,7 +279,8 @@ def _check_dropout(dropout_p):
     if p != 0.0:
         raise ValueError(
             f"dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got {dropout_p!r}; "
-            "apply dropout to the output or call torch's own SDPA when training with attention dropout")
+            "apply dropout to the output or call torch's own SDPA when training with attention dropout"
+        )
     return p
 
 
@@ -383,7 +408,10 @@ def scaled_dot_product_attention(
     q, k, v = _qkv_names(q, k, v, query, key, value)
     _check_dropout(dropout_p)
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    return_lse, return_weights = check_bool(return_lse, "return_lse"), check_bool(return_weights, "return_weights")
+    return_lse, return_weights = (
+        check_bool(return_lse, "return_lse"),
+        check_bool(return_weights, "return_weights"),
+    )
     return_stats = check_bool(return_stats, "return_stats")
     like = q
     q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
@@ -409,20 +437,42 @@ def scaled_dot_product_attention(
     if use_decode and (return_stats or not _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
         raise ValueError(
             "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
-            f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}")
-    if (backend == "fused" and not return_stats and Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK
-            and _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
+            f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}"
+        )
+    if (
+        backend == "fused"
+        and not return_stats
+        and Lq <= DECODE_MAX_LQ
+        and Lk >= DECODE_MIN_LK
+        and _decode_ok(kw, B, k4.shape[0], block_q, block_k)
+    ):
         use_decode = True
     if use_decode:
         if o.size or (lse is not None and lse.size):
-            _core.decode(q4, k4, v4, _to4(o, "out"), lse, scale=scale,
-                         **{key: val for key, val in kw.items() if val is not None})
+            _core.decode(
+                q4,
+                k4,
+                v4,
+                _to4(o, "out"),
+                lse,
+                scale=scale,
+                **{key: val for key, val in kw.items() if val is not None},
+            )
     elif o.size or (lse is not None and lse.size):
-        stats = KernelStats(*_core.forward(
-            q4, k4, v4, _to4(o, "out"), lse,
-            scale=scale, block_q=block_q, block_k=block_k,
-            reference=(backend == "reference"), **kw,
-        ))
+        stats = KernelStats(
+            *_core.forward(
+                q4,
+                k4,
+                v4,
+                _to4(o, "out"),
+                lse,
+                scale=scale,
+                block_q=block_q,
+                block_k=block_k,
+                reference=(backend == "reference"),
+                **kw,
+            )
+        )
     extra = []
     if return_lse:
         extra.append(lse)
@@ -524,7 +574,9 @@ def attention_weights(
         attn_mask = _half_mask(attn_mask)
     kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
     kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
-    P = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force))
+    P = _weights(
+        q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force)
+    )
     return to_input_kind(from_float(P, q.dtype).reshape(q.shape[:-1] + (Lk,)), like)
 
 
@@ -558,7 +610,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     check_same_dtype(q=q, k=k, v=v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
-            raise ValueError(f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}")
+            raise ValueError(
+                f"{name} must be (total, heads, dim) for varlen attention, got shape {shape_str(x)}"
+            )
     Tq, Hq, d = q.shape
     Tk, Hkv, dk = k.shape
     if dk != d:
@@ -566,7 +620,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if d == 0:
         raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
     if v.shape[:2] != (Tk, Hkv):
-        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match")
+        raise ValueError(
+            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match"
+        )
     _check_heads(Hq, Hkv, True)
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
@@ -574,9 +630,14 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(
             f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
         )
-    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+    for name, mx, cu in (
+        ("max_seqlen_q", max_seqlen_q, cu_q),
+        ("max_seqlen_k", max_seqlen_k, cu_k),
+    ):
         if mx is not None and cu.size > 1 and check_int(mx, name, 0) < int(np.diff(cu).max()):
-            raise ValueError(f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})")
+            raise ValueError(
+                f"{name} = {mx} is shorter than the longest sequence ({int(np.diff(cu).max())})"
+            )
     return q, k, v, cu_q, cu_k
 
 
@@ -638,9 +699,14 @@ def varlen_attention(
     ``scaled_dot_product_attention`` does.
     """
     causal = check_bool(causal, "causal")
-    return_lse, return_stats = check_bool(return_lse, "return_lse"), check_bool(return_stats, "return_stats")
+    return_lse, return_stats = (
+        check_bool(return_lse, "return_lse"),
+        check_bool(return_stats, "return_stats"),
+    )
     like = q
-    q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=True)
+    q, k, v, cu_q, cu_k = check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=True
+    )
     (Tq, Hq, d), dv = q.shape, v.shape[2]
     scale = check_scale(scale, d, q.dtype)
     _check_backend(backend)
@@ -648,7 +714,11 @@ def varlen_attention(
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")
 
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    o = np.empty((Tq, Hq, dv), dtype=q.dtype) if out is None else check_out(out, (Tq, Hq, dv), q.dtype)
+    o = (
+        np.empty((Tq, Hq, dv), dtype=q.dtype)
+        if out is None
+        else check_out(out, (Tq, Hq, dv), q.dtype)
+    )
     target = None
     if out is not None:
         o, target = alias_safe(o, q, k, v, alibi_slopes, sinks)
@@ -659,12 +729,22 @@ def varlen_attention(
     stats = KernelStats(0, 0, 0, 0)
     if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
         # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
-        stats = KernelStats(*_core.forward(
-            q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None],
-            o.transpose(1, 0, 2)[None], lse, cu_q=cu_q, cu_k=cu_k,
-            scale=scale, block_q=block_q, block_k=block_k,
-            reference=(backend == "reference"), **kw,
-        ))
+        stats = KernelStats(
+            *_core.forward(
+                q.transpose(1, 0, 2)[None],
+                k.transpose(1, 0, 2)[None],
+                v.transpose(1, 0, 2)[None],
+                o.transpose(1, 0, 2)[None],
+                lse,
+                cu_q=cu_q,
+                cu_k=cu_k,
+                scale=scale,
+                block_q=block_q,
+                block_k=block_k,
+                reference=(backend == "reference"),
+                **kw,
+            )
+        )
     elif o.size:
         o[...] = 0
         if lse is not None:
@@ -690,9 +770,13 @@ def check_textbook_args(X, Wq, Wk, Wv):
     D = X.shape[-1]
     for name, W in (("Wq", Wq), ("Wk", Wk), ("Wv", Wv)):
         if W.ndim != 2 or W.shape[1] != D:
-            raise ValueError(f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}")
+            raise ValueError(
+                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}"
+            )
     if Wq.shape[0] != Wk.shape[0]:
-        raise ValueError(f"Wq has shape {shape_str(Wq)} but Wk has shape {shape_str(Wk)}: d must match")
+        raise ValueError(
+            f"Wq has shape {shape_str(Wq)} but Wk has shape {shape_str(Wk)}: d must match"
+        )
     return X, Wq, Wk, Wv
 
 
@@ -718,5 +802,7 @@ def attention(X, Wq, Wk, Wv, causal=False):
     else:
         Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (…, L, d): three personas
     # (…, L, d) -> (…, 1, L, d): one head, a view.
-    O = scaled_dot_product_attention(Q[..., None, :, :], K[..., None, :, :], V[..., None, :, :], is_causal=causal)
+    O = scaled_dot_product_attention(
+        Q[..., None, :, :], K[..., None, :, :], V[..., None, :, :], is_causal=causal
+    )
     return to_input_kind(np.ascontiguousarray(O[..., 0, :, :]), like)

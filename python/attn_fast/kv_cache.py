@@ -45,8 +45,23 @@ import numpy as np
 
 from . import _core, _cyloops, _loops
 from ._checks import (
-    BF16, F16, FLOAT_DTYPES, HALF_DTYPES, alias_safe, as_float_array, bf16_bits, check_int, check_out,
-    check_same_dtype, check_scale, compute_dtype, dtype_name, from_float, half_result, shape_str, to_float,
+    BF16,
+    F16,
+    FLOAT_DTYPES,
+    HALF_DTYPES,
+    alias_safe,
+    as_float_array,
+    bf16_bits,
+    check_int,
+    check_out,
+    check_same_dtype,
+    check_scale,
+    compute_dtype,
+    dtype_name,
+    from_float,
+    half_result,
+    shape_str,
+    to_float,
     to_input_kind,
 )
 from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
@@ -86,13 +101,17 @@ def _per_seq(x, B, name, upper=None):
     """An int or (B,) int array -> (B,) int64 array, checked to lie in [0, upper]."""
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}")
+        raise TypeError(
+            f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}"
+        )
     if arr.size and arr.max() > np.iinfo(np.int64).max:  # uint64
         raise ValueError(f"{name} holds values beyond int64, max {arr.max()}")
     if arr.ndim == 0:
         arr = np.full(B, int(arr), dtype=np.int64)
     elif arr.shape != (B,):
-        raise ValueError(f"{name} must be an int or have shape ({B},) (one per sequence), got shape {arr.shape}")
+        raise ValueError(
+            f"{name} must be an int or have shape ({B},) (one per sequence), got shape {arr.shape}"
+        )
     arr = arr.astype(np.int64)
     if (arr < 0).any():
         raise ValueError(f"{name} must be >= 0, got {arr.tolist()}")
@@ -113,9 +132,9 @@ def _write_numpy(buf, x, first, count):
         if c == 0:
             continue
         n1 = min(c, R - w0)
-        buf[b, :, w0:w0 + n1] = x[b, :, :n1]
+        buf[b, :, w0 : w0 + n1] = x[b, :, :n1]
         if n1 < c:  # wrap around (ring only)
-            buf[b, :, :c - n1] = x[b, :, n1:c]
+            buf[b, :, : c - n1] = x[b, :, n1:c]
 
 
 class KVCache:
@@ -149,12 +168,24 @@ class KVCache:
         the 16-bit dtypes).
     """
 
-    def __init__(self, batch, num_kv_heads, head_dim, capacity=256, v_head_dim=None, dtype=np.float32,
-                 window=None, growable=True, ring=None):
+    def __init__(
+        self,
+        batch,
+        num_kv_heads,
+        head_dim,
+        capacity=256,
+        v_head_dim=None,
+        dtype=np.float32,
+        window=None,
+        growable=True,
+        ring=None,
+    ):
         self.batch = check_int(batch, "batch", 1)
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
+        self.v_head_dim = (
+            self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
+        )
         self.dtype = _cache_dtype(dtype)
         self._half = self.dtype in HALF_DTYPES
         self.growable = bool(growable)
@@ -199,9 +230,11 @@ class KVCache:
 
     def __repr__(self):
         w = f", window={self.window}" if self.window is not None else ""
-        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={dtype_name(self.dtype)}, "
-                f"lengths={self._n.tolist()})")
+        return (
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={dtype_name(self.dtype)}, "
+            f"lengths={self._n.tolist()})"
+        )
 
     def reset(self):
         """Forget every token (storage is kept)."""
@@ -223,8 +256,8 @@ class KVCache:
     def _gather(self, buf, b):
         s, n, R = int(self._start[b]), int(self._n[b]), self.capacity
         if s + n <= R:
-            return buf[b, :, s:s + n]
-        return np.concatenate([buf[b, :, s:], buf[b, :, :s + n - R]], axis=1)
+            return buf[b, :, s : s + n]
+        return np.concatenate([buf[b, :, s:], buf[b, :, : s + n - R]], axis=1)
 
     # ---- writing ---------------------------------------------------------------
     def _resize(self, new_cap):
@@ -240,8 +273,10 @@ class KVCache:
         self._start[:] = 0
 
     def _dtype_error(self, name, x):
-        return TypeError(f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
-                         f"cast it first ({_cast_hint(self.dtype)})")
+        return TypeError(
+            f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
+            f"cast it first ({_cast_hint(self.dtype)})"
+        )
 
     def _check_chunk(self, x, name, dim):
         x = as_float_array(x, name, half=True)
@@ -249,7 +284,8 @@ class KVCache:
         if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
             raise ValueError(
                 f"{name} has shape {shape_str(x)}, expected (batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
-                f" = ({B}, {H}, L_new, {dim})")
+                f" = ({B}, {H}, L_new, {dim})"
+            )
         if x.dtype != self.dtype:
             raise self._dtype_error(name, x)
         return x
@@ -274,8 +310,14 @@ class KVCache:
         v = self._check_chunk(v, "v", self.v_head_dim)
         L = k.shape[2]
         if v.shape[2] != L:
-            raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ")
-        new = np.full(self.batch, L, dtype=np.int64) if lengths is None else _per_seq(lengths, self.batch, "lengths", L)
+            raise ValueError(
+                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
+            )
+        new = (
+            np.full(self.batch, L, dtype=np.int64)
+            if lengths is None
+            else _per_seq(lengths, self.batch, "lengths", L)
+        )
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
         if rope is not None and rope.head_dim != self.head_dim:
@@ -287,7 +329,8 @@ class KVCache:
                 if not self.growable:
                     raise ValueError(
                         f"appending {new.tolist()} tokens to lengths {self._n.tolist()} exceeds the fixed capacity {R}"
-                        " (growable=False)")
+                        " (growable=False)"
+                    )
                 self._resize(max(2 * R, need))
         else:
             room = R - self.window + 1
@@ -297,7 +340,8 @@ class KVCache:
                     raise ValueError(
                         f"a chunk of {big} tokens does not fit the ring of {R} slots with window {self.window}"
                         f" (at most ring - window + 1 = {room} per append; use forward() or smaller chunks,"
-                        " or growable=True)")
+                        " or growable=True)"
+                    )
                 self._resize(self.window - 1 + big)
         R = self.capacity
         first = (self._start + self._n) % R  # first slot to write, per sequence
@@ -310,9 +354,20 @@ class KVCache:
                 if _loops.USE_CYTHON:
                     # Row t of sequence b is at position pos[b] + t; beyond RoPE's cached
                     # table the rows are computed for these B x L positions only.
-                    c, s, idx = rope._rows(self._pos[:, None] + np.arange(L, dtype=np.int64), self.dtype)
-                    _cyloops.cache_write(self._k, k, first, new, c, s, np.ascontiguousarray(idx[:, 0]),
-                                         rope.interleaved, num_threads=_loops.threads())
+                    c, s, idx = rope._rows(
+                        self._pos[:, None] + np.arange(L, dtype=np.int64), self.dtype
+                    )
+                    _cyloops.cache_write(
+                        self._k,
+                        k,
+                        first,
+                        new,
+                        c,
+                        s,
+                        np.ascontiguousarray(idx[:, 0]),
+                        rope.interleaved,
+                        num_threads=_loops.threads(),
+                    )
                 else:
                     pos = self._pos[:, None] + np.arange(L)
                     _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
@@ -349,17 +404,22 @@ class KVCache:
         """
         n = _per_seq(n, self.batch, "n")
         if (n > self._pos).any():
-            raise ValueError(f"cannot truncate to {n.tolist()}: beyond the current lengths {self._pos.tolist()}")
+            raise ValueError(
+                f"cannot truncate to {n.tolist()}: beyond the current lengths {self._pos.tolist()}"
+            )
         drop = self._pos - n
         keep = self._n - drop
         if (keep < 0).any():
-            raise ValueError(f"cannot truncate to {n.tolist()}: the ring no longer holds those positions")
+            raise ValueError(
+                f"cannot truncate to {n.tolist()}: the ring no longer holds those positions"
+            )
         if self.window is not None:
             need = np.minimum(n, self.window - 1)
             if (keep < need).any():
                 raise ValueError(
                     f"cannot truncate to {n.tolist()}: the ring (stored {self._n.tolist()} of positions"
-                    f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it")
+                    f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it"
+                )
         self._n = keep
         self._pos = n.copy()
         self._start = np.where(keep == 0, 0, self._start)
@@ -373,11 +433,17 @@ class KVCache:
             raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
         B, Hq, Lq, d = q.shape
         if B != self.batch:
-            raise ValueError(f"q has shape {shape_str(q)}: batch {B} but the cache holds {self.batch} sequences")
+            raise ValueError(
+                f"q has shape {shape_str(q)}: batch {B} but the cache holds {self.batch} sequences"
+            )
         if d != self.head_dim:
-            raise ValueError(f"q has shape {shape_str(q)}: head dim {d} but the cache stores keys of dim {self.head_dim}")
+            raise ValueError(
+                f"q has shape {shape_str(q)}: head dim {d} but the cache stores keys of dim {self.head_dim}"
+            )
         if Hq % self.num_kv_heads != 0:
-            raise ValueError(f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads")
+            raise ValueError(
+                f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads"
+            )
         if q.dtype != self.dtype:
             raise self._dtype_error("q", q)
         return q
@@ -417,7 +483,9 @@ class KVCache:
         else:
             ql = _per_seq(q_lens, B, "q_lens", Lq)
         if (ql > self._n).any() and causal:
-            raise ValueError(f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first")
+            raise ValueError(
+                f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first"
+            )
         if self.window is not None:
             # The first query row of sequence b sits at position pos - ql and sees
             # keys from pos - ql - (window - 1): the ring must still hold them.
@@ -428,7 +496,8 @@ class KVCache:
                 raise ValueError(
                     f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, but the ring of "
                     f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
-                    f"(window {self.window}); attend right after appending the chunk, or use a larger ring")
+                    f"(window {self.window}); attend right after appending the chunk, or use a larger ring"
+                )
         scale = check_scale(scale, d, self.dtype)
         shape = (B, Hq, Lq, self.v_head_dim)
         target = None  # the caller's out when it shares memory with q or the storage
@@ -450,15 +519,19 @@ class KVCache:
         if self.window is not None:
             kw["window_left"] = self.window - 1
         Lq = q.shape[2]
-        plain = not ((self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any())
-        if Lq <= DECODE_MAX_LQ or not plain:  # longer chunks (prefill): the tiled kernel, unless the ring wraps
+        plain = not (
+            (self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any()
+        )
+        if (
+            Lq <= DECODE_MAX_LQ or not plain
+        ):  # longer chunks (prefill): the tiled kernel, unless the ring wraps
             # Split-KV decode kernel: reads the ring in place (logical key j of
             # sequence b is slot (start[b] + j) mod capacity).
             _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
         else:  # prefill-sized chunk over contiguous keys: the tiled kernel on a view
             s = int(self._start[0])
             maxn = int(self._n.max())
-            _core.forward(q, self._k[:, :, s:s + maxn], self._v[:, :, s:s + maxn], o, lse, **kw)
+            _core.forward(q, self._k[:, :, s : s + maxn], self._v[:, :, s : s + maxn], o, lse, **kw)
 
     def forward(self, q, k, v, scale=None, return_lse=False):
         """append(k, v) then attend(q), in pieces that fit a window ring.
@@ -474,11 +547,15 @@ class KVCache:
         scale = check_scale(scale, self.head_dim, self.dtype)  # checked before anything is appended
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
-            raise ValueError(f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
+            raise ValueError(
+                f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
+            )
         step = L if self.window is None else max(1, self.capacity - self.window + 1)
         o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.dtype)
         lse = np.empty(q.shape[:3], dtype=compute_dtype(self.dtype)) if return_lse else None
-        tag = bf16_bits if self.dtype == BF16 else (lambda x: x)  # checked arrays back in as bfloat16
+        tag = (
+            bf16_bits if self.dtype == BF16 else (lambda x: x)
+        )  # checked arrays back in as bfloat16
         for t in range(0, max(L, 1), step):
             sl = slice(t, min(L, t + step))
             self.append(tag(k[:, :, sl]), tag(v[:, :, sl]))
@@ -558,7 +635,8 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     if lse_a.shape != o_a.shape[:-1] or lse_b.shape != o_a.shape[:-1]:
         raise ValueError(
             f"lse_a {shape_str(lse_a)} and lse_b {shape_str(lse_b)} must have o's shape without the last axis, "
-            f"{o_a.shape[:-1]}")
+            f"{o_a.shape[:-1]}"
+        )
     dt = np.result_type(o_a, o_b, lse_a, lse_b)
     m = np.maximum(lse_a, lse_b)
     empty = np.isneginf(m)
@@ -573,5 +651,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         ca = np.where(((wa > 0) | np.isnan(wa))[..., None], o_a * (wa * inv)[..., None], 0)
         cb = np.where(((wb > 0) | np.isnan(wb))[..., None], o_b * (wb * inv)[..., None], 0)
         o = (ca + cb).astype(dt, copy=False)
-        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1, tot))).astype(dt, copy=False)
+        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1, tot))).astype(
+            dt, copy=False
+        )
     return to_input_kind((o, lse), like)

@@ -89,7 +89,9 @@ def _broadcast4(arr, shape, name, what):
     try:
         return np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
     except ValueError:
-        raise ValueError(f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = {_shape_str(shape)}") from None
+        raise ValueError(
+            f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = {_shape_str(shape)}"
+        ) from None
 
 
 class Mask:
@@ -117,7 +119,9 @@ class Mask:
 
     def _kernel_kwargs(self, *, B, H, Lq, Lk, dtype):
         """Keyword arguments for ``_core.forward`` (see attention.h's AttnArgs)."""
-        return merge_kwargs([p._kw(B, H, Lq, Lk, np.dtype(dtype)) for p in self._parts()], B, Lq, Lk)
+        return merge_kwargs(
+            [p._kw(B, H, Lq, Lk, np.dtype(dtype)) for p in self._parts()], B, Lq, Lk
+        )
 
     def to_dense(self, B, H, Lq, Lk):
         """Boolean (B, H, Lq, Lk) array: True where query i may see key j.
@@ -213,7 +217,9 @@ def _lens(x, name, B, L):
     if a.ndim == 0:
         a = np.full(B, a, dtype=np.int64)
     if a.shape != (B,):
-        raise ValueError(f"{name} must have one length per batch entry, shape ({B},), got shape {_shape_str(a.shape)}")
+        raise ValueError(
+            f"{name} must have one length per batch entry, shape ({B},), got shape {_shape_str(a.shape)}"
+        )
     if a.size and (a.min() < 0 or a.max() > L):
         raise ValueError(f"{name} must lie in [0, {L}], got values in [{a.min()}, {a.max()}]")
     return a.astype(np.int64)  # a fresh copy: aligned, native, contiguous (the kernel reads it raw)
@@ -282,7 +288,9 @@ class BlockSparse(Mask):
     def __init__(self, layout, block_q, block_k=None):
         lay = np.asarray(detached(layout))
         if lay.dtype != np.bool_:
-            raise MaskTypeError(f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}")
+            raise MaskTypeError(
+                f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}"
+            )
         if lay.ndim < 2 or lay.ndim > 4:
             raise ValueError(
                 f"BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape {_shape_str(lay.shape)}"
@@ -313,7 +321,9 @@ class BlockSparse(Mask):
         a, b = _common_blocks(self, other)
         nq = max(a.layout.shape[-2], b.layout.shape[-2])
         nk = max(a.layout.shape[-1], b.layout.shape[-1])
-        return BlockSparse(_pad_layout(a.layout, nq, nk) | _pad_layout(b.layout, nq, nk), a.block_q, a.block_k)
+        return BlockSparse(
+            _pad_layout(a.layout, nq, nk) | _pad_layout(b.layout, nq, nk), a.block_q, a.block_k
+        )
 
     def __repr__(self):
         return (
@@ -343,7 +353,9 @@ class BlockSparse(Mask):
         width = _check_int(width, "width", 1)
         if _loops.USE_CYTHON:
             lo = 0 if causal else 1 - width
-            keep = _cyloops.band_layout(x.shape[0], lo, width - 1, 0, False, num_threads=_loops.threads())
+            keep = _cyloops.band_layout(
+                x.shape[0], lo, width - 1, 0, False, num_threads=_loops.threads()
+            )
         else:
             keep = _local_numpy(x, y, width, causal)
         return cls(keep, block, block)
@@ -361,13 +373,17 @@ class BlockSparse(Mask):
         stride = _check_int(stride, "stride", 1)
         if _loops.USE_CYTHON:
             lo = 0 if causal else 1 - stride
-            keep = _cyloops.band_layout(x.shape[0], lo, stride - 1, stride, not causal, num_threads=_loops.threads())
+            keep = _cyloops.band_layout(
+                x.shape[0], lo, stride - 1, stride, not causal, num_threads=_loops.threads()
+            )
         else:
             keep = _strided_numpy(x, y, stride, causal)
         return cls(keep, block, block)
 
     @classmethod
-    def global_tokens(cls, seq_len, block, global_blocks=1, width=1, random_blocks=0, causal=False, seed=0):
+    def global_tokens(
+        cls, seq_len, block, global_blocks=1, width=1, random_blocks=0, causal=False, seed=0
+    ):
         """Longformer / BigBird pattern: global anchors + local band (+ random).
 
         global_blocks : int n (the first n blocks) or a list of block indices.
@@ -382,17 +398,25 @@ class BlockSparse(Mask):
         n = x.shape[0]
         width = _check_int(width, "width", 0)
         random_blocks = _check_int(random_blocks, "random_blocks", 0)
-        if isinstance(global_blocks, numbers.Integral) and not isinstance(global_blocks, (bool, np.bool_)):
+        if isinstance(global_blocks, numbers.Integral) and not isinstance(
+            global_blocks, (bool, np.bool_)
+        ):
             g = np.arange(min(_check_int(global_blocks, "global_blocks", 0), n))
         else:
             g = np.asarray(global_blocks)
             if g.size and (g.dtype.kind not in "iu"):  # 2.5 or [True] are not block indices
-                raise MaskTypeError(f"global_blocks must be an int or block indices, got {global_blocks!r}")
+                raise MaskTypeError(
+                    f"global_blocks must be an int or block indices, got {global_blocks!r}"
+                )
             g = g.astype(np.int64).reshape(-1)
             if g.size and (g.min() < 0 or g.max() >= n):
-                raise ValueError(f"global_blocks must be block indices in [0, {n}), got {g.tolist()}")
+                raise ValueError(
+                    f"global_blocks must be block indices in [0, {n}), got {g.tolist()}"
+                )
         if _loops.USE_CYTHON:
-            keep = _cyloops.band_layout(n, 1 - width, width - 1, 0, False, num_threads=_loops.threads())
+            keep = _cyloops.band_layout(
+                n, 1 - width, width - 1, 0, False, num_threads=_loops.threads()
+            )
         else:
             keep = (x - y < width) & (y - x < width)
         keep[g, :] = True
@@ -462,13 +486,17 @@ class Dense(Mask):
                 f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {a.dtype}"
             )
         if a.ndim < 1 or a.ndim > 4:
-            raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk), got shape {_shape_str(a.shape)}")
+            raise ValueError(
+                f"attn_mask must be broadcastable to (B, H, Lq, Lk), got shape {_shape_str(a.shape)}"
+            )
         self.array = a
 
     def _kw(self, B, H, Lq, Lk, dtype):
         a = self.array
         if a.dtype == np.bool_:
-            return {"mask": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)").view(np.uint8)}
+            return {
+                "mask": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)").view(np.uint8)
+            }
         if a.dtype != dtype or not a.flags.aligned:
             a = a.astype(dtype)  # at the array's own shape, before broadcasting (aligned, native)
         return {"bias": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)")}
@@ -675,4 +703,6 @@ def _summary_numpy(m, block):
     inside = np.zeros((nq * block, nk * block), np.int64)
     inside[:lq, :lk] = 1
     tot = inside.reshape(nq, block, nk, block).sum(axis=(1, 3))
-    return np.where(vis == 0, BLOCK_MASKED, np.where(vis == tot, BLOCK_VISIBLE, BLOCK_PARTIAL)).astype(np.int8)
+    return np.where(
+        vis == 0, BLOCK_MASKED, np.where(vis == tot, BLOCK_VISIBLE, BLOCK_PARTIAL)
+    ).astype(np.int8)

@@ -34,7 +34,14 @@ import math
 
 import numpy as np
 
-from ._checks import as_float_array, check_float_dtype, check_int, check_scale, shape_str, to_input_kind
+from ._checks import (
+    as_float_array,
+    check_float_dtype,
+    check_int,
+    check_scale,
+    shape_str,
+    to_input_kind,
+)
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .positional import RoPE
@@ -47,7 +54,9 @@ def _as_rng(rng):
         return np.random.default_rng(rng)
     if isinstance(rng, np.random.Generator):
         return rng
-    raise TypeError(f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}")
+    raise TypeError(
+        f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}"
+    )
 
 
 def _checked_weight(dst, src, name, prefix=""):
@@ -56,7 +65,9 @@ def _checked_weight(dst, src, name, prefix=""):
     if a.dtype.kind not in "fiu":
         raise TypeError(f"weight {prefix}{name} must be a real numeric array, got dtype {a.dtype}")
     if a.shape != dst.shape:
-        raise ValueError(f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}")
+        raise ValueError(
+            f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}"
+        )
     if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
         raise ValueError(f"weight {prefix}{name} contains NaN or inf")
     return a
@@ -119,20 +130,32 @@ class MultiHeadAttention:
         dh = check_int(head_dim, "head_dim", 1)
         Dkv = D if kv_dim is None else check_int(kv_dim, "kv_dim", 1)
         self.dtype = check_float_dtype(dtype)
-        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = D, H, Hkv, dh, Dkv
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = (
+            D,
+            H,
+            Hkv,
+            dh,
+            Dkv,
+        )
         self.scale = check_scale(scale, dh, self.dtype)
         if positional is None:
             self.rope = None
         elif isinstance(positional, str):
             if positional != "rope":
-                raise ValueError(f"positional must be None, 'rope' or a RoPE object, got {positional!r}")
+                raise ValueError(
+                    f"positional must be None, 'rope' or a RoPE object, got {positional!r}"
+                )
             self.rope = RoPE(dh)
         elif isinstance(positional, RoPE):
             if positional.head_dim != dh:
-                raise ValueError(f"RoPE has head_dim {positional.head_dim} but the attention has head_dim {dh}")
+                raise ValueError(
+                    f"RoPE has head_dim {positional.head_dim} but the attention has head_dim {dh}"
+                )
             self.rope = positional
         else:
-            raise TypeError(f"positional must be None, 'rope' or a RoPE object, got {type(positional).__name__}")
+            raise TypeError(
+                f"positional must be None, 'rope' or a RoPE object, got {type(positional).__name__}"
+            )
 
         nq, nkv = H * dh, Hkv * dh
         dt = self.dtype
@@ -156,7 +179,9 @@ class MultiHeadAttention:
             "Wo": self._w_o,
         }
         if self.bias:
-            self._params.update(bq=self._b_q, bk=self._b_kv[:nkv], bv=self._b_kv[nkv:], bo=self._b_o)
+            self._params.update(
+                bq=self._b_q, bk=self._b_kv[:nkv], bv=self._b_kv[nkv:], bo=self._b_o
+            )
         gen = _as_rng(rng)
         for name in ("Wq", "Wk", "Wv", "Wo"):
             p = self._params[name]
@@ -167,7 +192,9 @@ class MultiHeadAttention:
     # -- parameters ---------------------------------------------------------
     Wq = property(lambda self: self._params["Wq"], doc="(H·d_h, D) query projection (a view).")
     Wk = property(lambda self: self._params["Wk"], doc="(H_kv·d_h, D_kv) key projection (a view).")
-    Wv = property(lambda self: self._params["Wv"], doc="(H_kv·d_h, D_kv) value projection (a view).")
+    Wv = property(
+        lambda self: self._params["Wv"], doc="(H_kv·d_h, D_kv) value projection (a view)."
+    )
     Wo = property(lambda self: self._params["Wo"], doc="(D, H·d_h) output projection.")
 
     def state_dict(self):
@@ -187,11 +214,19 @@ class MultiHeadAttention:
         if missing and strict:
             raise KeyError(f"missing weights: {', '.join(missing)}")
         if strict:
-            unknown = sorted(n for n in weights if n.startswith(prefix) and n[len(prefix):] not in self._params)
+            unknown = sorted(
+                n for n in weights if n.startswith(prefix) and n[len(prefix) :] not in self._params
+            )
             if unknown:
                 hint = "" if self.bias else " (biases need bias=True)"
                 raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
-        _load_all([(p, weights[prefix + n], n, prefix) for n, p in self._params.items() if prefix + n in weights])
+        _load_all(
+            [
+                (p, weights[prefix + n], n, prefix)
+                for n, p in self._params.items()
+                if prefix + n in weights
+            ]
+        )
 
     def __repr__(self):
         return (
@@ -204,22 +239,29 @@ class MultiHeadAttention:
     def _check_input(self, x, name, dim):
         x = as_float_array(x, name)  # big-endian / misaligned data: copied once
         if x.dtype != self.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but the attention's weights are {self.dtype}")
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but the attention's weights are {self.dtype}"
+            )
         if x.ndim not in (2, 3) or x.shape[-1] != dim:
-            raise ValueError(f"{name} must be (L, {dim}) or (B, L, {dim}), got shape {shape_str(x)}")
+            raise ValueError(
+                f"{name} must be (L, {dim}) or (B, L, {dim}), got shape {shape_str(x)}"
+            )
         return x
 
     def _check_cache(self, cache, B):
         """TypeError / ValueError unless `cache` is a KVCache this layer can use (before anything runs)."""
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache (one per layer; index a LayerCaches), got {type(cache).__name__}")
+            raise TypeError(
+                f"cache must be a KVCache (one per layer; index a LayerCaches), got {type(cache).__name__}"
+            )
         want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
         got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
         if got != want:
             raise ValueError(
                 "cache has (batch, num_kv_heads, head_dim, v_head_dim, dtype) = "
                 f"({got[0]}, {got[1]}, {got[2]}, {got[3]}, {got[4]}) but this call needs "
-                f"({want[0]}, {want[1]}, {want[2]}, {want[3]}, {want[4]})")
+                f"({want[0]}, {want[1]}, {want[2]}, {want[3]}, {want[4]})"
+            )
 
     def _heads(self, y, n_heads):
         """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
@@ -256,7 +298,9 @@ class MultiHeadAttention:
         H, Hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
         nq, nkv = H * dh, Hkv * dh
         if cache is not None and mask is not None:
-            raise ValueError("mask= cannot be combined with cache= (the cache attends causally or fully)")
+            raise ValueError(
+                "mask= cannot be combined with cache= (the cache attends causally or fully)"
+            )
         if cache is not None:
             self._check_cache(cache, B)
 
@@ -279,7 +323,9 @@ class MultiHeadAttention:
                     self.rope(q, offset=offset, seq_axis=1, inplace=True)
                     rope_on_append = self.rope
                 else:
-                    self.rope.rotate_qk(q, k, offset=offset, positions=positions, seq_axis=1, inplace=True)
+                    self.rope.rotate_qk(
+                        q, k, offset=offset, positions=positions, seq_axis=1, inplace=True
+                    )
             elif positions is not None:
                 raise ValueError("positions= is only meaningful with positional RoPE")
         else:
@@ -288,7 +334,9 @@ class MultiHeadAttention:
             c = self._check_input(context, "context", self.kv_dim)
             c3 = c[None] if c.ndim == 2 else c
             if c3.shape[0] != B:
-                raise ValueError(f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch sizes differ")
+                raise ValueError(
+                    f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch sizes differ"
+                )
             q = x3 @ self._w_q.T
             if self.bias:
                 q += self._b_q
@@ -312,15 +360,24 @@ class MultiHeadAttention:
                 if rope_on_append is None:
                     cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
                 else:
-                    cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), rope=rope_on_append)
-            o = cache.attend(qT, scale=self.scale, causal=bool(causal) and context is None)  # (B, H, L, d_h)
+                    cache.append(
+                        k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), rope=rope_on_append
+                    )
+            o = cache.attend(
+                qT, scale=self.scale, causal=bool(causal) and context is None
+            )  # (B, H, L, d_h)
             merged = o.transpose(0, 2, 1, 3).reshape(B, L, nq)  # copies L·H·d_h values
         else:
             buf = np.empty((B, L, H, dh), dtype=self.dtype)
             scaled_dot_product_attention(
-                qT, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                attn_mask=mask, is_causal=bool(causal), scale=self.scale,
-                enable_gqa=Hkv != H, out=buf.transpose(0, 2, 1, 3),
+                qT,
+                k.transpose(0, 2, 1, 3),
+                v.transpose(0, 2, 1, 3),
+                attn_mask=mask,
+                is_causal=bool(causal),
+                scale=self.scale,
+                enable_gqa=Hkv != H,
+                out=buf.transpose(0, 2, 1, 3),
             )
             merged = buf.reshape(B, L, nq)  # heads concatenated: no copy
         y = merged @ self._w_o.T

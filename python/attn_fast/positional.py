@@ -100,7 +100,9 @@ class RoPE:
         head_dim = check_int(head_dim, "head_dim", 1)
         rotary_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "rotary_dim")
         if rotary_dim < 0 or rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even and in [0, head_dim={head_dim}], got {rotary_dim}")
+            raise ValueError(
+                f"rotary_dim must be even and in [0, head_dim={head_dim}], got {rotary_dim}"
+            )
         base = check_real(base, "base")
         if not base > 1.0:
             raise ValueError(f"base must be > 1, got {base}")
@@ -163,7 +165,9 @@ class RoPE:
             if pos.dtype.kind not in "iu":
                 raise TypeError(f"positions must be an int array, got dtype {pos.dtype}")
             if pos.ndim not in (1, 2) or pos.shape[-1] != L:
-                raise ValueError(f"positions must have shape (L,) or (B, L) with L = {L}, got {shape_str(pos)}")
+                raise ValueError(
+                    f"positions must have shape (L,) or (B, L) with L = {L}, got {shape_str(pos)}"
+                )
             if pos.size and pos.min() < 0:
                 raise ValueError("positions must be >= 0")
             if pos.size and pos.max() >= MAX_POSITION:
@@ -180,7 +184,9 @@ class RoPE:
                 raise ValueError(f"offset + L must be <= {MAX_POSITION}, got {o} + {L}")
             return (o + np.arange(L, dtype=np.int64))[None], False
         if off.ndim != 1:
-            raise ValueError(f"offset must be an int or a (B,) int array, got shape {shape_str(off)}")
+            raise ValueError(
+                f"offset must be an int or a (B,) int array, got shape {shape_str(off)}"
+            )
         if off.size and off.min() < 0:
             raise ValueError("offset must be >= 0")
         if off.size and int(off.max()) + L > MAX_POSITION:
@@ -195,7 +201,7 @@ class RoPE:
         c, s, idx = self._rows(pos, dtype)
         if positions is None and not per_seq:
             o = int(idx[0, 0]) if L else 0
-            return c[o:o + L], s[o:o + L]  # a slice of the table: no gather
+            return c[o : o + L], s[o : o + L]  # a slice of the table: no gather
         if not per_seq:
             return c[idx[0]], s[idx[0]]
         return c[idx], s[idx]
@@ -208,10 +214,14 @@ class RoPE:
         if x.dtype.kind != "f":
             raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
         if x.ndim < 2 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"{name} has shape {shape_str(x)}, expected last axis head_dim = {self.head_dim}")
+            raise ValueError(
+                f"{name} has shape {shape_str(x)}, expected last axis head_dim = {self.head_dim}"
+            )
         ax = seq_axis + x.ndim if seq_axis < 0 else seq_axis
         if not 0 <= ax < x.ndim - 1:
-            raise ValueError(f"seq_axis={seq_axis} is not a position axis of {name} with shape {shape_str(x)}")
+            raise ValueError(
+                f"seq_axis={seq_axis} is not a position axis of {name} with shape {shape_str(x)}"
+            )
         return x, ax
 
     def _target(self, x, out, inplace, name="x"):
@@ -222,16 +232,22 @@ class RoPE:
             if not x.flags.writeable:
                 raise ValueError(f"{name} is read-only; cannot rotate in place")
             if self_overlapping(x):
-                raise ValueError(f"{name} has overlapping memory (strides {x.strides}); cannot rotate in place")
+                raise ValueError(
+                    f"{name} has overlapping memory (strides {x.strides}); cannot rotate in place"
+                )
             return x
         if out is not None:
             if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(f"out has shape {shape_str(out)} dtype {getattr(out, 'dtype', None)}, "
-                                 f"expected {shape_str(x)} {x.dtype}")
+                raise ValueError(
+                    f"out has shape {shape_str(out)} dtype {getattr(out, 'dtype', None)}, "
+                    f"expected {shape_str(x)} {x.dtype}"
+                )
             if not out.flags.writeable:
                 raise ValueError("out is read-only")
             if self_overlapping(out):
-                raise ValueError(f"out has overlapping memory (strides {out.strides} for shape {shape_str(out)})")
+                raise ValueError(
+                    f"out has overlapping memory (strides {out.strides} for shape {shape_str(out)})"
+                )
             return out
         return np.empty(x.shape, dtype=x.dtype)
 
@@ -276,10 +292,14 @@ class RoPE:
         if q.dtype != k.dtype:
             raise TypeError(f"q has dtype {q.dtype} but k has dtype {k.dtype}")
         if q.ndim != k.ndim or q.shape[ax] != k.shape[axk]:
-            raise ValueError(f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: positions differ")
+            raise ValueError(
+                f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: positions differ"
+            )
         if inplace and _overlap(q, k):
-            raise ValueError("q and k share memory: rotate_qk(inplace=True) would rotate those elements twice; "
-                             "pass disjoint arrays (e.g. the q and k slices of a packed qkv) or inplace=False")
+            raise ValueError(
+                "q and k share memory: rotate_qk(inplace=True) would rotate those elements twice; "
+                "pass disjoint arrays (e.g. the q and k slices of a packed qkv) or inplace=False"
+            )
         if self.rotary_dim and q.size and k.size and _loops.USE_CYTHON:
             qy, ky = self._target(q, None, inplace, "q"), self._target(k, None, inplace, "k")
             if self._rope_cython([(q, qy), (k, ky)], ax, offset, positions):
@@ -303,11 +323,14 @@ class RoPE:
             for x, _ in pairs:
                 if pos.shape[0] != x.shape[0]:
                     raise ValueError(
-                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}")
+                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}"
+                    )
         c, s, pos = self._rows(pos, x0.dtype)
         srcs = []
         for (x, y), (xv, yv) in zip(pairs, views):
-            if y is not x and np.may_share_memory(x, y):  # overlapping out=: copy, then rotate in place
+            if y is not x and np.may_share_memory(
+                x, y
+            ):  # overlapping out=: copy, then rotate in place
                 y[...] = x
                 xv = yv
             srcs.append((xv, yv))
@@ -316,7 +339,9 @@ class RoPE:
             _cyloops.rope(xq, yq, xk, yk, c, s, pos, self.interleaved, num_threads=_loops.threads())
         else:
             for xv, yv in srcs:
-                _cyloops.rope(xv, yv, None, None, c, s, pos, self.interleaved, num_threads=_loops.threads())
+                _cyloops.rope(
+                    xv, yv, None, None, c, s, pos, self.interleaved, num_threads=_loops.threads()
+                )
         return True
 
     def _rope_numpy(self, y, ax, offset, positions):
@@ -332,7 +357,9 @@ class RoPE:
             if ax == 0:
                 raise ValueError("per-sequence positions need a batch axis before seq_axis")
             if c.shape[0] != y.shape[0]:
-                raise ValueError(f"offset/positions give {c.shape[0]} sequences but x has shape {shape_str(y)}")
+                raise ValueError(
+                    f"offset/positions give {c.shape[0]} sequences but x has shape {shape_str(y)}"
+                )
             shape[0] = c.shape[0]
         c, s = c.reshape(shape), s.reshape(shape)
         if self.interleaved:

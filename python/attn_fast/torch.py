@@ -41,14 +41,21 @@ def _np(t):
     return None if t is None else t.detach().numpy()
 
 
-def _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks):
+def _kwargs(
+    attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks
+):
     masks = []
     if attn_mask is not None:
         masks.append(_np(attn_mask))
     if is_causal:
         masks.append(_masks.Causal("top_left"))
-    kw = dict(attn_mask=masks or None, scale=scale, enable_gqa=enable_gqa,
-              alibi_slopes=_np(alibi_slopes), sinks=_np(sinks))
+    kw = dict(
+        attn_mask=masks or None,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        alibi_slopes=_np(alibi_slopes),
+        sinks=_np(sinks),
+    )
     if window_left >= 0 or window_right >= 0:
         kw["window_size"] = (window_left, window_right)
     if softcap > 0:
@@ -57,35 +64,107 @@ def _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, 
 
 
 @torch.library.custom_op("attn_fast::sdpa", mutates_args=(), device_types="cpu")
-def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-             is_causal: bool, scale: float, enable_gqa: bool, window_left: int, window_right: int,
-             softcap: float, alibi_slopes: Optional[torch.Tensor],
-             sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    kw = _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks)
+def _sdpa_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = _kwargs(
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        sinks,
+    )
     out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 @_sdpa_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks):
+def _(
+    q,
+    k,
+    v,
+    attn_mask,
+    is_causal,
+    scale,
+    enable_gqa,
+    window_left,
+    window_right,
+    softcap,
+    alibi_slopes,
+    sinks,
+):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1])
 
 
 @torch.library.custom_op("attn_fast::sdpa_backward", mutates_args=(), device_types="cpu")
-def _sdpa_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                      enable_gqa: bool, window_left: int, window_right: int, softcap: float,
-                      alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    kw = _kwargs(attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks)
+def _sdpa_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kw = _kwargs(
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        sinks,
+    )
     res = _np_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse), **kw)
     dsinks = res[3] if sinks is not None else np.zeros(0, _np(q).dtype)
-    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in (res[0], res[1], res[2], dsinks))
+    return tuple(
+        torch.from_numpy(np.ascontiguousarray(x)) for x in (res[0], res[1], res[2], dsinks)
+    )
 
 
 @_sdpa_backward_op.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap,
-      alibi_slopes, sinks):
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask,
+    is_causal,
+    scale,
+    enable_gqa,
+    window_left,
+    window_right,
+    softcap,
+    alibi_slopes,
+    sinks,
+):
     ns = sinks.shape[0] if sinks is not None else 0
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty((ns,))
 
@@ -101,9 +180,37 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask, alibi, sinks = ctx.saved_tensors
     is_causal, scale, enable_gqa, wl, wr, softcap = ctx.opts
-    dq, dk, dv, dsinks = _sdpa_backward_op(dout.contiguous(), q, k, v, out, lse, attn_mask, is_causal, scale,
-                                           enable_gqa, wl, wr, softcap, alibi, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+    dq, dk, dv, dsinks = _sdpa_backward_op(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        wl,
+        wr,
+        softcap,
+        alibi,
+        sinks,
+    )
+    return (
+        dq,
+        dk,
+        dv,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        (dsinks if sinks is not None else None),
+    )
 
 
 _sdpa_op.register_autograd(_backward, setup_context=_setup_context)
@@ -128,8 +235,17 @@ class _SdpaFunction(torch.autograd.Function):
             return _backward(ctx, dout, dlse)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, **attn_fast_options):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    **attn_fast_options,
+):
     """torch's ``scaled_dot_product_attention`` on attn_fast's fused CPU kernels, differentiable.
 
     query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU
@@ -151,7 +267,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
-        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are {list(_OPTIONS)}")
+        raise TypeError(
+            f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are {list(_OPTIONS)}"
+        )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (attn_fast has no dropout), got {dropout_p}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -176,8 +294,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         alibi = torch.as_tensor(alibi, dtype=query.dtype).detach()
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         sinks = torch.as_tensor(sinks, dtype=query.dtype)
-    args = (query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa), wl, wr,
-            float(softcap) if softcap is not None else 0.0, alibi, sinks)
+    args = (
+        query,
+        key,
+        value,
+        attn_mask,
+        bool(is_causal),
+        scale,
+        bool(enable_gqa),
+        wl,
+        wr,
+        float(softcap) if softcap is not None else 0.0,
+        alibi,
+        sinks,
+    )
     if torch._C._are_functorch_transforms_active():
         out, _ = _SdpaFunction.apply(*args)
     else:
@@ -190,6 +320,8 @@ def _dense_mask(mask, query, key):
     Lq, Lk = query.shape[-2], key.shape[-2]
     B = query.shape[0] if query.dim() == 4 else 1
     H = query.shape[-3] if query.dim() >= 3 else 1
-    kw = mask._kernel_kwargs(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", "")))
+    kw = mask._kernel_kwargs(
+        B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", ""))
+    )
     vis = np.ascontiguousarray(np.broadcast_to(_masks.visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk)))
     return torch.from_numpy(vis[(0,) * (4 - query.dim())])

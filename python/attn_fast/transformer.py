@@ -111,7 +111,9 @@ class RMSNorm(_Module):
 
 def gelu(x):
     """GELU, tanh form: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))."""
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + 0.044715 * x * x * x)))
+    return (
+        0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + 0.044715 * x * x * x)))
+    )
 
 
 def silu(x):
@@ -224,7 +226,11 @@ class TransformerBlock(_Module):
         D = check_int(d_model, "d_model", 1)
         if d_ff is None:
             d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
-        self.d_model, self.d_ff, self.dtype = D, check_int(d_ff, "d_ff", 1), check_float_dtype(dtype)
+        self.d_model, self.d_ff, self.dtype = (
+            D,
+            check_int(d_ff, "d_ff", 1),
+            check_float_dtype(dtype),
+        )
         neps = {} if eps is None else {"eps": eps}
         self.norm1 = _NORMS[norm](D, dtype=dtype, **neps)
         self.attn = MultiHeadAttention(
@@ -234,7 +240,15 @@ class TransformerBlock(_Module):
         if cross_attention:
             self.norm_cross = _NORMS[norm](D, dtype=dtype, **neps)
             self.cross = MultiHeadAttention(
-                D, num_heads, num_kv_heads, head_dim, bias, None, kv_dim=kv_dim, rng=gen, dtype=dtype
+                D,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                bias,
+                None,
+                kv_dim=kv_dim,
+                rng=gen,
+                dtype=dtype,
             )
         self.norm2 = _NORMS[norm](D, dtype=dtype, **neps)
         self.ffn = _FFNS[ffn](D, self.d_ff, rng=gen, dtype=dtype)
@@ -324,11 +338,21 @@ class TinyTransformerLM(_Module):
         rope = None
         if positional == "rope":
             dh = check_int(head_dim, "head_dim", 1) if head_dim is not None else D // H
-            rope = RoPE(dh, base=rope_base, rotary_dim=rotary_dim, interleaved=rope_interleaved)  # shared tables
+            rope = RoPE(
+                dh, base=rope_base, rotary_dim=rotary_dim, interleaved=rope_interleaved
+            )  # shared tables
         self.blocks = [
             TransformerBlock(
-                D, H, num_kv_heads, d_ff, head_dim=head_dim, norm=norm, ffn=ffn,
-                positional=rope, rng=gen, dtype=dtype,
+                D,
+                H,
+                num_kv_heads,
+                d_ff,
+                head_dim=head_dim,
+                norm=norm,
+                ffn=ffn,
+                positional=rope,
+                rng=gen,
+                dtype=dtype,
             )
             for _ in range(N)
         ]
@@ -360,14 +384,24 @@ class TinyTransformerLM(_Module):
         if t.ndim not in (1, 2):
             raise ValueError(f"{name} must be (L,) or (B, L), got shape {shape_str(t)}")
         if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
-            raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, {t.max()}]")
+            raise ValueError(
+                f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, {t.max()}]"
+            )
         return t
 
     def make_cache(self, batch, capacity, **kw):
         """A ``LayerCaches`` sized for this model (one KVCache per block)."""
         from .kv_cache import LayerCaches
 
-        return LayerCaches(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=self.dtype, **kw)
+        return LayerCaches(
+            self.num_layers,
+            batch,
+            self.num_kv_heads,
+            self.head_dim,
+            capacity=capacity,
+            dtype=self.dtype,
+            **kw,
+        )
 
     def _check_cache(self, cache, B, L):
         """Every layer's cache fits (checked before layer 0 appends anything, so
@@ -381,18 +415,22 @@ class TinyTransformerLM(_Module):
                 raise type(e)(f"cache[{i}]: {e}") from None
         pos = [c.positions for c in cache]
         if any(not np.array_equal(p, pos[0]) for p in pos):
-            raise ValueError(f"the layers' caches are at different positions {[p.tolist() for p in pos]}")
+            raise ValueError(
+                f"the layers' caches are at different positions {[p.tolist() for p in pos]}"
+            )
         for i, c in enumerate(cache):
             if c.growable:
                 continue
             if c.window is None and int(c.lengths.max()) + L > c.capacity:
                 raise ValueError(
                     f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity {c.capacity}: "
-                    f"no room for {L} more (growable=False)")
+                    f"no room for {L} more (growable=False)"
+                )
             if c.window is not None and L > c.capacity - c.window + 1:
                 raise ValueError(
                     f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of {c.capacity} slots "
-                    f"with window {c.window} (growable=False)")
+                    f"with window {c.window} (growable=False)"
+                )
 
     def forward(self, tokens, cache=None):
         """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
@@ -418,7 +456,9 @@ class TinyTransformerLM(_Module):
 
     __call__ = forward
 
-    def generate(self, prompt_tokens, max_new_tokens, temperature=0.0, seed=None, *, use_cache=True):
+    def generate(
+        self, prompt_tokens, max_new_tokens, temperature=0.0, seed=None, *, use_cache=True
+    ):
         """Continue the prompt by max_new_tokens tokens.
 
         prompt_tokens : (Lp,) or (B, Lp) ints, Lp >= 1.

@@ -30,7 +30,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _core
-from ._checks import as_float_array, check_float_dtype, check_int, check_bool, check_real, check_same_dtype, shape_str, to_input_kind
+from ._checks import (
+    as_float_array,
+    check_float_dtype,
+    check_int,
+    check_bool,
+    check_real,
+    check_same_dtype,
+    shape_str,
+    to_input_kind,
+)
 from .functional import scaled_dot_product_attention
 
 __all__ = [
@@ -62,12 +71,16 @@ def _check_qkv(q, k, v, *, same_len=True):
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k has shape {shape_str(k)} but q has head dim {q.shape[-1]}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match")
+        raise ValueError(
+            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match"
+        )
     lead_q = q.shape[:-1] if same_len else q.shape[:-2]
     lead_k = k.shape[:-1] if same_len else k.shape[:-2]
     if lead_q != lead_k:
         what = "batch, heads and length" if same_len else "batch and heads"
-        raise ValueError(f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match")
+        raise ValueError(
+            f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match"
+        )
     return q, k, v
 
 
@@ -75,12 +88,15 @@ def _check_qkv(q, k, v, *, same_len=True):
 # Linformer: low-rank projection of K and V along the sequence axis
 # --------------------------------------------------------------------------
 
+
 def _check_projection(P, name, Lk, dtype):
     P = as_float_array(P, name)
     if P.ndim != 2 or P.shape[0] < 1:
         raise ValueError(f"{name} must be a (k, L) matrix with k >= 1, got shape {shape_str(P)}")
     if P.shape[1] != Lk:
-        raise ValueError(f"{name} has shape {shape_str(P)} but k has length Lk = {Lk}; {name} must be (k, {Lk})")
+        raise ValueError(
+            f"{name} has shape {shape_str(P)} but k has length Lk = {Lk}; {name} must be (k, {Lk})"
+        )
     return P.astype(dtype, copy=False)
 
 
@@ -108,7 +124,9 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
     E = _check_projection(E, "E", Lk, q.dtype)
     F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
     if E.shape[0] != F.shape[0]:
-        raise ValueError(f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k")
+        raise ValueError(
+            f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k"
+        )
     Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
     Vp = np.matmul(F, v)  # (…, kp, dv)
     return to_input_kind(scaled_dot_product_attention(q, Kp, Vp, scale=scale), like)
@@ -130,16 +148,26 @@ class Linformer:
     which equals zero-padding it to seq_len (the paper's padding). Not causal.
     """
 
-    def __init__(self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None):
+    def __init__(
+        self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None
+    ):
         d_model, n_heads = check_int(d_model, "d_model", 1), check_int(n_heads, "n_heads", 1)
         seq_len, k = check_int(seq_len, "seq_len", 1), check_int(k, "k", 1)
         if d_model % n_heads != 0:
-            raise ValueError(f"d_model = {d_model} must be a positive multiple of n_heads = {n_heads}")
+            raise ValueError(
+                f"d_model = {d_model} must be a positive multiple of n_heads = {n_heads}"
+            )
         if seq_len < 1 or k < 1:
             raise ValueError(f"seq_len and k must be >= 1, got seq_len = {seq_len}, k = {k}")
         dtype = check_float_dtype(dtype)
         rng = np.random.default_rng(seed)
-        self.d_model, self.n_heads, self.seq_len, self.k, self.dtype = d_model, n_heads, seq_len, k, dtype
+        self.d_model, self.n_heads, self.seq_len, self.k, self.dtype = (
+            d_model,
+            n_heads,
+            seq_len,
+            k,
+            dtype,
+        )
         w = 1.0 / math.sqrt(d_model)
         self.Wq, self.Wk, self.Wv, self.Wo = (
             (rng.standard_normal((d_model, d_model)) * w).astype(dtype) for _ in range(4)
@@ -152,10 +180,14 @@ class Linformer:
         like = X
         X = as_float_array(X, "X").astype(self.dtype, copy=False)
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
-            raise ValueError(f"X must be (L, {self.d_model}) or (B, L, {self.d_model}), got shape {shape_str(X)}")
+            raise ValueError(
+                f"X must be (L, {self.d_model}) or (B, L, {self.d_model}), got shape {shape_str(X)}"
+            )
         L = X.shape[-2]
         if not 1 <= L <= self.seq_len:
-            raise ValueError(f"X has length {L} but this layer was built for seq_len = {self.seq_len}")
+            raise ValueError(
+                f"X has length {L} but this layer was built for seq_len = {self.seq_len}"
+            )
         H, dh = self.n_heads, self.d_model // self.n_heads
 
         def heads(Y):  # (…, L, D) -> (…, H, L, dh), a view
@@ -172,6 +204,7 @@ class Linformer:
 # --------------------------------------------------------------------------
 # Linear attention: phi(Q) (phi(K)^T V), the associativity trick
 # --------------------------------------------------------------------------
+
 
 def _elu1(x):
     # elu(x) + 1 = x + 1 for x > 0, exp(x) otherwise: strictly positive.
@@ -199,7 +232,9 @@ def feature_map(x, fm="elu1"):
         try:
             f = _FEATURE_MAPS[fm]
         except KeyError:
-            raise ValueError(f"unknown feature_map {fm!r}; use one of {sorted(_FEATURE_MAPS)} or a callable") from None
+            raise ValueError(
+                f"unknown feature_map {fm!r}; use one of {sorted(_FEATURE_MAPS)} or a callable"
+            ) from None
         return f(x)
     if not callable(fm):
         raise TypeError(f"feature_map must be a name or a callable, got {type(fm).__name__}")
@@ -259,12 +294,15 @@ def _check_state(state, lead, r, dv):
             f"expected {lead + (r, dv)} and {lead + (r,)}"
         )
     return LinearAttentionState(
-        np.array(state.kv, dtype=np.float64, order="C"), np.array(state.k_sum, dtype=np.float64, order="C"),
+        np.array(state.kv, dtype=np.float64, order="C"),
+        np.array(state.k_sum, dtype=np.float64, order="C"),
         check_int(state.length, "state.length", 0),
     )
 
 
-def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, state=None, return_state=False):
+def linear_attention(
+    q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, state=None, return_state=False
+):
     """Linear attention O = φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps), right to left.
 
     q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
@@ -299,7 +337,9 @@ def linear_attention(q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, sta
         st = _check_state(state, lead, r, dv)
     o = np.empty(q.shape[:-1] + (dv,), dtype=q.dtype)
     if o.size or st.kv.size:
-        _core.linear_attention(_to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps)
+        _core.linear_attention(
+            _to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps
+        )
     st.length += L
     o = to_input_kind(o, like)
     return (o, st) if return_state else o
@@ -309,7 +349,9 @@ def _feature(q, k, fm):
     fq = feature_map(q, fm)
     fk = feature_map(k, fm)
     if fq.shape[-1] != fk.shape[-1]:
-        raise ValueError(f"feature_map gave q features {shape_str(fq)} but k features {shape_str(fk)}")
+        raise ValueError(
+            f"feature_map gave q features {shape_str(fq)} but k features {shape_str(fk)}"
+        )
     return fq, fk
 
 
@@ -328,9 +370,17 @@ def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
     v = as_float_array(v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim not in (1, 2, 3):
-            raise ValueError(f"{name} must be one token, (d,), (H, d) or (B, H, d), got shape {shape_str(x)}")
+            raise ValueError(
+                f"{name} must be one token, (d,), (H, d) or (B, H, d), got shape {shape_str(x)}"
+            )
     o, st = linear_attention(
-        q[..., None, :], k[..., None, :], v[..., None, :], feature_map, True,
-        eps=eps, state=state, return_state=True,
+        q[..., None, :],
+        k[..., None, :],
+        v[..., None, :],
+        feature_map,
+        True,
+        eps=eps,
+        state=state,
+        return_state=True,
     )
     return to_input_kind(np.ascontiguousarray(o[..., 0, :]), like), st

@@ -85,8 +85,8 @@ struct AttnArgs {
   bool top_left = false;  // causal/window alignment: false = bottom-right
   int64_t window_left = -1, window_right = -1;
 
-  const int64_t* q_lens = nullptr;  // (B,) valid query rows per batch; rest -> 0
-  const int64_t* kv_lens = nullptr; // (B,) valid keys per batch
+  const int64_t* q_lens = nullptr;   // (B,) valid query rows per batch; rest -> 0
+  const int64_t* kv_lens = nullptr;  // (B,) valid keys per batch
 
   // varlen packing: sequences s = 0..B-1 occupy rows cu_q[s]..cu_q[s+1] of the
   // (single) batch entry 0. When set, Lq / Lk are the packed totals.

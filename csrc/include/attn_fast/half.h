@@ -29,8 +29,10 @@ inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) 
 
 inline uint16_t f32_to_bf16(float f) {
   const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // ties to even; inf stays inf
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >>
+                               16);  // ties to even; inf stays inf
 }
 
 inline float fp16_to_f32(uint16_t h) {
@@ -47,7 +49,8 @@ inline uint16_t f32_to_fp16(float f) {
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7FFFFFFFu;
   if (x > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((x >> 13) & 0x3FFu));  // NaN
-  if (x >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: inf (ties to even)
+  if (x >= 0x477FF000u)
+    return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: inf (ties to even)
   if (x < 0x38800000u) {
     // below 2^-14: subnormal or zero. Adding 0.5 puts round(|f| * 2^24) (ties
     // to even, by the FPU) in the low mantissa bits of the sum.

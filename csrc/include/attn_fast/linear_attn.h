@@ -37,8 +37,8 @@ struct LinearAttnArgs {
   Strides4 sq, sk, sv, so;
   bool causal = false;
   double eps = 0.0;
-  double* kv = nullptr;    // optional state (B, H, d, dv), C-contiguous, in/out
-  double* k_sum = nullptr; // optional state (B, H, d), C-contiguous, in/out (with kv)
+  double* kv = nullptr;     // optional state (B, H, d, dv), C-contiguous, in/out
+  double* k_sum = nullptr;  // optional state (B, H, d), C-contiguous, in/out (with kv)
   int num_threads = 1;
 };
 

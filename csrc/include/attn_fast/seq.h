@@ -16,13 +16,13 @@ namespace {
 
 // One sequence's view of the packed/padded batch.
 struct SeqInfo {
-  int64_t b = 0;      // batch index used to address q/k/v/o and masks
-  int64_t q0 = 0;     // first query row in the tensor (varlen offset)
-  int64_t q_len = 0;  // valid query rows
-  int64_t q_rows = 0; // rows to write (valid + padding rows that get zeros)
-  int64_t k0 = 0;     // first key row in the tensor (varlen offset)
-  int64_t k_len = 0;  // valid keys
-  int64_t off = 0;    // causal diagonal: query i aligns with key i + off
+  int64_t b = 0;       // batch index used to address q/k/v/o and masks
+  int64_t q0 = 0;      // first query row in the tensor (varlen offset)
+  int64_t q_len = 0;   // valid query rows
+  int64_t q_rows = 0;  // rows to write (valid + padding rows that get zeros)
+  int64_t k0 = 0;      // first key row in the tensor (varlen offset)
+  int64_t k_len = 0;   // valid keys
+  int64_t off = 0;     // causal diagonal: query i aligns with key i + off
 };
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }

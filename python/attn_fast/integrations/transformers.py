@@ -137,7 +137,10 @@ def _candidates(mask_function, local_size):
     out = []
     if local_size is not None:
         w = int(local_size)
-        out += [(True, w - 1, -1), (False, w, w)]  # sliding_window_overlay / sliding_window_bidirectional_overlay
+        out += [
+            (True, w - 1, -1),
+            (False, w, w),
+        ]  # sliding_window_overlay / sliding_window_bidirectional_overlay
     if mask_function is _mu.bidirectional_mask_function:
         out.append((False, -1, -1))
     out += [c for c in ((True, -1, -1), (False, -1, -1)) if c not in out]
@@ -170,7 +173,10 @@ def attention_mask(
         mask_function = _mu.causal_mask_function
     padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     tracing = padding is not None and _mu.is_tracing(padding)
-    key_mask, pad_all = None, True  # key_mask: (B, Lk) valid keys; padding_mask_function reads padding[b, kv_offset + j]
+    key_mask, pad_all = (
+        None,
+        True,
+    )  # key_mask: (B, Lk) valid keys; padding_mask_function reads padding[b, kv_offset + j]
     if padding is not None and not tracing:
         key_mask = padding[:, kv_offset : kv_offset + kv_length]
         pad_all = key_mask.shape[-1] == kv_length and bool(key_mask.all())
@@ -179,7 +185,8 @@ def attention_mask(
         # Skip the mask only where the sdpa builder would, and where causal alignment cannot matter.
         if allow_is_causal_skip and mask_function is _mu.causal_mask_function:
             if (q_length == kv_length and q_offset == kv_offset) or (
-                q_length == 1 and q_offset >= kv_offset + kv_length - 1  # the one query sees every key
+                q_length == 1
+                and q_offset >= kv_offset + kv_length - 1  # the one query sees every key
             ):
                 return None
         if allow_is_bidirectional_skip and mask_function is _mu.bidirectional_mask_function:
@@ -206,8 +213,12 @@ def attention_mask(
         return dense  # unusual padding-mask size: no description, the dense mask decides
     km = None if pad_all else key_mask.to(device=dense.device, dtype=torch.bool)
     for causal, left, right in _candidates(mask_function, local_size):
-        if torch.equal(dense, _pattern(batch_size, q_length, kv_length, causal, left, right, km, dense.device)):
-            key_np = None if km is None else km.contiguous().numpy().reshape(batch_size, 1, 1, kv_length)
+        if torch.equal(
+            dense, _pattern(batch_size, q_length, kv_length, causal, left, right, km, dense.device)
+        ):
+            key_np = (
+                None if km is None else km.contiguous().numpy().reshape(batch_size, 1, 1, kv_length)
+            )
             setattr(dense, _SPEC_ATTR, _MaskSpec(causal, (left, right), key_np, shape))
             break
     return dense
@@ -230,9 +241,14 @@ class _Trainable(torch.autograd.Function):
     def forward(ctx, run, query, key, value, s_aux):
         saved = {}
         out = run(saved)
-        ctx.save_for_backward(saved.pop("q"), saved.pop("k"), saved.pop("v"), saved.pop("out"), saved.pop("lse"))
+        ctx.save_for_backward(
+            saved.pop("q"), saved.pop("k"), saved.pop("v"), saved.pop("out"), saved.pop("lse")
+        )
         ctx.saved = saved
-        ctx.meta = [(t.dtype, t.shape) if isinstance(t, torch.Tensor) else None for t in (query, key, value, s_aux)]
+        ctx.meta = [
+            (t.dtype, t.shape) if isinstance(t, torch.Tensor) else None
+            for t in (query, key, value, s_aux)
+        ]
         return out
 
     @staticmethod
@@ -250,9 +266,13 @@ class _Trainable(torch.autograd.Function):
         for g, meta in zip(grads, ctx.meta[:3]):
             dtype, shape = meta
             if g.shape[2] != shape[2]:  # keys the causal shortcut dropped: visible to no query
-                g = torch.cat([g, g.new_zeros(g.shape[:2] + (shape[2] - g.shape[2],) + g.shape[3:])], dim=2)
+                g = torch.cat(
+                    [g, g.new_zeros(g.shape[:2] + (shape[2] - g.shape[2],) + g.shape[3:])], dim=2
+                )
             res.append(g.to(dtype))
-        res.append(grads[3].to(ctx.meta[3][0]) if len(grads) == 4 and ctx.meta[3] is not None else None)
+        res.append(
+            grads[3].to(ctx.meta[3][0]) if len(grads) == 4 and ctx.meta[3] is not None else None
+        )
         return tuple(res)
 
 
@@ -294,26 +314,48 @@ def attention_forward(
             "or train with attn_implementation='sdpa'"
         )
     if kwargs.get("output_attentions"):
-        raise ValueError("attn_fast never forms the attention weights: output_attentions=True needs attn_implementation='eager'")
+        raise ValueError(
+            "attn_fast never forms the attention weights: output_attentions=True needs attn_implementation='eager'"
+        )
     if torch.compiler.is_compiling():
-        raise NotImplementedError("attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly")
+        raise NotImplementedError(
+            "attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly"
+        )
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.device.type != "cpu":
-            raise TypeError(f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only")
+            raise TypeError(
+                f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only"
+            )
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     tensors = [t for t in (query, key, value, s_aux) if isinstance(t, torch.Tensor)]
     run = lambda saved=None: _attention(  # noqa: E731
-        query, key, value, attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias, saved)
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        bool(is_causal),
+        softcap,
+        s_aux,
+        position_bias,
+        saved,
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         if isinstance(position_bias, torch.Tensor) and position_bias.requires_grad:
-            raise ValueError("a position_bias that requires grad (T5's learned bias) is not supported by the "
-                             "backward yet; train with attn_implementation='sdpa'")
-        return _Trainable.apply(run, query, key, value, s_aux if isinstance(s_aux, torch.Tensor) else None), None
+            raise ValueError(
+                "a position_bias that requires grad (T5's learned bias) is not supported by the "
+                "backward yet; train with attn_implementation='sdpa'"
+            )
+        return _Trainable.apply(
+            run, query, key, value, s_aux if isinstance(s_aux, torch.Tensor) else None
+        ), None
     return run(), None
 
 
-def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None):
+def _attention(
+    query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None
+):
     """The kernel call; with `saved` (a dict) also keeps what the backward needs (see _Trainable)."""
     B, Hq, Lq, d = query.shape
     Lk = key.shape[2]
@@ -321,8 +363,12 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
     # The kernels take the four dtypes as they are; anything else (int, mixed) goes through float32.
     dt = out_dtype if out_dtype in _COMPUTE + _HALF else torch.float32
     if query.dtype != dt or key.dtype != dt or value.dtype != dt:
-        if not (query.is_floating_point() and key.is_floating_point() and value.is_floating_point()):
-            raise TypeError(f"query/key/value must be floating point, got {query.dtype}, {key.dtype}, {value.dtype}")
+        if not (
+            query.is_floating_point() and key.is_floating_point() and value.is_floating_point()
+        ):
+            raise TypeError(
+                f"query/key/value must be floating point, got {query.dtype}, {key.dtype}, {value.dtype}"
+            )
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
     cdt = torch.float32 if dt in _HALF else dt  # masks, biases, sinks: the compute dtype
 
@@ -336,17 +382,25 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
         mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
     elif mask is not None:
         if mask.ndim != 4:
-            raise ValueError(f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(mask.shape)}"
+            )
         if mask.shape[-1] > Lk:  # as the eager backend does (static caches)
             mask = mask[..., :Lk]
         if mask.dtype != torch.bool:
             if not mask.is_floating_point():
-                raise TypeError(f"attention_mask must be bool (True = attend) or an additive float tensor, got {mask.dtype}")
+                raise TypeError(
+                    f"attention_mask must be bool (True = attend) or an additive float tensor, got {mask.dtype}"
+                )
             mask = mask.to(cdt)
     elif is_causal and Lq > 1:
         # No mask and a causal module: torch's top-left causal mask, as the sdpa backend computes it.
         if Lk >= Lq:
-            key, value, Lk = key[:, :, :Lq], value[:, :, :Lq], Lq  # keys >= Lq are visible to no query
+            key, value, Lk = (
+                key[:, :, :Lq],
+                value[:, :, :Lq],
+                Lq,
+            )  # keys >= Lq are visible to no query
             if position_bias is not None:
                 position_bias = position_bias[..., :Lq]
             causal = True  # Lq == Lk now: bottom-right == top-left
@@ -375,11 +429,23 @@ def _attention(query, key, value, mask, scaling, is_causal, softcap, s_aux, posi
     dv = value.shape[-1]
     out = torch.empty((B, Lq, Hq, dv), dtype=dt)
     res = _functional.scaled_dot_product_attention(
-        query, key, value, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq,
-        out=out.transpose(1, 2), return_lse=saved is not None, **kw,
+        query,
+        key,
+        value,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=key.shape[1] != Hq,
+        out=out.transpose(1, 2),
+        return_lse=saved is not None,
+        **kw,
     )
     if saved is not None:
-        saved.update(q=query.detach(), k=key.detach(), v=value.detach(), out=out.transpose(1, 2).detach(),
-                     lse=res[1],  # a tensor: torch in, torch out
-                     kw=dict(kw, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq))
+        saved.update(
+            q=query.detach(),
+            k=key.detach(),
+            v=value.detach(),
+            out=out.transpose(1, 2).detach(),
+            lse=res[1],  # a tensor: torch in, torch out
+            kw=dict(kw, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq),
+        )
     return out if dt == out_dtype else out.to(out_dtype)
