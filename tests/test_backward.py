@@ -12,17 +12,14 @@ from attn_fast import _core, masks
 from attn_fast import reference as ref
 
 import oracle
-from conftest import poisoned
+from helpers import poisoned, qkv, randn
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 
 
 def _inputs(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype):
-    q = rng.standard_normal((B, Hq, Lq, d)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, d)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, dv)).astype(dtype)
-    do = rng.standard_normal((B, Hq, Lq, dv)).astype(dtype)
-    return q, k, v, do
+    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype)
+    return q, k, v, randn(rng, (B, Hq, Lq, dv), dtype)
 
 
 def _run(q, k, v, do, **kw):

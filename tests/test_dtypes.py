@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from conftest import poisoned
 
 import attn_fast as af
 from attn_fast import masks

@@ -17,6 +17,7 @@ import os
 import numpy as np
 import pytest
 from conftest import ISAS
+from helpers import assert_attention
 
 import attn_fast as af
 from attn_fast import reference as ref
@@ -234,12 +235,9 @@ def test_fuzz_against_oracle(problem):
     assert o.dtype == q.dtype.newbyteorder("=") and o.shape == q.shape[:-1] + (v.shape[-1],)
     O, LSE = oracle(q, k, v, kw, dims)
     t = dict(rtol=3e-4, atol=3e-5) if q.dtype.itemsize == 4 else dict(rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(o.reshape(O.shape), O, **t)
-    if lse is not None:
-        lse = lse.reshape(LSE.shape)
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-        fin = np.isfinite(LSE)
-        np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+    assert_attention(
+        o.reshape(O.shape), None if lse is None else lse.reshape(LSE.shape), O, LSE, **t
+    )
 
 
 # ---------------------------------------------------------------- KVCache
@@ -385,10 +383,7 @@ def test_fuzz_kv_cache_against_oracle(program):
                 continue
             o, lse = cache.attend(q, q_lens=ql, causal=causal, return_lse=True)
             O, LSE = _cache_attend_oracle(q, hist_k, hist_v, pos, ql, w, causal)
-            np.testing.assert_allclose(o, O, **t)
-            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-            fin = np.isfinite(LSE)
-            np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+            assert_attention(o, lse, O, LSE, **t)
         elif op[0] == "truncate":
             target = np.maximum(pos - np.array(op[1]), 0)
             keep = n - (pos - target)

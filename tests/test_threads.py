@@ -13,10 +13,7 @@ import numpy as np
 import pytest
 
 import attn_fast as af
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
+from helpers import randn
 
 
 def run_py(code, timeout=120, **env):
