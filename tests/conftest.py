@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import zlib
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
-from helpers import poisoned, tol  # noqa: F401  (re-exported: `from conftest import tol` still works)
+from helpers import poisoned, tol  # noqa: F401  (re-exported)
 
 ISAS = list(af._core.available_isas())
 if os.environ.get("ATTN_FAST_ISA", "").strip():

@@ -149,7 +149,8 @@ def snapshot_cache(cache):
 
 
 def assert_same_cache(cache, snap):
-    """The cache holds what `snap` (a ``snapshot_cache``) recorded: a failed call changed nothing."""
+    """The cache holds what `snap` (a ``snapshot_cache``) recorded:
+    a failed call changed nothing."""
     now = snapshot_cache(cache)
     assert now[0] == snap[0] and now[3] == snap[3]
     np.testing.assert_array_equal(now[1], snap[1])

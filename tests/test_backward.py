@@ -4,14 +4,12 @@ against finite differences of the forward oracle."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import attn_fast as af
+import numpy as np
+import oracle
+import pytest
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-
-import oracle
 from helpers import poisoned, qkv, randn
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
@@ -422,8 +420,9 @@ def test_backward_no_leak_over_many_calls():
         import attn_fast as af
 
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in
-                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+            ).split()]
         try:
             _mi = ctypes.CDLL(None).mallinfo2
             _mi.restype = MallInfo2
@@ -433,14 +432,19 @@ def test_backward_no_leak_over_many_calls():
         rng = np.random.default_rng(0)
         q, k, v, do = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(4))
         m = rng.random((16, 16)) < 0.7
-        o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=m, sinks=[0.5, -1.0], return_lse=True)
+        o, lse = af.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, sinks=[0.5, -1.0], return_lse=True
+        )
         qp = rng.standard_normal((16, 2, 8)).astype(np.float32)
         cu = np.array([0, 5, 16])
         op, lp = af.varlen_attention(qp, qp, qp, cu, cu, causal=True, return_lse=True)
         calls = {
-            "backward": lambda: af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=m,
-                                                                          sinks=[0.5, -1.0]),
-            "varlen_backward": lambda: af.varlen_attention_backward(qp, qp, qp, qp, op, lp, cu, cu, causal=True),
+            "backward": lambda: af.scaled_dot_product_attention_backward(
+                do, q, k, v, o, lse, attn_mask=m, sinks=[0.5, -1.0]
+            ),
+            "varlen_backward": lambda: af.varlen_attention_backward(
+                qp, qp, qp, qp, op, lp, cu, cu, causal=True
+            ),
         }
         af.set_num_threads(1)
         for f in calls.values():
@@ -456,9 +460,8 @@ def test_backward_no_leak_over_many_calls():
             report[name] = (heap() - before) / 1024
         print(json.dumps(report))
     """)
-    assert all(kib <= 64 for kib in report.values()), (
-        report
-    )  # 64 KiB over 5000 calls: ~13 bytes per call
+    # 64 KiB over 5000 calls: ~13 bytes per call
+    assert all(kib <= 64 for kib in report.values()), report
 
 
 def test_backward_peak_memory_is_linear_in_L():
@@ -469,14 +472,20 @@ def test_backward_peak_memory_is_linear_in_L():
         L, d = 32768, 64
         rng = np.random.default_rng(0)
         q, k, v, do = (rng.standard_normal((1, 1, L, d), dtype=np.float32) for _ in range(4))
-        o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(255, 0), return_lse=True)
+        o, lse = af.scaled_dot_product_attention(
+            q, k, v, is_causal=True, window_size=(255, 0), return_lse=True
+        )
         af.scaled_dot_product_attention_backward(do[..., :8, :], q[..., :8, :], k, v, o[..., :8, :],
                                                  lse[..., :8])  # warm up
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        g = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=True, window_size=(255, 0))
+        g = af.scaled_dot_product_attention_backward(
+            do, q, k, v, o, lse, is_causal=True, window_size=(255, 0)
+        )
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(json.dumps(dict(extra_kib=after - before, grad_kib=3 * q.nbytes // 1024, dq_kib=q.nbytes // 1024,
-                              finite=all(bool(np.isfinite(x).all()) for x in g), threads=af.get_num_threads())))
+        print(json.dumps(dict(
+            extra_kib=after - before, grad_kib=3 * q.nbytes // 1024, dq_kib=q.nbytes // 1024,
+            finite=all(bool(np.isfinite(x).all()) for x in g), threads=af.get_num_threads(),
+        )))
     """)
     assert r["finite"]
     # dq, dk, dv themselves, at most 7 key-chunk dQ buffers (kMaxSplit - 1), per-thread tiles;
@@ -517,7 +526,8 @@ def test_backward_allocation_failure_is_memory_error():
 
 
 def test_backward_from_python_threads(rng):
-    # The binding releases the GIL: concurrent calls from Python threads give each caller its own result.
+    # The binding releases the GIL: concurrent calls from Python threads give each caller its own
+    # result.
     from concurrent.futures import ThreadPoolExecutor
 
     inputs = [_inputs(rng, 1, 2, 1, 64, 80, 16, 8, np.float64) for _ in range(4)]

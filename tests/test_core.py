@@ -7,10 +7,9 @@ import os
 import subprocess
 import sys
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, randn, run_sdpa
 

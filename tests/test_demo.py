@@ -10,10 +10,9 @@ import sys
 import textwrap
 import unicodedata
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import demo
 from attn_fast import reference as ref
 from attn_fast.__main__ import main as cli_main
@@ -357,7 +356,8 @@ def _figure_texts(monkeypatch):
 
 
 def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, capsys):
-    """Only matplotlib's own fonts (DejaVu, Last Resort, ...): English labels, the note on stderr."""
+    """Only matplotlib's own fonts (DejaVu, Last Resort, ...):
+    English labels, the note on stderr."""
     pytest.importorskip("matplotlib")
     import matplotlib
     from matplotlib import font_manager

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 
+import attn_fast as af
 import numpy as np
 import pytest
+from attn_fast import reference as ref
 from conftest import ISAS
 from helpers import assert_attention
-
-import attn_fast as af
-from attn_fast import reference as ref
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -294,7 +293,8 @@ def cache_programs(draw):
 
 
 def _cache_attend_oracle(q, hist_k, hist_v, pos, ql, window, causal):
-    """Rows i < ql[b] of sequence b sit at positions pos[b] - ql[b] + i; the rest get zeros / -inf."""
+    """Rows i < ql[b] of sequence b sit at positions pos[b] - ql[b] + i;
+    the rest get zeros / -inf."""
     B, Hq, Lq, _ = q.shape
     O = np.zeros((B, Hq, Lq, hist_v[0].shape[-1]))
     LSE = np.full((B, Hq, Lq), -np.inf)
@@ -370,7 +370,8 @@ def test_fuzz_kv_cache_against_oracle(program):
         elif op[0] == "attend":
             _, Lq, causal, qseed = op
             if w is not None and not causal:
-                causal = True  # a windowed non-causal attend is bounded by the stored keys: not modelled here
+                # a windowed non-causal attend is bounded by the stored keys: not modelled here
+                causal = True
             qrng = np.random.default_rng(qseed)
             ql = np.minimum(qrng.integers(0, Lq + 1, B), n if causal else Lq)
             q = qrng.standard_normal((B, Hq, Lq, d)).astype(dt)
@@ -431,7 +432,9 @@ FORK_FUZZ_CODE = """
     q = np.random.default_rng(0).standard_normal((1, 4, 512, 64)).astype(np.float32)
     af.scaled_dot_product_attention(q, q, q, is_causal=True)  # libgomp's pool, started by a kernel
     positional.RoPE(64)(np.ones((1, 4096, 8, 64), np.float32))  # ... and used by a Cython loop
-    few = settings(max_examples={n}, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    few = settings(
+        max_examples={n}, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     runs = [few(given(tf.problems())(tf.test_fuzz_against_oracle.hypothesis.inner_test)),
             few(given(tf.cache_programs())(tf.test_fuzz_kv_cache_against_oracle.hypothesis.inner_test))]
     pid = os.fork()

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, assert_lse_close, poisoned, qkv, randn
 

@@ -18,10 +18,9 @@ import subprocess
 import sys
 import time
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import _core
 from attn_fast import reference as ref
 from helpers import assert_close, assert_lse_close, poisoned, randn

@@ -12,16 +12,14 @@ import sys
 import textwrap
 import tracemalloc
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import masks, positional
 from attn_fast import reference as ref
 from attn_fast.kv_cache import KVCache
 from attn_fast.positional import RoPE, rope_reference
 from helpers import assert_close, randn
-
 
 # ---------------------------------------------------------------- item 2: ring windows
 
@@ -174,7 +172,7 @@ def test_kv_cache_with_rope_at_a_large_position_stays_small(rng):
     tracemalloc.start()
     try:
         ks = []
-        for t in range(6):
+        for _ in range(6):
             k = randn(rng, (2, 1, 1, 8), np.float64)
             ks.append(k)
             cache.append(k, k, rope=rope)
@@ -292,7 +290,7 @@ def test_rotate_qk_inplace_refuses_overlapping_q_and_k(rng):
     np.testing.assert_array_equal(b, rope(x))
 
 
-# ---------------------------------------------------------------- item 5: Ctrl-C in the Cython loops
+# --------------------------------------------------------------- item 5: Ctrl-C in the Cython loops
 
 # In a child: a watcher thread sends SIGINT to the process as soon as the loop
 # has written its first element (the loops release the GIL while they run).
@@ -336,7 +334,8 @@ SIGINT_CODE = """
             cache._v[:, :, 8:] = np.nan
 
         call = lambda: cache.append(k, k)
-        started = lambda: not np.isnan(cache._v[0, 0, 8, 0])  # the keys are written first, then the values
+        # the keys are written first, then the values
+        started = lambda: not np.isnan(cache._v[0, 0, 8, 0])
         finished = lambda: not np.isnan(cache._v[0, -1, -1, -1])
     else:
         _cyloops.np = NpShim()
@@ -376,7 +375,8 @@ SIGINT_CODE = """
         assert cache.lengths.tolist() == [8] and cache.positions.tolist() == [8]
         np.testing.assert_array_equal(cache.keys(0), k0[0])
         q = k0[:, :, -1:]
-        np.testing.assert_allclose(cache.attend(q), af.scaled_dot_product_attention(q, k0, k0), rtol=1e-5, atol=1e-6)
+        want = af.scaled_dot_product_attention(q, k0, k0)
+        np.testing.assert_allclose(cache.attend(q), want, rtol=1e-5, atol=1e-6)
         print("cache ok")
 """
 

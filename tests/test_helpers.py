@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from attn_fast import reference as ref
 from helpers import (
     LAYOUTS,

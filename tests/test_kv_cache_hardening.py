@@ -1,4 +1,5 @@
-"""Bad and unusual input for ``KVCache``, ``LayerCaches`` and ``merge_attention_states`` (kv_cache.py); a call
+"""Bad and unusual input for ``KVCache``, ``LayerCaches`` and ``merge_attention_states``
+(kv_cache.py); a call
 that fails on a cache leaves it unchanged.
 
 Every case is a clear exception naming the argument, or a result checked
@@ -56,7 +57,7 @@ def test_layer_caches_constructor():
         af.LayerCaches(2, 1, 2, 4, capacity=8.0)
 
 
-# ---------------------------------------------------------------- KVCache: correct results on odd inputs
+# ----------------------------------------------------------- KVCache: correct results on odd inputs
 
 
 def _cache_oracle(q, k, v, window=None):
@@ -109,7 +110,8 @@ def test_kv_cache_zero_size(rng):
 
 
 def test_kv_cache_nonfinite(rng):
-    """A NaN key reaches exactly the rows that see it; once the window drops it, rows are exact again."""
+    """A NaN key reaches exactly the rows that see it;
+    once the window drops it, rows are exact again."""
     B, H, L, d, w = 1, 2, 10, 4, 3
     q, k, v = randn(rng, (B, H, L, d)), randn(rng, (B, H, L, d)), randn(rng, (B, H, L, d))
     k[:, :, 4] = np.nan
@@ -141,7 +143,7 @@ def test_kv_cache_nonfinite(rng):
             assert_close(o[:, :, 9], _cache_oracle(q, k, v9, window)[0][:, :, 9], F32)
 
 
-# ---------------------------------------------------------------- KVCache: errors leave it unchanged
+# --------------------------------------------------------------- KVCache: errors leave it unchanged
 
 
 def _filled_cache(rng, window=None, growable=True):
@@ -225,7 +227,7 @@ def _bad_append_calls(rng):
 def test_kv_cache_failing_append_leaves_it_unchanged(rng, window):
     cache = _filled_cache(rng, window)
     snap = snapshot_cache(cache)
-    for name, (exc, match), call in _bad_append_calls(rng):
+    for _name, (exc, match), call in _bad_append_calls(rng):
         with pytest.raises(exc, match=match):
             call(cache)
         assert_same_cache(cache, snap)

@@ -6,10 +6,9 @@ boolean mask, built here from first principles (not from attn_fast.masks).
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, poisoned, qkv, randn, run_sdpa, tol
@@ -345,7 +344,8 @@ def test_alignment_conflict(rng):
         )
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), window_size=(3, 0))
-    # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused too.
+    # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused
+    # too.
     q2, k2, v2 = qkv(rng, 2, 1, 1, 10, 10, 4, 4, np.float64)
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(

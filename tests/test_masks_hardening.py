@@ -1,4 +1,5 @@
-"""Bad and unusual input for the mask objects (masks.py), alone and in ``scaled_dot_product_attention``.
+"""Bad and unusual input for the mask objects (masks.py), alone and in
+``scaled_dot_product_attention``.
 
 Every case is a clear exception naming the argument, or a result checked
 against a float64 oracle. Split by module from tests/test_hardening_api.py;

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import attn_fast as af
 import attn_fast.multihead as mh
+import numpy as np
+import pytest
 from attn_fast import reference as ref
 from attn_fast.positional import RoPE, rope_reference
 from helpers import assert_close
@@ -87,8 +86,11 @@ def test_gqa_equals_mha_with_repeated_kv_heads(rng):
     mha = af.MultiHeadAttention(D, H, rng=rng)
     dh, rep = gqa.head_dim, H // Hkv
     w = gqa.state_dict()
+
     # kv head g serves query heads g·rep … g·rep + rep - 1: repeat its rows
-    rep_rows = lambda W: np.repeat(W.reshape(Hkv, dh, D), rep, axis=0).reshape(H * dh, D)  # noqa: E731
+    def rep_rows(W):
+        return np.repeat(W.reshape(Hkv, dh, D), rep, axis=0).reshape(H * dh, D)
+
     mha.load_weights(
         {"Wq": w["Wq"], "Wk": rep_rows(w["Wk"]), "Wv": rep_rows(w["Wv"]), "Wo": w["Wo"]}
     )

@@ -1,4 +1,5 @@
-"""Bad and unusual input for ``MultiHeadAttention`` (multihead.py); a call that fails on a cache or a
+"""Bad and unusual input for ``MultiHeadAttention`` (multihead.py); a call that fails on a cache or
+a
 weight load leaves the module unchanged.
 
 Every case is a clear exception naming the argument, or a result checked

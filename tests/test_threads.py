@@ -9,10 +9,9 @@ import sys
 import textwrap
 import threading
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from helpers import randn
 
 

@@ -1,4 +1,5 @@
-"""Bad and unusual input for ``TransformerBlock`` and ``TinyTransformerLM`` (transformer.py); a failing call
+"""Bad and unusual input for ``TransformerBlock`` and ``TinyTransformerLM`` (transformer.py); a
+failing call
 leaves every layer unchanged.
 
 Every case is a clear exception naming the argument, or a result checked

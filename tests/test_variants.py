@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import variants as V
 from attn_fast.reference import sdpa
 from helpers import assert_close, poisoned, randn
-
 
 # --------------------------------------------------------------------------
 # float64 oracles, written as plainly as the formulas
@@ -334,7 +332,8 @@ def test_linear_attention_errors(rng):
 
 
 def test_permuting_keys_and_values_together_changes_nothing(rng):
-    """Non-causal linear attention sees a set of keys; Linformer too, once E's and F's columns follow."""
+    """Non-causal linear attention sees a set of keys;
+    Linformer too, once E's and F's columns follow."""
     q, k = randn(rng, (2, 45, 8), np.float64), randn(rng, (2, 45, 8), np.float64)
     v = randn(rng, (2, 45, 6), np.float64)
     E, F = randn(rng, (5, 45), np.float64), randn(rng, (5, 45), np.float64)
