@@ -12,10 +12,17 @@ imported as ``from helpers import ...`` (pytest puts tests/ on sys.path).
   the per-dtype tolerances of ``tol``, whose message names the largest error
   and where it is), ``assert_lse_close`` (the -inf pattern of fully masked rows
   exactly, the finite entries within tolerance) and ``assert_attention`` (both).
-- ``run_sdpa``: the public kernel called on a poisoned ``out=``.
+- ``run_sdpa``: the public kernel called on a poisoned ``out=``; ``run_python`` and
+  ``run_json``: a script in a fresh interpreter (its own environment, threads, limits).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import attn_fast as af
 import numpy as np
@@ -257,3 +264,22 @@ def run_sdpa(q, k, v, dtype=None, **kw):
     o, lse = af.scaled_dot_product_attention(q, k, v, out=out, return_lse=True, **kw)
     assert o is out
     return o, lse
+
+
+def run_python(code, timeout=120, **env):
+    """Run `code` (dedented) in a fresh interpreter, `env` added to this process's
+    environment; returns the CompletedProcess (text stdout/stderr)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=timeout,
+    )
+
+
+def run_json(code, timeout=600, **env):
+    """``run_python``, exit status 0 asserted (stderr shown); the last stdout line as JSON."""
+    r = run_python(code, timeout=timeout, **env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])

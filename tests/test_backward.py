@@ -10,7 +10,7 @@ import oracle
 import pytest
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-from helpers import poisoned, qkv, randn
+from helpers import poisoned, qkv, randn, run_json
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 
@@ -397,24 +397,8 @@ def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
 # ---------------------------------------------------------------- resources
 
 
-def _run_json(code, timeout=600):
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_backward_no_leak_over_many_calls():
-    report = _run_json("""
+    report = run_json("""
         import ctypes, gc, json
         import numpy as np
         import attn_fast as af
@@ -465,7 +449,7 @@ def test_backward_no_leak_over_many_calls():
 
 
 def test_backward_peak_memory_is_linear_in_L():
-    r = _run_json("""
+    r = run_json("""
         import json, resource
         import numpy as np
         import attn_fast as af

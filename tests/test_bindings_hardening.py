@@ -1,9 +1,6 @@
-"""Bad and unusual input for the C++ bindings called directly (``attn_fast._core``: bindings.cpp).
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""The C++ bindings called directly (``attn_fast._core``, bindings.cpp) on bad input:
+shapes, dtypes, cu_seqlens and length arrays are checked at the boundary and
+raise ValueError/TypeError naming the argument (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

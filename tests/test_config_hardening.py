@@ -1,9 +1,5 @@
-"""Bad and unusual input for ``set_num_threads`` (_config.py): a rejected value keeps the setting.
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""``set_num_threads`` (_config.py): a value that is not a positive int of
+reasonable size raises, and the setting stays what it was (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

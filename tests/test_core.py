@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 
 import attn_fast as af
 import numpy as np
 import pytest
 from attn_fast import reference as ref
-from helpers import assert_attention, assert_close, randn, run_sdpa
+from helpers import assert_attention, assert_close, randn, run_python, run_sdpa
 
 
 def run(q, k, v, causal=False, dtype=np.float32, **kw):
@@ -287,17 +284,9 @@ def test_misaligned_buffer(rng):
 # ---------------------------------------------------------------- configuration
 
 
-def run_py(code, **env):
-    e = dict(os.environ)
-    e.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120
-    )
-
-
 @pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
 def test_isa_env_variable(name):
-    r = run_py("import attn_fast as af; print(af.get_isa())", ATTN_FAST_ISA=name)
+    r = run_python("import attn_fast as af; print(af.get_isa())", ATTN_FAST_ISA=name)
     if name in af._core.available_isas():
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == name
@@ -307,7 +296,7 @@ def test_isa_env_variable(name):
 
 
 def test_omp_num_threads_respected():
-    r = run_py("import attn_fast as af; print(af.get_num_threads())", OMP_NUM_THREADS="1")
+    r = run_python("import attn_fast as af; print(af.get_num_threads())", OMP_NUM_THREADS="1")
     assert r.returncode == 0 and r.stdout.strip() == "1"
 
 

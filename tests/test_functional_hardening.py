@@ -1,9 +1,6 @@
-"""Bad and unusual input for ``varlen_attention`` and ``attention_weights`` (functional.py).
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""``varlen_attention`` and ``attention_weights`` (functional.py) on unusual
+layouts of valid data (checked against the float64 oracle) and on bad
+arguments (an error naming the argument; docs/HARDENING.md)."""
 
 from __future__ import annotations
 

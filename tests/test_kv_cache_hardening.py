@@ -1,11 +1,6 @@
-"""Bad and unusual input for ``KVCache``, ``LayerCaches`` and ``merge_attention_states``
-(kv_cache.py); a call
-that fails on a cache leaves it unchanged.
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""``KVCache``, ``LayerCaches`` and ``merge_attention_states`` (kv_cache.py):
+bad constructor arguments, odd but valid inputs against the float64 oracle,
+and calls that fail without changing the cache (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Bad and unusual input for the mask objects (masks.py), alone and in
-``scaled_dot_product_attention``.
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""The mask objects (masks.py): constructor errors, errors raised inside
+``scaled_dot_product_attention``, dense masks in unusual memory layouts,
+broadcast views and NaN bias rows (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

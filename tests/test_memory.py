@@ -7,13 +7,10 @@ add the full (unwindowed) L = 65536 call, about a minute on two cores.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from helpers import run_json
 
 LEAK_CODE = """
     import contextlib, ctypes, gc, io, json, os
@@ -150,17 +147,6 @@ PEAK_CODE = """
                           inputs_kib=(q.nbytes * 4) // 1024, textbook_scores_kib=L * L * 4 // 1024,
                           finite=bool(np.isfinite(o).all()), threads=af.get_num_threads())))
 """
-
-
-def run_json(code, timeout):
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(

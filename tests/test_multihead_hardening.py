@@ -1,11 +1,6 @@
-"""Bad and unusual input for ``MultiHeadAttention`` (multihead.py); a call that fails on a cache or
-a
-weight load leaves the module unchanged.
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""``MultiHeadAttention`` (multihead.py): constructor and call errors, unusual
+layouts against a float64 oracle, and failures (a bad cache, a bad weight)
+that leave the module as it was (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

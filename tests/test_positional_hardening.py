@@ -1,9 +1,6 @@
-"""Bad and unusual input for the positional encodings: ``sinusoidal`` and ``RoPE`` (positional.py).
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""The positional encodings (positional.py): ``sinusoidal`` and ``RoPE``
+argument errors, unusual and misaligned layouts, and non-finite values that
+stay in their own row (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

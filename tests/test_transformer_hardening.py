@@ -1,11 +1,6 @@
-"""Bad and unusual input for ``TransformerBlock`` and ``TinyTransformerLM`` (transformer.py); a
-failing call
-leaves every layer unchanged.
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""``TransformerBlock`` and ``TinyTransformerLM`` (transformer.py): argument
+and token errors, and failing calls (a bad cache, a bad weight) that leave
+every layer as it was (docs/HARDENING.md)."""
 
 from __future__ import annotations
 

@@ -290,7 +290,8 @@ def test_sliding_window_prefill_and_generate(calls):
     assert all(c["k"][2] == 6 for c in calls if c["q"][2] == 1), calls
 
 
-def test_gemma2_softcap_and_alternating_windows(calls):
+def gemma2():
+    """A 2-layer Gemma2: logit softcapping, sliding window 5 on alternating layers."""
     cfg = transformers.Gemma2Config(
         vocab_size=128,
         hidden_size=64,
@@ -305,19 +306,11 @@ def test_gemma2_softcap_and_alternating_windows(calls):
         query_pre_attn_scalar=16,
         pad_token_id=0,
     )
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
-    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
-    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits  # sdpa has no softcap
-    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
-    diff = close(got, ref, am.bool())
-    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
-    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], (
-        calls
-    )  # one sliding, one full layer
-    print(f"gemma2 softcap max|Δ| = {diff:.2e}")
+    return transformers.Gemma2ForCausalLM(cfg)
 
 
-def test_gpt_oss_sinks(calls):
+def gpt_oss():
+    """A 2-layer gpt-oss: attention sinks (drawn at random, not zero), sliding window 4."""
     cfg = transformers.GptOssConfig(
         vocab_size=128,
         hidden_size=64,
@@ -329,13 +322,30 @@ def test_gpt_oss_sinks(calls):
         num_local_experts=2,
         num_experts_per_tok=1,
         sliding_window=4,
-        max_position_embeddings=131072,
-        pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
+        max_position_embeddings=131072,  # = 32 x 4096, the YaRN factor of the default config
+        pad_token_id=0,
     )
-    model = transformers.GptOssForCausalLM(cfg).eval()
+    model = transformers.GptOssForCausalLM(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_()
+    return model
+
+
+def test_gemma2_softcap_and_alternating_windows(calls):
+    model = gemma2().eval()
+    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
+    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits  # sdpa has no softcap
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
+    # one sliding, one full layer
+    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], calls
+    print(f"gemma2 softcap max|Δ| = {diff:.2e}")
+
+
+def test_gpt_oss_sinks(calls):
+    model = gpt_oss().eval()
     ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
     ref = run(model, "eager", input_ids=ids, attention_mask=am).logits
     got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
@@ -656,45 +666,14 @@ def test_llama_training_steps_same_losses_as_sdpa(calls):
 
 
 def test_gemma2_softcap_window_training_gradients_match_eager(calls):
-    cfg = transformers.Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        sliding_window=5,
-        attn_logit_softcapping=2.0,
-        query_pre_attn_scalar=16,
-        pad_token_id=0,
-    )
-    model = transformers.Gemma2ForCausalLM(cfg)
+    model = gemma2()
     ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
     same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
     assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
 
 
 def test_gpt_oss_sinks_training_gradients_match_eager(calls):
-    cfg = transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        sliding_window=4,
-        max_position_embeddings=131072,
-        pad_token_id=0,
-    )
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_()
+    model = gpt_oss()
     ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
     same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
     assert len(calls) == 2 and all(c["sinks"] for c in calls), calls

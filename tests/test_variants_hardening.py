@@ -1,9 +1,6 @@
-"""Bad and unusual input for Linformer and linear attention (variants.py).
-
-Every case is a clear exception naming the argument, or a result checked
-against a float64 oracle. Split by module from tests/test_hardening_api.py;
-the decisions are listed in docs/HARDENING.md ("Every other entry point").
-"""
+"""Linformer and linear attention (variants.py): unusual layouts against the
+float64 oracle, and argument errors of the functions and the Linformer
+layer (docs/HARDENING.md)."""
 
 from __future__ import annotations
 
