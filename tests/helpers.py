@@ -5,7 +5,8 @@ imported as ``from helpers import ...`` (pytest puts tests/ on sys.path).
 
 - Inputs: ``randn`` (one array) and ``qkv`` (q, k, v in (B, H, L, d) layout,
   any dtype, contiguous or one of the ``relayout`` memory layouts, the values
-  unchanged by the layout).
+  unchanged by the layout); ``random_mask`` (boolean, with fully masked rows
+  where asked) and ``random_bias`` (additive, with -inf holes).
 - ``poisoned``: an output buffer full of NaN, so an element the kernel skips
   shows.
 - The oracle assertion: ``assert_close`` (``np.testing.assert_allclose`` with
@@ -124,6 +125,24 @@ def qkv(rng, B=2, Hq=3, Hkv=None, Lq=9, Lk=11, d=5, dv=7, dtype=np.float32, layo
     k = randn(rng, (B, Hkv, Lk, d), dtype)
     v = randn(rng, (B, Hkv, Lk, dv), dtype)
     return relayout(q, layout), relayout(k, layout), relayout(v, layout)
+
+
+def random_mask(rng, shape, keep=0.7, dead_rows=()):
+    """Boolean visibility of `shape` (..., Lq, Lk), True = attend: each (query, key)
+    pair visible with probability `keep` (drawn as ``rng.random(shape) < keep``); the
+    query rows listed in `dead_rows` see no key at all (fully masked rows)."""
+    m = rng.random(shape) < keep
+    if len(dead_rows):
+        m[..., list(dead_rows), :] = False
+    return m
+
+
+def random_bias(rng, shape, holes=0.2, dtype=np.float64):
+    """Additive float mask of `shape`: standard normal in `dtype`, with -inf (a masked
+    pair) at each entry with probability `holes` (drawn after the values)."""
+    b = randn(rng, shape, dtype)
+    b[rng.random(shape) < holes] = -np.inf
+    return b
 
 
 # Values that are not ints where a count is expected, and what each raises.

@@ -10,7 +10,7 @@ import oracle
 import pytest
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-from helpers import poisoned, qkv, randn, run_json
+from helpers import poisoned, qkv, randn, random_bias, random_mask, run_json
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 
@@ -106,12 +106,10 @@ def _case(name, rng, B, Hq, Lq, Lk, dtype):
         m = (i[None] < q_lens[:, None, None]) & (j[None] < kv_lens[:, None, None])
         return {"attn_mask": masks.Padding(kv_lens, q_lens)}, {"mask": m[:, None]}
     if name == "bool_mask":
-        m = rng.random((B, 1, Lq, Lk)) < 0.6
-        m[:, :, 0] = False  # a fully masked row
+        m = random_mask(rng, (B, 1, Lq, Lk), 0.6, dead_rows=[0])
         return {"attn_mask": m}, {"mask": m}
     if name == "additive_mask":
-        bias = rng.standard_normal((B, Hq, Lq, Lk)).astype(dtype)
-        bias[rng.random(bias.shape) < 0.3] = -np.inf
+        bias = random_bias(rng, (B, Hq, Lq, Lk), 0.3, dtype)
         return {"attn_mask": bias}, {"bias": bias}
     if name == "block_sparse":
         bq, bk = 4, 8
@@ -212,8 +210,7 @@ def test_backward_block_sizes_do_not_matter(isa, rng):
 def test_fully_masked_rows_get_zero_gradient(isa, rng):
     B, H, Lq, Lk, d = 2, 2, 20, 30, 8
     q, k, v, do = _inputs(rng, B, H, H, Lq, Lk, d, d, np.float32)
-    m = rng.random((B, H, Lq, Lk)) < 0.5
-    m[:, :, [0, 7, 19]] = False
+    m = random_mask(rng, (B, H, Lq, Lk), 0.5, dead_rows=[0, 7, 19])
     got = _run(q, k, v, do, attn_mask=m)
     assert all(np.all(np.isfinite(g)) for g in got)
     assert np.all(got[0][:, :, [0, 7, 19]] == 0)
@@ -298,7 +295,7 @@ def test_non_contiguous_inputs(isa, rng):
 def test_ring_attention_key_blocks_sum_to_the_full_gradient(isa, rng):
     B, H, Lq, Lk, d = 1, 2, 24, 40, 8
     q, k, v, do = _inputs(rng, B, H, H, Lq, Lk, d, d, np.float64)
-    m = rng.random((B, H, Lq, Lk)) < 0.7
+    m = random_mask(rng, (B, H, Lq, Lk), 0.7)
     o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=m, return_lse=True)
     full = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=m)
     dq = np.zeros_like(q)

@@ -8,7 +8,7 @@ import attn_fast as af
 import numpy as np
 import pytest
 from attn_fast import reference as ref
-from helpers import assert_attention, assert_close, randn, run_python, run_sdpa
+from helpers import assert_attention, assert_close, randn, random_mask, run_python, run_sdpa
 
 
 def run(q, k, v, causal=False, dtype=np.float32, **kw):
@@ -382,7 +382,7 @@ def test_dense_masks(isa, rng):
         randn(rng, (B, H, Lk, d), np.float32),
         randn(rng, (B, H, Lk, d), np.float32),
     )
-    mask = rng.random((B, 1, Lq, Lk)) < 0.3
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.3)
     mask[0, 0, 5] = False  # a fully masked row
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert_close(o, ref.sdpa(q, k, v, mask=mask), np.float32)

@@ -20,6 +20,7 @@ import pytest
 from attn_fast import masks
 from attn_fast import reference as ref
 from attn_fast._checks import _BF16Bits, to_input_kind
+from helpers import random_mask
 
 try:
     import torch
@@ -220,7 +221,7 @@ def test_masks_and_score_transforms(isa, rng, src):
     B, H, Lq, Lk, d = 2, 2, 19, 37, 32
     q, k, v = gen(rng, src, (B, H, Lq, d), (B, H, Lk, d), (B, H, Lk, d))
     Q, K, V = f64(q), f64(k), f64(v)
-    keep = rng.random((B, H, Lq, Lk)) < 0.6
+    keep = random_mask(rng, (B, H, Lq, Lk), 0.6)
     bias = rng.standard_normal((B, 1, Lq, Lk)).astype(np.float32)
     kv_lens = np.array([Lk, 20])
     pad = np.arange(Lk)[None, None, None, :] < kv_lens[:, None, None, None]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from attn_fast import reference as ref
 from conftest import ISAS
-from helpers import assert_attention
+from helpers import assert_attention, random_bias, random_mask
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -123,13 +123,10 @@ def problems(draw):
         mshape = tuple(n if draw(st.booleans(), label="mask axis full") else 1 for n in full)
         mshape = mshape[4 - draw(st.integers(2, 4), label="mask ndim") :]
         if mask_kind == "bool":
-            kw["attn_mask"] = rng.random(mshape) < 0.7
+            kw["attn_mask"] = random_mask(rng, mshape, 0.7)
         else:
-            m = rng.standard_normal(mshape).astype(
-                draw(st.sampled_from([np.float32, np.float64]), label="bias dtype")
-            )
-            m[rng.random(mshape) < 0.2] = -np.inf
-            kw["attn_mask"] = m
+            bias_dtype = draw(st.sampled_from([np.float32, np.float64]), label="bias dtype")
+            kw["attn_mask"] = random_bias(rng, mshape, 0.2, bias_dtype)
     kw["return_lse"] = draw(st.booleans(), label="lse")
     kw["backend"] = draw(st.sampled_from(["fused", "fused", "reference"]), label="backend")
     kw["block_q"] = draw(st.sampled_from([0, 1, 5, 48, 200]), label="block_q")

@@ -14,7 +14,15 @@ import attn_fast as af
 import numpy as np
 import pytest
 from attn_fast import reference as ref
-from helpers import assert_attention, assert_close, assert_lse_close, poisoned, qkv, randn
+from helpers import (
+    assert_attention,
+    assert_close,
+    assert_lse_close,
+    poisoned,
+    qkv,
+    randn,
+    random_mask,
+)
 
 sdpa = af.scaled_dot_product_attention
 BACKENDS = ["fused", "reference"]
@@ -260,10 +268,10 @@ def test_mask_errors():
 
 def test_mask_broadcast_and_strided(isa, rng):
     q, k, v = qkv(rng, B=2, Hq=3, Lq=9, Lk=11)
-    big = rng.random((2, 1, 30, 40)) < 0.6
+    big = random_mask(rng, (2, 1, 30, 40), 0.6)
     mask = big[:, :, 3:30:3, ::-3][:, :, :, :11]  # (2, 1, 9, 11), odd strides
     check(sdpa(q, k, v, attn_mask=mask), q, k, v, mask=mask)
-    row = rng.random(11) < 0.5  # 1-D: broadcast over everything
+    row = random_mask(rng, 11, 0.5)  # 1-D: broadcast over everything
     check(sdpa(q, k, v, attn_mask=row.tolist()), q, k, v, mask=row)
     bias = randn(rng, (9, 11), np.float64)  # float64 bias with float32 q: converted once
     check(sdpa(q, k, v, attn_mask=bias), q, k, v, bias=bias)

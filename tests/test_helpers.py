@@ -13,6 +13,8 @@ from helpers import (
     poisoned,
     qkv,
     randn,
+    random_bias,
+    random_mask,
     relayout,
     run_sdpa,
     tol,
@@ -87,3 +89,14 @@ def test_poisoned_and_run_sdpa(rng):
     assert o.shape == (1, 2, 7, 5) and lse.shape == (1, 2, 7)
     O, LSE = ref.sdpa(q, k, v, mask=ref.causal_mask(7, 129), return_lse=True)
     assert_attention(o, lse, O, LSE, np.float32)
+
+
+def test_random_mask_and_bias(rng):
+    m = random_mask(rng, (2, 3, 129, 7), 0.5, dead_rows=[0, 128])
+    assert m.dtype == bool and m.shape == (2, 3, 129, 7)
+    assert not m[..., [0, 128], :].any() and m[..., 1:128, :].any(axis=-1).mean() > 0.9
+    assert 0.4 < m[..., 1:128, :].mean() < 0.6
+    assert random_mask(rng, 11).shape == (11,)
+    b = random_bias(rng, (64, 65), 0.25, np.float32)
+    assert b.dtype == np.float32 and 0.15 < np.isneginf(b).mean() < 0.35
+    assert np.isfinite(b[~np.isneginf(b)]).all()

@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 from attn_fast import masks as M
 from attn_fast import reference as ref
-from helpers import assert_attention, assert_close, poisoned, qkv, randn, run_sdpa, tol
+from helpers import (
+    assert_attention,
+    assert_close,
+    poisoned,
+    qkv,
+    randn,
+    random_bias,
+    random_mask,
+    run_sdpa,
+    tol,
+)
 
 try:
     from hypothesis import given, settings
@@ -235,14 +245,13 @@ def test_dense_masks(isa, rng, dtype):
     B, Hq, Hkv, Lq, Lk, d, dv = 2, 4, 2, 71, 130, 24, 16
     q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype)
     # Blocks of False (whole tiles skipped) plus scattered False.
-    mask = rng.random((B, Hq, Lq, Lk)) < 0.7
+    mask = random_mask(rng, (B, Hq, Lq, Lk), 0.7)
     mask[:, :, :, 64:128] = False
     mask[0, 1, 3] = False
     run_and_check(q, k, v, mask, mask, dtype=dtype, enable_gqa=True)
     run_and_check(q, k, v, M.Dense(mask[:, :1]), mask[:, :1], dtype=dtype, enable_gqa=True)
     # Additive bias, of the other precision, broadcast from (Lq, Lk), with -inf holes.
-    bias = rng.standard_normal((Lq, Lk))
-    bias[rng.random((Lq, Lk)) < 0.2] = -np.inf
+    bias = random_bias(rng, (Lq, Lk), 0.2)
     run_and_check(q, k, v, bias, None, bias=bias, dtype=dtype, enable_gqa=True)
     # attn_mask and is_causal together (torch refuses the pair): they intersect.
     dense = mask & dense_causal(B, Lq, Lk, right=None)
@@ -263,7 +272,7 @@ def test_combination_of_every_kind(isa, rng):
     q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, np.float64)
     kv_lens, q_lens = np.array([120, 77]), np.array([83, 60])
     layout = rng.random((Hq, 6, 8)) < 0.7
-    mask = rng.random((B, 1, Lq, Lk)) < 0.8
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.8)
     bias = rng.standard_normal((Hq, Lq, Lk)) * 0.5
     combo = (
         M.Causal()
@@ -310,7 +319,7 @@ def test_merge_rules(rng):
     run_and_check(q, k, v, M.SlidingWindow(9, 3) & M.SlidingWindow(5, 7), dense)
     run_and_check(q, k, v, M.SlidingWindow(5, None), dense, window_size=(20, 3))
     # two boolean masks: AND;  two biases: sum
-    m1, m2 = rng.random((Lq, Lk)) < 0.6, rng.random((B, 1, Lq, Lk)) < 0.6
+    m1, m2 = random_mask(rng, (Lq, Lk), 0.6), random_mask(rng, (B, 1, Lq, Lk), 0.6)
     run_and_check(q, k, v, M.Dense(m1) & m2, m1 & m2)
     b1, b2 = rng.standard_normal((Lq, Lk)), rng.standard_normal((H, Lq, Lk))
     run_and_check(q, k, v, M.Dense(b1) & M.Dense(b2), None, bias=b1 + b2)
@@ -778,7 +787,7 @@ def test_torch_enable_gqa(rng, ratio):
     q, k, v = qkv(rng, B, Hq, Hq // ratio, Lq, Lk, d, dv, np.float64)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     F = torch.nn.functional.scaled_dot_product_attention
-    mask = rng.random((B, 1, Lq, Lk)) < 0.7
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.7)
     expect = F(tq, tk, tv, attn_mask=torch.from_numpy(mask), enable_gqa=True).numpy()
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     np.testing.assert_allclose(o, expect, atol=1e-12)
@@ -839,7 +848,7 @@ def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     broadcast axes of the mask (key-padding (B,1,1,Lk), per-query (Lq,1)) stay broadcast."""
     B, H, Lq, Lk, d = 2, 3, 150, 200, 16
     q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float32)
-    mask = rng.random(shape) < 0.5
+    mask = random_mask(rng, shape, 0.5)
     if len(shape) == 4 and shape[-1] > 1:
         mask[..., 64:160] = False  # whole empty tiles
     kw = af.functional._mask_kwargs(mask, False, None, B, H, Lq, Lk, np.float32)

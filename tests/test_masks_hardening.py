@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 from attn_fast import masks
 from attn_fast import reference as ref
-from helpers import (
-    F32,
-    UNUSUAL_LAYOUTS,
-    assert_close,
-    randn,
-)
+from helpers import F32, UNUSUAL_LAYOUTS, assert_close, randn, random_mask
 
 # ---------------------------------------------------------------- masks
 
@@ -105,7 +100,7 @@ def test_dense_mask_unusual_layouts(rng, layout, kind):
     Fortran-ordered or read-only, inside Dense and combined with other masks."""
     q, k, v = randn(rng, (2, 3, 9, 5)), randn(rng, (2, 3, 11, 5)), randn(rng, (2, 3, 11, 4))
     if kind == "bool":
-        m = rng.random((3, 9, 11)) < 0.7
+        m = random_mask(rng, (3, 9, 11), 0.7)
         want = dict(mask=m & ref.causal_mask(9, 11))
     else:
         m = randn(rng, (3, 9, 11))
