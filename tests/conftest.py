@@ -1,14 +1,19 @@
-"""Shared fixtures: per-ISA runs, fresh seeded RNGs, poisoned output buffers."""
+"""Shared fixtures: per-ISA runs and fresh seeded RNGs.
+
+The plain helpers (inputs, poisoned buffers, tolerances, the oracle assertion)
+live in tests/helpers.py; `poisoned` and `tol` are re-exported here for the
+files that still import them from conftest.
+"""
 
 from __future__ import annotations
 
 import os
 import zlib
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
+from helpers import poisoned, tol  # noqa: F401  (re-exported)
 
 ISAS = list(af._core.available_isas())
 if os.environ.get("ATTN_FAST_ISA", "").strip():
@@ -30,16 +35,3 @@ def isa(request):
 def rng(request):
     """A generator seeded from the test id: fresh inputs per test, reproducible."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def poisoned(shape, dtype):
-    """An output buffer full of NaN, so any element the kernel skips is caught."""
-    return np.full(shape, np.nan, dtype=dtype)
-
-
-def tol(dtype):
-    return (
-        dict(rtol=2e-4, atol=2e-5)
-        if np.dtype(dtype) == np.float32
-        else dict(rtol=1e-10, atol=1e-11)
-    )

@@ -4,20 +4,15 @@ torch out, zero-copy)."""
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import tol
-
-import attn_fast as af
 from attn_fast import reference as ref
+from helpers import assert_close, randn
 
 torch = pytest.importorskip("torch")
 
 sdpa = af.scaled_dot_product_attention
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
 
 
 # ---------------------------------------------------------------- torch's positional order
@@ -38,10 +33,10 @@ def test_positional_order_is_torchs(rng):
         ((None, 0.0, True, None), None),
     ]:
         expect = F(t(q), t(k), t(v), *args[:3], scale=scale).numpy()
-        np.testing.assert_allclose(sdpa(q, k, v, *args), expect, **tol(np.float32))
+        assert_close(sdpa(q, k, v, *args), expect, np.float32)
     o = sdpa(q, *kv2, None, 0.0, True, 0.25, True)  # enable_gqa as the 8th positional
     expect = F(t(q), t(kv2[0]), t(kv2[1]), None, 0.0, True, scale=0.25, enable_gqa=True).numpy()
-    np.testing.assert_allclose(o, expect, **tol(np.float32))
+    assert_close(o, expect, np.float32)
     # the causal flag really is the 6th positional: it changes the result
     assert not np.allclose(sdpa(q, k, v, None, 0.0, True), sdpa(q, k, v, None, 0.0, False))
 
@@ -123,8 +118,8 @@ def test_torch_in_torch_out_zero_copy(rng):
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)
     assert isinstance(stats, af.KernelStats)
     O, LSE = ref.sdpa(qn, kn, vn, mask=ref.causal_mask(7, 7), return_lse=True)
-    np.testing.assert_allclose(o.numpy(), O, **tol(np.float32))
-    np.testing.assert_allclose(lse.numpy(), LSE, **tol(np.float32))
+    assert_close(o.numpy(), O, np.float32)
+    assert_close(lse.numpy(), LSE, np.float32)
     # zero-copy: the tensor is a view of the result's memory, writable, not a copy of a copy
     a = o.numpy()
     assert a.ctypes.data == o.data_ptr() and a.flags.writeable
@@ -147,14 +142,12 @@ def test_torch_kind_follows_every_entry_point(rng):
     cu = np.array([0, 4, 9])
     o, lse = af.varlen_attention(t(q3), t(q3), t(q3), cu, cu, causal=True, return_lse=True)
     assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)
-    np.testing.assert_allclose(
-        o.numpy(), af.varlen_attention(q3, q3, q3, cu, cu, causal=True), **tol(np.float32)
-    )
+    assert_close(o.numpy(), af.varlen_attention(q3, q3, q3, cu, cu, causal=True), np.float32)
 
     X, W = randn(rng, (5, 8)), [randn(rng, (4, 8)) for _ in range(3)]
     O = af.attention(t(X), *map(t, W), causal=True)
     assert isinstance(O, torch.Tensor) and O.shape == (5, 4)
-    np.testing.assert_allclose(O.numpy(), af.attention(X, *W, causal=True), **tol(np.float32))
+    assert_close(O.numpy(), af.attention(X, *W, causal=True), np.float32)
 
     cache = af.KVCache(1, 2, 8)
     kk, vv = randn(rng, (1, 2, 6, 8)), randn(rng, (1, 2, 6, 8))
@@ -181,7 +174,7 @@ def test_torch_kind_follows_every_entry_point(rng):
     x = randn(rng, (1, 5, 16))
     y = mha(t(x), causal=True)
     assert isinstance(y, torch.Tensor)
-    np.testing.assert_allclose(y.numpy(), mha(x, causal=True), **tol(np.float32))
+    assert_close(y.numpy(), mha(x, causal=True), np.float32)
     block = af.TransformerBlock(16, 2, rng=0)
     assert isinstance(block(t(x)), torch.Tensor)
     assert isinstance(block(x), np.ndarray)

@@ -4,25 +4,20 @@ against finite differences of the forward oracle."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import attn_fast as af
+import numpy as np
+import oracle
+import pytest
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-
-import oracle
-from conftest import poisoned
+from helpers import poisoned, qkv, randn, random_bias, random_mask, run_json
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 
 
 def _inputs(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype):
-    q = rng.standard_normal((B, Hq, Lq, d)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, d)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, dv)).astype(dtype)
-    do = rng.standard_normal((B, Hq, Lq, dv)).astype(dtype)
-    return q, k, v, do
+    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype)
+    return q, k, v, randn(rng, (B, Hq, Lq, dv), dtype)
 
 
 def _run(q, k, v, do, **kw):
@@ -111,12 +106,10 @@ def _case(name, rng, B, Hq, Lq, Lk, dtype):
         m = (i[None] < q_lens[:, None, None]) & (j[None] < kv_lens[:, None, None])
         return {"attn_mask": masks.Padding(kv_lens, q_lens)}, {"mask": m[:, None]}
     if name == "bool_mask":
-        m = rng.random((B, 1, Lq, Lk)) < 0.6
-        m[:, :, 0] = False  # a fully masked row
+        m = random_mask(rng, (B, 1, Lq, Lk), 0.6, dead_rows=[0])
         return {"attn_mask": m}, {"mask": m}
     if name == "additive_mask":
-        bias = rng.standard_normal((B, Hq, Lq, Lk)).astype(dtype)
-        bias[rng.random(bias.shape) < 0.3] = -np.inf
+        bias = random_bias(rng, (B, Hq, Lq, Lk), 0.3, dtype)
         return {"attn_mask": bias}, {"bias": bias}
     if name == "block_sparse":
         bq, bk = 4, 8
@@ -217,8 +210,7 @@ def test_backward_block_sizes_do_not_matter(isa, rng):
 def test_fully_masked_rows_get_zero_gradient(isa, rng):
     B, H, Lq, Lk, d = 2, 2, 20, 30, 8
     q, k, v, do = _inputs(rng, B, H, H, Lq, Lk, d, d, np.float32)
-    m = rng.random((B, H, Lq, Lk)) < 0.5
-    m[:, :, [0, 7, 19]] = False
+    m = random_mask(rng, (B, H, Lq, Lk), 0.5, dead_rows=[0, 7, 19])
     got = _run(q, k, v, do, attn_mask=m)
     assert all(np.all(np.isfinite(g)) for g in got)
     assert np.all(got[0][:, :, [0, 7, 19]] == 0)
@@ -303,7 +295,7 @@ def test_non_contiguous_inputs(isa, rng):
 def test_ring_attention_key_blocks_sum_to_the_full_gradient(isa, rng):
     B, H, Lq, Lk, d = 1, 2, 24, 40, 8
     q, k, v, do = _inputs(rng, B, H, H, Lq, Lk, d, d, np.float64)
-    m = rng.random((B, H, Lq, Lk)) < 0.7
+    m = random_mask(rng, (B, H, Lq, Lk), 0.7)
     o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=m, return_lse=True)
     full = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=m)
     dq = np.zeros_like(q)
@@ -402,31 +394,16 @@ def test_varlen_backward_matches_per_sequence_oracle(isa, rng, opts):
 # ---------------------------------------------------------------- resources
 
 
-def _run_json(code, timeout=600):
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_backward_no_leak_over_many_calls():
-    report = _run_json("""
+    report = run_json("""
         import ctypes, gc, json
         import numpy as np
         import attn_fast as af
 
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in
-                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+            ).split()]
         try:
             _mi = ctypes.CDLL(None).mallinfo2
             _mi.restype = MallInfo2
@@ -436,14 +413,19 @@ def test_backward_no_leak_over_many_calls():
         rng = np.random.default_rng(0)
         q, k, v, do = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(4))
         m = rng.random((16, 16)) < 0.7
-        o, lse = af.scaled_dot_product_attention(q, k, v, attn_mask=m, sinks=[0.5, -1.0], return_lse=True)
+        o, lse = af.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, sinks=[0.5, -1.0], return_lse=True
+        )
         qp = rng.standard_normal((16, 2, 8)).astype(np.float32)
         cu = np.array([0, 5, 16])
         op, lp = af.varlen_attention(qp, qp, qp, cu, cu, causal=True, return_lse=True)
         calls = {
-            "backward": lambda: af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=m,
-                                                                          sinks=[0.5, -1.0]),
-            "varlen_backward": lambda: af.varlen_attention_backward(qp, qp, qp, qp, op, lp, cu, cu, causal=True),
+            "backward": lambda: af.scaled_dot_product_attention_backward(
+                do, q, k, v, o, lse, attn_mask=m, sinks=[0.5, -1.0]
+            ),
+            "varlen_backward": lambda: af.varlen_attention_backward(
+                qp, qp, qp, qp, op, lp, cu, cu, causal=True
+            ),
         }
         af.set_num_threads(1)
         for f in calls.values():
@@ -459,27 +441,32 @@ def test_backward_no_leak_over_many_calls():
             report[name] = (heap() - before) / 1024
         print(json.dumps(report))
     """)
-    assert all(kib <= 64 for kib in report.values()), (
-        report
-    )  # 64 KiB over 5000 calls: ~13 bytes per call
+    # 64 KiB over 5000 calls: ~13 bytes per call
+    assert all(kib <= 64 for kib in report.values()), report
 
 
 def test_backward_peak_memory_is_linear_in_L():
-    r = _run_json("""
+    r = run_json("""
         import json, resource
         import numpy as np
         import attn_fast as af
         L, d = 32768, 64
         rng = np.random.default_rng(0)
         q, k, v, do = (rng.standard_normal((1, 1, L, d), dtype=np.float32) for _ in range(4))
-        o, lse = af.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(255, 0), return_lse=True)
+        o, lse = af.scaled_dot_product_attention(
+            q, k, v, is_causal=True, window_size=(255, 0), return_lse=True
+        )
         af.scaled_dot_product_attention_backward(do[..., :8, :], q[..., :8, :], k, v, o[..., :8, :],
                                                  lse[..., :8])  # warm up
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        g = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=True, window_size=(255, 0))
+        g = af.scaled_dot_product_attention_backward(
+            do, q, k, v, o, lse, is_causal=True, window_size=(255, 0)
+        )
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(json.dumps(dict(extra_kib=after - before, grad_kib=3 * q.nbytes // 1024, dq_kib=q.nbytes // 1024,
-                              finite=all(bool(np.isfinite(x).all()) for x in g), threads=af.get_num_threads())))
+        print(json.dumps(dict(
+            extra_kib=after - before, grad_kib=3 * q.nbytes // 1024, dq_kib=q.nbytes // 1024,
+            finite=all(bool(np.isfinite(x).all()) for x in g), threads=af.get_num_threads(),
+        )))
     """)
     assert r["finite"]
     # dq, dk, dv themselves, at most 7 key-chunk dQ buffers (kMaxSplit - 1), per-thread tiles;
@@ -520,7 +507,8 @@ def test_backward_allocation_failure_is_memory_error():
 
 
 def test_backward_from_python_threads(rng):
-    # The binding releases the GIL: concurrent calls from Python threads give each caller its own result.
+    # The binding releases the GIL: concurrent calls from Python threads give each caller its own
+    # result.
     from concurrent.futures import ThreadPoolExecutor
 
     inputs = [_inputs(rng, 1, 2, 1, 64, 80, 16, 8, np.float64) for _ in range(4)]

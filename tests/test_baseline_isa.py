@@ -18,9 +18,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import attn_fast as af
+import pytest
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 only"),
@@ -36,7 +35,8 @@ LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 
 
 def is_avx(mnemonic, operands):
-    """A VEX/EVEX-encoded instruction: v* mnemonics (not the legacy verr/verw) or ymm/zmm/mask registers."""
+    """A VEX/EVEX-encoded instruction:
+    v* mnemonics (not the legacy verr/verw) or ymm/zmm/mask registers."""
     if mnemonic.startswith("v") and mnemonic not in ("verr", "verw"):
         return True
     return bool(re.search(r"%[yz]mm\d|%k[0-7]\b", operands))
@@ -158,7 +158,8 @@ def test_build_tree_no_comdat_shared_with_avx_objects():
 NO_AVX_CODE = """
 import numpy as np, attn_fast as af
 from attn_fast import reference as ref
-assert af.get_isa() == "scalar" and af._core.available_isas() == ["scalar"], af._core.available_isas()
+isas = af._core.available_isas()
+assert af.get_isa() == "scalar" and isas == ["scalar"], isas
 rng = np.random.default_rng(0)
 worst = 0.0
 for dtype in (np.float32, np.float64):
@@ -194,7 +195,8 @@ def test_runs_on_a_cpu_without_avx(tmp_path):
     if cc:
         src = tmp_path / "avx.c"
         src.write_text(
-            "#include <immintrin.h>\nint main(int c, char** v) { volatile __m256 a = _mm256_set1_ps((float)c);"
+            "#include <immintrin.h>\nint main(int c, char** v) {"
+            " volatile __m256 a = _mm256_set1_ps((float)c);"
             " a = _mm256_add_ps(a, a); return 0; }\n"
         )
         subprocess.run([cc, "-O1", "-mavx", str(src), "-o", str(tmp_path / "avx")], check=True)

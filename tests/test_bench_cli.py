@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from attn_fast import bench, bench_suite
 from attn_fast.__main__ import main as cli_main
 from attn_fast.__main__ import prog_name
@@ -225,7 +224,8 @@ def test_install_hint_names_the_package(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     hints = [line for line in out.splitlines() if "pip install" in line]
     assert all("pip install 'attn_fast[bench]'" in line for line in hints)
-    # torch and onnxruntime in the suite, torch in bench (and matplotlib's plot note where it is missing)
+    # torch and onnxruntime in the suite, torch in bench (and matplotlib's plot note where it is
+    # missing)
     assert sum("torch not installed" in line for line in hints) == 2
     assert sum("onnxruntime not installed" in line for line in hints) == 1
     assert "'.[bench]'" not in out

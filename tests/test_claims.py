@@ -8,13 +8,12 @@ attn_fast.positional, the KV cache from attn_fast.KVCache.
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
+from attn_fast import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import attn_fast as af
-from attn_fast import reference as ref
 
 TOL = dict(rtol=1e-10, atol=1e-11)  # float64 kernel vs float64 oracle
 
@@ -94,7 +93,8 @@ def test_rope_breaks_permutation_equivariance(seed, L, half_d):
     O_rope_shuffled = rope_attention(q[perm], k[perm], v[perm], pos)
     moved = np.abs(O_rope_shuffled - O_rope[perm]).max()
     assert moved > 1e-6 * np.abs(v).max(), moved
-    # what RoPE keeps is relative position: the same order started further along gives the same outputs
+    # what RoPE keeps is relative position: the same order started further along gives the same
+    # outputs
     start = int(rng.integers(1, 1000))
     np.testing.assert_allclose(rope_attention(q, k, v, pos + start), O_rope, rtol=1e-8, atol=1e-9)
 
@@ -219,14 +219,20 @@ def test_multi_head_is_h_single_heads_concatenated(seed, L, H, dh, causal):
     D = H * dh
     X = rng.standard_normal((L, D))
     Wq, Wk, Wv = (rng.standard_normal((D, D)) for _ in range(3))
+
     # one call with H heads: (L, D) -> (L, H, dh) -> (H, L, dh), each head scaled by 1/√dh
-    split = lambda Y: Y.reshape(L, H, dh).transpose(1, 0, 2)
+    def split(Y):
+        return Y.reshape(L, H, dh).transpose(1, 0, 2)
+
     O_heads = af.scaled_dot_product_attention(
         split(X @ Wq.T), split(X @ Wk.T), split(X @ Wv.T), is_causal=causal
     )
     O_multi = O_heads.transpose(1, 0, 2).reshape(L, D)  # concatenate the heads back
+
     # H independent single-head attentions, each with its slice of the projections
-    rows = lambda W, h: W[h * dh : (h + 1) * dh]
+    def rows(W, h):
+        return W[h * dh : (h + 1) * dh]
+
     singles = [
         af.attention(X, rows(Wq, h), rows(Wk, h), rows(Wv, h), causal=causal) for h in range(H)
     ]

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-
-import numpy as np
-import pytest
-from conftest import poisoned, tol
 
 import attn_fast as af
+import numpy as np
+import pytest
 from attn_fast import reference as ref
+from helpers import assert_attention, assert_close, randn, random_mask, run_python, run_sdpa
 
 
 def run(q, k, v, causal=False, dtype=np.float32, **kw):
     """Call the kernel on a poisoned output buffer and return (out, lse)."""
-    out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
-    o, lse = af.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, return_lse=True, out=out, **kw
-    )
-    assert o is out
-    return o, lse
+    return run_sdpa(q, k, v, dtype, is_causal=causal, **kw)
 
 
 def check(q, k, v, causal=False, dtype=np.float32, **kw):
@@ -31,15 +22,8 @@ def check(q, k, v, causal=False, dtype=np.float32, **kw):
     mask = ref.causal_mask(Lq, Lk) if causal else None
     O, LSE = ref.sdpa(q, k, v, mask=mask, return_lse=True)
     assert o.dtype == dtype and lse.dtype == dtype
-    np.testing.assert_allclose(o, O, **tol(dtype))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-    fin = np.isfinite(LSE)
-    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(dtype))
+    assert_attention(o, lse, O, LSE, dtype)
     return o
-
-
-def randn(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
 # Shape grid: tails (L not a multiple of any block), tiny and odd head dims, Lq != Lk.
@@ -90,7 +74,7 @@ def test_ranks(isa, rng, ndim):
     q, k, v = (randn(rng, shape, np.float32) for _ in range(3))
     o = af.scaled_dot_product_attention(q, k, v)
     assert o.shape == shape
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v), **tol(np.float32))
+    assert_close(o, ref.sdpa(q, k, v), np.float32)
 
 
 def test_non_contiguous_and_transposed(isa, rng):
@@ -174,9 +158,7 @@ def test_threads_bitwise_identical(isa, rng):
 def test_block_sizes_do_not_change_result(isa, rng, bq, bk):
     q, k, v = (randn(rng, (1, 2, 150, 24), np.float64) for _ in range(3))
     o = af.scaled_dot_product_attention(q, k, v, is_causal=True, block_q=bq, block_k=bk)
-    np.testing.assert_allclose(
-        o, ref.sdpa(q, k, v, mask=ref.causal_mask(150, 150)), **tol(np.float64)
-    )
+    assert_close(o, ref.sdpa(q, k, v, mask=ref.causal_mask(150, 150)), np.float64)
 
 
 def test_causal_bottom_right_vs_torch_top_left(rng):
@@ -199,11 +181,11 @@ def test_textbook_api(isa, rng, dtype, causal):
     Wq, Wk, Wv = randn(rng, (8, 20), dtype), randn(rng, (8, 20), dtype), randn(rng, (5, 20), dtype)
     O = af.attention(X, Wq, Wk, Wv, causal=causal)
     assert O.shape == (37, 5) and O.dtype == dtype
-    np.testing.assert_allclose(O, ref.attention(X, Wq, Wk, Wv, causal), **tol(dtype))
+    assert_close(O, ref.attention(X, Wq, Wk, Wv, causal), dtype)
     Xb = randn(rng, (3, 11, 20), dtype)
     Ob = af.attention(Xb, Wq, Wk, Wv, causal=causal)
     for b in range(3):
-        np.testing.assert_allclose(Ob[b], ref.attention(Xb[b], Wq, Wk, Wv, causal), **tol(dtype))
+        assert_close(Ob[b], ref.attention(Xb[b], Wq, Wk, Wv, causal), dtype)
 
 
 def test_scale_argument(rng):
@@ -294,25 +276,17 @@ def test_misaligned_buffer(rng):
     raw = np.zeros(4 * 64 + 1, np.uint8)[1:].view(np.float32).reshape(1, 1, 8, 8)
     raw[...] = randn(rng, (1, 1, 8, 8), np.float32)
     assert not raw.flags.aligned or raw.ctypes.data % 4
-    np.testing.assert_allclose(
-        af.scaled_dot_product_attention(raw, raw, raw), ref.sdpa(raw, raw, raw), **tol(np.float32)
+    assert_close(
+        af.scaled_dot_product_attention(raw, raw, raw), ref.sdpa(raw, raw, raw), np.float32
     )
 
 
 # ---------------------------------------------------------------- configuration
 
 
-def run_py(code, **env):
-    e = dict(os.environ)
-    e.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120
-    )
-
-
 @pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
 def test_isa_env_variable(name):
-    r = run_py("import attn_fast as af; print(af.get_isa())", ATTN_FAST_ISA=name)
+    r = run_python("import attn_fast as af; print(af.get_isa())", ATTN_FAST_ISA=name)
     if name in af._core.available_isas():
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == name
@@ -322,7 +296,7 @@ def test_isa_env_variable(name):
 
 
 def test_omp_num_threads_respected():
-    r = run_py("import attn_fast as af; print(af.get_num_threads())", OMP_NUM_THREADS="1")
+    r = run_python("import attn_fast as af; print(af.get_num_threads())", OMP_NUM_THREADS="1")
     assert r.returncode == 0 and r.stdout.strip() == "1"
 
 
@@ -408,16 +382,14 @@ def test_dense_masks(isa, rng):
         randn(rng, (B, H, Lk, d), np.float32),
         randn(rng, (B, H, Lk, d), np.float32),
     )
-    mask = rng.random((B, 1, Lq, Lk)) < 0.3
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.3)
     mask[0, 0, 5] = False  # a fully masked row
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v, mask=mask), **tol(np.float32))
+    assert_close(o, ref.sdpa(q, k, v, mask=mask), np.float32)
     assert np.all(o[0, :, 5] == 0)
     bias = rng.standard_normal((Lq, Lk)).astype(np.float32)
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
-    np.testing.assert_allclose(
-        o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), **tol(np.float32)
-    )
+    assert_close(o, ref.sdpa(q, k, v, bias=bias, mask=ref.causal_mask(Lq, Lk)), np.float32)
     with pytest.raises(ValueError, match="not broadcastable"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :3])
     with pytest.raises(TypeError, match="boolean"):

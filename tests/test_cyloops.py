@@ -10,7 +10,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 from attn_fast import _cyloops, _loops
 from attn_fast.kv_cache import KVCache, _write_numpy
 from attn_fast.masks import (
@@ -34,7 +33,8 @@ def path(request, monkeypatch):
 
 
 def _noncontig(rng, shape, dtype):
-    """Random values in a view with strides in every axis (every other element of a bigger array)."""
+    """Random values in a view with strides in every axis
+    (every other element of a bigger array)."""
     big = rng.standard_normal(tuple(2 * s for s in shape)).astype(dtype)
     return big[tuple(slice(None, None, 2) for _ in shape)]
 

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import _core
 from attn_fast import reference as ref
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
+from helpers import assert_attention, assert_close, poisoned, randn
 
 
 def decode(q, k, v, lse=True, **kw):
@@ -26,10 +21,7 @@ def decode(q, k, v, lse=True, **kw):
 
 
 def check(o, lse, O, LSE, dtype=np.float32):
-    np.testing.assert_allclose(o, O, **tol(dtype))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-    fin = np.isfinite(LSE)
-    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(dtype))
+    assert_attention(o, lse, O, LSE, dtype)
 
 
 SHAPES = [
@@ -65,7 +57,7 @@ def test_against_oracle(isa, rng, shape, causal, dtype):
     )
     check(o2, lse2, O, LSE, dtype)
     o3 = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    np.testing.assert_allclose(o3, O, **tol(dtype))
+    assert_close(o3, O, dtype)
 
 
 @pytest.mark.parametrize("window", [(0, 0), (5, 0), (40, 3), (-1, 2)], ids=str)
@@ -166,7 +158,7 @@ def test_nan_in_masked_value_does_not_leak(isa, rng):
     o, _ = decode(q, k, v, causal=True)
     assert np.isfinite(o[:, :, :-1]).all() and np.isnan(o[:, :, -1]).all()
     O = ref.sdpa(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], mask=ref.causal_mask(Lq - 1, Lk - 1))
-    np.testing.assert_allclose(o[:, :, :-1], O, **tol(np.float32))
+    assert_close(o[:, :, :-1], O, np.float32)
 
 
 def test_decode_backend_rejects_what_it_lacks(rng):
@@ -179,9 +171,7 @@ def test_decode_backend_rejects_what_it_lacks(rng):
         )
     # the automatic path falls back to the tiled kernel for those, and stays exact
     O = ref.sdpa(q, k, v, softcap=5.0)
-    np.testing.assert_allclose(
-        af.scaled_dot_product_attention(q, k, v, softcap=5.0), O, **tol(np.float32)
-    )
+    assert_close(af.scaled_dot_product_attention(q, k, v, softcap=5.0), O, np.float32)
 
 
 def test_stream_read_probe():

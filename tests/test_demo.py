@@ -10,14 +10,13 @@ import sys
 import textwrap
 import unicodedata
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import tol
-
-import attn_fast as af
 from attn_fast import demo
 from attn_fast import reference as ref
 from attn_fast.__main__ import main as cli_main
+from helpers import assert_close
 
 # ---------------------------------------------------------------------------
 # explain()
@@ -44,8 +43,8 @@ def test_explain_matches_oracle_and_kernel(rng, dtype, causal, L, D, d, dv):
     )
     np.testing.assert_allclose(O, P @ V, rtol=1e-12, atol=1e-12)
     # the chapter's ten lines (reference.attention) and the fused kernel agree
-    np.testing.assert_allclose(O, ref.attention(X, Wq, Wk, Wv, causal=causal), **tol(np.float64))
-    np.testing.assert_allclose(af.attention(X, Wq, Wk, Wv, causal=causal), O, **tol(dtype))
+    assert_close(O, ref.attention(X, Wq, Wk, Wv, causal=causal), np.float64)
+    assert_close(af.attention(X, Wq, Wk, Wv, causal=causal), O, dtype)
     np.testing.assert_allclose(P.sum(axis=-1), 1.0, rtol=0, atol=1e-12)
     assert (P >= 0).all()
     if causal:
@@ -64,7 +63,7 @@ def test_explain_batched_and_noncontiguous(rng):
     for b in range(3):
         one = af.explain(X[b], Wq, Wk, Wv, causal=True)
         np.testing.assert_allclose(ex.O[b], one.O, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(ex.O, af.attention(X, Wq, Wk, Wv, causal=True), **tol(np.float64))
+    assert_close(ex.O, af.attention(X, Wq, Wk, Wv, causal=True), np.float64)
 
 
 def test_explain_errors():
@@ -357,7 +356,8 @@ def _figure_texts(monkeypatch):
 
 
 def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, capsys):
-    """Only matplotlib's own fonts (DejaVu, Last Resort, ...): English labels, the note on stderr."""
+    """Only matplotlib's own fonts (DejaVu, Last Resort, ...):
+    English labels, the note on stderr."""
     pytest.importorskip("matplotlib")
     import matplotlib
     from matplotlib import font_manager

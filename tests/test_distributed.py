@@ -3,11 +3,12 @@
 A module-scoped cluster of P ranks (this file run as a script, ``--launch``,
 which imports torch once and forks the ranks) joins one gloo process group on
 127.0.0.1 and then serves test cases sent over the launcher's stdin, one JSON
-line each; every rank answers one JSON line. Each case builds the whole sequence from a seed on every rank, shards it,
-runs the distributed function and compares its shard with single-process
-attn_fast and the float64 oracle (gradients: with torch autograd through a
-float64 reference). Every exchange has a deadline; on a timeout or a dead
-worker all workers are killed and the test fails, so nothing hangs CI.
+line each; every rank answers one JSON line. Each case builds the whole
+sequence from a seed on every rank, shards it, runs the distributed function
+and compares its shard with single-process attn_fast and the float64 oracle
+(gradients: with torch autograd through a float64 reference). Every exchange
+has a deadline; on a timeout or a dead worker all workers are killed and the
+test fails, so nothing hangs CI.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def case_stats(rank, P, L, causal, layout, window=None):
 
 
 def case_mask(rank, P, seed, L):
-    """Ulysses with mask objects, a per-head additive array and ALiBi: the local call does it all."""
+    """Ulysses with mask objects, a per-head additive array and ALiBi:
+    the local call does it all."""
     from attn_fast import distributed as cp
     from attn_fast import masks
 
@@ -203,7 +205,8 @@ def case_mask(rank, P, seed, L):
 
 
 def case_error(rank, P, what):
-    """Run one bad call (the same on every rank unless `what` says otherwise); report the exception."""
+    """Run one bad call (the same on every rank unless `what` says otherwise);
+    report the exception."""
     from attn_fast import distributed as cp
 
     q, k, v = _inputs(3, 1, 4, 4, 8 * P, 4, 4, "float32")
@@ -374,7 +377,8 @@ def _free_port():
 
 
 class Cluster:
-    """P ranks in one gloo group behind one launcher process; run() sends a case to all, returns their answers."""
+    """P ranks in one gloo group behind one launcher process; run() sends a case to all, returns
+    their answers."""
 
     def __init__(self, P):
         self.P = P
@@ -808,7 +812,8 @@ def test_merge_matches_merge_attention_states(rng):
 
 @pytest.mark.parametrize("window", [None, (None, 0), (2, 1), (0, None)])
 def test_local_backward_is_torch_autograd_of_the_block(rng, window):
-    """_local_backward (the fused kernel on NumPy views) gives torch autograd's dq, dk, dv for one block."""
+    """_local_backward (the fused kernel on NumPy views) gives torch autograd's
+    dq, dk, dv for one block."""
     from attn_fast import distributed as cp
 
     q, dout = (torch.from_numpy(rng.standard_normal((1, 4, 5, 3))) for _ in range(2))

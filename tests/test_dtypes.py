@@ -5,23 +5,22 @@ left is the kernel's own error: fp32 accumulation plus one rounding of O to
 the 16-bit dtype (half an ulp: 2^-9 relative for bfloat16, 2^-12 for float16),
 and for bfloat16 on avx512_bf16 the rounding of P to bfloat16 for the
 vdpbf16ps P V product (as torch's bf16 SDPA does), at most 2^-9 of
-Σ_j P_ij |v_j|, which the oracle computes too (`A`). lse is float32. Sources: torch.bfloat16 / torch.float16 tensors, NumPy
-float16 arrays and ml_dtypes.bfloat16 arrays (each skipped where its library
-is missing).
+Σ_j P_ij |v_j|, which the oracle computes too (`A`). lse is float32. Sources:
+torch.bfloat16 / torch.float16 tensors, NumPy float16 arrays and
+ml_dtypes.bfloat16 arrays (each skipped where its library is missing).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned
-
-import attn_fast as af
 from attn_fast import masks
 from attn_fast import reference as ref
 from attn_fast._checks import _BF16Bits, to_input_kind
+from helpers import random_mask
 
 try:
     import torch
@@ -106,7 +105,8 @@ def check_lse(lse, LSE):
 
 
 def result_dtype_ok(o, src):
-    """NumPy result of the input's dtype (the lead's wrapper turns torch input into torch output)."""
+    """NumPy result of the input's dtype
+    (the lead's wrapper turns torch input into torch output)."""
     o = to_input_kind(o, make(np.zeros(1), src))
     if src == "numpy_f16":
         assert isinstance(o, np.ndarray) and o.dtype == np.float16
@@ -221,7 +221,7 @@ def test_masks_and_score_transforms(isa, rng, src):
     B, H, Lq, Lk, d = 2, 2, 19, 37, 32
     q, k, v = gen(rng, src, (B, H, Lq, d), (B, H, Lk, d), (B, H, Lk, d))
     Q, K, V = f64(q), f64(k), f64(v)
-    keep = rng.random((B, H, Lq, Lk)) < 0.6
+    keep = random_mask(rng, (B, H, Lq, Lk), 0.6)
     bias = rng.standard_normal((B, 1, Lq, Lk)).astype(np.float32)
     kv_lens = np.array([Lk, 20])
     pad = np.arange(Lk)[None, None, None, :] < kv_lens[:, None, None, None]
@@ -295,8 +295,9 @@ def test_fully_masked_rows_and_nan_in_masked_v(isa, rng, src):
 
 @pytest.mark.parametrize("src", SOURCES)
 def test_one_key_returns_v_bit_exact(isa, rng, src):
-    """One visible key: O = V exactly, so every 16-bit value (subnormals, inf, NaN, extremes) survives
-    the widen-on-pack and the round-on-write unchanged (NaN stays NaN; assert_array_equal matches NaNs)."""
+    """One visible key: O = V exactly, so every 16-bit value (subnormals, inf, NaN, extremes)
+    survives the widen-on-pack and the round-on-write unchanged (NaN stays NaN;
+    assert_array_equal matches NaNs)."""
     need(src)
     if kind_of(src) == "f16":
         vals = np.array(
@@ -360,7 +361,8 @@ def test_float32_cache_refuses_16bit_with_cast_hint():
     cache = af.KVCache(1, 2, 8)
     with pytest.raises(
         TypeError,
-        match=r"k has dtype bfloat16 but the cache stores float32; cast it first .*to\(torch.float32\)",
+        match=r"k has dtype bfloat16 but the cache stores float32; "
+        r"cast it first .*to\(torch.float32\)",
     ):
         cache.append(x, x)
     with pytest.raises(TypeError, match="float16 but the cache stores float32"):
@@ -667,7 +669,7 @@ def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
         close(f64(o)[b : b + 1, :, :n], O, src)
         check_lse(np.asarray(lse)[b : b + 1, :, :n], LSE)
     pos = lens.copy()
-    for t in range(steps):
+    for _ in range(steps):
         # sequence b's next token is input row pos[b] (gathered per sequence)
         kt = make(np.stack([f64(k)[b, :, pos[b] : pos[b] + 1] for b in range(B)]), src)
         vt = make(np.stack([f64(v)[b, :, pos[b] : pos[b] + 1] for b in range(B)]), src)
@@ -685,7 +687,8 @@ def test_cache_prefill_decode_matches_oracle(isa, rng, src, window):
 
 @pytest.mark.parametrize("src", SOURCES)
 def test_cache_rope_truncate_forward(isa, rng, src):
-    """RoPE on append (rotated in float32, rounded once), truncate, forward() in ring pieces, LayerCaches."""
+    """RoPE on append (rotated in float32, rounded once), truncate,
+    forward() in ring pieces, LayerCaches."""
     B, Hkv, Hq, d, L = 1, 2, 2, 32, 20
     need(src)
     rope = af.positional.RoPE(d)

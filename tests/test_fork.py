@@ -17,9 +17,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import attn_fast as af
+import pytest
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 
@@ -34,9 +33,9 @@ PRELUDE = """
     import attn_fast as af
     from attn_fast import _core, masks, positional
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, 4, 512, 64)).astype(np.float32)          # prefill: threaded
-    x = rng.standard_normal((1, 4096, 8, 64)).astype(np.float32)         # RoPE: 2M elements, threaded
-    kc = rng.standard_normal((1, 8, 16384, 64)).astype(np.float32)       # append: 8M elements, threaded
+    q = rng.standard_normal((1, 4, 512, 64)).astype(np.float32)     # prefill: threaded
+    x = rng.standard_normal((1, 4096, 8, 64)).astype(np.float32)    # RoPE: 2M elements, threaded
+    kc = rng.standard_normal((1, 8, 16384, 64)).astype(np.float32)  # append: 8M elements, threaded
     rope = positional.RoPE(64)
     af.set_num_threads(1)
     expect = (af.scaled_dot_product_attention(q, q, q, is_causal=True), rope(x),
@@ -57,7 +56,8 @@ PRELUDE = """
         return ok
 
     def run_child(work, deadline):
-        '''Fork, run work() in the child, exit 0 if it returned True; the child's exit code, or "hang".'''
+        '''Fork, run work() in the child, exit 0 if it returned True;
+        the child's exit code, or "hang".'''
         pid = os.fork()
         if pid == 0:
             try:
@@ -140,7 +140,8 @@ def test_grandchild_of_a_threaded_process_finishes():
     # (the child itself has one thread, so only the inherited mark says so).
     body = f"""
     positional.RoPE(64)(x)
-    print(run_child(lambda: run_child(child_work, {DEADLINE}) == 0 and child_work(), {DEADLINE} + 10))
+    grandchild = lambda: run_child(child_work, {DEADLINE}) == 0 and child_work()
+    print(run_child(grandchild, {DEADLINE} + 10))
     """
     rc, out, err = run_script(body)
     assert rc == 0, err

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import ISAS
-
-import attn_fast as af
 from attn_fast import reference as ref
+from conftest import ISAS
+from helpers import assert_attention, random_bias, random_mask
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -123,13 +123,10 @@ def problems(draw):
         mshape = tuple(n if draw(st.booleans(), label="mask axis full") else 1 for n in full)
         mshape = mshape[4 - draw(st.integers(2, 4), label="mask ndim") :]
         if mask_kind == "bool":
-            kw["attn_mask"] = rng.random(mshape) < 0.7
+            kw["attn_mask"] = random_mask(rng, mshape, 0.7)
         else:
-            m = rng.standard_normal(mshape).astype(
-                draw(st.sampled_from([np.float32, np.float64]), label="bias dtype")
-            )
-            m[rng.random(mshape) < 0.2] = -np.inf
-            kw["attn_mask"] = m
+            bias_dtype = draw(st.sampled_from([np.float32, np.float64]), label="bias dtype")
+            kw["attn_mask"] = random_bias(rng, mshape, 0.2, bias_dtype)
     kw["return_lse"] = draw(st.booleans(), label="lse")
     kw["backend"] = draw(st.sampled_from(["fused", "fused", "reference"]), label="backend")
     kw["block_q"] = draw(st.sampled_from([0, 1, 5, 48, 200]), label="block_q")
@@ -234,12 +231,9 @@ def test_fuzz_against_oracle(problem):
     assert o.dtype == q.dtype.newbyteorder("=") and o.shape == q.shape[:-1] + (v.shape[-1],)
     O, LSE = oracle(q, k, v, kw, dims)
     t = dict(rtol=3e-4, atol=3e-5) if q.dtype.itemsize == 4 else dict(rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(o.reshape(O.shape), O, **t)
-    if lse is not None:
-        lse = lse.reshape(LSE.shape)
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-        fin = np.isfinite(LSE)
-        np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+    assert_attention(
+        o.reshape(O.shape), None if lse is None else lse.reshape(LSE.shape), O, LSE, **t
+    )
 
 
 # ---------------------------------------------------------------- KVCache
@@ -296,7 +290,8 @@ def cache_programs(draw):
 
 
 def _cache_attend_oracle(q, hist_k, hist_v, pos, ql, window, causal):
-    """Rows i < ql[b] of sequence b sit at positions pos[b] - ql[b] + i; the rest get zeros / -inf."""
+    """Rows i < ql[b] of sequence b sit at positions pos[b] - ql[b] + i;
+    the rest get zeros / -inf."""
     B, Hq, Lq, _ = q.shape
     O = np.zeros((B, Hq, Lq, hist_v[0].shape[-1]))
     LSE = np.full((B, Hq, Lq), -np.inf)
@@ -372,7 +367,8 @@ def test_fuzz_kv_cache_against_oracle(program):
         elif op[0] == "attend":
             _, Lq, causal, qseed = op
             if w is not None and not causal:
-                causal = True  # a windowed non-causal attend is bounded by the stored keys: not modelled here
+                # a windowed non-causal attend is bounded by the stored keys: not modelled here
+                causal = True
             qrng = np.random.default_rng(qseed)
             ql = np.minimum(qrng.integers(0, Lq + 1, B), n if causal else Lq)
             q = qrng.standard_normal((B, Hq, Lq, d)).astype(dt)
@@ -385,10 +381,7 @@ def test_fuzz_kv_cache_against_oracle(program):
                 continue
             o, lse = cache.attend(q, q_lens=ql, causal=causal, return_lse=True)
             O, LSE = _cache_attend_oracle(q, hist_k, hist_v, pos, ql, w, causal)
-            np.testing.assert_allclose(o, O, **t)
-            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-            fin = np.isfinite(LSE)
-            np.testing.assert_allclose(lse[fin], LSE[fin], **t)
+            assert_attention(o, lse, O, LSE, **t)
         elif op[0] == "truncate":
             target = np.maximum(pos - np.array(op[1]), 0)
             keep = n - (pos - target)
@@ -436,7 +429,9 @@ FORK_FUZZ_CODE = """
     q = np.random.default_rng(0).standard_normal((1, 4, 512, 64)).astype(np.float32)
     af.scaled_dot_product_attention(q, q, q, is_causal=True)  # libgomp's pool, started by a kernel
     positional.RoPE(64)(np.ones((1, 4096, 8, 64), np.float32))  # ... and used by a Cython loop
-    few = settings(max_examples={n}, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    few = settings(
+        max_examples={n}, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     runs = [few(given(tf.problems())(tf.test_fuzz_against_oracle.hypothesis.inner_test)),
             few(given(tf.cache_programs())(tf.test_fuzz_kv_cache_against_oracle.hypothesis.inner_test))]
     pid = os.fork()

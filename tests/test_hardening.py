@@ -10,36 +10,27 @@ from __future__ import annotations
 
 import os
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import reference as ref
+from helpers import (
+    assert_attention,
+    assert_close,
+    assert_lse_close,
+    poisoned,
+    qkv,
+    randn,
+    random_mask,
+)
 
 sdpa = af.scaled_dot_product_attention
 BACKENDS = ["fused", "reference"]
 
 
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def qkv(rng, B=2, H=3, Lq=9, Lk=11, d=5, dv=7, dtype=np.float32):
-    return (
-        randn(rng, (B, H, Lq, d), dtype),
-        randn(rng, (B, H, Lk, d), dtype),
-        randn(rng, (B, H, Lk, dv), dtype),
-    )
-
-
 def check(o, q, k, v, lse=None, **kw):
     O, LSE = ref.sdpa(q, k, v, return_lse=True, **kw)
-    np.testing.assert_allclose(o, O, **tol(o.dtype))
-    if lse is not None:
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-        fin = np.isfinite(LSE)
-        np.testing.assert_allclose(lse[fin], LSE[fin], **tol(o.dtype))
+    assert_attention(o, lse, O, LSE, o.dtype)
 
 
 # ---------------------------------------------------------------- ranks and shapes
@@ -168,7 +159,7 @@ def test_misaligned_out_rejected(rng):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_negative_zero_strides_fortran(isa, rng, backend):
-    q, k, v = qkv(rng, B=2, H=2, Lq=13, Lk=17, d=6, dv=6)
+    q, k, v = qkv(rng, B=2, Hq=2, Lq=13, Lk=17, d=6, dv=6)
     # Negative strides on every axis.
     nq, nk, nv = (x[::-1, ::-1, ::-1, ::-1] for x in (q, k, v))
     check(sdpa(nq, nk, nv, backend=backend), nq, nk, nv)
@@ -188,7 +179,7 @@ def test_negative_zero_strides_fortran(isa, rng, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_strided_view_leaves_rest_untouched(isa, rng, backend):
-    q, k, v = qkv(rng, B=1, H=2, Lq=10, Lk=12, d=4, dv=5)
+    q, k, v = qkv(rng, B=1, Hq=2, Lq=10, Lk=12, d=4, dv=5)
     big = poisoned((2, 4, 21, 11), np.float32)
     out = big[1, ::2, ::-2, 1::2]  # (2, 11, 5): wrong length first
     with pytest.raises(ValueError, match=r"out has shape \(2, 11, 5\), expected \(2, 10, 5\)"):
@@ -223,14 +214,14 @@ def test_out_errors():
 def test_out_aliasing_an_input(rng, which):
     # out that shares memory with an input is computed into a temporary first.
     B, H, L, d = 1, 2, 70, 8
-    q, k, v = qkv(rng, B, H, L, L, d, d, np.float64)
+    q, k, v = qkv(rng, B, H, H, L, L, d, d, np.float64)
     bias = randn(rng, (B, H, L, L), np.float64)
     expect = ref.sdpa(q, k, v, bias=bias)
     args = {"q": q.copy(), "k": k.copy(), "v": v.copy(), "mask": bias.copy()}
     out = args[which] if which != "mask" else args["mask"][..., :d]
     o = sdpa(args["q"], args["k"], args["v"], attn_mask=args["mask"], out=out)
     assert o is out
-    np.testing.assert_allclose(o, expect, **tol(np.float64))
+    assert_close(o, expect, np.float64)
 
 
 # ---------------------------------------------------------------- empty axes
@@ -251,14 +242,12 @@ def test_out_aliasing_an_input(rng, which):
 )
 def test_zero_size_axes(rng, backend, shape):
     B, H, Lq, Lk, d, dv = shape
-    q, k, v = qkv(rng, B, H, Lq, Lk, d, dv)
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, dv)
     o, lse = sdpa(q, k, v, return_lse=True, backend=backend, is_causal=True)
     assert o.shape == (B, H, Lq, dv) and lse.shape == (B, H, Lq)
     O, LSE = ref.sdpa(q, k, v, mask=ref.causal_mask(Lq, Lk), return_lse=True)
-    np.testing.assert_allclose(o, O, **tol(np.float32))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-    fin = np.isfinite(LSE)
-    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(np.float32))
+    assert_close(o, O, np.float32)
+    assert_lse_close(lse, LSE, np.float32)
     if Lk == 0:
         assert np.all(o == 0) and np.all(np.isneginf(lse))
 
@@ -278,11 +267,11 @@ def test_mask_errors():
 
 
 def test_mask_broadcast_and_strided(isa, rng):
-    q, k, v = qkv(rng, B=2, H=3, Lq=9, Lk=11)
-    big = rng.random((2, 1, 30, 40)) < 0.6
+    q, k, v = qkv(rng, B=2, Hq=3, Lq=9, Lk=11)
+    big = random_mask(rng, (2, 1, 30, 40), 0.6)
     mask = big[:, :, 3:30:3, ::-3][:, :, :, :11]  # (2, 1, 9, 11), odd strides
     check(sdpa(q, k, v, attn_mask=mask), q, k, v, mask=mask)
-    row = rng.random(11) < 0.5  # 1-D: broadcast over everything
+    row = random_mask(rng, 11, 0.5)  # 1-D: broadcast over everything
     check(sdpa(q, k, v, attn_mask=row.tolist()), q, k, v, mask=row)
     bias = randn(rng, (9, 11), np.float64)  # float64 bias with float32 q: converted once
     check(sdpa(q, k, v, attn_mask=bias), q, k, v, bias=bias)
@@ -364,7 +353,7 @@ def _expect_nan_rows(o, rows):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_nan_in_q_k_v(isa, rng, backend, dtype):
     B, H, L, d = 1, 2, 70, 8
-    q, k, v = qkv(rng, B, H, L, L, d, d, dtype)
+    q, k, v = qkv(rng, B, H, H, L, L, d, d, dtype)
     causal = ref.causal_mask(L, L)
     # A NaN in query row 5: that row is NaN (also when it is the whole tile's
     # only visible content), every other row is exact.
@@ -375,7 +364,7 @@ def test_nan_in_q_k_v(isa, rng, backend, dtype):
     rows[0, 1, 5] = True
     _expect_nan_rows(o, rows)
     assert np.isnan(lse[0, 1, 5])
-    np.testing.assert_allclose(o[~rows], ref.sdpa(q, k, v, mask=causal)[~rows], **tol(dtype))
+    assert_close(o[~rows], ref.sdpa(q, k, v, mask=causal)[~rows], dtype)
     # A NaN in key 40: causal rows i >= 40 see it and are NaN; rows < 40 are exact.
     kn = k.copy()
     kn[0, 0, 40, 0] = np.nan
@@ -383,27 +372,23 @@ def test_nan_in_q_k_v(isa, rng, backend, dtype):
     rows = np.zeros((B, H, L), bool)
     rows[0, 0, 40:] = True
     _expect_nan_rows(o, rows)
-    np.testing.assert_allclose(o[~rows], ref.sdpa(q, k, v, mask=causal)[~rows], **tol(dtype))
+    assert_close(o[~rows], ref.sdpa(q, k, v, mask=causal)[~rows], dtype)
     # NaN and inf in value 40: rows that see key 40 get NaN (inf - inf) or inf; the
     # masked rows (i < 40) never read it.
     vn = v.copy()
     vn[0, 0, 40, :2] = [np.nan, np.inf]
     o = sdpa(q, k, vn, backend=backend, is_causal=True)
     assert np.all(np.isnan(o[0, 0, 40:, 0])) and np.all(np.isposinf(o[0, 0, 40:, 1]))
-    np.testing.assert_allclose(
-        o[0, 0, 40:, 2:], ref.sdpa(q, k, v, mask=causal)[0, 0, 40:, 2:], **tol(dtype)
-    )
-    np.testing.assert_allclose(
-        o[0, 0, :40], ref.sdpa(q, k, v, mask=causal)[0, 0, :40], **tol(dtype)
-    )
-    np.testing.assert_allclose(o[0, 1], ref.sdpa(q, k, v, mask=causal)[0, 1], **tol(dtype))
+    assert_close(o[0, 0, 40:, 2:], ref.sdpa(q, k, v, mask=causal)[0, 0, 40:, 2:], dtype)
+    assert_close(o[0, 0, :40], ref.sdpa(q, k, v, mask=causal)[0, 0, :40], dtype)
+    assert_close(o[0, 1], ref.sdpa(q, k, v, mask=causal)[0, 1], dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_and_inf_scores_follow_oracle(isa, rng, backend):
     # Scores of +-inf and NaN through q, the bias and the scale: the result is
     # the oracle's IEEE result (NaN where it says NaN, the same numbers elsewhere).
-    q, k, v = qkv(rng, 1, 2, 20, 30, 4, 4, np.float64)
+    q, k, v = qkv(rng, 1, 2, 2, 20, 30, 4, 4, np.float64)
     q[0, 0, 3] = np.inf  # scores +-inf: row 3 is NaN (inf - inf)
     q[0, 1, 7] = [np.inf, 0, 0, 0]  # scores +-inf too
     bias = randn(rng, (1, 2, 20, 30), np.float64)
@@ -425,7 +410,7 @@ def test_nan_and_inf_scores_follow_oracle(isa, rng, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_only_in_masked_keys_never_leaks(isa, rng, backend):
-    q, k, v = qkv(rng, 1, 1, 50, 50, 8, 8)
+    q, k, v = qkv(rng, 1, 1, 1, 50, 50, 8, 8)
     k[0, 0, 30:] = np.nan
     v[0, 0, 30:] = np.nan
     mask = np.ones((50, 50), bool)
@@ -444,7 +429,7 @@ def test_padding_rows_with_sinks_both_kernels(isa, rng, dtype):
     # gave padding rows (i >= q_len) the sink's lse instead of -inf. A padding
     # row is no query: O = 0 and lse = -inf in both kernels.
     B, H, Lq, Lk, d = 2, 2, 9, 12, 8
-    q, k, v = qkv(rng, B, H, Lq, Lk, d, d, dtype)
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, dtype)
     q_lens, kv_lens = np.array([5, 9], np.int64), np.array([12, 0], np.int64)
     sinks = np.array([2.4, -1.0], dtype)
     res = {}
@@ -466,9 +451,9 @@ def test_padding_rows_with_sinks_both_kernels(isa, rng, dtype):
         res[name] = (o, lse)
         assert np.all(o[0, :, 5:] == 0) and np.all(np.isneginf(lse[0, :, 5:])), name
         assert np.all(o[1] == 0), name  # no keys at all: zeros, lse = the sink
-        np.testing.assert_allclose(lse[1], np.broadcast_to(sinks[:, None], (H, Lq)), **tol(dtype))
-    np.testing.assert_allclose(res["fused"][0], res["reference"][0], **tol(dtype))
-    np.testing.assert_allclose(res["fused"][1], res["reference"][1], **tol(dtype))
+        assert_close(lse[1], np.broadcast_to(sinks[:, None], (H, Lq)), dtype)
+    assert_close(res["fused"][0], res["reference"][0], dtype)
+    assert_close(res["fused"][1], res["reference"][1], dtype)
 
 
 ALLOC_FAIL_CODE = """

@@ -18,21 +18,16 @@ import subprocess
 import sys
 import time
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import _core
 from attn_fast import reference as ref
+from helpers import assert_close, assert_lse_close, poisoned, randn
 
 sdpa = af.scaled_dot_product_attention
 DTYPES = [np.float32, np.float64]
 ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
-
-
-def randn(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(dtype)
 
 
 # ---------------------------------------------------------------- decode memory
@@ -177,10 +172,8 @@ def test_decode_slices_match_reference(isa, rng, dtype):
             kv_lens=kv_lens,
             reference=True,
         )
-        np.testing.assert_allclose(o, o_r, **tol(dtype))
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
-        fin = np.isfinite(lse_r)
-        np.testing.assert_allclose(lse[fin], lse_r[fin], **tol(dtype))
+        assert_close(o, o_r, dtype)
+        assert_lse_close(lse, lse_r, dtype)
 
 
 # ---------------------------------------------------------------- decode NaN rules
@@ -195,8 +188,8 @@ def _decode_and_reference(q, k, v, **kw):
 def _same_ieee(o, O, lse, LSE, dtype):
     np.testing.assert_array_equal(np.isnan(o), np.isnan(O))
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(LSE))
-    np.testing.assert_allclose(o, O, equal_nan=True, **tol(dtype))
-    np.testing.assert_allclose(lse, LSE, equal_nan=True, **tol(dtype))
+    assert_close(o, O, dtype)
+    assert_close(lse, LSE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -262,7 +255,7 @@ def test_decode_nan_query_with_a_kv_cache(isa, rng, dtype):
     q[0, 0, 0] = np.nan
     o, lse = cache.attend(q, causal=False, return_lse=True)
     assert np.isnan(o[0, 0, 0]).all() and np.isnan(lse[0, 0, 0])
-    np.testing.assert_allclose(o[0, 0, 1], ref.sdpa(q[..., 1:, :], k, v)[0, 0, 0], **tol(dtype))
+    assert_close(o[0, 0, 1], ref.sdpa(q[..., 1:, :], k, v)[0, 0, 0], dtype)
 
 
 # ---------------------------------------------------------------- accumulator range
@@ -342,8 +335,8 @@ def test_sink_plus_inf_takes_all_weight(isa, rng, dtype, backend):
     assert np.all(np.isposinf(lse[:, 0]))
     # The other heads are what they were.
     O, LSE = ref.sdpa(q[:, 1:], k[:, 1:], v[:, 1:], mask=mask, sinks=sinks[1:], return_lse=True)
-    np.testing.assert_allclose(o[:, 1:], O, **tol(dtype))
-    np.testing.assert_allclose(lse[:, 1:], LSE, **tol(dtype))
+    assert_close(o[:, 1:], O, dtype)
+    assert_close(lse[:, 1:], LSE, dtype)
     # A NaN row stays NaN under a +inf sink, as does a row with a +inf score.
     qn = q.copy()
     qn[0, 0, 2] = np.nan

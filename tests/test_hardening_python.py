@@ -12,20 +12,14 @@ import sys
 import textwrap
 import tracemalloc
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import tol
-
-import attn_fast as af
 from attn_fast import masks, positional
 from attn_fast import reference as ref
 from attn_fast.kv_cache import KVCache
 from attn_fast.positional import RoPE, rope_reference
-
-
-def randn(rng, shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
-
+from helpers import assert_close, randn
 
 # ---------------------------------------------------------------- item 2: ring windows
 
@@ -48,9 +42,9 @@ def test_noncausal_read_of_a_wrapped_ring_raises_like_the_causal_one(rng):
     # position 2, which the ring dropped. It used to come back off by 0.13.
     cache = KVCache(1, 1, 4, window=2, ring=3, dtype=np.float64)
     for _ in range(3):
-        k = randn(rng, (1, 1, 2, 4))
+        k = randn(rng, (1, 1, 2, 4), np.float64)
         cache.append(k, k)
-    q = randn(rng, (1, 1, 3, 4))
+    q = randn(rng, (1, 1, 3, 4), np.float64)
     for causal in (True, False):
         with pytest.raises(ValueError, match="reach back to positions"):
             cache.attend(q, causal=causal)
@@ -70,11 +64,11 @@ def test_ring_reads_match_the_full_history_or_raise(rng, dtype):
         K = np.zeros((B, H, 0, d))
         for _ in range(int(rng.integers(1, 6))):
             L = int(rng.integers(1, ring - window + 2))
-            k = randn(rng, (B, H, L, d))
+            k = randn(rng, (B, H, L, d), np.float64)
             cache.append(k.astype(dtype), k.astype(dtype))
             K = np.concatenate([K, k], axis=2)
         Lq = int(rng.integers(1, ring + 3))
-        q = randn(rng, (B, H, Lq, d))
+        q = randn(rng, (B, H, Lq, d), np.float64)
         causal = bool(trial % 2)
         pos = int(cache.positions[0])
         try:
@@ -88,7 +82,7 @@ def test_ring_reads_match_the_full_history_or_raise(rng, dtype):
             )
             continue
         want = window_oracle(q, K, K, pos, Lq, window, causal)
-        np.testing.assert_allclose(got, want, **tol(dtype))
+        assert_close(got, want, dtype)
         checked += 1
     assert checked >= 5 and raised >= 5
 
@@ -178,8 +172,8 @@ def test_kv_cache_with_rope_at_a_large_position_stays_small(rng):
     tracemalloc.start()
     try:
         ks = []
-        for t in range(6):
-            k = randn(rng, (2, 1, 1, 8))
+        for _ in range(6):
+            k = randn(rng, (2, 1, 1, 8), np.float64)
             ks.append(k)
             cache.append(k, k, rope=rope)
         _, peak = tracemalloc.get_traced_memory()
@@ -199,8 +193,8 @@ def test_kv_cache_with_rope_at_a_large_position_stays_small(rng):
 
 def test_requires_grad_tensors_are_read_detached(rng):
     torch = pytest.importorskip("torch")
-    q = torch.from_numpy(randn(rng, (1, 2, 5, 8)))
-    mask = torch.from_numpy(randn(rng, (5, 5))).requires_grad_()
+    q = torch.from_numpy(randn(rng, (1, 2, 5, 8), np.float64))
+    mask = torch.from_numpy(randn(rng, (5, 5), np.float64)).requires_grad_()
     slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
     sinks = torch.tensor([0.1, -1.0], dtype=torch.float64, requires_grad=True)
     scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
@@ -229,7 +223,7 @@ def test_requires_grad_tensors_are_read_detached(rng):
         cache.attend(q.numpy(), scale=scale), cache.attend(q.numpy(), scale=0.3)
     )
     rope = RoPE(8)
-    x = torch.from_numpy(randn(rng, (5, 2, 8))).requires_grad_()
+    x = torch.from_numpy(randn(rng, (5, 2, 8), np.float64)).requires_grad_()
     np.testing.assert_array_equal(np.asarray(rope(x)), rope(x.detach().numpy()))
     qr, kr = rope.rotate_qk(x, x * 2)
     np.testing.assert_array_equal(np.asarray(qr), rope(x.detach().numpy()))
@@ -248,7 +242,7 @@ def test_huge_sliding_window_is_no_window(rng):
 
 
 def test_complex_slopes_and_sinks_raise(rng):
-    q = randn(rng, (1, 2, 4, 8))
+    q = randn(rng, (1, 2, 4, 8), np.float64)
     for name in ("alibi_slopes", "sinks"):
         for val in (np.array([1.0, 2.0 + 1j]), np.ones(2, np.complex64), [1j, 0]):
             with pytest.raises(TypeError, match=name):
@@ -262,7 +256,7 @@ def test_complex_slopes_and_sinks_raise(rng):
 
 def test_rope_seq_axis_must_be_an_int(rng):
     rope = RoPE(8)
-    x = randn(rng, (5, 2, 8))
+    x = randn(rng, (5, 2, 8), np.float64)
     for bad in (1.5, "1", None, True):
         with pytest.raises(TypeError, match="seq_axis"):
             rope(x, seq_axis=bad)
@@ -273,7 +267,7 @@ def test_rope_seq_axis_must_be_an_int(rng):
 
 def test_rotate_qk_inplace_refuses_overlapping_q_and_k(rng):
     rope = RoPE(8)
-    x = randn(rng, (5, 2, 8))
+    x = randn(rng, (5, 2, 8), np.float64)
     before = x.copy()
     with pytest.raises(ValueError, match="share memory"):
         rope.rotate_qk(x, x, inplace=True)
@@ -281,7 +275,7 @@ def test_rotate_qk_inplace_refuses_overlapping_q_and_k(rng):
         rope.rotate_qk(x[:, :1], x[:, :1].view(), inplace=True)
     np.testing.assert_array_equal(x, before)  # nothing rotated
     # disjoint slices of one packed qkv array are fine, each rotated once
-    qkv = randn(rng, (5, 3, 2, 8))
+    qkv = randn(rng, (5, 3, 2, 8), np.float64)
     q, k = qkv[:, 0], qkv[:, 1]
     want_q, want_k = rope(q), rope(k)
     v_before = qkv[:, 2].copy()
@@ -296,7 +290,7 @@ def test_rotate_qk_inplace_refuses_overlapping_q_and_k(rng):
     np.testing.assert_array_equal(b, rope(x))
 
 
-# ---------------------------------------------------------------- item 5: Ctrl-C in the Cython loops
+# --------------------------------------------------------------- item 5: Ctrl-C in the Cython loops
 
 # In a child: a watcher thread sends SIGINT to the process as soon as the loop
 # has written its first element (the loops release the GIL while they run).
@@ -340,7 +334,8 @@ SIGINT_CODE = """
             cache._v[:, :, 8:] = np.nan
 
         call = lambda: cache.append(k, k)
-        started = lambda: not np.isnan(cache._v[0, 0, 8, 0])  # the keys are written first, then the values
+        # the keys are written first, then the values
+        started = lambda: not np.isnan(cache._v[0, 0, 8, 0])
         finished = lambda: not np.isnan(cache._v[0, -1, -1, -1])
     else:
         _cyloops.np = NpShim()
@@ -380,7 +375,8 @@ SIGINT_CODE = """
         assert cache.lengths.tolist() == [8] and cache.positions.tolist() == [8]
         np.testing.assert_array_equal(cache.keys(0), k0[0])
         q = k0[:, :, -1:]
-        np.testing.assert_allclose(cache.attend(q), af.scaled_dot_product_attention(q, k0, k0), rtol=1e-5, atol=1e-6)
+        want = af.scaled_dot_product_attention(q, k0, k0)
+        np.testing.assert_allclose(cache.attend(q), want, rtol=1e-5, atol=1e-6)
         print("cache ok")
 """
 
@@ -414,7 +410,7 @@ def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, mo
     from attn_fast import kv_cache
 
     cache = KVCache(2, 1, 4, window=3, ring=6, dtype=np.float64, growable=False)
-    ks = randn(rng, (2, 1, 5, 4))
+    ks = randn(rng, (2, 1, 5, 4), np.float64)
     cache.append(
         ks[:, :, :4], ks[:, :, :4], lengths=[4, 2]
     )  # seq 0 holds 4 of 6 slots, seq 1 holds 2
@@ -425,7 +421,7 @@ def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(kv_cache._cyloops, "cache_write", interrupted)
-    new = randn(rng, (2, 1, 3, 4))
+    new = randn(rng, (2, 1, 3, 4), np.float64)
     with pytest.raises(KeyboardInterrupt):
         cache.append(new, new)
     monkeypatch.setattr(kv_cache._cyloops, "cache_write", real)
@@ -434,7 +430,7 @@ def test_interrupted_append_into_a_full_ring_drops_only_overwritten_keys(rng, mo
     assert cache.lengths.tolist() == [3, 2]
     np.testing.assert_array_equal(cache.keys(0), ks[0, :, 1:4])
     np.testing.assert_array_equal(cache.keys(1), ks[1, :, :2])
-    q = randn(rng, (2, 1, 1, 4))
+    q = randn(rng, (2, 1, 1, 4), np.float64)
     cache.append(new[:, :, :1], new[:, :, :1])
     got = cache.attend(q)
     for b, hist in enumerate(

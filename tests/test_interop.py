@@ -8,18 +8,13 @@ memory that is not on the CPU raises TypeError.
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import _checks
 from attn_fast import functional as F
 from attn_fast import reference as ref
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
+from helpers import assert_close, poisoned, randn
 
 
 @pytest.fixture
@@ -75,7 +70,7 @@ def test_buffer_protocol_read_only_zero_copy(rng, kernel_inputs):
     q = randn(rng, (2, 9, 8))
     mv = memoryview(q.tobytes()).cast("B").cast("f", q.shape)
     o = af.scaled_dot_product_attention(mv, mv, mv)
-    np.testing.assert_allclose(o, ref.sdpa(q, q, q), **tol(np.float32))
+    assert_close(o, ref.sdpa(q, q, q), np.float32)
     assert kernel_inputs[-1]["q"][0] == ptr(mv)
 
 
@@ -84,9 +79,7 @@ def test_array_interface_zero_copy(rng, kernel_inputs):
     qi = ArrayInterface(base[:, :, :, ::2])  # strided view
     o = af.scaled_dot_product_attention(qi, qi, qi, is_causal=True)
     x = base[:, :, :, ::2]
-    np.testing.assert_allclose(
-        o, ref.sdpa(x, x, x, mask=ref.causal_mask(11, 11)), **tol(np.float32)
-    )
+    assert_close(o, ref.sdpa(x, x, x, mask=ref.causal_mask(11, 11)), np.float32)
     assert kernel_inputs[-1]["q"] == (x.ctypes.data, x.strides)
 
 
@@ -97,7 +90,7 @@ def test_dlpack_zero_copy(rng, kernel_inputs):
         randn(rng, (1, 2, 7, 3), np.float64),
     )
     o = af.scaled_dot_product_attention(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v))
-    np.testing.assert_allclose(o, ref.sdpa(q, k, v), **tol(np.float64))
+    assert_close(o, ref.sdpa(q, k, v), np.float64)
     rec = kernel_inputs[-1]
     assert (rec["q"][0], rec["k"][0], rec["v"][0]) == (q.ctypes.data, k.ctypes.data, v.ctypes.data)
 
@@ -147,8 +140,8 @@ def test_torch_tensors_read_in_place(rng, kernel_inputs, dtype):
     o, lse = o.numpy(), lse.numpy()  # zero-copy views of the same result
     qn, kn, vn = q.numpy(), np.repeat(k.numpy(), 2, axis=1), np.repeat(v.numpy(), 2, axis=1)
     O, LSE = ref.sdpa(qn, kn, vn, mask=ref.causal_mask(Lq, Lk), return_lse=True)
-    np.testing.assert_allclose(o, O, **tol(o.dtype))
-    np.testing.assert_allclose(lse, LSE, **tol(o.dtype))
+    assert_close(o, O, o.dtype)
+    assert_close(lse, LSE, o.dtype)
     rec = kernel_inputs[-1]
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert rec[name] == (t.data_ptr(), tuple(s * t.element_size() for s in t.stride())), name
@@ -164,12 +157,12 @@ def test_torch_out_written_in_place(rng, kernel_inputs):
     assert isinstance(res, torch.Tensor) and res.data_ptr() == before and buf.data_ptr() == before
     assert kernel_inputs[-1]["o"][0] == before
     expect = ref.sdpa(q.numpy(), k.numpy(), v.numpy())
-    np.testing.assert_allclose(buf.transpose(1, 2).numpy(), expect, **tol(np.float32))
+    assert_close(buf.transpose(1, 2).numpy(), expect, np.float32)
     # A contiguous tensor as out, with lse: the same tensor comes back.
     out = torch.full((B, H, Lq, d), float("nan"))
     res, lse = af.scaled_dot_product_attention(q, k, v, out=out, return_lse=True)
     assert res is out
-    np.testing.assert_allclose(out.numpy(), expect, **tol(np.float32))
+    assert_close(out.numpy(), expect, np.float32)
 
 
 def test_torch_requires_grad_policy(rng):
@@ -177,7 +170,7 @@ def test_torch_requires_grad_policy(rng):
     o = af.scaled_dot_product_attention(q, q, q)  # read through detach(): a tensor with no gradient
     assert isinstance(o, torch.Tensor) and not o.requires_grad
     qd = q.detach().numpy()
-    np.testing.assert_allclose(o.numpy(), ref.sdpa(qd, qd, qd), **tol(np.float32))
+    assert_close(o.numpy(), ref.sdpa(qd, qd, qd), np.float32)
     with pytest.raises(TypeError, match="out is a torch tensor that requires grad"):
         af.scaled_dot_product_attention(q, q, q, out=torch.empty(1, 2, 6, 8, requires_grad=True))
 
@@ -205,18 +198,14 @@ def test_torch_textbook_api_and_mask(rng):
     X = torch.from_numpy(randn(rng, (10, 8), np.float64))
     W = [torch.from_numpy(randn(rng, (4, 8), np.float64)) for _ in range(3)]
     O = af.attention(X, *W, causal=True)
-    np.testing.assert_allclose(
-        O, ref.attention(X.numpy(), *(w.numpy() for w in W), causal=True), **tol(np.float64)
-    )
+    assert_close(O, ref.attention(X.numpy(), *(w.numpy() for w in W), causal=True), np.float64)
     # A boolean torch mask (True = attend), broadcast over heads and queries.
     q = torch.from_numpy(randn(rng, (2, 3, 5, 8)))
     keep = torch.from_numpy(rng.random((2, 1, 1, 5)) < 0.7)
     keep[..., 0] = True
     o = af.scaled_dot_product_attention(q, q, q, attn_mask=keep)
     m = np.broadcast_to(keep.numpy(), (2, 3, 5, 5))
-    np.testing.assert_allclose(
-        o, ref.sdpa(q.numpy(), q.numpy(), q.numpy(), mask=m), **tol(np.float32)
-    )
+    assert_close(o, ref.sdpa(q.numpy(), q.numpy(), q.numpy(), mask=m), np.float32)
 
 
 def test_as_array_shares_memory_for_torch():

@@ -29,7 +29,8 @@ rng = np.random.default_rng(0)
 check = None
 if case in ("prefill", "reference"):
     # 131072 queries x keys, 2 heads: ~9 TFLOP for the fused kernel
-    x = np.broadcast_to(rng.standard_normal((1, 1, 1 << 17, 64)).astype(np.float32), (1, 2, 1 << 17, 64))
+    x1 = rng.standard_normal((1, 1, 1 << 17, 64)).astype(np.float32)
+    x = np.broadcast_to(x1, (1, 2, 1 << 17, 64))
     call = lambda: sdpa(x, x, x, backend="fused" if case == "prefill" else "reference")
 elif case == "backward":
     L = 1 << 17
@@ -59,7 +60,8 @@ elif case == "kv_cache":
     q = np.broadcast_to(kv[:, :1], (1, 16, L, 64))
     call = lambda: cache.attend(q, causal=False)
     def check():
-        assert (len(cache), list(cache.lengths), list(cache.positions)) == (state[0], list(state[1]), list(state[2]))
+        now = (len(cache), list(cache.lengths), list(cache.positions))
+        assert now == (state[0], list(state[1]), list(state[2]))
         o = cache.attend(kv[:, :, -1:], causal=False)  # the cache still works
         assert np.isfinite(o).all()
 print("started", flush=True)

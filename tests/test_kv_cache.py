@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import tol
-
-import attn_fast as af
 from attn_fast import reference as ref
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
+from helpers import assert_attention, assert_close, qkv, randn
 
 
 def oracle(q, k, v, window=None, causal=True):
@@ -24,17 +19,8 @@ def oracle(q, k, v, window=None, causal=True):
     return ref.sdpa(q, k, v, mask=mask, return_lse=True)
 
 
-def qkv(rng, B, Hq, Hkv, L, d, dv, dtype=np.float32):
-    return (
-        randn(rng, (B, Hq, L, d), dtype),
-        randn(rng, (B, Hkv, L, d), dtype),
-        randn(rng, (B, Hkv, L, dv), dtype),
-    )
-
-
 def check(o, lse, O, LSE, dtype=np.float32):
-    np.testing.assert_allclose(o, O, **tol(dtype))
-    np.testing.assert_allclose(lse, LSE, **tol(dtype))
+    assert_attention(o, lse, O, LSE, dtype)
 
 
 CONFIGS = [
@@ -51,7 +37,7 @@ CONFIGS = [
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_token_by_token_equals_full_causal(isa, rng, cfg, window, dtype):
     B, Hq, Hkv, L, d, dv = cfg
-    q, k, v = qkv(rng, B, Hq, Hkv, L, d, dv, dtype)
+    q, k, v = qkv(rng, B, Hq, Hkv, L, L, d, dv, dtype)
     O, LSE = oracle(q, k, v, window)
     cache = af.KVCache(B, Hkv, d, capacity=4, v_head_dim=dv, dtype=dtype, window=window)
     for t in range(L):
@@ -70,7 +56,7 @@ def test_token_by_token_equals_full_causal(isa, rng, cfg, window, dtype):
 @pytest.mark.parametrize("window", [None, 9, 50], ids=["full", "win9", "win50"])
 def test_chunked_prefill_equals_one_shot(rng, chunk, window):
     B, Hq, Hkv, L, d, dv = 2, 4, 2, 100, 32, 24
-    q, k, v = qkv(rng, B, Hq, Hkv, L, d, dv)
+    q, k, v = qkv(rng, B, Hq, Hkv, L, L, d, dv)
     O, LSE = oracle(q, k, v, window)
     cache = af.KVCache(B, Hkv, d, capacity=16, v_head_dim=dv, window=window)
     outs, lses = [], []
@@ -85,7 +71,7 @@ def test_chunked_prefill_equals_one_shot(rng, chunk, window):
     # forward() does the same without growing a window ring
     c2 = af.KVCache(B, Hkv, d, capacity=16, v_head_dim=dv, window=window, growable=window is None)
     o2 = c2.forward(q, k, v)
-    np.testing.assert_allclose(o2, O, **tol(np.float32))
+    assert_close(o2, O, np.float32)
     if window is not None:
         assert c2.capacity == 2 * window
 
@@ -98,7 +84,7 @@ def test_ragged_batch(rng, window):
     steps = 9
     total = prompt + steps
     Lmax = int(total.max())
-    q, k, v = qkv(rng, B, Hq, Hkv, Lmax, d, dv)
+    q, k, v = qkv(rng, B, Hq, Hkv, Lmax, Lmax, d, dv)
     cache = af.KVCache(B, Hkv, d, capacity=8, v_head_dim=dv, window=window)
     P = int(prompt.max())
     cache.append(k[:, :, :P], v[:, :, :P], lengths=prompt)
@@ -128,7 +114,7 @@ def test_truncate_then_continue(rng, window):
     """Speculative decoding: append 5 drafts, keep 2, continue: equals the accepted sequence."""
     B, Hq, Hkv, d = 2, 4, 2, 16
     L = 30
-    q, k, v = qkv(rng, B, Hq, Hkv, L, d, d)
+    q, k, v = qkv(rng, B, Hq, Hkv, L, L, d, d)
     junk_k, junk_v = randn(rng, (B, Hkv, 5, d)), randn(rng, (B, Hkv, 5, d))
     O, LSE = oracle(q, k, v, window)
     cache = af.KVCache(B, Hkv, d, capacity=8, window=window)
@@ -184,16 +170,16 @@ def test_non_contiguous_inputs(rng):
     o1 = cache.attend(q[:, :, :13])
     cache.append(k[:, :, 13:], v[:, :, 13:])
     o2 = cache.attend(q[:, :, 13:])
-    np.testing.assert_allclose(np.concatenate([o1, o2], 2), O, **tol(np.float32))
+    assert_close(np.concatenate([o1, o2], 2), O, np.float32)
 
 
 def test_non_causal_attend(rng):
     B, Hq, Hkv, L, d = 1, 2, 1, 10, 8
-    q, k, v = qkv(rng, B, Hq, Hkv, L, d, d)
+    q, k, v = qkv(rng, B, Hq, Hkv, L, L, d, d)
     cache = af.KVCache(B, Hkv, d)
     cache.append(k, v)
     O, _ = oracle(q[:, :, :3], k, v, causal=False)
-    np.testing.assert_allclose(cache.attend(q[:, :, :3], causal=False), O, **tol(np.float32))
+    assert_close(cache.attend(q[:, :, :3], causal=False), O, np.float32)
 
 
 def test_bad_input_leaves_cache_unchanged(rng):
@@ -310,7 +296,7 @@ st = hyp.strategies
 def test_property_cache_equals_full_causal(B, Hkv, G, L, d, window, chunks, seed):
     """Any chunking of any sequence through the cache equals one full (windowed) causal call."""
     rng = np.random.default_rng(seed)
-    q, k, v = qkv(rng, B, Hkv * G, Hkv, L, d, d)
+    q, k, v = qkv(rng, B, Hkv * G, Hkv, L, L, d, d)
     O, LSE = oracle(q, k, v, window)
     cache = af.KVCache(B, Hkv, d, capacity=2, window=window)
     t, i = 0, 0

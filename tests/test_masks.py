@@ -6,31 +6,28 @@ boolean mask, built here from first principles (not from attn_fast.masks).
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
+from helpers import (
+    assert_attention,
+    assert_close,
+    poisoned,
+    qkv,
+    randn,
+    random_bias,
+    random_mask,
+    run_sdpa,
+    tol,
+)
 
 try:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover - hypothesis is in the test extras
     given = None
-
-
-def randn(rng, shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype=np.float64):
-    return (
-        randn(rng, (B, Hq, Lq, d), dtype),
-        randn(rng, (B, Hkv, Lk, d), dtype),
-        randn(rng, (B, Hkv, Lk, dv), dtype),
-    )
 
 
 # ---------------------------------------------------------------- dense equivalents
@@ -65,19 +62,13 @@ def dense_layout(layout, bq, bk, Lq, Lk):
 
 def run_and_check(q, k, v, mask_arg, dense, bias=None, dtype=np.float64, row_valid=None, **kw):
     """Kernel (poisoned out) vs oracle; rows the oracle says see nothing are zeros, lse -inf."""
-    out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
-    o, lse = af.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask_arg, out=out, return_lse=True, **kw
-    )
+    o, lse = run_sdpa(q, k, v, dtype, attn_mask=mask_arg, **kw)
     O, LSE = ref.sdpa(q, k, v, mask=dense, bias=bias, return_lse=True)
     if row_valid is not None:  # padding rows: zeros and -inf whatever the oracle says
         O = np.where(row_valid[..., None], O, 0.0)
         LSE = np.where(row_valid, LSE, -np.inf)
     assert not np.any(np.isnan(o)) and not np.any(np.isnan(lse))
-    np.testing.assert_allclose(o, O, **tol(dtype))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(LSE))
-    fin = np.isfinite(LSE)
-    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(dtype))
+    assert_attention(o, lse, O, LSE, dtype)
     dead = np.isneginf(LSE)
     assert np.all(o[dead] == 0)
     return o, lse
@@ -98,7 +89,7 @@ SID = ["x".join(map(str, s)) for s in SHAPES]
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
 def test_causal(isa, rng, shape, align):
     B, Hq, Hkv, Lq, Lk, d, dv = shape
-    q, k, v = qkv(rng, *shape)
+    q, k, v = qkv(rng, *shape, np.float64)
     dense = dense_causal(B, Lq, Lk, align=align, right=None)
     run_and_check(q, k, v, M.Causal(align), dense, enable_gqa=True)
 
@@ -130,7 +121,7 @@ def test_sliding_window(isa, rng, shape, left, right, dtype):
 
 
 def test_sliding_window_top_left(rng):
-    q, k, v = qkv(rng, 1, 2, 2, 40, 70, 8, 8)
+    q, k, v = qkv(rng, 1, 2, 2, 40, 70, 8, 8, np.float64)
     dense = dense_causal(1, 40, 70, align="top_left", left=5, right=2, causal=False)
     run_and_check(q, k, v, M.SlidingWindow(5, 2, align="top_left"), dense)
 
@@ -138,7 +129,7 @@ def test_sliding_window_top_left(rng):
 @pytest.mark.parametrize("shape", SHAPES, ids=SID)
 def test_padding(isa, rng, shape):
     B, Hq, Hkv, Lq, Lk, d, dv = shape
-    q, k, v = qkv(rng, *shape)
+    q, k, v = qkv(rng, *shape, np.float64)
     kv_lens = rng.integers(0, Lk + 1, B)
     q_lens = rng.integers(0, Lq + 1, B)
     # keys only: with Lq == Lk the queries are the same padded tokens (q_lens = kv_lens)
@@ -191,8 +182,8 @@ def test_causal_and_kv_padding_is_what_torch_gives(rng, isa, dtype):
         )
         O, LSE = ref.sdpa(q, k, v, mask=vis[:, None], return_lse=True)
         for b, n in enumerate(lens):
-            np.testing.assert_allclose(o[b, :, :n], O[b, :, :n], **tol(dtype))
-            np.testing.assert_allclose(lse[b, :, :n], LSE[b, :, :n], **tol(dtype))
+            assert_close(o[b, :, :n], O[b, :, :n], dtype)
+            assert_close(lse[b, :, :n], LSE[b, :, :n], dtype)
             assert np.all(o[b, :, n:] == 0) and np.all(np.isneginf(lse[b, :, n:]))
     torch = pytest.importorskip("torch")
     t = torch.from_numpy
@@ -213,7 +204,7 @@ def test_kv_padding_with_fewer_queries_stays_bottom_right(rng):
     last query row of sequence b is aligned with its last valid key."""
     B, H, Lq, Lk, d = 2, 2, 4, 40, 8
     lens = np.array([40, 23])
-    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d)
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float64)
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal() & M.Padding(lens))
     for b, n in enumerate(lens):
         one = af.scaled_dot_product_attention(q[b], k[b, :, :n], v[b, :, :n], is_causal=True)
@@ -226,7 +217,7 @@ def test_padded_decoder_batch_equals_separate_calls(rng):
     """Right-padded batch + causal = each sequence alone (bottom-right per sequence)."""
     B, H, L, d = 3, 2, 50, 16
     lens = np.array([50, 17, 33])
-    q, k, v = qkv(rng, B, H, H, L, L, d, d)
+    q, k, v = qkv(rng, B, H, H, L, L, d, d, np.float64)
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=M.Padding(lens, lens), is_causal=True)
     for b, n in enumerate(lens):
         one = af.scaled_dot_product_attention(q[b, :, :n], k[b, :, :n], v[b, :, :n], is_causal=True)
@@ -238,7 +229,7 @@ def test_padded_decoder_batch_equals_separate_calls(rng):
 @pytest.mark.parametrize("bq,bk", [(1, 1), (7, 5), (16, 64), (200, 3)])
 def test_block_sparse(isa, rng, shape, bq, bk):
     B, Hq, Hkv, Lq, Lk, d, dv = shape
-    q, k, v = qkv(rng, *shape)
+    q, k, v = qkv(rng, *shape, np.float64)
     nq, nk = -(-Lq // bq) + 1, -(-Lk // bk)  # one spare query block: layouts may over-cover
     layout = rng.random((B, 1, nq, nk)) < 0.4
     dense = dense_layout(layout, bq, bk, Lq, Lk)
@@ -254,14 +245,13 @@ def test_dense_masks(isa, rng, dtype):
     B, Hq, Hkv, Lq, Lk, d, dv = 2, 4, 2, 71, 130, 24, 16
     q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, dtype)
     # Blocks of False (whole tiles skipped) plus scattered False.
-    mask = rng.random((B, Hq, Lq, Lk)) < 0.7
+    mask = random_mask(rng, (B, Hq, Lq, Lk), 0.7)
     mask[:, :, :, 64:128] = False
     mask[0, 1, 3] = False
     run_and_check(q, k, v, mask, mask, dtype=dtype, enable_gqa=True)
     run_and_check(q, k, v, M.Dense(mask[:, :1]), mask[:, :1], dtype=dtype, enable_gqa=True)
     # Additive bias, of the other precision, broadcast from (Lq, Lk), with -inf holes.
-    bias = rng.standard_normal((Lq, Lk))
-    bias[rng.random((Lq, Lk)) < 0.2] = -np.inf
+    bias = random_bias(rng, (Lq, Lk), 0.2)
     run_and_check(q, k, v, bias, None, bias=bias, dtype=dtype, enable_gqa=True)
     # attn_mask and is_causal together (torch refuses the pair): they intersect.
     dense = mask & dense_causal(B, Lq, Lk, right=None)
@@ -279,10 +269,10 @@ def test_bias_of_other_dtype_is_not_broadcast_copied(rng):
 
 def test_combination_of_every_kind(isa, rng):
     B, Hq, Hkv, Lq, Lk, d, dv = 2, 4, 2, 83, 120, 16, 8
-    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv)
+    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, np.float64)
     kv_lens, q_lens = np.array([120, 77]), np.array([83, 60])
     layout = rng.random((Hq, 6, 8)) < 0.7
-    mask = rng.random((B, 1, Lq, Lk)) < 0.8
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.8)
     bias = rng.standard_normal((Hq, Lq, Lk)) * 0.5
     combo = (
         M.Causal()
@@ -323,13 +313,13 @@ def test_combination_of_every_kind(isa, rng):
 
 def test_merge_rules(rng):
     B, H, Lq, Lk, d = 2, 2, 60, 60, 8
-    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d)
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float64)
     # two windows: intersection
     dense = dense_causal(B, Lq, Lk, left=5, right=3, causal=False)
     run_and_check(q, k, v, M.SlidingWindow(9, 3) & M.SlidingWindow(5, 7), dense)
     run_and_check(q, k, v, M.SlidingWindow(5, None), dense, window_size=(20, 3))
     # two boolean masks: AND;  two biases: sum
-    m1, m2 = rng.random((Lq, Lk)) < 0.6, rng.random((B, 1, Lq, Lk)) < 0.6
+    m1, m2 = random_mask(rng, (Lq, Lk), 0.6), random_mask(rng, (B, 1, Lq, Lk), 0.6)
     run_and_check(q, k, v, M.Dense(m1) & m2, m1 & m2)
     b1, b2 = rng.standard_normal((Lq, Lk)), rng.standard_normal((H, Lq, Lk))
     run_and_check(q, k, v, M.Dense(b1) & M.Dense(b2), None, bias=b1 + b2)
@@ -354,7 +344,7 @@ def test_merge_rules(rng):
 
 
 def test_alignment_conflict(rng):
-    q, k, v = qkv(rng, 1, 1, 1, 10, 20, 4, 4)
+    q, k, v = qkv(rng, 1, 1, 1, 10, 20, 4, 4, np.float64)
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), is_causal=True)
     with pytest.raises(ValueError, match="alignment"):
@@ -363,8 +353,9 @@ def test_alignment_conflict(rng):
         )
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(q, k, v, attn_mask=M.Causal("top_left"), window_size=(3, 0))
-    # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused too.
-    q2, k2, v2 = qkv(rng, 2, 1, 1, 10, 10, 4, 4)
+    # Same lengths but queries and keys padded differently: the diagonals differ, so it is refused
+    # too.
+    q2, k2, v2 = qkv(rng, 2, 1, 1, 10, 10, 4, 4, np.float64)
     with pytest.raises(ValueError, match="alignment"):
         af.scaled_dot_product_attention(
             q2,
@@ -387,7 +378,7 @@ def test_alignment_conflict(rng):
 
 def test_alibi_softcap_sinks_with_masks(isa, rng):
     B, Hq, Hkv, Lq, Lk, d, dv = 2, 4, 1, 45, 64, 16, 16
-    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv)
+    q, k, v = qkv(rng, B, Hq, Hkv, Lq, Lk, d, dv, np.float64)
     slopes = rng.uniform(0.05, 0.5, Hq)
     kv_lens = np.array([64, 50])
     mask = M.Padding(kv_lens) & M.Causal()
@@ -434,15 +425,15 @@ def test_gqa_ratios(isa, rng, ratio, dtype):
         one = af.scaled_dot_product_attention(
             q[:, h], k[:, h // ratio], v[:, h // ratio], attn_mask=M.Causal() & M.SlidingWindow(9)
         )
-        np.testing.assert_allclose(o[:, h], one, **tol(dtype))
+        assert_close(o[:, h], one, dtype)
 
 
 def test_gqa_kv_not_copied(rng):
     # K/V views with odd strides go to the kernel as they are: the same result
     # from a (B, L, Hkv, d) buffer seen through transpose as from a copy.
     B, Hq, Hkv, L, d = 1, 8, 2, 30, 16
-    q = randn(rng, (B, Hq, L, d))
-    kb, vb = randn(rng, (B, L, Hkv, d)), randn(rng, (B, L, Hkv, d))
+    q = randn(rng, (B, Hq, L, d), np.float64)
+    kb, vb = randn(rng, (B, L, Hkv, d), np.float64), randn(rng, (B, L, Hkv, d), np.float64)
     k, v = kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3)
     o = af.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
     o2 = af.scaled_dot_product_attention(
@@ -501,7 +492,7 @@ def test_fully_masked_rows_and_nan_in_masked_kv(isa, rng, case, backend):
         assert dead.any(), name
         assert np.all(o[dead] == 0) and np.all(np.isneginf(lse[dead]))
         assert not np.any(np.isnan(lse))
-        np.testing.assert_allclose(o, expect, **tol(np.float32))
+        assert_close(o, expect, np.float32)
 
 
 def test_nan_in_k_masked_by_bias_does_not_leak(isa, rng):
@@ -515,7 +506,7 @@ def test_nan_in_k_masked_by_bias_does_not_leak(isa, rng):
         assert not np.any(np.isnan(o))
         k0 = k.copy()
         k0[:, :, 20] = 0
-        np.testing.assert_allclose(o, ref.sdpa(q, k0, v, bias=bias), **tol(np.float32))
+        assert_close(o, ref.sdpa(q, k0, v, bias=bias), np.float32)
 
 
 # ---------------------------------------------------------------- constructors
@@ -559,7 +550,7 @@ def test_block_sparse_constructors_run(isa, rng, ctor):
         "strided": M.BlockSparse.strided(L, blk, 3),
         "global": M.BlockSparse.global_tokens(L, blk, 1, width=1, random_blocks=1, seed=1),
     }[ctor]
-    q, k, v = qkv(rng, 1, 2, 2, L, L, 8, 8)
+    q, k, v = qkv(rng, 1, 2, 2, L, L, 8, 8, np.float64)
     dense = dense_layout(m.layout, blk, blk, L, L)[None, None] & dense_causal(1, L, L, right=None)
     run_and_check(q, k, v, m & M.Causal(), dense)
 
@@ -634,7 +625,7 @@ def test_stats_report_the_tile_used(rng, isa, dtype):
             assert s.block_k >= min(bk, L)
         # causal, Lq == Lk: exactly the tiles on or below the diagonal
         assert s.tiles_computed == 2 * kernel_tiles(np.tri(L, dtype=bool), s.block_q, s.block_k)
-        np.testing.assert_allclose(o, base, **tol(dtype))
+        assert_close(o, base, dtype)
     o, s = af.scaled_dot_product_attention(q[:, :, :0], k, v, return_stats=True)
     assert s == af.KernelStats(0, 0, 0, 0)
     _, s = af.scaled_dot_product_attention(q, k, v, return_stats=True, backend="reference")
@@ -769,7 +760,7 @@ def test_torch_causal_lower_right_and_upper_left(rng):
     from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
     B, H, Lq, Lk, d = 2, 3, 37, 90, 16
-    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d)
+    q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float64)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     F = torch.nn.functional.scaled_dot_product_attention
     expect = F(tq, tk, tv, attn_mask=causal_lower_right(Lq, Lk)).numpy()
@@ -793,10 +784,10 @@ def test_torch_causal_lower_right_and_upper_left(rng):
 @pytest.mark.parametrize("ratio", [1, 2, 4, 8, 32])
 def test_torch_enable_gqa(rng, ratio):
     B, Hq, Lq, Lk, d, dv = 1, 32, 20, 33, 16, 8
-    q, k, v = qkv(rng, B, Hq, Hq // ratio, Lq, Lk, d, dv)
+    q, k, v = qkv(rng, B, Hq, Hq // ratio, Lq, Lk, d, dv, np.float64)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     F = torch.nn.functional.scaled_dot_product_attention
-    mask = rng.random((B, 1, Lq, Lk)) < 0.7
+    mask = random_mask(rng, (B, 1, Lq, Lk), 0.7)
     expect = F(tq, tk, tv, attn_mask=torch.from_numpy(mask), enable_gqa=True).numpy()
     o = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     np.testing.assert_allclose(o, expect, atol=1e-12)
@@ -826,7 +817,7 @@ if given is not None:
         """Any combination of mask kinds equals the oracle with the dense equivalent."""
         r = np.random.default_rng(seed)
         B, H = 2, 2
-        q, k, v = qkv(r, B, H, H, Lq, Lk, 4, 3)
+        q, k, v = qkv(r, B, H, H, Lq, Lk, 4, 3, np.float64)
         align = causal or "bottom_right"
         q_len = r.integers(0, Lq + 1, B) if pad else np.array([Lq] * B)
         k_len = r.integers(0, Lk + 1, B) if pad else np.array([Lk] * B)
@@ -857,7 +848,7 @@ def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     broadcast axes of the mask (key-padding (B,1,1,Lk), per-query (Lq,1)) stay broadcast."""
     B, H, Lq, Lk, d = 2, 3, 150, 200, 16
     q, k, v = qkv(rng, B, H, H, Lq, Lk, d, d, np.float32)
-    mask = rng.random(shape) < 0.5
+    mask = random_mask(rng, shape, 0.5)
     if len(shape) == 4 and shape[-1] > 1:
         mask[..., 64:160] = False  # whole empty tiles
     kw = af.functional._mask_kwargs(mask, False, None, B, H, Lq, Lk, np.float32)
@@ -868,4 +859,4 @@ def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     np.testing.assert_array_equal(o1, o2)
     assert s1 == s2
     dense = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, Lq, Lk))
-    np.testing.assert_allclose(o1, ref.sdpa(q, k, v, mask=dense), **tol(np.float32))
+    assert_close(o1, ref.sdpa(q, k, v, mask=dense), np.float32)

@@ -7,13 +7,10 @@ add the full (unwindowed) L = 65536 call, about a minute on two cores.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from helpers import run_json
 
 LEAK_CODE = """
     import contextlib, ctypes, gc, io, json, os
@@ -27,8 +24,9 @@ LEAK_CODE = """
             return int(f.read().split()[1]) * PAGE
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()]
 
     try:
         _mallinfo2 = ctypes.CDLL(None).mallinfo2
@@ -86,12 +84,16 @@ LEAK_CODE = """
 
     calls = {
         "sdpa": lambda: af.scaled_dot_product_attention(q, k, v),
-        "sdpa_causal_lse_out": lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True, out=out),
-        "sdpa_reference": lambda: af.scaled_dot_product_attention(q, k, v, backend="reference", return_lse=True),
+        "sdpa_causal_lse_out": lambda: af.scaled_dot_product_attention(
+            q, k, v, is_causal=True, return_lse=True, out=out),
+        "sdpa_reference": lambda: af.scaled_dot_product_attention(
+            q, k, v, backend="reference", return_lse=True),
         "sdpa_options": lambda: af.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, window_size=(5, 2), softcap=3.0, alibi_slopes=[0.1, 0.2], sinks=[0.5, -1.0]),
+            q, k, v, attn_mask=mask, window_size=(5, 2), softcap=3.0, alibi_slopes=[0.1, 0.2],
+            sinks=[0.5, -1.0]),
         "sdpa_bias": lambda: af.scaled_dot_product_attention(q, k, v, attn_mask=bias),
-        "sdpa_float64_strided": lambda: af.scaled_dot_product_attention(X[None, ::2], X[None, 1::2], X[None, ::2]),
+        "sdpa_float64_strided": lambda: af.scaled_dot_product_attention(
+            X[None, ::2], X[None, 1::2], X[None, ::2]),
         "attention": lambda: af.attention(X, W, W, W, causal=True),
         "error_python": lambda: error(lambda: af.scaled_dot_product_attention(q, k[..., :3], v)),
         "error_core": lambda: error(lambda: af._core.forward(q, k, v, out[..., :3], scale=1.0)),
@@ -104,7 +106,8 @@ LEAK_CODE = """
         "varlen": lambda: af.varlen_attention(qp, qp, qp, cu, cu, causal=True),
         "attention_weights": lambda: af.attention_weights(q, k, is_causal=True),
         "linear_attention": lambda: af.variants.linear_attention(q, k, v, causal=True),
-        "linear_step": lambda: af.variants.linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0]),
+        "linear_step": lambda: af.variants.linear_attention_step(
+            q[:, :, 0], k[:, :, 0], v[:, :, 0]),
         "linformer": lambda: af.variants.linformer_attention(q, k, v, E),
         "rope": lambda: rope(q),
         "mha": lambda: mha(xm),
@@ -136,23 +139,14 @@ PEAK_CODE = """
     out = np.ones((1, 1, L, d), np.float32)
     lse = af.scaled_dot_product_attention(q[..., :8, :], k, v, return_lse=True)[1]  # warm up
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    o, lse = af.scaled_dot_product_attention(q, k, v, out=out, return_lse=True, window_size={window})
+    o, lse = af.scaled_dot_product_attention(
+        q, k, v, out=out, return_lse=True, window_size={window}
+    )
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps(dict(before_kib=before, after_kib=after, extra_kib=after - before,
                           inputs_kib=(q.nbytes * 4) // 1024, textbook_scores_kib=L * L * 4 // 1024,
                           finite=bool(np.isfinite(o).all()), threads=af.get_num_threads())))
 """
-
-
-def run_json(code, timeout):
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(

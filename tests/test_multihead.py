@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-from conftest import tol
-
 import attn_fast as af
 import attn_fast.multihead as mh
+import numpy as np
+import pytest
 from attn_fast import reference as ref
 from attn_fast.positional import RoPE, rope_reference
+from helpers import assert_close
 
 
 def oracle_mha(m, x, context=None, mask=None, causal=False, rope_offset=0):
@@ -78,7 +77,7 @@ def test_mha_equals_concat_of_heads(rng, cfg, causal, dtype):
     x = rng.standard_normal((2, L, D) if batched else (L, D)).astype(dtype)
     y = m(x, causal=causal)
     assert y.shape == x.shape and y.dtype == dtype
-    np.testing.assert_allclose(y, oracle_mha(m, x, causal=causal), **tol(dtype))
+    assert_close(y, oracle_mha(m, x, causal=causal), dtype)
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads(rng):
@@ -87,8 +86,11 @@ def test_gqa_equals_mha_with_repeated_kv_heads(rng):
     mha = af.MultiHeadAttention(D, H, rng=rng)
     dh, rep = gqa.head_dim, H // Hkv
     w = gqa.state_dict()
+
     # kv head g serves query heads g·rep … g·rep + rep - 1: repeat its rows
-    rep_rows = lambda W: np.repeat(W.reshape(Hkv, dh, D), rep, axis=0).reshape(H * dh, D)  # noqa: E731
+    def rep_rows(W):
+        return np.repeat(W.reshape(Hkv, dh, D), rep, axis=0).reshape(H * dh, D)
+
     mha.load_weights(
         {"Wq": w["Wq"], "Wk": rep_rows(w["Wk"]), "Wv": rep_rows(w["Wv"]), "Wo": w["Wo"]}
     )
@@ -108,7 +110,7 @@ def test_cross_attention(rng, kv_dim, Lq, Lk):
     ctx = rng.standard_normal((2, Lk, kv_dim or D)).astype(np.float32)
     y = m(x, context=ctx)
     assert y.shape == (2, Lq, D)
-    np.testing.assert_allclose(y, oracle_mha(m, x, context=ctx), **tol(np.float32))
+    assert_close(y, oracle_mha(m, x, context=ctx), np.float32)
     # unbatched
     np.testing.assert_allclose(m(x[1], context=ctx[1]), y[1], rtol=1e-6, atol=1e-6)
 
@@ -121,7 +123,7 @@ def test_cross_attention(rng, kv_dim, Lq, Lk):
 def test_rope_inside_attention(rng, rope):
     m = af.MultiHeadAttention(32, 4, 2, positional=rope, rng=rng)
     x = rng.standard_normal((2, 11, 32)).astype(np.float32)
-    np.testing.assert_allclose(m(x, causal=True), oracle_mha(m, x, causal=True), **tol(np.float32))
+    assert_close(m(x, causal=True), oracle_mha(m, x, causal=True), np.float32)
 
 
 def test_masks(rng):
@@ -131,16 +133,12 @@ def test_masks(rng):
     keep = rng.random((L, L)) < 0.7
     keep[3] = False  # a fully masked row -> zeros before Wo
     y = m(x, mask=keep)
-    np.testing.assert_allclose(y, oracle_mha(m, x, mask=keep), **tol(np.float64))
+    assert_close(y, oracle_mha(m, x, mask=keep), np.float64)
     assert np.all(np.isfinite(y))
     additive = rng.standard_normal((L, L))
-    np.testing.assert_allclose(
-        m(x, mask=additive), oracle_mha(m, x, mask=additive), **tol(np.float64)
-    )
+    assert_close(m(x, mask=additive), oracle_mha(m, x, mask=additive), np.float64)
     # mask combined with causal
-    np.testing.assert_allclose(
-        m(x, mask=keep, causal=True), oracle_mha(m, x, mask=keep, causal=True), **tol(np.float64)
-    )
+    assert_close(m(x, mask=keep, causal=True), oracle_mha(m, x, mask=keep, causal=True), np.float64)
 
 
 def test_heads_split_by_strides_not_copies(rng, monkeypatch):
@@ -162,7 +160,7 @@ def test_heads_split_by_strides_not_copies(rng, monkeypatch):
         not q.flags.c_contiguous and np.may_share_memory(q, k) and np.may_share_memory(k, v)
     )  # one buffer
     assert out.strides[1] < out.strides[2]  # written through a (B, L, H, d_h) buffer
-    np.testing.assert_allclose(y, oracle_mha(m, x), **tol(np.float32))
+    assert_close(y, oracle_mha(m, x), np.float32)
 
 
 def test_load_weights_and_errors(rng):
@@ -229,7 +227,7 @@ def test_kv_cache_prefill_and_decode_equal_full_causal(rng, positional):
     m = af.MultiHeadAttention(32, 4, 2, positional=positional, rng=rng)
     x = rng.standard_normal((2, 12, 32)).astype(np.float32)
     full = m(x, causal=True)
-    np.testing.assert_allclose(full, oracle_mha(m, x, causal=True), **tol(np.float32))
+    assert_close(full, oracle_mha(m, x, causal=True), np.float32)
     cache = af.KVCache(2, 2, 8, capacity=5)
     parts = [m(x[:, :5], cache=cache, causal=True), m(x[:, 5:9], cache=cache, causal=True)]
     parts += [m(x[:, t : t + 1], cache=cache, causal=True) for t in range(9, 12)]

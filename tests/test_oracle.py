@@ -3,7 +3,6 @@
 import math
 
 import numpy as np
-
 from attn_fast import reference as ref
 
 

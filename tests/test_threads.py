@@ -4,31 +4,13 @@ runtimes in the process (torch, threadpoolctl) and fork()."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def run_py(code, timeout=120, **env):
-    e = dict(os.environ)
-    e.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=e,
-        timeout=timeout,
-    )
+from helpers import randn, run_python
 
 
 def test_concurrent_callers_while_thread_count_changes(rng):
@@ -160,7 +142,7 @@ def test_fork_after_a_threaded_call_does_not_hang(entry):
     # GNU libgomp's thread pool does not survive fork(): a child that opens a
     # parallel region hangs. attn_fast runs single-threaded in such a child,
     # whichever kernel started the pool.
-    r = run_py(FORK_CODE.format(entry=entry), timeout=90, OMP_NUM_THREADS="2")
+    r = run_python(FORK_CODE.format(entry=entry), timeout=90, OMP_NUM_THREADS="2")
     assert r.returncode == 0, r.stderr
     children, parent = r.stdout.strip().splitlines()
     results = eval(children)  # noqa: S307 - our own subprocess's repr
@@ -189,7 +171,7 @@ def test_threadpoolctl_lists_and_limits_openmp():
     pytest.importorskip("threadpoolctl")
     if not af._core.openmp_enabled():
         pytest.skip("built without OpenMP")
-    r = run_py(THREADPOOLCTL_CODE, OMP_NUM_THREADS="2")
+    r = run_python(THREADPOOLCTL_CODE, OMP_NUM_THREADS="2")
     assert r.returncode == 0, r.stderr
     prefixes, before, inside, after = r.stdout.strip().splitlines()
     assert "libgomp" in prefixes or "libomp" in prefixes or "libiomp" in prefixes
@@ -218,7 +200,7 @@ TORCH_CODE = """
 def test_torch_in_the_same_process(torch_first):
     pytest.importorskip("torch")
     pytest.importorskip("threadpoolctl")
-    r = run_py(TORCH_CODE.format(torch_first=torch_first), timeout=300, OMP_NUM_THREADS="2")
+    r = run_python(TORCH_CODE.format(torch_first=torch_first), timeout=300, OMP_NUM_THREADS="2")
     assert r.returncode == 0, r.stderr
     diff, same = r.stdout.strip().splitlines()[0].split()
     assert float(diff) < 1e-10 and same == "True"

@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import json
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import poisoned, tol
-
-import attn_fast as af
 from attn_fast import reference as ref
-
-
-def randn(rng, shape, dtype=np.float32, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
+from helpers import assert_attention, assert_close, randn, run_sdpa
 
 
 def sdpa_checked(q, k, v, dtype, mask=None, **kw):
-    out = poisoned(q.shape[:-1] + (v.shape[-1],), dtype)
-    o, lse = af.scaled_dot_product_attention(q, k, v, out=out, return_lse=True, **kw)
+    o, lse = run_sdpa(q, k, v, dtype, **kw)
     group = q.shape[1] // k.shape[1]
     kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     O, LSE = ref.sdpa(q, kk, vv, mask=mask, return_lse=True)
-    np.testing.assert_allclose(o, O, **tol(dtype))
-    fin = np.isfinite(LSE)
-    np.testing.assert_array_equal(fin, np.isfinite(lse))
-    np.testing.assert_allclose(lse[fin], LSE[fin], **tol(dtype))
+    assert_attention(o, lse, O, LSE, dtype)
     return o
 
 
@@ -84,7 +75,7 @@ def test_nonfinite_value_in_cached_block(isa, rng):
     v[:, :, 150, 3] = np.inf
     o = af.scaled_dot_product_attention(q, k, v, is_causal=True, block_q=8)
     O = ref.sdpa(q[:, :, :150], k[:, :, :150], v[:, :, :150], mask=ref.causal_mask(150, 150))
-    np.testing.assert_allclose(o[:, :, :150], O, **tol(np.float32))
+    assert_close(o[:, :, :150], O, np.float32)
     assert not np.any(np.isnan(o[:, :, 150:, :3]))
 
 

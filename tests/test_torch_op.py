@@ -98,7 +98,10 @@ def test_gradcheck_float64(case):
     q, k, v = _qkv(2, 1, H, H, Lq, Lk, 3, 2)
     if case == "sinks":
         sinks = torch.tensor([0.3, -0.7], dtype=torch.float64, requires_grad=True)
-        fn = lambda q, k, v, s: aft.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=s)  # noqa: E731
+
+        def fn(q, k, v, s):
+            return aft.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=s)
+
         assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
         return
     kw = _gradcheck_case(case, Lq, Lk, H)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-from conftest import tol
-from test_multihead import oracle_mha
-
-import attn_fast as af
 from attn_fast.positional import sinusoidal
+from helpers import tol
+from test_multihead import oracle_mha
 
 
 # ---------------------------------------------------------------- float64 transcription

@@ -111,7 +111,8 @@ def close(a, b, valid):
 
 
 def padded_batch(B, L, vocab, left, pads):
-    """Token ids and a 2-D attention mask with pads[b] padding tokens on the left or right of row b."""
+    """Token ids and a 2-D attention mask with pads[b] padding tokens
+    on the left or right of row b."""
     ids = torch.randint(1, vocab, (B, L))
     am = torch.ones(B, L, dtype=torch.long)
     for b, p in enumerate(pads):
@@ -211,7 +212,8 @@ def test_llama_greedy_generate_same_tokens(calls):
     )  # prefill + (new - 1) one-token decode steps, per layer
     decode = [c for c in calls if c["q"][2] == 1]
     assert len(decode) == 2 * (new - 1)
-    # One-token decode against transformers' KV cache: all Lk cached keys, left padding as a key mask.
+    # One-token decode against transformers' KV cache: all Lk cached keys, left padding as a key
+    # mask.
     assert [c["k"][2] for c in decode[::2]] == list(range(10, 9 + new))
     assert all(c["mask"] == (2, 1, 1, c["k"][2]) for c in decode), decode
 
@@ -246,8 +248,10 @@ def test_static_cache_generate(calls):
     ids, am = padded_batch(2, 7, 128, left=True, pads=[0, 2])
     same_generation(model, ids, am, 5, cache_implementation="static")
     assert len(calls) == 2 * 5
-    # The cache holds 7 + 5 - 1 = 11 slots from the start, and every call sees all of them: the prefill through
-    # the dense (B, 1, 7, 11) mask (top-left causal, empty slots hidden), each decode step through a causal
+    # The cache holds 7 + 5 - 1 = 11 slots from the start, and every call sees all of them: the
+    # prefill through
+    # the dense (B, 1, 7, 11) mask (top-left causal, empty slots hidden), each decode step through a
+    # causal
     # flag and a (B, 1, 1, 11) key mask hiding the padding and the slots not yet written.
     assert all(c["k"][2] == 11 for c in calls), calls
     assert [c["mask"] for c in calls[:2]] == [(2, 1, 7, 11)] * 2 and not calls[0]["is_causal"], (
@@ -286,7 +290,8 @@ def test_sliding_window_prefill_and_generate(calls):
     assert all(c["k"][2] == 6 for c in calls if c["q"][2] == 1), calls
 
 
-def test_gemma2_softcap_and_alternating_windows(calls):
+def gemma2():
+    """A 2-layer Gemma2: logit softcapping, sliding window 5 on alternating layers."""
     cfg = transformers.Gemma2Config(
         vocab_size=128,
         hidden_size=64,
@@ -301,19 +306,11 @@ def test_gemma2_softcap_and_alternating_windows(calls):
         query_pre_attn_scalar=16,
         pad_token_id=0,
     )
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
-    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
-    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits  # sdpa has no softcap
-    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
-    diff = close(got, ref, am.bool())
-    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
-    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], (
-        calls
-    )  # one sliding, one full layer
-    print(f"gemma2 softcap max|Δ| = {diff:.2e}")
+    return transformers.Gemma2ForCausalLM(cfg)
 
 
-def test_gpt_oss_sinks(calls):
+def gpt_oss():
+    """A 2-layer gpt-oss: attention sinks (drawn at random, not zero), sliding window 4."""
     cfg = transformers.GptOssConfig(
         vocab_size=128,
         hidden_size=64,
@@ -325,13 +322,30 @@ def test_gpt_oss_sinks(calls):
         num_local_experts=2,
         num_experts_per_tok=1,
         sliding_window=4,
-        max_position_embeddings=131072,
-        pad_token_id=0,  # = 32 x 4096, the YaRN factor of the default config
+        max_position_embeddings=131072,  # = 32 x 4096, the YaRN factor of the default config
+        pad_token_id=0,
     )
-    model = transformers.GptOssForCausalLM(cfg).eval()
+    model = transformers.GptOssForCausalLM(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_()
+    return model
+
+
+def test_gemma2_softcap_and_alternating_windows(calls):
+    model = gemma2().eval()
+    ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
+    ref = run(model, "eager", input_ids=ids, attention_mask=am).logits  # sdpa has no softcap
+    got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
+    diff = close(got, ref, am.bool())
+    assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
+    # one sliding, one full layer
+    assert sorted(str(c["window"]) for c in calls) == ["(4, -1)", "None"], calls
+    print(f"gemma2 softcap max|Δ| = {diff:.2e}")
+
+
+def test_gpt_oss_sinks(calls):
+    model = gpt_oss().eval()
     ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
     ref = run(model, "eager", input_ids=ids, attention_mask=am).logits
     got = run(model, "attn_fast", input_ids=ids, attention_mask=am).logits
@@ -456,7 +470,7 @@ def test_register_and_from_pretrained_name(tmp_path, calls):
     assert len(calls) == 2
 
 
-# --------------------------------------------------------------------------- the two halves, directly
+# ------------------------------------------------------------------------- the two halves, directly
 
 
 class _Module(torch.nn.Module):
@@ -517,7 +531,8 @@ MU = transformers.masking_utils
 def test_mask_builder_matches_transformers_sdpa_mask(
     calls, Lq, Lk, q_off, kv_off, window, pad, fn, kind
 ):
-    # kind: what the builder should return: "none" (no mask), "flags" (verified description), "dense".
+    # kind: what the builder should return: "none" (no mask), "flags" (verified description),
+    # "dense".
     B, H, Hkv, d = 3, 4, 2, 8
     g = torch.Generator().manual_seed(Lq * 100 + Lk + q_off)
     total = kv_off + Lk
@@ -565,7 +580,8 @@ def test_mask_builder_matches_transformers_sdpa_mask(
 @pytest.mark.parametrize("Lq, Lk", [(3, 7), (5, 3), (1, 6), (6, 6)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "position_bias"])
 def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
-    # A causal module called without a mask: the sdpa backend's semantics (torch's top-left is_causal).
+    # A causal module called without a mask: the sdpa backend's semantics (torch's top-left
+    # is_causal).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     g = torch.Generator().manual_seed(Lq * 10 + Lk)
@@ -595,8 +611,9 @@ def grads(model, impl, **inputs):
 
 
 def lm_labels(ids, am):
-    """Labels with -100 on padding and where the predicting position is padding (left padding:
-    the first real token), so no loss term reads a fully masked query row (backends differ there)."""
+    """Labels with -100 on padding and where the predicting position is padding
+    (left padding: the first real token), so no loss term reads a fully masked
+    query row (backends differ there)."""
     prev = torch.cat([torch.ones_like(am[:, :1]), am[:, :-1]], dim=1)
     return ids.masked_fill((am == 0) | (prev == 0), -100)
 
@@ -649,45 +666,14 @@ def test_llama_training_steps_same_losses_as_sdpa(calls):
 
 
 def test_gemma2_softcap_window_training_gradients_match_eager(calls):
-    cfg = transformers.Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        sliding_window=5,
-        attn_logit_softcapping=2.0,
-        query_pre_attn_scalar=16,
-        pad_token_id=0,
-    )
-    model = transformers.Gemma2ForCausalLM(cfg)
+    model = gemma2()
     ids, am = padded_batch(2, 13, 128, left=True, pads=[0, 3])
     same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
     assert len(calls) == 2 and all(c["softcap"] == 2.0 for c in calls), calls
 
 
 def test_gpt_oss_sinks_training_gradients_match_eager(calls):
-    cfg = transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        sliding_window=4,
-        max_position_embeddings=131072,
-        pad_token_id=0,
-    )
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_()
+    model = gpt_oss()
     ids, am = padded_batch(2, 11, 128, left=True, pads=[0, 2])
     same_grads(model, "eager", input_ids=ids, attention_mask=am, labels=lm_labels(ids, am))
     assert len(calls) == 2 and all(c["sinks"] for c in calls), calls

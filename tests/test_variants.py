@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import attn_fast as af
 import numpy as np
 import pytest
-
-import attn_fast as af
 from attn_fast import variants as V
 from attn_fast.reference import sdpa
-
-from conftest import poisoned, tol
+from helpers import assert_close, poisoned, randn
 
 # --------------------------------------------------------------------------
 # float64 oracles, written as plainly as the formulas
@@ -49,10 +47,6 @@ def linear_oracle(q, k, v, fm="elu1", causal=False, eps=1e-6, kv0=None, z0=None)
         return np.where(den[..., None] != 0, num / den[..., None], 0.0)
 
 
-def randn(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(dtype)
-
-
 def pos_features(x):
     """A callable feature map with r = 2d (positive random-feature style)."""
     x = np.asarray(x)
@@ -84,10 +78,10 @@ def test_linformer_matches_oracle(case, dtype, rng):
     F = randn(rng, (kp, Lk), dtype) / np.sqrt(Lk)
     o = V.linformer_attention(q, k, v, E, F)
     assert o.shape == lead + (Lq, dv) and o.dtype == dtype
-    np.testing.assert_allclose(o, linformer_oracle(q, k, v, E, F), **tol(dtype))
+    assert_close(o, linformer_oracle(q, k, v, E, F), dtype)
     # shared projection (F = None) and an explicit scale
     o2 = V.linformer_attention(q, k, v, E, scale=0.3)
-    np.testing.assert_allclose(o2, linformer_oracle(q, k, v, E, E, scale=0.3), **tol(dtype))
+    assert_close(o2, linformer_oracle(q, k, v, E, E, scale=0.3), dtype)
 
 
 def test_linformer_every_isa_and_strided_inputs(isa, rng):
@@ -99,16 +93,14 @@ def test_linformer_every_isa_and_strided_inputs(isa, rng):
     E = np.asfortranarray(randn(rng, (kp, L), np.float32) / 10)
     F = randn(rng, (L, kp), np.float32).T / 10
     o = V.linformer_attention(q, k, v, E, F)
-    np.testing.assert_allclose(o, linformer_oracle(q, k, v, E, F), **tol(np.float32))
+    assert_close(o, linformer_oracle(q, k, v, E, F), np.float32)
 
 
 def test_linformer_with_identity_projection_is_full_attention(rng):
     """E = F = I (k = L): Linformer is exactly full attention."""
     q, k, v = (randn(rng, (2, 50, 8), np.float64) for _ in range(3))
     eye = np.eye(50)
-    np.testing.assert_allclose(
-        V.linformer_attention(q, k, v, eye, eye), sdpa(q, k, v), **tol(np.float64)
-    )
+    assert_close(V.linformer_attention(q, k, v, eye, eye), sdpa(q, k, v), np.float64)
 
 
 def linformer_layer_oracle(layer, X):
@@ -134,16 +126,14 @@ def test_linformer_layer(dtype, rng):
     X = randn(rng, (2, 90, 48), dtype)
     Y = layer(X)
     assert Y.shape == X.shape and Y.dtype == dtype
-    np.testing.assert_allclose(Y, linformer_layer_oracle(layer, X), **tol(dtype))
+    assert_close(Y, linformer_layer_oracle(layer, X), dtype)
     # a shorter sequence equals zero-padding it to seq_len (keys/values of zero rows are zero)
     Xs = X[0, :61]
     pad = np.concatenate([Xs, np.zeros((29, 48), dtype)])
-    np.testing.assert_allclose(layer(Xs), layer(pad)[:61], **tol(dtype))
+    assert_close(layer(Xs), layer(pad)[:61], dtype)
     shared = V.Linformer(48, 4, seq_len=90, k=16, share_kv=True, seed=2)
     assert shared.F is shared.E
-    np.testing.assert_allclose(
-        shared(X[1]), linformer_layer_oracle(shared, X[1]), **tol(np.float32)
-    )
+    assert_close(shared(X[1]), linformer_layer_oracle(shared, X[1]), np.float32)
 
 
 def test_linformer_errors(rng):
@@ -190,7 +180,7 @@ def test_linear_attention_matches_oracle(shape, dtype, fm, causal, rng):
     o = V.linear_attention(q, k, v, fm, causal)
     assert o.shape == lead + (L, dv) and o.dtype == dtype
     assert np.all(np.isfinite(o))
-    np.testing.assert_allclose(o, linear_oracle(q, k, v, fm, causal), **tol(dtype))
+    assert_close(o, linear_oracle(q, k, v, fm, causal), dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -200,7 +190,7 @@ def test_linear_attention_strided_inputs(causal, rng):
     k = randn(rng, (B, H, d, L), np.float32).swapaxes(-1, -2)
     v = randn(rng, (B, H, L, 3 * d), np.float32)[..., 1::3]
     o = V.linear_attention(q, k, v, causal=causal)
-    np.testing.assert_allclose(o, linear_oracle(q, k, v, causal=causal), **tol(np.float32))
+    assert_close(o, linear_oracle(q, k, v, causal=causal), np.float32)
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6, 0.5])
@@ -217,9 +207,7 @@ def test_linear_attention_eps_and_empty_rows(eps, rng):
     for causal in (False, True):
         o = V.linear_attention(q, k, v, "relu", causal, eps=eps)
         assert np.all(np.isfinite(o))
-        np.testing.assert_allclose(
-            o, linear_oracle(q, k, v, "relu", causal, eps), **tol(np.float64)
-        )
+        assert_close(o, linear_oracle(q, k, v, "relu", causal, eps), np.float64)
         if eps == 0.0:
             assert np.all(o[::3] == 0)
 
@@ -239,9 +227,7 @@ def test_linear_kernel_writes_every_output_and_ignores_threads(rng):
                 af._core.linear_attention(fq, fk, v, o, causal=causal, eps=1e-6)
                 outs.append(o)
             assert np.all(np.isfinite(outs[0]))
-            np.testing.assert_allclose(
-                outs[0], linear_oracle(fq, fk, v, lambda x: x, causal), **tol(np.float32)
-            )
+            assert_close(outs[0], linear_oracle(fq, fk, v, lambda x: x, causal), np.float32)
             for o in outs[1:]:
                 np.testing.assert_array_equal(o, outs[0])
     finally:
@@ -269,10 +255,10 @@ def test_linear_attention_state_continues(causal, rng):
     np.testing.assert_array_equal(st.kv, kv_before)  # the input state is not modified
     assert st2.length == L
     if causal:
-        np.testing.assert_allclose(np.concatenate([o1, o2], axis=2), o_all, **tol(np.float64))
+        assert_close(np.concatenate([o1, o2], axis=2), o_all, np.float64)
     else:  # the second chunk sees the first chunk's keys through the state
         ref = linear_oracle(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], kv0=st.kv, z0=st.k_sum)
-        np.testing.assert_allclose(o2, ref, **tol(np.float64))
+        assert_close(o2, ref, np.float64)
     np.testing.assert_allclose(st2.kv, st_all.kv, rtol=1e-12)
 
 
@@ -288,16 +274,16 @@ def test_decode_step_reproduces_causal_form(dtype, fm, rng):
     for t in range(L):
         o_t, st = V.linear_attention_step(q[:, t], k[:, t], v[:, t], st, fm)
         assert o_t.shape == (H, dv) and o_t.dtype == dtype
-        np.testing.assert_allclose(o_t, o_causal[:, t], **tol(dtype))
+        assert_close(o_t, o_causal[:, t], dtype)
     assert st.length == L
     # after a prefill of n0 tokens
     _, st = V.linear_attention(q[:, :n0], k[:, :n0], v[:, :n0], fm, True, return_state=True)
     for t in range(n0, L):
         o_t, st = V.linear_attention_step(q[:, t], k[:, t], v[:, t], st, fm)
-        np.testing.assert_allclose(o_t, o_causal[:, t], **tol(dtype))
+        assert_close(o_t, o_causal[:, t], dtype)
     # single head, (d,) tokens
     o0, _ = V.linear_attention_step(q[0, 0], k[0, 0], v[0, 0], feature_map=fm)
-    np.testing.assert_allclose(o0, o_causal[0, 0], **tol(dtype))
+    assert_close(o0, o_causal[0, 0], dtype)
 
 
 def test_linear_attention_float32_long_sequence(rng):
@@ -346,7 +332,8 @@ def test_linear_attention_errors(rng):
 
 
 def test_permuting_keys_and_values_together_changes_nothing(rng):
-    """Non-causal linear attention sees a set of keys; Linformer too, once E's and F's columns follow."""
+    """Non-causal linear attention sees a set of keys;
+    Linformer too, once E's and F's columns follow."""
     q, k = randn(rng, (2, 45, 8), np.float64), randn(rng, (2, 45, 8), np.float64)
     v = randn(rng, (2, 45, 6), np.float64)
     E, F = randn(rng, (5, 45), np.float64), randn(rng, (5, 45), np.float64)
