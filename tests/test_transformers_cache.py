@@ -35,6 +35,7 @@ transformers = pytest.importorskip(
 
 import attn_fast.functional as F  # noqa: E402
 import attn_fast.integrations.transformers as af_hf  # noqa: E402
+import attn_fast.integrations.transformers_cache as af_cache  # noqa: E402
 import attn_fast.kv_cache as kvc  # noqa: E402
 from attn_fast import KVCache  # noqa: E402
 from attn_fast.functional import DECODE_MAX_LQ  # noqa: E402
@@ -247,6 +248,34 @@ def test_beam_search_matches(kind, rng):
             **kw,
         )
     assert torch.equal(got, ref)
+
+
+def test_past_key_values_name_and_assisted_generation(monkeypatch, rng):
+    """The deprecated past_key_values= name works; assisted generation (a draft model whose
+    rejected tokens are cropped from the cache) gives plain greedy's tokens."""
+    model, draft = make("llama"), make("qwen2")
+    ids, am = left_padded(1, 9, [0], rng)
+    ref_ids, _ = generate(model, "sdpa", ids, am, 10, do_sample=False)
+    model.set_attn_implementation("attn_fast")
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=10, min_new_tokens=10)
+    with torch.no_grad(), pytest.warns(FutureWarning, match="past_key_values"):
+        got = model.generate(
+            **kw, do_sample=False, past_key_values=af_hf.AttnFastCache(model.config)
+        )
+    assert torch.equal(got, ref_ids)
+    crops = []
+    real_crop = af_cache.AttnFastLayer.crop
+    monkeypatch.setattr(
+        af_cache.AttnFastLayer,
+        "crop",
+        lambda self, n: (crops.append(n), real_crop(self, n))[1],
+    )
+    cache = af_hf.AttnFastCache(model.config)
+    with torch.no_grad():
+        got = model.generate(**kw, do_sample=False, cache=cache, assistant_model=draft)
+    assert torch.equal(got, ref_ids)
+    assert any(n < 0 for n in crops)  # the draft's rejected tokens were cropped
+    assert cache.get_seq_length() == 9 + 10 - 1
 
 
 # --------------------------------------------------------------------------- storage dtypes

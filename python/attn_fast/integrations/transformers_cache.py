@@ -60,7 +60,16 @@ implementation is not attn_fast (transformers' sdpa/eager would see only the
 new chunk): ValueError at the first ``update``; a chunk that no attn_fast
 attention call consumed: RuntimeError at the next ``update``; softcap, sinks,
 ``position_bias``, non-causal layers, a custom 4-D mask, right or interior
-padding: NotImplementedError / ValueError naming the argument.
+padding: NotImplementedError / ValueError naming the argument. After an
+exception inside a forward pass the cache's state is undefined: ``reset()`` it.
+
+The tagging relies on the model passing the tensors ``cache.update`` returned
+straight to the attention function, as every transformers decoder written
+against the attention interface does (Llama, Mistral, Qwen2, ... tested). A
+model that transforms them in between would hand the attention function an
+untagged chunk: that forward pass would attend to the chunk alone, and the
+next ``update`` of the layer raises RuntimeError (the chunk was never
+stored), so a generation cannot silently continue.
 """
 
 from __future__ import annotations
