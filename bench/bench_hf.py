@@ -87,7 +87,21 @@ def forward(model, impl, ids, am):
         return model(input_ids=ids, attention_mask=am).logits
 
 
-def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32", quick=False):
+def run(
+    repeats=5,
+    threads=None,
+    decode_tokens=32,
+    out=sys.stdout,
+    dtype="fp32",
+    quick=False,
+    prompt=None,
+    forward_rows=True,
+):
+    """Print (and return as dicts) the forward rows and the generate rows for one dtype.
+
+    prompt: the generate rows' prompt length (default 512, QUICK_PROMPT with
+    quick); forward_rows=False skips the prefill rows.
+    """
     af_hf.register()
     if threads:
         af.set_num_threads(threads)
@@ -115,7 +129,7 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rows = []
-    for name, B, L, pad in QUICK_CASES if quick else CASES:
+    for name, B, L, pad in (QUICK_CASES if quick else CASES) if forward_rows else ():
         ids, am = inputs(B, L, pad)
         ref, got = forward(model, "sdpa", ids, am), forward(model, "attn_fast", ids, am)
         valid = am.bool()
@@ -147,7 +161,8 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
             flush=True,
         )
     if decode_tokens:
-        rows += generate_rows(model, dtype, decode_tokens, quick, min(repeats, 3), out)
+        P = prompt or (QUICK_PROMPT if quick else 512)
+        rows += generate_rows(model, dtype, decode_tokens, P, min(repeats, 3), out)
     print(
         "speed-up = sdpa time / attn_fast time (higher means attn_fast is faster); "
         "generate: ms per new token incl. the prompt's prefill; decode: ms per one-token step "
@@ -174,7 +189,7 @@ def _new_cache(model, cache):
     return af_hf.AttnFastCache(model.config)
 
 
-def generate_rows(model, dtype, new, quick, repeats, out):
+def generate_rows(model, dtype, new, P, repeats, out):
     """Greedy decoding for each of GENERATE_IMPLS, two measurements per case.
 
     generate: ``model.generate`` of `new` tokens, ms per new token including
@@ -184,7 +199,6 @@ def generate_rows(model, dtype, new, quick, repeats, out):
     the prompt (median over `new` steps, the three columns interleaved step by
     step), the part of generation the cache decides.
     """
-    P = QUICK_PROMPT if quick else 512  # prompt length
     cases = [("generate", 1, P, 0.0), ("generate padded", 4, P, 0.25)]
     cols = [col for col, _, _ in GENERATE_IMPLS]
     hdr = (
@@ -275,6 +289,13 @@ def main(argv=None):
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
+        "--prompt",
+        type=int,
+        default=None,
+        help="prompt length of the generate rows (default 512; 128 with --quick)",
+    )
+    p.add_argument("--no-forward", action="store_true", help="only the generate rows")
+    p.add_argument(
         "--decode-tokens",
         type=int,
         default=32,
@@ -298,6 +319,8 @@ def main(argv=None):
             decode_tokens=args.decode_tokens,
             dtype=dtype,
             quick=args.quick,
+            prompt=args.prompt,
+            forward_rows=not args.no_forward,
         )
     return 0
 

@@ -442,6 +442,7 @@ def test_unsupported_features_raise(kw, what):
     k, v = layer.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
     with pytest.raises(NotImplementedError, match=what):
         af_hf.attention_forward(model.model.layers[0].self_attn, q, k, v, None, **kw)
+    assert layer.get_seq_length() == 0 and layer.pending is None  # nothing was stored
 
 
 def test_grad_through_cache_raises():

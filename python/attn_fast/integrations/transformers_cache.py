@@ -408,6 +408,7 @@ def attend_cached(
             "update() of this layer"
         )
     layer.pending = None
+    B, Hq, Lq, _ = query.shape
     unsupported = [
         n
         for n, bad in (
@@ -418,13 +419,12 @@ def attend_cached(
         )
         if bad
     ]
-    if unsupported:
-        raise NotImplementedError(
-            f"AttnFastCache does not support {', '.join(unsupported)}; use transformers' "
-            "DynamicCache with attn_implementation='attn_fast'"
-        )
-    B, Hq, Lq, _ = query.shape
     try:
+        if unsupported:
+            raise NotImplementedError(
+                f"AttnFastCache does not support {', '.join(unsupported)}; use transformers' "
+                "DynamicCache with attn_implementation='attn_fast'"
+            )
         c = _valid_new(layer, mask, B, Lq)
     except Exception:
         layer.seen -= Lq  # the chunk is not stored
