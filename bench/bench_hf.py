@@ -126,8 +126,9 @@ def run(
         f"{'case':<16} {'B':>2} {'L':>5} | {'sdpa ms':>9} {'attn_fast ms':>12} {'speed-up':>8} "
         f"| {'max|Δ logits|':>13}"
     )
-    print(hdr, file=out)
-    print("-" * len(hdr), file=out)
+    if forward_rows:
+        print(hdr, file=out)
+        print("-" * len(hdr), file=out)
     rows = []
     for name, B, L, pad in (QUICK_CASES if quick else CASES) if forward_rows else ():
         ids, am = inputs(B, L, pad)
@@ -194,7 +195,7 @@ def generate_rows(model, dtype, new, P, repeats, out):
 
     generate: ``model.generate`` of `new` tokens, ms per new token including
     the prompt's prefill (median of `repeats` interleaved runs after a
-    warm-up); its tokens are compared with sdpa's.
+    warm-up on the prompt's last 32 tokens); its tokens are compared with sdpa's.
     decode: ms per one-token forward step against a cache that already holds
     the prompt (median over `new` steps, the three columns interleaved step by
     step), the part of generation the cache decides.
@@ -222,7 +223,9 @@ def generate_rows(model, dtype, new, P, repeats, out):
             for _col, impl, cache in GENERATE_IMPLS:  # warm-up
                 model.set_attn_implementation(impl)
                 c = _new_cache(model, cache)
-                model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2, cache=c)
+                model.generate(
+                    input_ids=ids[:, -32:], attention_mask=am[:, -32:], max_new_tokens=2, cache=c
+                )
             for _ in range(repeats):  # interleaved, as the forward rows
                 for col, impl, cache in GENERATE_IMPLS:
                     model.set_attn_implementation(impl)
