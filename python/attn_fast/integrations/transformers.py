@@ -39,6 +39,12 @@ attention function receives means exactly what it means for ``"sdpa"``:
   broadcast mask, and never reads the dense tensor. A mask that was changed
   after it was built (a new tensor) carries no description and is read densely.
 
+KV cache: transformers' own caches (DynamicCache & co.) work as with any
+backend; ``AttnFastCache`` (``attn_fast.integrations.transformers_cache``)
+keeps K/V in ``attn_fast.KVCache`` objects (float32 / float16 / bfloat16
+storage, ...) and decodes with their split-KV kernel:
+``model.generate(..., cache=AttnFastCache(model.config, dtype="bfloat16"))``.
+
 Anything attn_fast cannot compute exactly raises rather than computing
 something else: dropout > 0 (training mode), ``output_attentions=True``,
 ``torch.compile`` tracing, tensors off the CPU. Training: when query, key,
@@ -72,13 +78,15 @@ try:
     from transformers import masking_utils as _mu
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "attn_fast.integrations.transformers needs torch and transformers: pip install 'attn_fast[transformers]'"
+        "attn_fast.integrations.transformers needs torch and transformers: "
+        "pip install 'attn_fast[transformers]'"
     ) from e
 
 from .. import functional as _functional
 from .._checks import as_array
+from .transformers_cache import AttnFastCache, attend_cached, cache_layer
 
-__all__ = ["register", "attention_forward", "attention_mask", "NAME"]
+__all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
 
 NAME = "attn_fast"
 
@@ -310,12 +318,13 @@ def attention_forward(
     """
     if dropout:
         raise NotImplementedError(
-            f"attn_fast has no attention dropout (got dropout={dropout}): call model.eval() for inference, "
-            "or train with attn_implementation='sdpa'"
+            f"attn_fast has no attention dropout (got dropout={dropout}): call model.eval() for "
+            "inference, or train with attn_implementation='sdpa'"
         )
     if kwargs.get("output_attentions"):
         raise ValueError(
-            "attn_fast never forms the attention weights: output_attentions=True needs attn_implementation='eager'"
+            "attn_fast never forms the attention weights: output_attentions=True needs "
+            "attn_implementation='eager'"
         )
     if torch.compiler.is_compiling():
         raise NotImplementedError(
@@ -329,6 +338,26 @@ def attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     tensors = [t for t in (query, key, value, s_aux) if isinstance(t, torch.Tensor)]
+    layer = cache_layer(key)
+    if layer is not None:  # an AttnFastCache layer: store the chunk and attend in the cache
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise NotImplementedError(
+                "AttnFastCache is for inference (no backward through the cache); run under "
+                "torch.no_grad(), or train without a cache"
+            )
+        out = attend_cached(
+            layer,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            bool(is_causal),
+            softcap,
+            s_aux,
+            position_bias,
+        )
+        return out, None
     run = lambda saved=None: _attention(  # noqa: E731
         query,
         key,
@@ -356,7 +385,7 @@ def attention_forward(
 def _attention(
     query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None
 ):
-    """The kernel call; with `saved` (a dict) also keeps what the backward needs (see _Trainable)."""
+    """The kernel call; with `saved` (a dict) also keeps what the backward needs (_Trainable)."""
     B, Hq, Lq, d = query.shape
     Lk = key.shape[2]
     out_dtype = query.dtype
@@ -367,7 +396,8 @@ def _attention(
             query.is_floating_point() and key.is_floating_point() and value.is_floating_point()
         ):
             raise TypeError(
-                f"query/key/value must be floating point, got {query.dtype}, {key.dtype}, {value.dtype}"
+                "query/key/value must be floating point, got "
+                f"{query.dtype}, {key.dtype}, {value.dtype}"
             )
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
     cdt = torch.float32 if dt in _HALF else dt  # masks, biases, sinks: the compute dtype
@@ -390,11 +420,12 @@ def _attention(
         if mask.dtype != torch.bool:
             if not mask.is_floating_point():
                 raise TypeError(
-                    f"attention_mask must be bool (True = attend) or an additive float tensor, got {mask.dtype}"
+                    "attention_mask must be bool (True = attend) or an additive float tensor, "
+                    f"got {mask.dtype}"
                 )
             mask = mask.to(cdt)
     elif is_causal and Lq > 1:
-        # No mask and a causal module: torch's top-left causal mask, as the sdpa backend computes it.
+        # No mask and a causal module: torch's top-left causal mask, as the sdpa backend has it.
         if Lk >= Lq:
             key, value, Lk = (
                 key[:, :, :Lq],

@@ -1,0 +1,451 @@
+"""A transformers ``Cache`` backed by ``attn_fast.KVCache``, one per layer.
+
+    import attn_fast.integrations.transformers as af_hf
+    af_hf.register()
+    model.set_attn_implementation("attn_fast")
+    cache = af_hf.AttnFastCache(model.config, dtype="bfloat16")   # or float16 / float32 / None
+    out = model.generate(input_ids, attention_mask=am, cache=cache, max_new_tokens=64)
+    # (transformers < 5.40 also takes past_key_values=cache, with a deprecation warning)
+
+Shape legend: B batch, H_q query heads, H_kv key/value heads, Lq new tokens
+of this forward pass, P tokens the model has seen before it (padding
+included), d head dim, dv value head dim.
+
+How it works
+------------
+transformers calls ``cache.update(k, v, layer_idx)`` with the new chunk's
+keys and values (B, H_kv, Lq, d) *before* the layer's attention function, and
+the attention function receives whatever ``update`` returned. A KV cache that
+stores only the valid tokens of each sequence (no left padding: ragged
+lengths, as ``KVCache`` is built for) cannot be handed back as dense
+(B, H_kv, P + Lq, d) tensors without a gather copy. So ``update`` only
+records the chunk and returns it tagged with its layer; the attn_fast
+attention function (``attention_forward``) sees the tag and does both halves
+at once, because only it sees the layer's mask:
+
+1. From the mask (the per-key padding attached by attn_fast's mask builder)
+   it takes, per sequence, how many of the Lq new tokens are valid: they must
+   be a suffix (left padding; every token generate adds is valid), and the
+   valid past tokens must be the ones the cache holds (else ValueError).
+2. ``KVCache.append`` stores the valid new keys and values in the storage
+   dtype (one copy; a left-padded chunk is first right-aligned, one more copy
+   of the prefill chunk), and ``KVCache.attend`` computes attention of the
+   queries against each sequence's own keys: the split-KV decode kernel for
+   Lq <= ``attn_fast.functional.DECODE_MAX_LQ`` (every generated token), the
+   tiled kernel for a prefill. K/V are never materialised as dense tensors and
+   padding keys are never read.
+
+Padded query rows (the left padding of a prefill) get zeros.
+
+Storage dtype
+-------------
+``dtype`` is passed straight to ``KVCache`` (float32, float64, "float16",
+"bfloat16", and whatever else KVCache accepts); None (default) stores the
+model's own dtype. Chunks and queries are cast to the storage dtype before
+they reach the cache (so a float32 model with a bfloat16 cache also rounds
+its queries to bfloat16; the kernels accumulate and take the softmax in
+float32), and the attention output is cast back to the model's dtype. A
+storage dtype that is not a float type (int8, which KVCache quantises on
+append) gets float32 chunks and queries.
+
+What it supports, and what raises
+---------------------------------
+Full-attention and sliding-window layers (``KVCache(window=w)``, the ring
+keeps O(w) keys), GQA, batches with left padding, greedy, sampling and beam
+search (``reorder_cache``: the kept sequences are copied into a new KVCache),
+``crop`` (assisted generation), ``reset``. CPU tensors only.
+
+Misuse raises instead of computing something else: a model whose attention
+implementation is not attn_fast (transformers' sdpa/eager would see only the
+new chunk): ValueError at the first ``update``; a chunk that no attn_fast
+attention call consumed: RuntimeError at the next ``update``; softcap, sinks,
+``position_bias``, non-causal layers, a custom 4-D mask, right or interior
+padding: NotImplementedError / ValueError naming the argument. After an
+exception inside a forward pass the cache's state is undefined: ``reset()`` it.
+
+The tagging relies on the model passing the tensors ``cache.update`` returned
+straight to the attention function, as every transformers decoder written
+against the attention interface does (Llama, Mistral, Qwen2, ... tested). A
+model that transforms them in between would hand the attention function an
+untagged chunk: that forward pass would attend to the chunk alone, and the
+next ``update`` of the layer raises RuntimeError (the chunk was never
+stored), so a generation cannot silently continue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .. import _checks
+from ..kv_cache import KVCache
+
+__all__ = ["AttnFastCache", "AttnFastLayer"]
+
+_LAYER_ATTR = "_attn_fast_layer"  # set on the tensors update() returns
+
+# KVCache storage dtype (``KVCache.dtype``) -> the torch dtype of the chunks and queries it takes.
+_TORCH_OF = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    _checks.F16: torch.float16,
+    _checks.BF16: torch.bfloat16,
+}
+_EXACT_COPY = tuple(_TORCH_OF)  # storage dtypes whose keys()/values() round-trip exactly
+
+
+def _storage_arg(dtype):
+    """A dtype for KVCache(dtype=...): torch dtypes by name ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def cache_layer(key):
+    """The AttnFastLayer a key tensor came from (returned by its ``update``), or None."""
+    return getattr(key, _LAYER_ATTR, None)
+
+
+class AttnFastLayer(CacheLayerMixin):
+    """One decoder layer's cache: an ``attn_fast.KVCache`` created at the first ``update``.
+
+    dtype : storage dtype for KVCache, or None for the dtype of the first keys.
+    window : int or None, sliding window (a query sees itself and the
+        window - 1 keys before it), as transformers' sliding-window layers.
+    capacity : initial slots per sequence (the KVCache doubles when full).
+    owner : the AttnFastCache (for the attention-implementation check).
+
+    ``get_seq_length()`` counts tokens in transformers' padded coordinates
+    (what the position ids and masks are built from); the KVCache holds only
+    the valid ones (``valid``: (B,) per-sequence counts).
+    """
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, dtype=None, window=None, capacity=256, owner=None):
+        super().__init__()
+        self.storage_dtype = dtype
+        self.window = window
+        self.is_sliding = window is not None
+        self.capacity = int(capacity)
+        self.owner = owner
+        self.layer_idx = None
+        self.kv = None  # attn_fast.KVCache
+        self.seen = 0  # tokens seen, padding included
+        self.valid = None  # (B,) int64 valid tokens stored per sequence
+        self.pending = None  # (key, value) returned by update, not yet attended
+
+    def __repr__(self):
+        return f"AttnFastLayer({self.kv!r}, seen={self.seen})"
+
+    # ---- transformers' layer interface ---------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        B, H, _, d = key_states.shape
+        dv = value_states.shape[-1]
+        dtype = key_states.dtype if self.storage_dtype is None else self.storage_dtype
+        kw = dict(capacity=self.capacity) if self.window is None else dict(window=self.window)
+        self.kv = KVCache(B, H, d, v_head_dim=dv, dtype=_storage_arg(dtype), **kw)
+        self.device = torch.device("cpu")
+        self.valid = np.zeros(B, dtype=np.int64)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Record the chunk (B, H_kv, Lq, d) / (B, H_kv, Lq, dv); returns it tagged.
+
+        The chunk is stored by the attn_fast attention function of the same
+        layer, which sees the mask (see the module docstring).
+        """
+        if self.owner is not None:
+            self.owner._check_implementation()
+        if self.pending is not None:
+            raise RuntimeError(
+                f"AttnFastCache layer {self.layer_idx}: the chunk of the previous update() was "
+                "never attended by the attn_fast attention function (did something other than "
+                "attn_fast.integrations.transformers.attention_forward consume it?); its keys "
+                "are not stored"
+            )
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.ndim != 4:
+                raise TypeError(
+                    f"AttnFastCache.update: {name} must be a 4-D CPU tensor (B, H_kv, L, d), got "
+                    f"{type(t).__name__} {getattr(t, 'shape', '')} on {getattr(t, 'device', '?')}"
+                )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H = self.kv.batch, self.kv.num_kv_heads
+        if key_states.shape[:2] != (B, H) or value_states.shape[:3] != key_states.shape[:3]:
+            raise ValueError(
+                f"AttnFastCache layer {self.layer_idx}: key_states {tuple(key_states.shape)} and "
+                f"value_states {tuple(value_states.shape)} do not fit the cache of batch {B}, "
+                f"{H} kv heads"
+            )
+        k, v = (
+            key_states.view_as(key_states),
+            value_states.view_as(value_states),
+        )  # taggable aliases
+        setattr(k, _LAYER_ATTR, self)
+        setattr(v, _LAYER_ATTR, self)
+        self.pending = (k, v)
+        self.seen += key_states.shape[2]
+        return k, v
+
+    def get_mask_sizes(self, query_length):
+        # Called before update(): the mask covers the past and the new chunk, padding included.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self):
+        return self.seen
+
+    def get_max_length(self):
+        return -1
+
+    def offload(self):  # CPU storage: nothing to move
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reset(self):
+        if self.kv is not None:
+            self.kv.reset()
+            self.valid[:] = 0
+        self.seen = 0
+        self.pending = None
+
+    def crop(self, tokens_to_remove):
+        """Drop the last ``-tokens_to_remove`` tokens (negative, as DynamicLayer.crop takes)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove, got {tokens_to_remove}"
+            )
+        r = min(-int(tokens_to_remove), self.seen)
+        if r == 0 or self.kv is None:
+            return
+        # Padding is on the left only, so the last r positions are each sequence's last valid ones.
+        keep = np.maximum(self.valid - r, 0)
+        self.kv.truncate(self.kv.positions - (self.valid - keep))
+        self.valid = keep
+        self.seen -= r
+        self.pending = None
+
+    def reorder_cache(self, beam_idx):
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats):
+        if self.kv is not None:
+            self._select(np.repeat(np.arange(self.kv.batch), int(repeats)))
+
+    def batch_select_indices(self, indices):
+        if self.kv is not None:
+            idx = torch.as_tensor(indices).cpu().numpy()
+            if idx.dtype == np.bool_:
+                idx = np.flatnonzero(idx)
+            self._select(idx.astype(np.int64).reshape(-1))
+
+    # ---- helpers ------------------------------------------------------------------
+    def _select(self, idx):
+        """Replace the KVCache by one holding sequences ``idx`` of it (beam search, repeats)."""
+        old = self.kv
+        if idx.size and (idx.min() < 0 or idx.max() >= old.batch):
+            raise IndexError(f"batch indices {idx.tolist()} out of range for batch {old.batch}")
+        if old.dtype not in _EXACT_COPY:
+            raise NotImplementedError(
+                f"reordering an AttnFastCache with {_checks.dtype_name(old.dtype)} storage (beam "
+                "search) is not supported: its stored keys cannot be copied exactly"
+            )
+        kw = dict(capacity=old.capacity) if old.window is None else dict(window=old.window)
+        new = KVCache(
+            max(1, idx.size),
+            old.num_kv_heads,
+            old.head_dim,
+            v_head_dim=old.v_head_dim,
+            dtype=old.dtype,
+            **kw,
+        )
+        n = old.lengths[idx]
+        L = int(n.max()) if n.size else 0
+        if L:
+            kb = np.zeros((idx.size, old.num_kv_heads, L, old.head_dim), dtype=old.dtype)
+            vb = np.zeros((idx.size, old.num_kv_heads, L, old.v_head_dim), dtype=old.dtype)
+            for i, b in enumerate(idx):
+                kb[i, :, : n[i]] = np.asarray(old.keys(b)).view(old.dtype)
+                vb[i, :, : n[i]] = np.asarray(old.values(b)).view(old.dtype)
+            if old.dtype == _checks.BF16:
+                kb, vb = _checks.bf16_bits(kb), _checks.bf16_bits(vb)
+            new.append(kb, vb, lengths=n)
+        self.kv = new
+        self.valid = self.valid[idx].copy()
+        self.pending = None
+
+    def chunk_dtype(self):
+        """The torch dtype the KVCache takes chunks and queries in."""
+        return _TORCH_OF.get(self.kv.dtype, torch.float32)
+
+
+class AttnFastCache(Cache):
+    """A transformers Cache whose layers are ``attn_fast.KVCache`` objects.
+
+    Parameters
+    ----------
+    config : the model's config (``model.config``): number of layers, which
+        are sliding-window layers, and the attention implementation (checked
+        to be attn_fast at each ``update``).
+    dtype : KVCache storage dtype (float32, "float16", "bfloat16", ... or a
+        torch/NumPy dtype); None = the model's dtype.
+    capacity : initial slots per sequence and layer (default 256; grows by
+        doubling).
+
+    Use with ``attn_implementation="attn_fast"`` (after
+    ``attn_fast.integrations.transformers.register()``) and pass it to
+    ``model.generate(..., cache=cache)`` or ``model(..., cache=cache,
+    use_cache=True)``. One cache serves one generation: ``reset()`` it (or
+    make a new one) before the next prompt. ``nbytes``: bytes of K/V storage
+    allocated over all layers.
+    """
+
+    def __init__(self, config, dtype=None, capacity=256):
+        if config is None or not hasattr(config, "get_text_config"):
+            raise TypeError(
+                "AttnFastCache needs the model's config (model.config), got "
+                f"{type(config).__name__}"
+            )
+        self.config = config
+        text = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layers = []
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                window = None
+            elif kind in ("sliding_attention",):
+                window = int(kw["sliding_window"])
+            else:
+                raise NotImplementedError(
+                    f"AttnFastCache: layer {i} is a {kind!r} layer; only full_attention and "
+                    "sliding_attention layers are supported"
+                )
+            layer = AttnFastLayer(dtype=dtype, window=window, capacity=capacity, owner=self)
+            layer.layer_idx = i
+            layers.append(layer)
+        if dtype is not None:
+            KVCache(
+                1, 1, 1, capacity=1, dtype=_storage_arg(dtype)
+            )  # an unknown dtype raises here, not mid-generate
+        super().__init__(layers=layers)
+
+    def _check_implementation(self):
+        impl = getattr(self.config, "_attn_implementation", None)
+        from .transformers import attention_forward
+
+        fn = AttentionInterface().get(impl) if isinstance(impl, str) else None
+        if fn is not attention_forward:
+            raise ValueError(
+                "AttnFastCache works with the attn_fast attention implementation only, but the "
+                f"model uses {impl!r}: call attn_fast.integrations.transformers.register() and "
+                "model.set_attn_implementation('attn_fast'), or use transformers' DynamicCache"
+            )
+
+    @property
+    def nbytes(self):
+        return sum(layer.kv.nbytes for layer in self.layers if layer.kv is not None)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _valid_new(layer, mask, B, Lq):
+    """(B,) valid new tokens per sequence, from the layer's mask (left padding only)."""
+    from .transformers import _SPEC_ATTR
+
+    P = layer.seen - Lq
+    if mask is None:  # the builder skipped it: no padding, causal
+        return np.full(B, Lq, dtype=np.int64)
+    spec = getattr(mask, _SPEC_ATTR, None)
+    if spec is None or spec.shape != (B, 1, Lq, P + Lq):
+        raise NotImplementedError(
+            f"AttnFastCache takes the causal masks attn_fast's mask builder makes (padding from "
+            f"the 2-D attention_mask); got a custom attention_mask of shape {tuple(mask.shape)} "
+            f"for {B} sequences, {Lq} new and {P} past tokens"
+        )
+    want = (-1, -1) if layer.window is None else (layer.window - 1, -1)
+    if not (spec.causal or Lq == 1) or spec.window != want:
+        raise NotImplementedError(
+            f"AttnFastCache layer {layer.layer_idx}: the mask is causal={spec.causal}, window="
+            f"{spec.window}, but the cache computes causal attention with window {want}"
+        )
+    if spec.key_mask is None:
+        return np.full(B, Lq, dtype=np.int64)
+    km = spec.key_mask.reshape(B, P + Lq)
+    new = km[:, P:]
+    c = new.sum(axis=1).astype(np.int64)
+    suffix = np.arange(Lq)[None, :] >= (Lq - c)[:, None]
+    if not np.array_equal(new, suffix):
+        raise ValueError(
+            "AttnFastCache supports left padding only: the attention_mask of the new tokens is "
+            f"{new.astype(int).tolist()}, not 0s then 1s per sequence"
+        )
+    past = km[:, :P].sum(axis=1)
+    if not np.array_equal(past, layer.valid):
+        raise ValueError(
+            f"attention_mask marks {past.tolist()} valid past tokens per sequence but the "
+            f"AttnFastCache holds {layer.valid.tolist()}: the mask of earlier tokens changed"
+        )
+    return c
+
+
+def attend_cached(
+    layer, query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias
+):
+    """The attention call of a layer with an AttnFastCache: store the chunk, attend.
+
+    query (B, H_q, Lq, d) CPU tensor; key/value: the tensors ``layer.update``
+    returned. Returns the output (B, Lq, H_q, dv) contiguous in query's dtype.
+    """
+    if layer.pending is None or layer.pending[0] is not key or layer.pending[1] is not value:
+        raise RuntimeError(
+            f"AttnFastCache layer {layer.layer_idx}: key/value are not the chunk of the last "
+            "update() of this layer"
+        )
+    layer.pending = None
+    B, Hq, Lq, _ = query.shape
+    unsupported = [
+        n
+        for n, bad in (
+            ("softcap", bool(softcap)),
+            ("s_aux (sinks)", s_aux is not None),
+            ("position_bias", position_bias is not None),
+            ("is_causal=False", not is_causal),
+        )
+        if bad
+    ]
+    try:
+        if unsupported:
+            raise NotImplementedError(
+                f"AttnFastCache does not support {', '.join(unsupported)}; use transformers' "
+                "DynamicCache with attn_implementation='attn_fast'"
+            )
+        c = _valid_new(layer, mask, B, Lq)
+    except Exception:
+        layer.seen -= Lq  # the chunk is not stored
+        raise
+    sd = layer.chunk_dtype()
+    kv = layer.kv
+    dv = value.shape[-1]
+    if (c == Lq).all():
+        kv.append(key.to(sd), value.to(sd))
+        o = kv.attend(query.to(sd), scale=scaling)
+    else:  # left-padded chunk: right-align the valid rows of each sequence
+        k2, v2, q2 = (torch.zeros_like(t, dtype=sd) for t in (key, value, query))
+        for b in np.flatnonzero(c):
+            p = Lq - int(c[b])
+            k2[b, :, : c[b]] = key[b, :, p:]
+            v2[b, :, : c[b]] = value[b, :, p:]
+            q2[b, :, : c[b]] = query[b, :, p:]
+        kv.append(k2, v2, lengths=c)
+        o2 = kv.attend(q2, scale=scaling, q_lens=c)
+        o = o2.new_zeros((B, Hq, Lq, dv))
+        for b in np.flatnonzero(c):
+            o[b, :, Lq - int(c[b]) :] = o2[b, :, : c[b]]
+    layer.valid = layer.valid + c
+    return o.transpose(1, 2).to(query.dtype).contiguous()
