@@ -70,7 +70,8 @@ def main(argv=None):
     c = config()
     print(
         f"TinyTransformerLM: layers={args.layers} d_model={args.d_model} heads={args.heads} "
-        f"kv_heads={args.kv_heads} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} float32 greedy"
+        f"kv_heads={args.kv_heads} vocab={args.vocab} batch={args.batch} prompt={args.prompt} "
+        f"new={args.new} float32 greedy"
     )
     print(f"isa={c['isa']} threads={c['num_threads']} cpu={c['cpu']}")
     lm.generate(prompt[:, :16], 4)  # warm-up
@@ -87,7 +88,8 @@ def main(argv=None):
     n = args.new * args.batch
     print(
         f"with cache:    {t_cache:8.3f} s  {n / t_cache:9.1f} tokens/s   "
-        f"(prefill {t_prefill:.3f} s, decode {t_cache - t_prefill:.3f} s = {(args.new - 1) * args.batch / max(t_cache - t_prefill, 1e-9):.1f} tokens/s)"
+        f"(prefill {t_prefill:.3f} s, decode {t_cache - t_prefill:.3f} s = "
+        f"{(args.new - 1) * args.batch / max(t_cache - t_prefill, 1e-9):.1f} tokens/s)"
     )
     if not args.skip_nocache:
         t0 = time.perf_counter()
@@ -97,7 +99,8 @@ def main(argv=None):
             "tokens differ with and without cache"
         )
         print(
-            f"without cache: {t_nocache:8.3f} s  {n / t_nocache:9.1f} tokens/s   (forward on the growing sequence)"
+            f"without cache: {t_nocache:8.3f} s  {n / t_nocache:9.1f} tokens/s   (forward on the "
+            "growing sequence)"
         )
         print(f"speed-up: {t_nocache / t_cache:.1f}x")
     return 0

@@ -10,7 +10,8 @@ hidden 512, 8 query heads and 2 key/value heads of dim 64 (GQA), 4 layers,
 float32. Each case first checks that the two implementations agree (max
 |Δ logits| over the non-padding positions, printed), then times full forward
 passes under torch.no_grad(), interleaving the two implementations; times are
-medians (the correctness check doubles as the warm-up). Everything but attention (embeddings, projections, MLPs, RoPE, norms,
+medians (the correctness check doubles as the warm-up). Everything but
+attention (embeddings, projections, MLPs, RoPE, norms,
 mask building) is the same torch code in both columns, so the ratio is the
 end-to-end effect a user sees, not the attention kernel alone.
 
@@ -97,10 +98,14 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
         1e-3 if dtype == "fp32" else 0.5
     )  # 16-bit: the rounding of the whole model, not attention's
     print(
-        f"model: Llama-style, hidden 512, 4 layers, 8 q heads / 2 kv heads, d 64, {dtype}, random weights",
+        f"model: Llama-style, hidden 512, 4 layers, 8 q heads / 2 kv heads, d 64, {dtype}, random "
+        "weights",
         file=out,
     )
-    hdr = f"{'case':<16} {'B':>2} {'L':>5} | {'sdpa ms':>9} {'attn_fast ms':>12} {'speed-up':>8} | {'max|Δ logits|':>13}"
+    hdr = (
+        f"{'case':<16} {'B':>2} {'L':>5} | {'sdpa ms':>9} {'attn_fast ms':>12} {'speed-up':>8} | "
+        f"{'max|Δ logits|':>13}"
+    )
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rows = []
@@ -130,7 +135,8 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
             )
         )
         print(
-            f"{name:<16} {B:>2} {L:>5} | {ms['sdpa']:9.1f} {ms['attn_fast']:12.1f} {ms['sdpa'] / ms['attn_fast']:7.2f}x "
+            f"{name:<16} {B:>2} {L:>5} | {ms['sdpa']:9.1f} {ms['attn_fast']:12.1f} "
+            f"{ms['sdpa'] / ms['attn_fast']:7.2f}x "
             f"| {err:13.2e}",
             file=out,
             flush=True,
@@ -158,7 +164,8 @@ def run(repeats=5, threads=None, decode_tokens=32, out=sys.stdout, dtype="fp32",
         )
         verdict = "identical" if same else f"{agree:.0%} agree" if dtype != "fp32" else "DIFFER"
         print(
-            f"{'generate/token':<16} {1:>2} {P:>5} | {per_tok['sdpa']:9.1f} {per_tok['attn_fast']:12.1f} "
+            f"{'generate/token':<16} {1:>2} {P:>5} | {per_tok['sdpa']:9.1f} "
+            f"{per_tok['attn_fast']:12.1f} "
             f"{per_tok['sdpa'] / per_tok['attn_fast']:7.2f}x | tokens {verdict}",
             file=out,
             flush=True,
