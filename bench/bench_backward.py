@@ -12,7 +12,8 @@ one call each per round), the medians of
   torch     : F.scaled_dot_product_attention + torch.autograd.grad
 and the backward alone (attn_fast's kernel on the saved out and lse; torch's
 autograd on a retained graph), with its GFLOP/s (10·B·H·Lq·Lk·d, ×½ causal)
-and % of the FMA peak measured in the same run, and the peak RSS growth of one forward+backward in a fresh process. Then one
+and % of the FMA peak measured in the same run, and the peak RSS growth of
+one forward+backward in a fresh process. Then one
 training step (forward, loss, backward, AdamW step) of a small torch
 Transformer whose attention is torch's SDPA or attn_fast.torch's op.
 Each line carries the ISA, thread count and CPU; on a shared machine quote
@@ -205,12 +206,15 @@ def main(argv=None):
     ]
     peak, _ = bs.machine_limits(a.threads)
     print(
-        f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | {af._config.cpu_model()} | float32 | "
-        f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA peak {peak:.0f} GFLOP/s"
+        f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | "
+        f"{af._config.cpu_model()} | float32 | "
+        f"medians of {a.repeats} interleaved runs (shared machine: compare ratios) | FP32 FMA "
+        f"peak {peak:.0f} GFLOP/s"
     )
     print(
         f"{'case':34s} {'max rel err':>11s} | {'fwd+bwd af ms':>13s} {'torch ms':>9s} {'x':>6s} | "
-        f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | {'af MiB':>6s} {'torch MiB':>9s}"
+        f"{'bwd af ms':>9s} {'torch ms':>9s} {'x':>6s} {'af GF/s':>8s} {'%peak':>5s} | "
+        f"{'af MiB':>6s} {'torch MiB':>9s}"
     )
     for case in cases:
         run_af, run_torch = make_fns(case, a.threads)
@@ -232,8 +236,10 @@ def main(argv=None):
         )
         fmt = lambda b: "—" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
         print(
-            f"{case.name:34s} {err:11.1e} | {med['attn_fast'] * 1e3:13.1f} {med['torch'] * 1e3:9.1f} "
-            f"{med['torch'] / med['attn_fast']:5.2f}x | {mb['attn_fast'] * 1e3:9.1f} {mb['torch'] * 1e3:9.1f} "
+            f"{case.name:34s} {err:11.1e} | {med['attn_fast'] * 1e3:13.1f} "
+            f"{med['torch'] * 1e3:9.1f} "
+            f"{med['torch'] / med['attn_fast']:5.2f}x | {mb['attn_fast'] * 1e3:9.1f} "
+            f"{mb['torch'] * 1e3:9.1f} "
             f"{mb['torch'] / mb['attn_fast']:5.2f}x {gf:8.1f} {100 * gf / peak:4.0f}% | "
             f"{fmt(mem['attn_fast']):>6s} {fmt(mem['torch']):>9s}"
         )
@@ -243,8 +249,10 @@ def main(argv=None):
         med, losses = training_step_bench(a.threads, a.repeats)
         print(
             f"training step, 4-layer Transformer (B=4, L=256, D=256, 8 heads, causal, AdamW): "
-            f"torch SDPA {med['torch'] * 1e3:.1f} ms, attn_fast.torch {med['attn_fast'] * 1e3:.1f} ms "
-            f"({med['torch'] / med['attn_fast']:.2f}x); first-step loss {losses['torch'][0]:.5f} vs "
+            f"torch SDPA {med['torch'] * 1e3:.1f} ms, attn_fast.torch "
+            f"{med['attn_fast'] * 1e3:.1f} ms "
+            f"({med['torch'] / med['attn_fast']:.2f}x); first-step loss {losses['torch'][0]:.5f} "
+            "vs "
             f"{losses['attn_fast'][0]:.5f} [{time.perf_counter() - t0:.0f} s]"
         )
 

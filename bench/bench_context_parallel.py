@@ -18,7 +18,8 @@ one-process attention on the whole sequence, then times, median of --reps:
 
 and reports per rank the visible (query, key) pairs it computed (the work,
 exact), and per (P, layout): the slowest rank's work over the mean (pairs,
-CPU time alone, compute time inside the ring), ring time over the slowest rank's compute alone (wall; P ranks on
+CPU time alone, compute time inside the ring), ring time over the slowest
+rank's compute alone (wall; P ranks on
 2 shared cores inflate it), the part of the communication hidden under compute,
 1 − mean(wait) / mean(comm), and F
 (FLOP/s per rank: 2(d + dv) FLOPs per visible pair over CPU time alone) and β (bytes/s per link,
@@ -36,10 +37,11 @@ import socket
 import statistics
 import time
 
-import attn_fast as af
 import numpy as np
 import torch
 import torch.distributed as dist
+
+import attn_fast as af
 from attn_fast import distributed as cp
 
 
@@ -203,7 +205,8 @@ def main():
         f"L={a.seq_len} B={a.batch} H=H_kv={a.heads} d=dv={d} float32 causal | median of {a.reps}"
     )
     print(
-        f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'cpu[s]':>8} {'ring[s]':>9} "
+        f"{'P':>2} {'layout':>10} {'rank':>4} {'pairs':>11} {'alone[s]':>9} {'cpu[s]':>8} "
+        f"{'ring[s]':>9} "
         f"{'compute':>9} {'wait':>8} {'comm[s]':>8}"
     )
     summary = []
@@ -214,7 +217,8 @@ def main():
             rows = run(P, a, layout)
             for r in rows:
                 print(
-                    f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} {r['cpu']:8.3f} "
+                    f"{P:2d} {layout:>10} {r['rank']:4d} {r['pairs']:11d} {r['alone']:9.3f} "
+                    f"{r['cpu']:8.3f} "
                     f"{r['ring']:9.3f} {r['compute']:9.3f} {r['wait']:8.3f} {r['comm']:8.3f}"
                 )
             pairs = [r["pairs"] for r in rows]
@@ -248,7 +252,8 @@ def main():
             )
     print()
     print(
-        f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'cpu max/mean':>15} {'ring-compute max/mean':>22} "
+        f"{'P':>2} {'layout':>10} {'pairs max/mean':>15} {'cpu max/mean':>15} "
+        f"{'ring-compute max/mean':>22} "
         f"{'ring / alone':>13} {'comm hidden':>12} {'F [GFLOP/s]':>12} {'beta [GB/s]':>12}"
     )
     for P, layout, bp, ba, bc, ratio, hidden, F, beta in summary:

@@ -134,7 +134,7 @@ def main(argv=None):
         *both(appends, rep, close(0)),
     )
     row(
-        f"KVCache.append x16 + RoPE on the keys, same",
+        "KVCache.append x16 + RoPE on the keys, same",
         *both(lambda: appends(rope), rep, close(1e-5)),
     )
     one = rng.standard_normal((B, H, 1, d), dtype=np.float32)
@@ -188,7 +188,8 @@ def main(argv=None):
         ts = np.array(state[use][2])
         name = "cython" if use else "numpy (before)"
         print(
-            f"TinyTransformerLM decode step (4 layers, D 256, 8/2 heads, RoPE, after 512 tokens), {name:15s}: "
+            "TinyTransformerLM decode step (4 layers, D 256, 8/2 heads, RoPE, after 512 tokens), "
+            f"{name:15s}: "
             f"median {np.median(ts) * 1e3:.3f} ms, best {ts.min() * 1e3:.3f} ms over {steps} steps"
         )
     return 0

@@ -110,7 +110,8 @@ def main(argv=None):
     bw1 = _core.stream_read_gbps(1, 512 << 20, 5)
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(
-        f"stream read (512 MiB, best of 5): {bw1:.1f} GB/s on 1 thread, {bwn:.1f} GB/s on {nt} threads"
+        f"stream read (512 MiB, best of 5): {bw1:.1f} GB/s on 1 thread, {bwn:.1f} GB/s on {nt} "
+        "threads"
     )
     print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D} float32, one query token per sequence")
     hdr = (
@@ -132,10 +133,13 @@ def main(argv=None):
             check(cache.attend(q), q, K, V)
             nbytes = K.nbytes + V.nbytes
             reps = repeats_for(nbytes)
-            t = best_time(lambda: cache.attend(q), reps)
+            t = best_time(lambda cache=cache, q=q: cache.attend(q), reps)
             decode_ms[(B, L)] = t * 1e3
             gbs = nbytes / t / 1e9
-            line = f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} {100 * gbs / bwn:6.0f}% | "
+            line = (
+                f"{B:>2} {L:>6} {nbytes / 1e6:7.0f} | {t * 1e3:12.3f} {gbs:6.1f} "
+                f"{100 * gbs / bwn:6.0f}% | "
+            )
             if torch is not None:
                 tq, tk, tv = (
                     torch.from_numpy(np.ascontiguousarray(x))
@@ -146,14 +150,18 @@ def main(argv=None):
                 F = torch.nn.functional.scaled_dot_product_attention
                 with torch.no_grad():
                     check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
-                    tt = best_time(lambda: F(tq, tk, tv, enable_gqa=True), max(3, reps // 3))
+                    tt = best_time(
+                        lambda F=F, tq=tq, tk=tk, tv=tv: F(tq, tk, tv, enable_gqa=True),
+                        max(3, reps // 3),
+                    )
                 line += f"{tt * 1e3:9.3f} {nbytes / tt / 1e9:6.1f} {tt / t:5.1f}x"
             else:
                 line += f"{'-':>9} {'-':>6} {'-':>6}"
             print(line, flush=True)
             del cache, K, V
     print(
-        "GB/s = K and V bytes read per step / step time; %stream = of the all-thread streaming read;"
+        "GB/s = K and V bytes read per step / step time; %stream = of the all-thread streaming "
+        "read;"
     )
     print("x = torch time / attn_fast time (higher means attn_fast is faster). " + tag)
 
@@ -168,7 +176,11 @@ def main(argv=None):
         qkv = rng.standard_normal((3, 1, HQ, L, D), dtype=np.float32)
         q, k, v = qkv[0], qkv[1][:, :HKV], qkv[2][:, :HKV]
         t = best_time(
-            lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3, 1
+            lambda q=q, k=k, v=v: af.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            ),
+            3,
+            1,
         )
         pre_ms[L] = t * 1e3
     print(
@@ -231,10 +243,12 @@ def main_16bit(args):
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
     print(
-        f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; {args.dtype} vs float32"
+        f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; {args.dtype} vs "
+        "float32"
     )
     hdr = (
-        f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} | {args.dtype + ' ms':>8} {'GB/s':>6} {'%stream':>7} "
+        f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} | {args.dtype + ' ms':>8} {'GB/s':>6} "
+        f"{'%stream':>7} "
         f"{'vs fp32':>7} | {'torch ' + args.dtype + ' ms':>13} {'x':>6}"
     )
     print(hdr)
@@ -259,17 +273,18 @@ def main_16bit(args):
             check(c16.attend(q16), q16, K16, V16, tol=1e-2)
             nb32, nb16 = K.nbytes + V.nbytes, K16.nbytes + V16.nbytes
             reps = repeats_for(nb32)
-            t32 = best_time(lambda: c32.attend(q), reps)
-            t16 = best_time(lambda: c16.attend(q16), reps)
+            t32 = best_time(lambda c32=c32, q=q: c32.attend(q), reps)
+            t16 = best_time(lambda c16=c16, q16=q16: c16.attend(q16), reps)
             g16 = nb16 / t16 / 1e9
             line = (
-                f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {nb32 / t32 / 1e9:6.1f} | {t16 * 1e3:8.3f} {g16:6.1f} "
+                f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {nb32 / t32 / 1e9:6.1f} | {t16 * 1e3:8.3f} "
+                f"{g16:6.1f} "
                 f"{100 * g16 / bwn:6.0f}% {t32 / t16:6.2f}x | "
             )
             if torch is not None:
                 tt16 = torch.bfloat16 if half == "bfloat16" else torch.float16
 
-                def tv(x):
+                def tv(x, tt16=tt16):
                     x = np.ascontiguousarray(np.asarray(x).view(np.ndarray))
                     return (
                         torch.from_numpy(x.view(np.int16)).view(tt16)
@@ -281,17 +296,22 @@ def main_16bit(args):
                 F = torch.nn.functional.scaled_dot_product_attention
                 with torch.no_grad():
                     check(F(tq, tk, tvv, enable_gqa=True), q16, K16, V16, causal=False, tol=5e-2)
-                    tt = best_time(lambda: F(tq, tk, tvv, enable_gqa=True), max(3, reps // 3))
+                    tt = best_time(
+                        lambda F=F, tq=tq, tk=tk, tvv=tvv: F(tq, tk, tvv, enable_gqa=True),
+                        max(3, reps // 3),
+                    )
                 line += f"{tt * 1e3:13.3f} {tt / t16:5.1f}x"
             else:
                 line += f"{'-':>13} {'-':>6}"
             print(line, flush=True)
             del c32, c16, K, V, K16, V16
     print(
-        f"GB/s = K and V bytes actually read per step / step time (4 per element for fp32, 2 for {args.dtype});"
+        "GB/s = K and V bytes actually read per step / step time (4 per element for fp32, 2 for "
+        f"{args.dtype});"
     )
     print(
-        f"%stream = of the all-thread streaming read; vs fp32 = fp32 time / {args.dtype} time (tokens/s gained);"
+        f"%stream = of the all-thread streaming read; vs fp32 = fp32 time / {args.dtype} time "
+        "(tokens/s gained);"
     )
     print(f"x = torch {args.dtype} time / attn_fast {args.dtype} time. " + tag)
     return 0

@@ -62,7 +62,8 @@ def window_pairs(L, W):
 
 def bench_window(Ls, W, H, d, repeats, torch, out):
     print(
-        f"\n## Sliding window: Causal() & SlidingWindow({W - 1}) = {W} keys per query, B=1 H={H} d={d} float32",
+        f"\n## Sliding window: Causal() & SlidingWindow({W - 1}) = {W} keys per query, B=1 H={H} "
+        f"d={d} float32",
         file=out,
     )
     hdr = (
@@ -78,14 +79,24 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
         o, stats = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
         rows = np.r_[0:3, L // 2 : L // 2 + 3, L - 3 : L]
         check_rows(o, q, k, v, rows, ref.window_mask(L, L, W - 1, 0)[rows])
-        t = median_time(lambda: af.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+        t = median_time(
+            lambda q=q, k=k, v=v, mask=mask: af.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask
+            ),
+            repeats,
+        )
         gflops = 4.0 * d * H * window_pairs(L, W) / t / 1e9
-        line = f"{L:>6} | {t * 1e3:10.1f} {t / L * 1e6:9.2f} {gflops:8.1f} {stats.tiles_computed:>8} | "
+        line = (
+            f"{L:>6} | {t * 1e3:10.1f} {t / L * 1e6:9.2f} {gflops:8.1f} "
+            f"{stats.tiles_computed:>8} | "
+        )
         if L <= 16384:
             _, sc = af.scaled_dot_product_attention(q, k, v, is_causal=True, return_stats=True)
             # expensive and only for contrast: one run (the call above warmed up)
             tc = median_time(
-                lambda: af.scaled_dot_product_attention(q, k, v, is_causal=True), 1, warmup=0
+                lambda q=q, k=k, v=v: af.scaled_dot_product_attention(q, k, v, is_causal=True),
+                1,
+                warmup=0,
             )
             line += f"{tc * 1e3:10.1f} {tc / L * 1e6:9.2f} {sc.tiles_computed:>8} | "
         else:
@@ -98,7 +109,9 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
                 to = F(tq, tk, tv, attn_mask=dense).numpy()
                 check_rows(to, q, k, v, rows, ref.window_mask(L, L, W - 1, 0)[rows])
                 tt = median_time(
-                    lambda: F(tq, tk, tv, attn_mask=dense), max(1, repeats // 2), warmup=0
+                    lambda F=F, tq=tq, tk=tk, tv=tv, dense=dense: F(tq, tk, tv, attn_mask=dense),
+                    max(1, repeats // 2),
+                    warmup=0,
                 )
             line += f"{tt * 1e3:19.1f}"
         else:
@@ -108,7 +121,10 @@ def bench_window(Ls, W, H, d, repeats, torch, out):
 
 def bench_gqa(L, Hq, Hkv, d, repeats, torch, out):
     print(f"\n## GQA {Hq}/{Hkv}: B=1 L={L} d={d} float32 (K/V never repeated)", file=out)
-    hdr = f"{'causal':>6} | {'attn_fast ms':>12} {'GFLOP/s':>8} | {'torch enable_gqa ms':>19} {'x':>6}"
+    hdr = (
+        f"{'causal':>6} | {'attn_fast ms':>12} {'GFLOP/s':>8} | "
+        f"{'torch enable_gqa ms':>19} {'x':>6}"
+    )
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rng = np.random.default_rng(1)
@@ -121,7 +137,9 @@ def bench_gqa(L, Hq, Hkv, d, repeats, torch, out):
         cm = ref.causal_mask(L, L)[rows] if causal else None
         check_rows(o, q, k, v, rows, cm, h=(0, Hq - 1), hk=(0, (Hq - 1) // g))
         t = median_time(
-            lambda: af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+            lambda q=q, k=k, v=v, causal=causal: af.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=True
+            ),
             repeats,
         )
         pairs = L * (L + 1) // 2 if causal else L * L
@@ -132,7 +150,12 @@ def bench_gqa(L, Hq, Hkv, d, repeats, torch, out):
             with torch.no_grad():
                 to = F(tq, tk, tv, is_causal=causal, enable_gqa=True).numpy()
                 check_rows(to, q, k, v, rows, cm, h=(0, Hq - 1), hk=(0, (Hq - 1) // g))
-                tt = median_time(lambda: F(tq, tk, tv, is_causal=causal, enable_gqa=True), repeats)
+                tt = median_time(
+                    lambda F=F, tq=tq, tk=tk, tv=tv, causal=causal: F(
+                        tq, tk, tv, is_causal=causal, enable_gqa=True
+                    ),
+                    repeats,
+                )
             line += f"{tt * 1e3:19.1f} {tt / t:5.2f}x"
         else:
             line += f"{'-':>19} {'-':>6}"
@@ -155,7 +178,8 @@ def main(argv=None):
         torch.set_num_threads(af.get_num_threads())
     cfg = config()
     print(
-        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  threads {af.get_num_threads()}  CPU {cfg['cpu']}"
+        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  threads {af.get_num_threads()}  CPU "
+        f"{cfg['cpu']}"
         + (f"  torch {torch.__version__}" if torch is not None else "  (torch not installed)")
     )
     if args.quick:

@@ -90,8 +90,10 @@ def main():
                 times[dt].append(time.perf_counter() - t0)
         med = {dt: statistics.median(t) * 1e3 for dt, t in times.items()}
         print(
-            f"{str(shape):18s} causal={causal!s:5s} fp32 {med['fp32']:7.1f} ms  bf16 {med['bf16']:7.1f} ms "
-            f"(x{med['fp32'] / med['bf16']:.2f})  fp16 {med['fp16']:7.1f} ms (x{med['fp32'] / med['fp16']:.2f})"
+            f"{str(shape):18s} causal={causal!s:5s} fp32 {med['fp32']:7.1f} ms  bf16 "
+            f"{med['bf16']:7.1f} ms "
+            f"(x{med['fp32'] / med['bf16']:.2f})  fp16 {med['fp16']:7.1f} ms "
+            f"(x{med['fp32'] / med['fp16']:.2f})"
         )
 
 

@@ -60,12 +60,14 @@ def main():
             best[n] = max(best[n], run(n, args.calls, q))
     cfg = af._config.config()
     print(
-        f"shape {shape} float32 causal, kernel threads 1, isa {cfg['isa']}, {cfg['cpu']} ({cfg['cores']} cores)"
+        f"shape {shape} float32 causal, kernel threads 1, isa {cfg['isa']}, {cfg['cpu']} "
+        f"({cfg['cores']} cores)"
     )
     print(f"load average {os.getloadavg()[0]:.1f} (other processes compete for the cores)")
     print(f"1 Python thread : {best[1][0]:8.1f} calls/s, {best[1][1]:.2f} cores busy")
     print(
-        f"2 Python threads: {best[2][0]:8.1f} calls/s, {best[2][1]:.2f} cores busy   speed-up {best[2][0] / best[1][0]:.2f}x"
+        f"2 Python threads: {best[2][0]:8.1f} calls/s, {best[2][1]:.2f} cores busy   speed-up "
+        f"{best[2][0] / best[1][0]:.2f}x"
     )
 
 

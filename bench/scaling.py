@@ -347,8 +347,8 @@ def main():
         "--threads",
         type=int,
         default=1,
-        help="threads for attn_fast and BLAS in every case (default 1: the slopes are the point, and one "
-        "thread keeps a shared machine's scheduling noise out of them)",
+        help="threads for attn_fast and BLAS in every case (default 1: the slopes are the point, "
+        "and one thread keeps a shared machine's scheduling noise out of them)",
     )
     ap.add_argument("--timeout", type=int, default=600, help="per (case, L) subprocess")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -381,7 +381,8 @@ def main():
         for name in CASES:
             if name == "textbook" and textbook_bytes(L, H) > args.mem_limit_gb * 2**30:
                 r = {
-                    "skipped": f"L×L matrices {textbook_bytes(L, H) / 2**30:.0f} GiB > {args.mem_limit_gb:g} GiB"
+                    "skipped": f"L×L matrices {textbook_bytes(L, H) / 2**30:.0f} GiB "
+                    f"> {args.mem_limit_gb:g} GiB"
                 }
             else:
                 r = run_worker(name, L, H, d, args.threads, args.timeout)
@@ -408,7 +409,8 @@ def main():
 
     # --- the table
     print(
-        f"\n{header}\nCPU time [ms] (peak RSS growth [MiB]); slope = d log t / d log L over L >= {Ls[0] if fit_from == 0 else fit_from}"
+        f"\n{header}\nCPU time [ms] (peak RSS growth [MiB]); slope = d log t / d log L over L >= "
+        f"{Ls[0] if fit_from == 0 else fit_from}"
     )
     cols = "".join(f"{L:>18d}" for L in Ls)
     print(f"{'case':14s}{cols}   slope  err_vs_softmax  err_vs_own_def")
@@ -423,17 +425,21 @@ def main():
             )
         a = acc[name]
         print(
-            f"{name:14s}{cells}   {results[name]['slope']:5.2f}  {a['vs_softmax']:14.2e}  {a['vs_own_definition']:14.2e}"
+            f"{name:14s}{cells}   {results[name]['slope']:5.2f}  {a['vs_softmax']:14.2e}  "
+            f"{a['vs_own_definition']:14.2e}"
         )
     print(
-        f"\nerr_vs_softmax: vs float64 softmax attention with the same causality (full or causal), L = {acc_L}"
+        "\nerr_vs_softmax: vs float64 softmax attention with the same causality (full or "
+        f"causal), L = {acc_L}"
     )
     print(
         "err_vs_own_def: vs the case's own float64 definition (its mask / projection / feature map)"
     )
     print(
-        f"causal linear attention float32 at L = {stab['L']}: rel err {stab['attn_fast_float32_vs_float64']:.2e} "
-        f"(max abs {stab['attn_fast_max_abs_err']:.2e}) vs float64; plain float32 running sums would give "
+        f"causal linear attention float32 at L = {stab['L']}: rel err "
+        f"{stab['attn_fast_float32_vs_float64']:.2e} "
+        f"(max abs {stab['attn_fast_max_abs_err']:.2e}) vs float64; plain float32 running sums "
+        "would give "
         f"{stab['float32_running_sums_vs_float64']:.2e}"
     )
     print(f"study took {time.time() - t_start:.0f} s")

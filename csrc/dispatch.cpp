@@ -166,7 +166,7 @@ std::atomic<int> g_threads{0};
 // offers no way to ask whether the forking thread owns a pool.
 std::atomic<bool> g_pool_used{false};
 std::atomic<bool> g_forked_child{false};
-std::atomic<bool> g_fork_parent_threaded{false};
+[[maybe_unused]] std::atomic<bool> g_fork_parent_threaded{false};  // used with OpenMP only
 
 #if defined(ATTN_POSIX) && defined(_OPENMP)
 bool runtime_is_libgomp() {

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import attn_fast as af
 import numpy as np
 import torch
 import torch.distributed as dist
+
+import attn_fast as af
 from attn_fast import distributed as cp
 
 
@@ -104,11 +105,13 @@ def main():
         dist.all_gather(outs, out.detach().contiguous())
     if rank == 0:
         print(
-            f"attn_fast {af.__version__} | {a.method} | P={P} | L={L} B={a.batch} H={H} H_kv={Hkv} d={d} "
+            f"attn_fast {af.__version__} | {a.method} | P={P} | L={L} B={a.batch} H={H} "
+            f"H_kv={Hkv} d={d} "
             f"{a.dtype} causal | layout {a.layout} | isa {af.get_isa()} | threads/rank {a.threads}"
         )
         print(
-            f"{'rank':>4} {'fwd [s]':>9} {'compute':>9} {'wait':>9} {'sent MiB':>9} {'pairs':>13} {'bwd [s]':>9}"
+            f"{'rank':>4} {'fwd [s]':>9} {'compute':>9} {'wait':>9} {'sent MiB':>9} {'pairs':>13} "
+            f"{'bwd [s]':>9}"
         )
         for r in rows:
             print(
@@ -120,7 +123,8 @@ def main():
             comp = [r["compute_s"] for r in rows]
             print(
                 f"compute: slowest rank / mean = {max(comp) / np.mean(comp):.3f}; "
-                f"pairs: max / mean = {max(r['pairs'] for r in rows) / np.mean([r['pairs'] for r in rows]):.3f}"
+                "pairs: max / mean = "
+                f"{max(r['pairs'] for r in rows) / np.mean([r['pairs'] for r in rows]):.3f}"
             )
         if a.check:
             whole = cp.gather_sequence(outs, a.layout)

@@ -1,7 +1,7 @@
 """Run a Hugging Face transformers model with attn_fast on the CPU.
 
     pip install '.[transformers]'
-    python examples/hf_transformers.py                       # a small random Llama-style model, no download
+    python examples/hf_transformers.py                       # tiny random Llama, no download
     python examples/hf_transformers.py --model PATH_OR_NAME  # any local/Hub causal LM checkpoint
 
 One call, ``register()``, makes ``attn_implementation="attn_fast"`` available;
