@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import attn_fast as af
 import numpy as np
+
+import attn_fast as af
 from attn_fast._config import config
 
 

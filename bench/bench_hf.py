@@ -41,10 +41,11 @@ import statistics
 import sys
 import time
 
-import attn_fast as af
-import attn_fast.integrations.transformers as af_hf
 import torch
 import transformers
+
+import attn_fast as af
+import attn_fast.integrations.transformers as af_hf
 
 CASES = [
     # name, batch, length, left padding of the other rows (fraction of L)

@@ -35,8 +35,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import attn_fast as af
 import numpy as np
+
+import attn_fast as af
 from attn_fast import KVCache
 from attn_fast._checks import BF16, F16, bf16_bits
 
@@ -111,8 +112,9 @@ def tiny_generate(lm, prompt, new, storage):
 
 
 def hf_generate(model, prompt, new, storage):
-    import attn_fast.integrations.transformers as af_hf
     import torch
+
+    import attn_fast.integrations.transformers as af_hf
 
     ids = torch.from_numpy(prompt)
     cache = af_hf.AttnFastCache(model.config, dtype=storage)
@@ -148,9 +150,10 @@ def build(name, seed=0):
     if name == "tiny":
         lm = af.TinyTransformerLM(**TINY, seed=seed)
         return lm, TINY["vocab_size"], tiny_generate
-    import attn_fast.integrations.transformers as af_hf
     import torch
     import transformers
+
+    import attn_fast.integrations.transformers as af_hf
 
     af_hf.register()
     torch.manual_seed(seed)
