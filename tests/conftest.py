@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import zlib
 
-import attn_fast as af
 import numpy as np
 import pytest
 from helpers import poisoned, tol  # noqa: F401  (re-exported)
+
+import attn_fast as af
 
 ISAS = list(af._core.available_isas())
 if os.environ.get("ATTN_FAST_ISA", "").strip():

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import textwrap
 
-import attn_fast as af
 import numpy as np
+
+import attn_fast as af
 
 F32, F64 = np.float32, np.float64
 

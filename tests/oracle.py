@@ -10,6 +10,7 @@ additive bias.
 from __future__ import annotations
 
 import numpy as np
+
 from attn_fast.reference import attention, causal_mask, sdpa, softmax, window_mask  # noqa: F401
 
 # ---------------------------------------------------------------- backward

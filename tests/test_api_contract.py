@@ -4,11 +4,12 @@ torch out, zero-copy)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import assert_close, randn
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 torch = pytest.importorskip("torch")
 

@@ -4,13 +4,14 @@ against finite differences of the forward oracle."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import oracle
 import pytest
+from helpers import poisoned, qkv, randn, random_bias, random_mask, run_json
+
+import attn_fast as af
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-from helpers import poisoned, qkv, randn, random_bias, random_mask, run_json
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 

@@ -18,8 +18,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import attn_fast as af
 import pytest
+
+import attn_fast as af
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 only"),

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from attn_fast import bench, bench_suite
 from attn_fast.__main__ import main as cli_main
 from attn_fast.__main__ import prog_name

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attn_fast import _core
-from attn_fast import reference as ref
 from helpers import (
     F32,
     F64,
@@ -16,6 +14,9 @@ from helpers import (
     randn,
     readonly,
 )
+
+from attn_fast import _core
+from attn_fast import reference as ref
 
 # ---------------------------------------------------------------- the bindings, called directly
 

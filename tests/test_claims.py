@@ -8,12 +8,13 @@ attn_fast.positional, the KV cache from attn_fast.KVCache.
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 TOL = dict(rtol=1e-10, atol=1e-11)  # float64 kernel vs float64 oracle
 

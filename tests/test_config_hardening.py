@@ -3,9 +3,10 @@ reasonable size raises, and the setting stays what it was (docs/HARDENING.md).""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+
+import attn_fast as af
 
 # ---------------------------------------------------------------- set_num_threads
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, randn, random_mask, run_python, run_sdpa
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 
 def run(q, k, v, causal=False, dtype=np.float32, **kw):

@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+
 from attn_fast import _cyloops, _loops
 from attn_fast.kv_cache import KVCache, _write_numpy
 from attn_fast.masks import (

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_attention, assert_close, poisoned, randn
+
+import attn_fast as af
 from attn_fast import _core
 from attn_fast import reference as ref
-from helpers import assert_attention, assert_close, poisoned, randn
 
 
 def decode(q, k, v, lse=True, **kw):

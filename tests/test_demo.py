@@ -10,13 +10,14 @@ import sys
 import textwrap
 import unicodedata
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_close
+
+import attn_fast as af
 from attn_fast import demo
 from attn_fast import reference as ref
 from attn_fast.__main__ import main as cli_main
-from helpers import assert_close
 
 # ---------------------------------------------------------------------------
 # explain()

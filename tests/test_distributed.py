@@ -254,6 +254,7 @@ _SUBGROUPS: dict = {}
 def case_subgroup(rank, P, seed, fn):
     """Two halves of the world, each its own group: ranks are group ranks, peers global ranks."""
     import torch.distributed as dist
+
     from attn_fast import distributed as cp
 
     if P not in _SUBGROUPS:  # every rank creates every group, once
@@ -753,6 +754,7 @@ def test_a_stalled_rank_is_killed_not_waited_for():
 
 def test_not_initialised_raises():
     import torch.distributed as dist
+
     from attn_fast import distributed as cp
 
     assert not dist.is_initialized()

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import random_mask
+
+import attn_fast as af
 from attn_fast import masks
 from attn_fast import reference as ref
 from attn_fast._checks import _BF16Bits, to_input_kind
-from helpers import random_mask
 
 try:
     import torch

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import textwrap
 
-import attn_fast as af
 import pytest
+
+import attn_fast as af
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 

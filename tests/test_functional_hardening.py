@@ -4,10 +4,8 @@ arguments (an error naming the argument; docs/HARDENING.md)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import (
     F32,
     F64,
@@ -16,6 +14,9 @@ from helpers import (
     randn,
     readonly,
 )
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 # ---------------------------------------------------------------- varlen_attention
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from conftest import ISAS
 from helpers import assert_attention, random_bias, random_mask
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import (
     assert_attention,
     assert_close,
@@ -23,6 +21,9 @@ from helpers import (
     randn,
     random_mask,
 )
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 sdpa = af.scaled_dot_product_attention
 BACKENDS = ["fused", "reference"]

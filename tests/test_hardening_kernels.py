@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_close, assert_lse_close, poisoned, randn
+
+import attn_fast as af
 from attn_fast import _core
 from attn_fast import reference as ref
-from helpers import assert_close, assert_lse_close, poisoned, randn
 
 sdpa = af.scaled_dot_product_attention
 DTYPES = [np.float32, np.float64]

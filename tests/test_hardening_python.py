@@ -12,14 +12,15 @@ import sys
 import textwrap
 import tracemalloc
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_close, randn
+
+import attn_fast as af
 from attn_fast import masks, positional
 from attn_fast import reference as ref
 from attn_fast.kv_cache import KVCache
 from attn_fast.positional import RoPE, rope_reference
-from helpers import assert_close, randn
 
 # ---------------------------------------------------------------- item 2: ring windows
 

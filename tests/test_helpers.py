@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import (
     LAYOUTS,
     assert_attention,
@@ -19,6 +18,8 @@ from helpers import (
     run_sdpa,
     tol,
 )
+
+from attn_fast import reference as ref
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -8,13 +8,14 @@ memory that is not on the CPU raises TypeError.
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_close, poisoned, randn
+
+import attn_fast as af
 from attn_fast import _checks
 from attn_fast import functional as F
 from attn_fast import reference as ref
-from helpers import assert_close, poisoned, randn
 
 
 @pytest.fixture

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, qkv, randn
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 
 def oracle(q, k, v, window=None, causal=True):

@@ -4,11 +4,8 @@ and calls that fail without changing the cache (docs/HARDENING.md)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import positional
-from attn_fast import reference as ref
 from helpers import (
     F32,
     F64,
@@ -21,6 +18,10 @@ from helpers import (
     readonly,
     snapshot_cache,
 )
+
+import attn_fast as af
+from attn_fast import positional
+from attn_fast import reference as ref
 
 # ---------------------------------------------------------------- KVCache: construction
 

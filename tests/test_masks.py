@@ -6,11 +6,8 @@ boolean mask, built here from first principles (not from attn_fast.masks).
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import masks as M
-from attn_fast import reference as ref
 from helpers import (
     assert_attention,
     assert_close,
@@ -22,6 +19,10 @@ from helpers import (
     run_sdpa,
     tol,
 )
+
+import attn_fast as af
+from attn_fast import masks as M
+from attn_fast import reference as ref
 
 try:
     from hypothesis import given, settings

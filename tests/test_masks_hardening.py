@@ -4,12 +4,13 @@ broadcast views and NaN bias rows (docs/HARDENING.md)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import F32, UNUSUAL_LAYOUTS, assert_close, randn, random_mask
+
+import attn_fast as af
 from attn_fast import masks
 from attn_fast import reference as ref
-from helpers import F32, UNUSUAL_LAYOUTS, assert_close, randn, random_mask
 
 # ---------------------------------------------------------------- masks
 

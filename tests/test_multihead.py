@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import attn_fast as af
-import attn_fast.multihead as mh
 import numpy as np
 import pytest
+from helpers import assert_close
+
+import attn_fast as af
+import attn_fast.multihead as mh
 from attn_fast import reference as ref
 from attn_fast.positional import RoPE, rope_reference
-from helpers import assert_close
 
 
 def oracle_mha(m, x, context=None, mask=None, causal=False, rope_offset=0):

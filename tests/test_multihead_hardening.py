@@ -4,11 +4,8 @@ that leave the module as it was (docs/HARDENING.md)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import positional
-from attn_fast import reference as ref
 from helpers import (
     F32,
     F64,
@@ -19,6 +16,10 @@ from helpers import (
     randn,
     snapshot_cache,
 )
+
+import attn_fast as af
+from attn_fast import positional
+from attn_fast import reference as ref
 
 # ---------------------------------------------------------------- MultiHeadAttention
 

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+
 from attn_fast import reference as ref
 
 

@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from attn_fast.positional import RoPE, rope_reference, sinusoidal
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from attn_fast.positional import RoPE, rope_reference, sinusoidal
 
 
 # ---------------------------------------------------------------- sinusoidal

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attn_fast import positional
 from helpers import (
     F32,
     F64,
@@ -16,6 +15,8 @@ from helpers import (
     randn,
     readonly,
 )
+
+from attn_fast import positional
 
 # ---------------------------------------------------------------- positional
 

@@ -7,10 +7,11 @@ import os
 import sys
 import threading
 
-import attn_fast as af
 import numpy as np
 import pytest
 from helpers import randn, run_python
+
+import attn_fast as af
 
 
 def test_concurrent_callers_while_thread_count_changes(rng):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import assert_attention, assert_close, randn, run_sdpa
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 
 def sdpa_checked(q, k, v, dtype, mask=None, **kw):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast.positional import sinusoidal
 from helpers import tol
 from test_multihead import oracle_mha
+
+import attn_fast as af
+from attn_fast.positional import sinusoidal
 
 
 # ---------------------------------------------------------------- float64 transcription

@@ -4,7 +4,6 @@ every layer as it was (docs/HARDENING.md)."""
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
 from helpers import (
@@ -15,6 +14,8 @@ from helpers import (
     randn,
     snapshot_cache,
 )
+
+import attn_fast as af
 
 # ---------------------------------------------------------------- TransformerBlock
 

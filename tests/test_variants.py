@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+from helpers import assert_close, poisoned, randn
+
+import attn_fast as af
 from attn_fast import variants as V
 from attn_fast.reference import sdpa
-from helpers import assert_close, poisoned, randn
 
 # --------------------------------------------------------------------------
 # float64 oracles, written as plainly as the formulas

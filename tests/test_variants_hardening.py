@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attn_fast import reference as ref
-from attn_fast import variants
 from helpers import (
     F32,
     F64,
@@ -15,6 +13,9 @@ from helpers import (
     assert_close,
     randn,
 )
+
+from attn_fast import reference as ref
+from attn_fast import variants
 
 # ---------------------------------------------------------------- variants
 

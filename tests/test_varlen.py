@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import reference as ref
 from helpers import assert_close, assert_lse_close, poisoned, randn
+
+import attn_fast as af
+from attn_fast import reference as ref
 
 
 def packed(rng, lens_q, lens_k, Hq, Hkv, d, dv, dtype=np.float64):

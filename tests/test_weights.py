@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+
+import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
 
