@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _dispatch
 from ._checks import (
     as_float_array,
     check_bool,
+    check_qkv,
     check_same_dtype,
     check_scale,
     shape_str,
+    to4,
     to_input_kind,
 )
 from .functional import (
     _block_size,
-    _check_qkv,
-    _mask_kwargs,
-    _score_kwargs,
-    _to4,
+    _mask_args,
+    _score_args,
     check_varlen,
-    varlen_kwargs,
+    varlen_args,
 )
 
 __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
@@ -106,33 +106,36 @@ def scaled_dot_product_attention_backward(
         raise TypeError("v must be an array, got None")
     like = q
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
+    q, _, _, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = check_qkv(
+        q, k, v, half=True, enable_gqa=enable_gqa
+    )
     k, v = as_float_array(k, "k"), as_float_array(v, "v")
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
+    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
     dq = np.empty(q.shape, q.dtype)
     dk = np.empty(k.shape, q.dtype)
     dv = np.empty(v.shape, q.dtype)
     dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
     if B * Hq:
-        _core.backward(
-            _to4(dout, "dout"),
+        _dispatch.backward(
+            to4(dout, "dout"),
             q4,
             k4,
             v4,
-            _to4(out, "out"),
+            to4(out, "out"),
             lse,
-            _to4(dq, "dq"),
-            _to4(dk, "dk"),
-            _to4(dv, "dv"),
+            to4(dq, "dq"),
+            to4(dk, "dk"),
+            to4(dv, "dv"),
             dsinks,
             scale=scale,
+            mask=mask,
+            score=score,
             block_q=block_q,
             block_k=block_k,
-            **kw,
         )
     else:
         dq[...], dk[...], dv[...] = 0, 0, 0
@@ -182,8 +185,8 @@ def varlen_attention_backward(
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    kw = varlen_kwargs(causal, window_size)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
+    mask = varlen_args(causal, window_size)
+    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
     dq = np.empty(q.shape, q.dtype)
     dk = np.empty(k.shape, q.dtype)
     dv = np.empty(v.shape, q.dtype)
@@ -193,7 +196,7 @@ def varlen_attention_backward(
         return x.transpose(1, 0, 2)[None]
 
     if cu_q.size > 1 and Hq:
-        _core.backward(
+        _dispatch.backward(
             t(dout),
             t(q),
             t(k),
@@ -207,9 +210,10 @@ def varlen_attention_backward(
             cu_q=cu_q,
             cu_k=cu_k,
             scale=scale,
+            mask=mask,
+            score=score,
             block_q=block_q,
             block_k=block_k,
-            **kw,
         )
     else:
         dq[...], dk[...], dv[...] = 0, 0, 0

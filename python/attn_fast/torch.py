@@ -320,8 +320,9 @@ def _dense_mask(mask, query, key):
     Lq, Lk = query.shape[-2], key.shape[-2]
     B = query.shape[0] if query.dim() == 4 else 1
     H = query.shape[-3] if query.dim() >= 3 else 1
-    kw = mask._kernel_kwargs(
+    args = mask.kernel_args(
         B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", ""))
     )
-    vis = np.ascontiguousarray(np.broadcast_to(_masks.visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk)))
+    vis = _masks.visibility(args, B, H, Lq, Lk)
+    vis = np.ascontiguousarray(np.broadcast_to(vis, (B, H, Lq, Lk)))
     return torch.from_numpy(vis[(0,) * (4 - query.dim())])

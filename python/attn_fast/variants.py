@@ -32,12 +32,13 @@ import numpy as np
 from . import _core
 from ._checks import (
     as_float_array,
+    check_bool,
     check_float_dtype,
     check_int,
-    check_bool,
+    check_qkv,
     check_real,
-    check_same_dtype,
     shape_str,
+    to4,
     to_input_kind,
 )
 from .functional import scaled_dot_product_attention
@@ -50,38 +51,6 @@ __all__ = [
     "LinearAttentionState",
     "feature_map",
 ]
-
-
-def _to4(x):
-    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
-
-
-def _check_qkv(q, k, v, *, same_len=True):
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    check_same_dtype(q=q, k=k, v=v)
-    if not (q.ndim == k.ndim == v.ndim) or q.ndim not in (2, 3, 4):
-        raise ValueError(
-            "q, k and v must all be (L, d), (H, L, d) or (B, H, L, d), got "
-            f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
-        )
-    if q.shape[-1] == 0:
-        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {q.shape[-1]}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match"
-        )
-    lead_q = q.shape[:-1] if same_len else q.shape[:-2]
-    lead_k = k.shape[:-1] if same_len else k.shape[:-2]
-    if lead_q != lead_k:
-        what = "batch, heads and length" if same_len else "batch and heads"
-        raise ValueError(
-            f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match"
-        )
-    return q, k, v
 
 
 # --------------------------------------------------------------------------
@@ -119,7 +88,7 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
     ``is_causal``; use sliding-window or linear attention for decoders.
     """
     like = q
-    q, k, v = _check_qkv(q, k, v, same_len=False)
+    q, k, v = check_qkv(q, k, v, enable_gqa=None)[:3]
     Lk = k.shape[-2]
     E = _check_projection(E, "E", Lk, q.dtype)
     F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
@@ -327,7 +296,7 @@ def linear_attention(
     like = q
     causal = check_bool(causal, "causal")
     return_state = check_bool(return_state, "return_state")
-    q, k, v = _check_qkv(q, k, v)
+    q, k, v = check_qkv(q, k, v, enable_gqa=None, same_len=True)[:3]
     eps = check_real(eps, "eps", minimum=0.0)
     fq, fk = _feature(q, k, feature_map)
     lead, r, dv, L = q.shape[:-2], fq.shape[-1], v.shape[-1], q.shape[-2]
@@ -338,7 +307,14 @@ def linear_attention(
     o = np.empty(q.shape[:-1] + (dv,), dtype=q.dtype)
     if o.size or st.kv.size:
         _core.linear_attention(
-            _to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps
+            to4(fq, "q"),
+            to4(fk, "k"),
+            to4(v, "v"),
+            to4(o, "out"),
+            st.kv,
+            st.k_sum,
+            causal=bool(causal),
+            eps=eps,
         )
     st.length += L
     o = to_input_kind(o, like)
