@@ -42,6 +42,7 @@ from ._checks import (
     shape_str,
     to_input_kind,
 )
+from ._module import Module, as_rng
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .positional import RoPE
@@ -49,39 +50,7 @@ from .positional import RoPE
 __all__ = ["MultiHeadAttention"]
 
 
-def _as_rng(rng):
-    if rng is None or isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        return np.random.default_rng(rng)
-    if isinstance(rng, np.random.Generator):
-        return rng
-    raise TypeError(
-        f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}"
-    )
-
-
-def _checked_weight(dst, src, name, prefix=""):
-    """`src` as an array fit for parameter `dst` (shape, real dtype, finite), or a clear error."""
-    a = np.asarray(src)
-    if a.dtype.kind not in "fiu":
-        raise TypeError(f"weight {prefix}{name} must be a real numeric array, got dtype {a.dtype}")
-    if a.shape != dst.shape:
-        raise ValueError(
-            f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}"
-        )
-    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-        raise ValueError(f"weight {prefix}{name} contains NaN or inf")
-    return a
-
-
-def _load_all(pairs):
-    """Copy each (dst, src, name, prefix) after checking every one of them:
-    a bad weight raises before any parameter is changed."""
-    checked = [(dst, _checked_weight(dst, src, name, prefix)) for dst, src, name, prefix in pairs]
-    for dst, a in checked:
-        dst[...] = a
-
-
-class MultiHeadAttention:
+class MultiHeadAttention(Module):
     """Multi-head attention on (L, D) or (B, L, D) arrays, calling the fused kernel.
 
     Parameters
@@ -182,7 +151,7 @@ class MultiHeadAttention:
             self._params.update(
                 bq=self._b_q, bk=self._b_kv[:nkv], bv=self._b_kv[nkv:], bo=self._b_o
             )
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         for name in ("Wq", "Wk", "Wv", "Wo"):
             p = self._params[name]
             p[...] = gen.standard_normal(p.shape) / math.sqrt(p.shape[1])
@@ -197,36 +166,13 @@ class MultiHeadAttention:
     )
     Wo = property(lambda self: self._params["Wo"], doc="(D, H·d_h) output projection.")
 
-    def state_dict(self):
-        """The parameters by name (views; copy them to keep a snapshot)."""
+    def _own(self) -> dict[str, np.ndarray]:
+        """Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo (views; see
+        ``Module.state_dict`` and ``Module.load_weights``)."""
         return dict(self._params)
 
-    def load_weights(self, weights, *, prefix="", strict=True):
-        """Copy arrays from a mapping (dict, ``np.load(...npz)``) into the parameters.
-
-        Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
-        preceded by ``prefix``. With strict=True (default), missing names and
-        unknown names under ``prefix`` raise KeyError (all of them listed);
-        wrong shapes always raise ValueError. Every weight is checked before
-        any is copied: on error the parameters are unchanged.
-        """
-        missing = [prefix + n for n in self._params if prefix + n not in weights]
-        if missing and strict:
-            raise KeyError(f"missing weights: {', '.join(missing)}")
-        if strict:
-            unknown = sorted(
-                n for n in weights if n.startswith(prefix) and n[len(prefix) :] not in self._params
-            )
-            if unknown:
-                hint = "" if self.bias else " (biases need bias=True)"
-                raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
-        _load_all(
-            [
-                (p, weights[prefix + n], n, prefix)
-                for n, p in self._params.items()
-                if prefix + n in weights
-            ]
-        )
+    def _unknown_hint(self) -> str:
+        return "" if self.bias else " (biases need bias=True)"
 
     def __repr__(self):
         return (

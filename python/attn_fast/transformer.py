@@ -29,46 +29,11 @@ import math
 import numpy as np
 
 from ._checks import check_float_dtype, check_int, check_real, shape_str, to_input_kind
-from .multihead import MultiHeadAttention, _as_rng, _load_all
+from ._module import Module, as_rng
+from .multihead import MultiHeadAttention
 from .positional import RoPE, sinusoidal
 
 __all__ = ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "TransformerBlock", "TinyTransformerLM"]
-
-
-class _Module:
-    """Named parameters with state_dict / load_weights (prefix-aware)."""
-
-    def _own(self):  # name -> array owned directly by this module
-        return {}
-
-    def _children(self):  # name -> sub-module
-        return {}
-
-    def state_dict(self, prefix=""):
-        """All parameters by dotted name (views into the live arrays)."""
-        sd = {prefix + n: p for n, p in self._own().items()}
-        for cn, c in self._children().items():
-            sd.update(c.state_dict(prefix=f"{prefix}{cn}."))
-        return sd
-
-    def load_weights(self, weights, *, prefix="", strict=True):
-        """Copy arrays from a mapping (dict, ``np.load(...npz)``, a safetensors
-        dict) into the parameters, by the names ``state_dict`` lists.
-
-        strict=True: every parameter must be present (KeyError listing all
-        missing names) and no unknown name under ``prefix`` may appear
-        (KeyError listing them). Shapes must match exactly (ValueError).
-        Every weight is checked before any is copied: on error nothing changes.
-        """
-        own = self.state_dict(prefix=prefix)
-        if strict:
-            missing = [n for n in own if n not in weights]
-            if missing:
-                raise KeyError(f"missing weights: {', '.join(missing)}")
-            unknown = [n for n in weights if n.startswith(prefix) and n not in own]
-            if unknown:
-                raise KeyError(f"unknown weights: {', '.join(sorted(unknown))}")
-        _load_all([(p, weights[n], n, "") for n, p in own.items() if n in weights])
 
 
 def _init(gen, shape, dtype):
@@ -76,7 +41,7 @@ def _init(gen, shape, dtype):
     return (gen.standard_normal(shape) / math.sqrt(shape[-1])).astype(dtype)
 
 
-class LayerNorm(_Module):
+class LayerNorm(Module):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
 
     def __init__(self, dim, eps=1e-5, dtype=np.float32):
@@ -94,7 +59,7 @@ class LayerNorm(_Module):
         return xc / np.sqrt(var + self.eps) * self.weight + self.bias
 
 
-class RMSNorm(_Module):
+class RMSNorm(Module):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
 
     def __init__(self, dim, eps=1e-6, dtype=np.float32):
@@ -121,11 +86,11 @@ def silu(x):
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-class MLP(_Module):
+class MLP(Module):
     """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F)."""
 
     def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
         self.W2 = _init(gen, (d_model, d_ff), dtype)
@@ -142,14 +107,14 @@ class MLP(_Module):
         return y
 
 
-class SwiGLU(_Module):
+class SwiGLU(Module):
     """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
 
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
     W_down (D, F)."""
 
     def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
         self.W_down = _init(gen, (d_model, d_ff), dtype)
@@ -164,21 +129,11 @@ class SwiGLU(_Module):
         return (silu(g) * u) @ self.W_down.T
 
 
-class _Attn(_Module):
-    """Adapter giving MultiHeadAttention the _Module naming interface."""
-
-    def __init__(self, mha):
-        self.mha = mha
-
-    def _own(self):
-        return self.mha.state_dict()
-
-
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 _FFNS = {"gelu": MLP, "swiglu": SwiGLU}
 
 
-class TransformerBlock(_Module):
+class TransformerBlock(Module):
     """Pre-norm Transformer layer: x + attn(norm1 x), [+ cross(norm_cross h)], + ffn(norm2 h).
 
     Parameters
@@ -222,7 +177,7 @@ class TransformerBlock(_Module):
             raise ValueError(f"norm must be one of {sorted(_NORMS)}, got {norm!r}")
         if ffn not in _FFNS:
             raise ValueError(f"ffn must be one of {sorted(_FFNS)}, got {ffn!r}")
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         D = check_int(d_model, "d_model", 1)
         if d_ff is None:
             d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
@@ -254,9 +209,9 @@ class TransformerBlock(_Module):
         self.ffn = _FFNS[ffn](D, self.d_ff, rng=gen, dtype=dtype)
 
     def _children(self):
-        ch = {"norm1": self.norm1, "attn": _Attn(self.attn)}
+        ch = {"norm1": self.norm1, "attn": self.attn}
         if self.cross is not None:
-            ch.update(norm_cross=self.norm_cross, cross=_Attn(self.cross))
+            ch.update(norm_cross=self.norm_cross, cross=self.cross)
         ch.update(norm2=self.norm2, ffn=self.ffn)
         return ch
 
@@ -281,7 +236,7 @@ class TransformerBlock(_Module):
         return to_input_kind(h + self.ffn(self.norm2(h)), like)
 
 
-class TinyTransformerLM(_Module):
+class TinyTransformerLM(Module):
     """A decoder-only language model: embed, N pre-norm blocks, norm, project.
 
     Parameters
@@ -362,7 +317,7 @@ class TinyTransformerLM(_Module):
         a = self.blocks[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
 
-    class _Embed(_Module):
+    class _Embed(Module):
         def __init__(self, w):
             self.weight = w
 
