@@ -62,7 +62,8 @@ class ScoreArgs:
 
     def set_fields(self) -> list[str]:
         """The names of the arguments this record sets (for error messages)."""
-        return [n for n in ("softcap", "alibi", "sinks") if getattr(self, n) not in (None, 0.0)]
+        names = ["softcap"] if self.softcap else []
+        return names + [n for n in ("alibi", "sinks") if getattr(self, n) is not None]
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``_core.forward`` / ``_core.backward``."""
