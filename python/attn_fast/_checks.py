@@ -28,7 +28,8 @@ F16 = np.dtype(np.float16)
 BF16 = np.dtype(np.uint16)  # bfloat16 held as its bit patterns (after as_float_array)
 HALF_DTYPES = (F16, BF16)
 _HALF_HINT = (
-    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, varlen_attention "
+    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, "
+    "varlen_attention "
     "and KVCache only; cast to float32 here (x.float() / x.astype(np.float32))"
 )
 
@@ -59,7 +60,8 @@ def dtype_name(dt):
 
 
 def compute_dtype(dt):
-    """What lse, biases, ALiBi slopes and sinks use for storage dtype dt: float32 for the 16-bit types."""
+    """What lse, biases, ALiBi slopes and sinks use for storage dtype dt:
+    float32 for the 16-bit types."""
     dt = np.dtype(dt)
     return np.dtype(np.float32) if dt in HALF_DTYPES else dt
 
@@ -70,7 +72,8 @@ def bf16_to_f32(bits):
 
 
 def f32_to_bf16(x):
-    """uint16 bfloat16 bits of float32 values, round to nearest even, NaN kept NaN (as the kernels)."""
+    """uint16 bfloat16 bits of float32 values, round to nearest even, NaN kept
+    NaN (as the kernels)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
@@ -153,11 +156,13 @@ def _check_on_cpu(x, name):
     if _is_torch_tensor(x):
         if x.device.type != "cpu":
             raise TypeError(
-                f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU only (use .cpu())"
+                f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU "
+                "only (use .cpu())"
             )
         if str(x.layout) != "torch.strided":  # sparse layouts have no strides to read
             raise TypeError(
-                f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors are supported"
+                f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors "
+                "are supported"
             )
         return
     if hasattr(x, "__cuda_array_interface__"):
@@ -281,7 +286,8 @@ def as_out_array(out, name="out"):
     """
     if _is_torch_tensor(out) and out.requires_grad:
         raise TypeError(
-            f"{name} is a torch tensor that requires grad; attn_fast writes results without autograd, "
+            f"{name} is a torch tensor that requires grad; attn_fast writes results without "
+            "autograd, "
             "pass a tensor that does not require grad"
         )
     o = as_array(out, name)
@@ -304,7 +310,8 @@ def check_same_dtype(**arrays):
         first = next(iter(dts))
         raise TypeError(
             f"mixed dtypes are not supported ({desc}); cast them to one float dtype, "
-            f"e.g. x.to({first}.dtype) for torch tensors or x.astype({first}.dtype) for NumPy arrays"
+            f"e.g. x.to({first}.dtype) for torch tensors or x.astype({first}.dtype) for NumPy "
+            "arrays"
         )
 
 
@@ -414,7 +421,8 @@ def check_scale(scale, d, dtype=None):
         dt = compute_dtype(dtype)  # 16-bit inputs are computed in float32
         if abs(scale) > float(np.finfo(dt).max):
             raise ValueError(
-                f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest {np.finfo(dt).max})"
+                f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest "
+                f"{np.finfo(dt).max})"
             )
     return scale
 

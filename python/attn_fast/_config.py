@@ -28,7 +28,8 @@ def set_isa(name):
         _core.set_isa(name)
     except RuntimeError as e:
         raise RuntimeError(
-            f"attn_fast: cannot use ISA {name!r}: {e}. Available here: {', '.join(_core.available_isas())}"
+            f"attn_fast: cannot use ISA {name!r}: {e}. Available here: "
+            f"{', '.join(_core.available_isas())}"
         ) from None
 
 

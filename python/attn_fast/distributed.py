@@ -136,7 +136,8 @@ def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
     if L % world_size or (layout == "zigzag" and L % (2 * world_size)):
         need = 2 * world_size if layout == "zigzag" else world_size
         raise ValueError(
-            f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of {need}"
+            f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of "
+            f"{need}"
         )
     idx = torch.from_numpy(positions(rank, world_size, L // world_size, layout))
     return x.index_select(dim, idx)
@@ -276,7 +277,8 @@ def _check_tensors(q, k, v, enable_gqa):
             )
         if x.device.type != "cpu":
             raise TypeError(
-                f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use .cpu())"
+                f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use "
+                ".cpu())"
             )
         if x.layout != torch.strided:
             raise TypeError(
@@ -296,7 +298,8 @@ def _check_tensors(q, k, v, enable_gqa):
         raise ValueError(f"q has shape {tuple(q.shape)}: head dim d must be at least 1")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(
-            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match"
+            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and "
+            "length must match"
         )
     if Bk != B:
         raise ValueError(
@@ -304,13 +307,15 @@ def _check_tensors(q, k, v, enable_gqa):
         )
     if nk != n:
         raise ValueError(
-            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel self-attention "
+            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel "
+            "self-attention "
             "needs q and k/v shards of the same length"
         )
     if Hkv != H:
         if not enable_gqa:
             raise ValueError(
-                f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
+                f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query "
+                "attention"
             )
         if Hkv == 0 or H % Hkv:
             raise ValueError(f"q has {H} heads, not a multiple of k/v's {Hkv} heads")
@@ -339,7 +344,8 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
     n = q.shape[2]
     if layout == "zigzag" and n % 2:
         raise ValueError(
-            f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}"
+            "the zigzag layout needs an even shard length (two chunks per rank), got q shape "
+            f"{tuple(q.shape)}"
         )
     scale = check_scale(scale, q.shape[-1], q.detach().numpy().dtype)
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
@@ -752,7 +758,8 @@ def ulysses_attention(
     alibi_slopes=None,
     sinks=None,
 ):
-    """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this rank's shard of the output.
+    """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this
+    rank's shard of the output.
 
     q : (B, H, n, d), k : (B, H_kv, n, d), v : (B, H_kv, n, dv): this rank's
         n = L/P rows of the sequence in `layout`, float32/float64 CPU torch
@@ -783,7 +790,8 @@ def ulysses_attention(
     H, Hkv = q.shape[1], k.shape[1]
     if H % world:
         raise ValueError(
-            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)"
+            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards "
+            "heads (H % P == 0)"
         )
     rep = 1 if Hkv % world == 0 else H // Hkv
     # 1 = Ulysses (0 = ring: a rank calling the other function fails the check instead of hanging)

@@ -21,7 +21,7 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
-from numpy.typing import ArrayLike, DTypeLike
+from numpy.typing import DTypeLike
 
 from . import _dispatch, masks
 from ._checks import (
@@ -217,8 +217,10 @@ def _check_dropout(dropout_p):
     p = check_real(dropout_p, "dropout_p", minimum=0.0)
     if p != 0.0:
         raise ValueError(
-            f"dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got {dropout_p!r}; "
-            "apply dropout to the output or call torch's own SDPA when training with attention dropout"
+            "dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got "
+            f"{dropout_p!r}; "
+            "apply dropout to the output or call torch's own SDPA when training with attention "
+            "dropout"
         )
     return p
 
@@ -428,8 +430,10 @@ def _weights(
     n = B * Hq * Lq * Lk
     if n > max_elements and not force:
         raise ValueError(
-            f"the attention weights would have B*H*Lq*Lk = {B}*{Hq}*{Lq}*{Lk} = {n} elements, above "
-            f"max_elements = {max_elements}; pass force=True (or a larger max_elements) to build them anyway"
+            f"the attention weights would have B*H*Lq*Lk = {B}*{Hq}*{Lq}*{Lk} = {n} elements, "
+            "above "
+            f"max_elements = {max_elements}; pass force=True (or a larger max_elements) to build "
+            "them anyway"
         )
     Hkv = k4.shape[1]
     g = Hq // Hkv
@@ -553,14 +557,16 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
     if v.shape[:2] != (Tk, Hkv):
         raise ValueError(
-            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match"
+            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads "
+            "must match"
         )
     check_heads(Hq, Hkv, True)
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
     if cu_q.shape != cu_k.shape:
         raise ValueError(
-            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
+            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: "
+            "they must match"
         )
     for name, mx, cu in (
         ("max_seqlen_q", max_seqlen_q, cu_q),
@@ -695,7 +701,8 @@ def check_textbook_args(X, Wq, Wk, Wv):
     for name, W in (("Wq", Wq), ("Wk", Wk), ("Wv", Wv)):
         if W.ndim != 2 or W.shape[1] != D:
             raise ValueError(
-                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}"
+                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape "
+                f"{shape_str(W)}"
             )
     if Wq.shape[0] != Wk.shape[0]:
         raise ValueError(

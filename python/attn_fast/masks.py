@@ -94,7 +94,8 @@ def _broadcast4(arr: np.ndarray, shape: tuple[int, ...], name: str, what: str) -
         return np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
     except ValueError:
         raise ValueError(
-            f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = {_shape_str(shape)}"
+            f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = "
+            f"{_shape_str(shape)}"
         ) from None
 
 
@@ -296,7 +297,8 @@ class BlockSparse(Mask):
             )
         if lay.ndim < 2 or lay.ndim > 4:
             raise ValueError(
-                f"BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape {_shape_str(lay.shape)}"
+                "BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape "
+                f"{_shape_str(lay.shape)}"
             )
         self.layout = lay
         self.block_q = check_int(block_q, "block_q", 1)
@@ -311,8 +313,10 @@ class BlockSparse(Mask):
         nq, nk = self.layout.shape[-2:]
         if nq * self.block_q < Lq or nk * self.block_k < Lk:
             raise ValueError(
-                f"BlockSparse layout of shape {_shape_str(self.layout.shape)} with block_q={self.block_q}, "
-                f"block_k={self.block_k} covers ({nq * self.block_q}, {nk * self.block_k}) positions, "
+                f"BlockSparse layout of shape {_shape_str(self.layout.shape)} with "
+                f"block_q={self.block_q}, "
+                f"block_k={self.block_k} covers ({nq * self.block_q}, {nk * self.block_k}) "
+                "positions, "
                 f"but (Lq, Lk) = ({Lq}, {Lk})"
             )
         view = _broadcast4(self.layout, (B, H, nq, nk), "BlockSparse layout", "(B, H, nq, nk)")
@@ -493,11 +497,13 @@ class Dense(Mask):
         a = np.asarray(detached(array))
         if a.dtype != np.bool_ and a.dtype.kind != "f":
             raise MaskTypeError(
-                f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {a.dtype}"
+                "attn_mask must be a boolean (True = attend) or float (additive) array, got "
+                f"dtype {a.dtype}"
             )
         if a.ndim < 1 or a.ndim > 4:
             raise ValueError(
-                f"attn_mask must be broadcastable to (B, H, Lq, Lk), got shape {_shape_str(a.shape)}"
+                "attn_mask must be broadcastable to (B, H, Lq, Lk), got shape "
+                f"{_shape_str(a.shape)}"
             )
         self.array = a
 

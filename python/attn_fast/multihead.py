@@ -195,10 +195,12 @@ class MultiHeadAttention(Module):
         return x
 
     def _check_cache(self, cache, B):
-        """TypeError / ValueError unless `cache` is a KVCache this layer can use (before anything runs)."""
+        """TypeError / ValueError unless `cache` is a KVCache this layer can use
+        (checked before anything runs)."""
         if not isinstance(cache, KVCache):
             raise TypeError(
-                f"cache must be a KVCache (one per layer; index a LayerCaches), got {type(cache).__name__}"
+                "cache must be a KVCache (one per layer; index a LayerCaches), got "
+                f"{type(cache).__name__}"
             )
         want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
         got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
@@ -254,7 +256,8 @@ class MultiHeadAttention(Module):
         if context is None:
             if self._w_qkv is None:
                 raise ValueError(
-                    f"this attention was built for cross-attention with kv_dim={self.kv_dim} != d_model={self.d_model}; pass context="
+                    f"this attention was built for cross-attention with kv_dim={self.kv_dim} != "
+                    f"d_model={self.d_model}; pass context="
                 )
             qkv = x3 @ self._w_qkv.T  # (B, L, (H + 2 H_kv) d_h), one product
             if self.bias:
@@ -281,7 +284,8 @@ class MultiHeadAttention(Module):
             c3 = c[None] if c.ndim == 2 else c
             if c3.shape[0] != B:
                 raise ValueError(
-                    f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch sizes differ"
+                    f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch "
+                    "sizes differ"
                 )
             q = x3 @ self._w_q.T
             if self.bias:

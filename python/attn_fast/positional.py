@@ -116,7 +116,10 @@ class RoPE:
 
     def __repr__(self):
         conv = "interleaved" if self.interleaved else "rotate_half"
-        return f"RoPE(head_dim={self.head_dim}, base={self.base:g}, rotary_dim={self.rotary_dim}, {conv})"
+        return (
+            f"RoPE(head_dim={self.head_dim}, base={self.base:g}, "
+            f"rotary_dim={self.rotary_dim}, {conv})"
+        )
 
     # -- tables -------------------------------------------------------------
     def cos_sin(self, n, dtype=np.float64):
@@ -225,7 +228,8 @@ class RoPE:
         return x, ax
 
     def _target(self, x, out, inplace, name="x"):
-        """The array the result goes to: x itself, out, or a new C-contiguous one (not yet filled)."""
+        """The array the result goes to: x itself, out, or a new C-contiguous
+        one (not yet filled)."""
         if inplace:
             if out is not None:
                 raise ValueError("pass either inplace=True or out=, not both")
@@ -308,7 +312,8 @@ class RoPE:
         return self(q, **kw), self(k, **kw)
 
     def _rope_cython(self, pairs, ax, offset, positions):
-        """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing done) if a layout needs NumPy."""
+        """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing
+        done) if a layout needs NumPy."""
         x0 = pairs[0][0]
         if x0.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             return False
@@ -323,7 +328,8 @@ class RoPE:
             for x, _ in pairs:
                 if pos.shape[0] != x.shape[0]:
                     raise ValueError(
-                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}"
+                        f"offset/positions give {pos.shape[0]} sequences but x has shape "
+                        f"{shape_str(x)}"
                     )
         c, s, pos = self._rows(pos, x0.dtype)
         srcs = []
@@ -345,7 +351,8 @@ class RoPE:
         return True
 
     def _rope_numpy(self, y, ax, offset, positions):
-        """The NumPy formula (the reference the Cython loop is tested against): rotate y in place."""
+        """The NumPy formula (the reference the Cython loop is tested against):
+        rotate y in place."""
         r = self.rotary_dim
         L = y.shape[ax]
         c, s = self._angles_for(L, offset, positions, y.dtype)  # (L, r/2) or (B, L, r/2)

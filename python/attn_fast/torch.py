@@ -68,15 +68,15 @@ def _sdpa_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
     is_causal: bool,
     scale: float,
     enable_gqa: bool,
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kw = _kwargs(
         attn_mask,
@@ -119,15 +119,15 @@ def _sdpa_backward_op(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
     is_causal: bool,
     scale: float,
     enable_gqa: bool,
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     kw = _kwargs(
         attn_mask,
@@ -268,7 +268,8 @@ def scaled_dot_product_attention(
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
         raise TypeError(
-            f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are {list(_OPTIONS)}"
+            f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are "
+            f"{list(_OPTIONS)}"
         )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (attn_fast has no dropout), got {dropout_p}")

@@ -150,9 +150,9 @@ class TransformerBlock(Module):
 
     Parameter names (``state_dict`` / ``load_weights``)::
 
-        norm1.weight [norm1.bias]          attn.Wq attn.Wk attn.Wv attn.Wo [attn.bq …]
-        norm_cross.* cross.Wq …            (cross_attention=True only)
-        norm2.weight [norm2.bias]          ffn.W1 ffn.b1 ffn.W2 ffn.b2  |  ffn.W_gate ffn.W_up ffn.W_down
+        norm1.weight [norm1.bias]    attn.Wq attn.Wk attn.Wv attn.Wo [attn.bq …]
+        norm_cross.* cross.Wq …      (cross_attention=True only)
+        norm2.weight [norm2.bias]    ffn.W1 ffn.b1 ffn.W2 ffn.b2 | ffn.W_gate ffn.W_up ffn.W_down
     """
 
     def __init__(
@@ -226,7 +226,8 @@ class TransformerBlock(Module):
         """
         if (context is None) != (self.cross is None):
             raise ValueError(
-                "context= is required by a block with cross_attention=True and not accepted otherwise"
+                "context= is required by a block with cross_attention=True and not accepted "
+                "otherwise"
             )
         like = x
         x = self.attn._check_input(x, "x", self.d_model)
@@ -254,9 +255,10 @@ class TinyTransformerLM(Module):
 
         embed.weight                 (V, D)
         blocks.{i}.norm1.weight      (D,)  [+ .bias for layernorm]
-        blocks.{i}.attn.Wq           (H·d_h, D)    attn.Wk, attn.Wv (H_kv·d_h, D)    attn.Wo (D, H·d_h)
+        blocks.{i}.attn.Wq           (H·d_h, D)  attn.Wk, attn.Wv (H_kv·d_h, D)  attn.Wo (D, H·d_h)
         blocks.{i}.norm2.weight      (D,)
-        blocks.{i}.ffn.W_gate, ffn.W_up (F, D), ffn.W_down (D, F)   | gelu: ffn.W1 (F, D) b1 W2 (D, F) b2
+        blocks.{i}.ffn.W_gate, ffn.W_up (F, D), ffn.W_down (D, F)
+                                     | gelu: ffn.W1 (F, D) b1 W2 (D, F) b2
         norm.weight                  (D,)  [+ norm.bias]
         lm_head.weight               (V, D)  (absent when tie_embeddings)
     """
@@ -340,7 +342,8 @@ class TinyTransformerLM(Module):
             raise ValueError(f"{name} must be (L,) or (B, L), got shape {shape_str(t)}")
         if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
             raise ValueError(
-                f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, {t.max()}]"
+                f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, "
+                f"{t.max()}]"
             )
         return t
 
@@ -378,12 +381,14 @@ class TinyTransformerLM(Module):
                 continue
             if c.window is None and int(c.lengths.max()) + L > c.capacity:
                 raise ValueError(
-                    f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity {c.capacity}: "
+                    f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity "
+                    f"{c.capacity}: "
                     f"no room for {L} more (growable=False)"
                 )
             if c.window is not None and L > c.capacity - c.window + 1:
                 raise ValueError(
-                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of {c.capacity} slots "
+                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of "
+                    f"{c.capacity} slots "
                     f"with window {c.window} (growable=False)"
                 )
 

@@ -94,7 +94,8 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
     F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
     if E.shape[0] != F.shape[0]:
         raise ValueError(
-            f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k"
+            f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the "
+            "same k"
         )
     Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
     Vp = np.matmul(F, v)  # (…, kp, dv)
@@ -212,7 +213,8 @@ def feature_map(x, fm="elu1"):
         raise TypeError(f"feature_map returned dtype {y.dtype}; expected real numbers")
     if y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1] or y.shape[-1] < 1:
         raise ValueError(
-            f"feature_map mapped shape {shape_str(x)} to {shape_str(y)}; it must keep every axis but the last"
+            f"feature_map mapped shape {shape_str(x)} to {shape_str(y)}; it must keep every axis "
+            "but the last"
         )
     y = y.astype(x.dtype, copy=False)
     if not np.all(np.isfinite(y)):
@@ -251,7 +253,10 @@ class LinearAttentionState:
                 return type(x).__name__
             return f"{shape_str(x)} {getattr(x, 'dtype', '')}".rstrip()
 
-        return f"LinearAttentionState(kv {desc(self.kv)}, k_sum {desc(self.k_sum)}, length={self.length!r})"
+        return (
+            f"LinearAttentionState(kv {desc(self.kv)}, k_sum {desc(self.k_sum)}, "
+            f"length={self.length!r})"
+        )
 
 
 def _check_state(state, lead, r, dv):
