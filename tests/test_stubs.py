@@ -9,6 +9,7 @@ parameters (names, positional / keyword-only, which have defaults).
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import pathlib
 import re
@@ -122,3 +123,65 @@ def test_arg_shape_tells_signatures_apart():
         assert shape(other) != base, other
     assert shape("def f(a: int, b: float = ..., *, c: str): ...") == base
     assert shape("def f(x, /, b=1, *, c): ...") == shape("def f(y, /, b=1, *, c): ...")
+
+
+# The public API's annotations: every public function and method of these
+# modules annotates each parameter and its return. kv_cache (KVCache,
+# LayerCaches, merge_attention_states) is annotated with the KV-cache work.
+ANNOTATED = [
+    "attn_fast",
+    "attn_fast.functional",
+    "attn_fast.masks",
+    "attn_fast.multihead",
+    "attn_fast.transformer",
+    "attn_fast.positional",
+    "attn_fast.variants",
+    "attn_fast.backward",
+    "attn_fast.reference",
+    "attn_fast.demo",
+    "attn_fast._config",
+    "attn_fast._dispatch",
+    "attn_fast.torch",
+    "attn_fast.distributed",
+]
+NOT_YET = {"KVCache", "LayerCaches", "merge_attention_states"}
+
+
+def unannotated(fn):
+    sig = inspect.signature(fn)
+    out = [
+        p.name
+        for p in sig.parameters.values()
+        if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty
+    ]
+    if sig.return_annotation is inspect.Signature.empty and fn.__name__ != "__init__":
+        out.append("return")
+    return out
+
+
+def public_callables(mod):
+    names = getattr(mod, "__all__", [n for n in dir(mod) if not n.startswith("_")])
+    for n in names:
+        obj = getattr(mod, n)
+        if n in NOT_YET or inspect.ismodule(obj):
+            continue
+        if not getattr(obj, "__module__", "").startswith("attn_fast"):
+            continue  # re-exported from numpy, typing, ...
+        if inspect.isclass(obj):
+            for an, a in vars(obj).items():
+                f = a.__func__ if isinstance(a, (staticmethod, classmethod)) else a
+                if inspect.isfunction(f) and (
+                    not an.startswith("_") or an in ("__init__", "__call__")
+                ):
+                    yield f"{mod.__name__}.{n}.{an}", f
+        elif inspect.isfunction(obj):
+            yield f"{mod.__name__}.{n}", obj
+
+
+@pytest.mark.parametrize("modname", ANNOTATED)
+def test_public_api_is_annotated(modname):
+    if modname in ("attn_fast.torch", "attn_fast.distributed"):
+        pytest.importorskip("torch")
+    mod = importlib.import_module(modname)
+    missing = {name: m for name, f in public_callables(mod) if (m := unannotated(f))}
+    assert missing == {}

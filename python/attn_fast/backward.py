@@ -14,9 +14,12 @@ dk, dv of the block's keys).
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from . import _dispatch
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import _dispatch, masks
 from ._checks import (
     as_float_array,
     check_bool,
@@ -61,24 +64,24 @@ def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
 
 
 def scaled_dot_product_attention_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    block_q=0,
-    block_k=0,
-):
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Gradients of ``scaled_dot_product_attention`` with respect to q, k, v.
 
     Parameters
@@ -146,26 +149,26 @@ def scaled_dot_product_attention_backward(
 
 
 def varlen_attention_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
-    causal=False,
-    window_size=None,
-    scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    block_q=0,
-    block_k=0,
-):
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Gradients of ``varlen_attention`` (packed variable-length sequences).
 
     dout, out : (total_q, H, dv); q : (total_q, H, d); k : (total_k, H_kv, d);

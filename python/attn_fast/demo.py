@@ -31,9 +31,10 @@ import os
 import sys
 import tempfile
 import unicodedata
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TextIO
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import reference
 from ._checks import shape_str
@@ -83,7 +84,7 @@ V_DEMO = np.array(
 )
 
 
-def sentence():
+def sentence() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The demo's inputs in the textbook's form: (X, Wq, Wk, Wv), float64.
 
     X is the (4, 4) one-hot embedding lookup of the four tokens, so
@@ -115,7 +116,9 @@ class Explained(NamedTuple):
     O: np.ndarray
 
 
-def explain(X, Wq, Wk, Wv, causal=False):
+def explain(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
+) -> Explained:
     """Run the textbook's attention step by step and return every intermediate.
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D); float32/float64.
@@ -391,7 +394,14 @@ def _kernel_check(ex, causal):
     return get_isa(), float(np.max(np.abs(O_fast - ex.O)))
 
 
-def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=input):
+def run(
+    lang: str = "en",
+    causal: bool = False,
+    step: bool = False,
+    plot: str | None = None,
+    file: TextIO | None = None,
+    input_fn: Callable[[str], str] = input,
+) -> int:
     """Print the walk-through; return a process exit code (0 = all checks passed).
 
     lang : "en" or "zh" (labels and commentary). causal : apply the causal
@@ -749,7 +759,7 @@ def _stdin_is_terminal():
         return False
 
 
-def main(argv=None, prog=None):
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """`demo [--step] [--causal] [--lang en|zh] [--plot PATH]`; returns the process exit code."""
     p = argparse.ArgumentParser(
         prog=prog or "python -m attn_fast demo",

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from numpy.typing import ArrayLike
 
 import attn_fast as af
 
@@ -119,7 +121,7 @@ def _chunks(rank, P, n, layout):
     return [(0, c, rank * c), (c, c, (2 * P - 1 - rank) * c)]
 
 
-def positions(rank, world_size, n, layout="zigzag"):
+def positions(rank: int, world_size: int, n: int, layout: str = "zigzag") -> np.ndarray:
     """Global positions (n,) int64 of the n rows rank `rank` holds in `layout`."""
     _check_layout(layout)
     if layout == "zigzag" and n % 2:
@@ -130,7 +132,9 @@ def positions(rank, world_size, n, layout="zigzag"):
     ).astype(np.int64)
 
 
-def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
+def shard_sequence(
+    x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = -2
+) -> torch.Tensor:
     """This rank's shard of a whole-sequence tensor x (sequence on axis `dim`): a copy, L/P rows."""
     L = x.shape[dim]
     if L % world_size or (layout == "zigzag" and L % (2 * world_size)):
@@ -143,7 +147,9 @@ def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
     return x.index_select(dim, idx)
 
 
-def gather_sequence(shards, layout="zigzag", dim=-2):
+def gather_sequence(
+    shards: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = -2
+) -> torch.Tensor:
     """The whole-sequence tensor from the list of all ranks' shards (inverse of shard_sequence)."""
     P = len(shards)
     n = shards[0].shape[dim]
@@ -584,19 +590,19 @@ class _RingFn(torch.autograd.Function):
 
 
 def ring_attention(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     *,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    group=None,
-    layout="zigzag",
-    window_size=None,
-    return_lse=False,
-    return_stats=False,
-):
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: Any = None,
+    layout: str = "zigzag",
+    window_size: tuple[int | None, int | None] | None = None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+) -> Any:
     """Context-parallel attention: this rank's shard of softmax(scale·q kᵀ + mask) v.
 
     q : (B, H, n, d) float32/float64 CPU torch tensor, this rank's n = L/P rows
@@ -742,22 +748,22 @@ class _UlyssesFn(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q,
-    k,
-    v,
-    attn_mask=None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Any = None,
     *,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    group=None,
-    layout="zigzag",
-    window_size=None,
-    return_lse=False,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-):
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: Any = None,
+    layout: str = "zigzag",
+    window_size: tuple[int | None, int | None] | None = None,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | ArrayLike | None = None,
+    sinks: torch.Tensor | ArrayLike | None = None,
+) -> Any:
     """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this
     rank's shard of the output.
 

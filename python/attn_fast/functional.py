@@ -21,7 +21,7 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
-from numpy.typing import DTypeLike
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _dispatch, masks
 from ._checks import (
@@ -83,7 +83,7 @@ class KernelStats(NamedTuple):
     block_k: int = 0
 
 
-def _mask_arrays(attn_mask):
+def _mask_arrays(attn_mask: Any) -> list[np.ndarray]:
     """The arrays an attn_mask argument reads (alone, in a list, inside Dense /
     BlockSparse objects), for the check that `out` does not overlap them."""
     if attn_mask is None:
@@ -175,7 +175,7 @@ def _mask_args(
     return masks.add_block_summary(MaskArgs.combine(parts, B, Lq, Lk))
 
 
-def _half_mask(attn_mask):
+def _half_mask(attn_mask: Any) -> Any:
     """A float16 / bfloat16 additive attn_mask tensor or array (torch, ml_dtypes;
     NumPy float16 is read as is), which the mask objects cannot read, as float32
     (a copy at its own shape); anything else unchanged."""
@@ -191,12 +191,12 @@ def _half_mask(attn_mask):
     return attn_mask
 
 
-def _check_backend(backend):
+def _check_backend(backend: Any) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
-def _qkv_names(q, k, v, query, key, value):
+def _qkv_names(q: Any, k: Any, v: Any, query: Any, key: Any, value: Any) -> list[Any]:
     """q/k/v given positionally (or as q=, k=, v=) or under torch's names query=, key=, value=."""
     got = []
     for short, long_name, a, b in (
@@ -213,7 +213,7 @@ def _qkv_names(q, k, v, query, key, value):
     return got
 
 
-def _check_dropout(dropout_p):
+def _check_dropout(dropout_p: Any) -> float:
     p = check_real(dropout_p, "dropout_p", minimum=0.0)
     if p != 0.0:
         raise ValueError(
@@ -226,30 +226,30 @@ def _check_dropout(dropout_p):
 
 
 def scaled_dot_product_attention(
-    q=None,
-    k=None,
-    v=None,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    q: ArrayLike | None = None,
+    k: ArrayLike | None = None,
+    v: ArrayLike | None = None,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    query=None,
-    key=None,
-    value=None,
-    return_lse=False,
-    return_weights=False,
-    return_stats=False,
-    out=None,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    backend="fused",
-    block_q=0,
-    block_k=0,
-):
+    query: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    value: ArrayLike | None = None,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    return_stats: bool = False,
+    out: ArrayLike | None = None,
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    backend: str = "fused",
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """softmax(scale · q kᵀ + mask) v, exact, computed block by block.
 
     The positional order is torch's: ``(query, key, value, attn_mask=None,
@@ -470,20 +470,20 @@ def _weights(
 
 
 def attention_weights(
-    q,
-    k,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    q: ArrayLike,
+    k: ArrayLike,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    max_elements=_MAX_WEIGHTS,
-    force=False,
-):
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    max_elements: int = _MAX_WEIGHTS,
+    force: bool = False,
+) -> Any:
     """The attention weights P = softmax(scale · q kᵀ + mask), materialised.
 
     For teaching, plots and debugging on small inputs: this builds the whole
@@ -519,7 +519,7 @@ def attention_weights(
 # ---------------------------------------------------------------- varlen
 
 
-def _cu_seqlens(cu, name, total):
+def _cu_seqlens(cu: ArrayLike, name: str, total: int) -> np.ndarray:
     a = np.asarray(cu)
     if a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
@@ -537,7 +537,16 @@ def _cu_seqlens(cu, name, total):
     return np.ascontiguousarray(a)
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=False):
+def check_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    half: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Packed (total, heads, dim) q, k, v and their cu_seqlens, checked (shared by the
     forward and the backward): returns (q, k, v, cu_q, cu_k) as NumPy arrays."""
     q = as_float_array(q, "q", half=half)
@@ -590,27 +599,27 @@ def varlen_args(causal: bool, window_size: Any) -> MaskArgs:
 
 
 def varlen_attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
-    causal=False,
-    window_size=None,
-    scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    return_lse=False,
-    return_stats=False,
-    out=None,
-    backend="fused",
-    block_q=0,
-    block_k=0,
-):
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+    out: ArrayLike | None = None,
+    backend: str = "fused",
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Attention over a packed batch of variable-length sequences (no padding).
 
     FlashAttention's ``flash_attn_varlen_func`` convention: the sequences are
@@ -687,7 +696,9 @@ def varlen_attention(
     return res.result(*[x for x, want in ((lse, return_lse), (stats, return_stats)) if want])
 
 
-def check_textbook_args(X, Wq, Wk, Wv):
+def check_textbook_args(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Read and check the textbook's arguments: X (L, D) or (B, L, D), Wq and
     Wk (d, D), Wv (dv, D), one float dtype. Returns them as NumPy arrays."""
     X = as_float_array(X, "X", half=True)
@@ -711,7 +722,9 @@ def check_textbook_args(X, Wq, Wk, Wv):
     return X, Wq, Wk, Wv
 
 
-def attention(X, Wq, Wk, Wv, causal=False):
+def attention(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
+) -> Any:
     """The textbook's single-head attention, fused.
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.

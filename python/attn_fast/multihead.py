@@ -31,8 +31,11 @@ heads, H_kv key/value heads (H % H_kv == 0), d_h head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import (
     as_float_array,
@@ -75,19 +78,19 @@ class MultiHeadAttention(Module):
 
     def __init__(
         self,
-        d_model,
-        num_heads,
-        num_kv_heads=None,
-        head_dim=None,
-        bias=False,
-        positional=None,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        positional: str | RoPE | None = None,
         *,
-        kv_dim=None,
-        scale=None,
-        weights=None,
-        rng=None,
-        dtype=np.float32,
-    ):
+        kv_dim: int | None = None,
+        scale: float | None = None,
+        weights: Mapping[str, ArrayLike] | None = None,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         D, H = check_int(d_model, "d_model", 1), check_int(num_heads, "num_heads", 1)
         Hkv = H if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", 1)
         if H % Hkv:
@@ -174,7 +177,7 @@ class MultiHeadAttention(Module):
     def _unknown_hint(self) -> str:
         return "" if self.bias else " (biases need bias=True)"
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}, "
@@ -182,7 +185,7 @@ class MultiHeadAttention(Module):
         )
 
     # -- forward ------------------------------------------------------------
-    def _check_input(self, x, name, dim):
+    def _check_input(self, x: ArrayLike, name: str, dim: int) -> np.ndarray:
         x = as_float_array(x, name)  # big-endian / misaligned data: copied once
         if x.dtype != self.dtype:
             raise TypeError(
@@ -194,7 +197,7 @@ class MultiHeadAttention(Module):
             )
         return x
 
-    def _check_cache(self, cache, B):
+    def _check_cache(self, cache: Any, B: int) -> None:
         """TypeError / ValueError unless `cache` is a KVCache this layer can use
         (checked before anything runs)."""
         if not isinstance(cache, KVCache):
@@ -211,11 +214,20 @@ class MultiHeadAttention(Module):
                 f"({want[0]}, {want[1]}, {want[2]}, {want[3]}, {want[4]})"
             )
 
-    def _heads(self, y, n_heads):
+    def _heads(self, y: np.ndarray, n_heads: int) -> np.ndarray:
         """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
         return y.reshape(y.shape[0], y.shape[1], n_heads, self.head_dim)
 
-    def __call__(self, x, context=None, mask=None, cache=None, *, causal=False, positions=None):
+    def __call__(
+        self,
+        x: ArrayLike,
+        context: ArrayLike | None = None,
+        mask: Any = None,
+        cache: KVCache | None = None,
+        *,
+        causal: bool = False,
+        positions: ArrayLike | None = None,
+    ) -> Any:
         """Attention of x over itself (or over ``context``), then Wo.
 
         x : (L, D) or (B, L, D) in the module's dtype.

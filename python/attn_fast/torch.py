@@ -23,7 +23,7 @@ Differences from torch's function, on purpose:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -236,16 +236,16 @@ class _SdpaFunction(torch.autograd.Function):
 
 
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    **attn_fast_options,
-):
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | Any | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **attn_fast_options: Any,
+) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` on attn_fast's fused CPU kernels, differentiable.
 
     query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU

@@ -25,18 +25,23 @@ Shape legend: B batch, L tokens, D model dim, F feed-forward dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import check_float_dtype, check_int, check_real, shape_str, to_input_kind
 from ._module import Module, as_rng
 from .multihead import MultiHeadAttention
 from .positional import RoPE, sinusoidal
 
+if TYPE_CHECKING:
+    from .kv_cache import KVCache, LayerCaches
+
 __all__ = ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "TransformerBlock", "TinyTransformerLM"]
 
 
-def _init(gen, shape, dtype):
+def _init(gen: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """Normal with std 1/sqrt(fan_in)."""
     return (gen.standard_normal(shape) / math.sqrt(shape[-1])).astype(dtype)
 
@@ -44,7 +49,7 @@ def _init(gen, shape, dtype):
 class LayerNorm(Module):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
 
-    def __init__(self, dim, eps=1e-5, dtype=np.float32):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
         self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
         self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
@@ -52,7 +57,7 @@ class LayerNorm(Module):
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         mu = x.mean(axis=-1, keepdims=True)
         xc = x - mu
         var = np.mean(xc * xc, axis=-1, keepdims=True)
@@ -62,26 +67,26 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
 
-    def __init__(self, dim, eps=1e-6, dtype=np.float32):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
         self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
 
     def _own(self):
         return {"weight": self.weight}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.eps) * self.weight
 
 
-def gelu(x):
+def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh form: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))."""
     return (
         0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + 0.044715 * x * x * x)))
     )
 
 
-def silu(x):
+def silu(x: np.ndarray) -> np.ndarray:
     """SiLU (swish): x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2 (no overflow)."""
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
@@ -89,7 +94,13 @@ def silu(x):
 class MLP(Module):
     """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F)."""
 
-    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         gen = as_rng(rng)
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
@@ -99,7 +110,7 @@ class MLP(Module):
     def _own(self):
         return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         h = x @ self.W1.T
         h += self.b1
         y = gelu(h) @ self.W2.T
@@ -113,7 +124,13 @@ class SwiGLU(Module):
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
     W_down (D, F)."""
 
-    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         gen = as_rng(rng)
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
@@ -123,7 +140,7 @@ class SwiGLU(Module):
     def _own(self):
         return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = x @ self._w_gate_up.T  # (…, 2F)
         g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
         return (silu(g) * u) @ self.W_down.T
@@ -157,22 +174,22 @@ class TransformerBlock(Module):
 
     def __init__(
         self,
-        d_model,
-        num_heads,
-        num_kv_heads=None,
-        d_ff=None,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        d_ff: int | None = None,
         *,
-        head_dim=None,
-        norm="layernorm",
-        eps=None,
-        ffn="gelu",
-        bias=False,
-        positional=None,
-        cross_attention=False,
-        kv_dim=None,
-        rng=None,
-        dtype=np.float32,
-    ):
+        head_dim: int | None = None,
+        norm: str = "layernorm",
+        eps: float | None = None,
+        ffn: str = "gelu",
+        bias: bool = False,
+        positional: str | RoPE | None = None,
+        cross_attention: bool = False,
+        kv_dim: int | None = None,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         if norm not in _NORMS:
             raise ValueError(f"norm must be one of {sorted(_NORMS)}, got {norm!r}")
         if ffn not in _FFNS:
@@ -215,7 +232,16 @@ class TransformerBlock(Module):
         ch.update(norm2=self.norm2, ffn=self.ffn)
         return ch
 
-    def __call__(self, x, context=None, mask=None, cache=None, *, causal=True, cross_cache=None):
+    def __call__(
+        self,
+        x: ArrayLike,
+        context: ArrayLike | None = None,
+        mask: Any = None,
+        cache: KVCache | None = None,
+        *,
+        causal: bool = True,
+        cross_cache: KVCache | None = None,
+    ) -> Any:
         """x (L, D) or (B, L, D) -> same shape.
 
         causal / mask / cache go to the self-attention (causal defaults to
@@ -265,24 +291,24 @@ class TinyTransformerLM(Module):
 
     def __init__(
         self,
-        vocab_size,
-        d_model,
-        num_layers,
-        num_heads,
-        num_kv_heads=None,
-        d_ff=None,
+        vocab_size: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        d_ff: int | None = None,
         *,
-        head_dim=None,
-        norm="rmsnorm",
-        ffn="swiglu",
-        positional="rope",
-        rope_base=10000.0,
-        rotary_dim=None,
-        rope_interleaved=False,
-        tie_embeddings=False,
-        seed=0,
-        dtype=np.float32,
-    ):
+        head_dim: int | None = None,
+        norm: str = "rmsnorm",
+        ffn: str = "swiglu",
+        positional: str = "rope",
+        rope_base: float = 10000.0,
+        rotary_dim: int | None = None,
+        rope_interleaved: bool = False,
+        tie_embeddings: bool = False,
+        seed: int | None = 0,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         V, D = check_int(vocab_size, "vocab_size", 1), check_int(d_model, "d_model", 1)
         N, H = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
         if positional not in ("rope", "sinusoidal"):
@@ -334,7 +360,7 @@ class TinyTransformerLM(Module):
             ch["lm_head"] = self._Embed(self.lm_head)
         return ch
 
-    def _check_tokens(self, tokens, name="tokens"):
+    def _check_tokens(self, tokens: ArrayLike, name: str = "tokens") -> np.ndarray:
         t = np.asarray(tokens)
         if t.dtype.kind not in "iu":
             raise TypeError(f"{name} must be an integer array, got dtype {t.dtype}")
@@ -347,7 +373,7 @@ class TinyTransformerLM(Module):
             )
         return t
 
-    def make_cache(self, batch, capacity, **kw):
+    def make_cache(self, batch: int, capacity: int, **kw: Any) -> LayerCaches:
         """A ``LayerCaches`` sized for this model (one KVCache per block)."""
         from .kv_cache import LayerCaches
 
@@ -361,7 +387,7 @@ class TinyTransformerLM(Module):
             **kw,
         )
 
-    def _check_cache(self, cache, B, L):
+    def _check_cache(self, cache: LayerCaches, B: int, L: int) -> None:
         """Every layer's cache fits (checked before layer 0 appends anything, so
         a bad cache leaves every layer unchanged)."""
         if len(cache) != self.num_layers:
@@ -392,7 +418,7 @@ class TinyTransformerLM(Module):
                     f"with window {c.window} (growable=False)"
                 )
 
-    def forward(self, tokens, cache=None):
+    def forward(self, tokens: ArrayLike, cache: LayerCaches | None = None) -> np.ndarray:
         """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
 
         cache : optional ``LayerCaches`` (``make_cache``); the tokens continue
@@ -417,8 +443,14 @@ class TinyTransformerLM(Module):
     __call__ = forward
 
     def generate(
-        self, prompt_tokens, max_new_tokens, temperature=0.0, seed=None, *, use_cache=True
-    ):
+        self,
+        prompt_tokens: ArrayLike,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        *,
+        use_cache: bool = True,
+    ) -> np.ndarray:
         """Continue the prompt by max_new_tokens tokens.
 
         prompt_tokens : (Lp,) or (B, Lp) ints, Lp >= 1.
@@ -456,7 +488,7 @@ class TinyTransformerLM(Module):
         return out[0] if squeeze else out
 
     @staticmethod
-    def _pick(logits, temperature, gen):
+    def _pick(logits: np.ndarray, temperature: float, gen: np.random.Generator) -> np.ndarray:
         """(B, V) logits -> (B,) next tokens."""
         if temperature == 0:
             return np.argmax(logits, axis=-1)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core
 from ._checks import (
@@ -69,7 +71,15 @@ def _check_projection(P, name, Lk, dtype):
     return P.astype(dtype, copy=False)
 
 
-def linformer_attention(q, k, v, E, F=None, *, scale=None):
+def linformer_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    E: ArrayLike,
+    F: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+) -> Any:
     """Linformer attention: softmax(q (E k)ᵀ · scale) (F v), exact on k rows.
 
     q : (L, d), (H, L, d) or (B, H, L, d) float32/float64.
@@ -119,8 +129,16 @@ class Linformer:
     """
 
     def __init__(
-        self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None
-    ):
+        self,
+        d_model: int,
+        n_heads: int,
+        seq_len: int,
+        k: int = 256,
+        *,
+        share_kv: bool = False,
+        dtype: DTypeLike = np.float32,
+        seed: int | None = None,
+    ) -> None:
         d_model, n_heads = check_int(d_model, "d_model", 1), check_int(n_heads, "n_heads", 1)
         seq_len, k = check_int(seq_len, "seq_len", 1), check_int(k, "k", 1)
         if d_model % n_heads != 0:
@@ -146,7 +164,7 @@ class Linformer:
         self.E = (rng.standard_normal((k, seq_len)) * p).astype(dtype)
         self.F = self.E if share_kv else (rng.standard_normal((k, seq_len)) * p).astype(dtype)
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> Any:
         like = X
         X = as_float_array(X, "X").astype(self.dtype, copy=False)
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
@@ -188,7 +206,7 @@ def _relu(x):
 _FEATURE_MAPS = {"elu1": _elu1, "relu": _relu}
 
 
-def feature_map(x, fm="elu1"):
+def feature_map(x: np.ndarray, fm: str | Callable[[np.ndarray], ArrayLike] = "elu1") -> np.ndarray:
     """Apply a linear-attention feature map to (…, d) and check it.
 
     fm : "elu1" (elu(x) + 1, Katharopoulos et al.; strictly positive),
@@ -242,10 +260,10 @@ class LinearAttentionState:
     k_sum: np.ndarray
     length: int = 0
 
-    def copy(self):
+    def copy(self) -> LinearAttentionState:
         return LinearAttentionState(self.kv.copy(), self.k_sum.copy(), self.length)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         # Short: shapes, dtypes and the position, never the arrays themselves.
         def desc(x):
             shape = getattr(x, "shape", None)
@@ -275,8 +293,16 @@ def _check_state(state, lead, r, dv):
 
 
 def linear_attention(
-    q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, state=None, return_state=False
-):
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    feature_map: str | Callable[[np.ndarray], ArrayLike] = "elu1",
+    causal: bool = False,
+    *,
+    eps: float = 1e-6,
+    state: LinearAttentionState | None = None,
+    return_state: bool = False,
+) -> Any:
     """Linear attention O = φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps), right to left.
 
     q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
@@ -336,7 +362,15 @@ def _feature(q, k, fm):
     return fq, fk
 
 
-def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
+def linear_attention_step(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    state: LinearAttentionState | None = None,
+    feature_map: str | Callable[[np.ndarray], ArrayLike] = "elu1",
+    *,
+    eps: float = 1e-6,
+) -> tuple[Any, LinearAttentionState]:
     """One decode step of causal linear attention: O(r·dv), whatever the length.
 
     q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv).
