@@ -14,7 +14,7 @@ dk, dv of the block's keys).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -39,6 +39,32 @@ from .functional import (
 )
 
 __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
+
+
+class _Grads:
+    """dq, dk, dv (and dsinks when there are sinks): new arrays of q's dtype,
+    written by the kernel (``run``) or zero when there is nothing to compute."""
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, Hq: int, sinks: Any) -> None:
+        self.arrays = [np.empty(x.shape, q.dtype) for x in (q, k, v)]
+        self.arrays += [np.empty(Hq, q.dtype)] if sinks is not None else []
+        self.ran = False
+
+    def run(self, view: Callable, dout, q, k, v, out, lse, **kw: Any) -> None:
+        """The kernel on 4-D views (``view``) of the inputs and of dq, dk, dv."""
+        dq, dk, dv = (view(a) for a in self.arrays[:3])
+        dsinks = self.arrays[3] if len(self.arrays) > 3 else None
+        _dispatch.backward(
+            view(dout), view(q), view(k), view(v), view(out), lse, dq, dk, dv, dsinks, **kw
+        )
+        self.ran = True
+
+    def result(self, like: Any) -> Any:
+        """(dq, dk, dv) or (dq, dk, dv, dsinks), in the kind of `like`."""
+        if not self.ran:  # nothing to compute: every gradient is zero
+            for a in self.arrays:
+                a[...] = 0
+        return to_input_kind(tuple(self.arrays), like)
 
 
 def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
@@ -118,34 +144,11 @@ def scaled_dot_product_attention_backward(
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
     score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
-    dq = np.empty(q.shape, q.dtype)
-    dk = np.empty(k.shape, q.dtype)
-    dv = np.empty(v.shape, q.dtype)
-    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
+    kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
+    grads = _Grads(q, k, v, Hq, sinks)
     if B * Hq:
-        _dispatch.backward(
-            to4(dout, "dout"),
-            q4,
-            k4,
-            v4,
-            to4(out, "out"),
-            lse,
-            to4(dq, "dq"),
-            to4(dk, "dk"),
-            to4(dv, "dv"),
-            dsinks,
-            scale=scale,
-            mask=mask,
-            score=score,
-            block_q=block_q,
-            block_k=block_k,
-        )
-    else:
-        dq[...], dk[...], dv[...] = 0, 0, 0
-        if dsinks is not None:
-            dsinks[...] = 0
-    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return to_input_kind(res, like)
+        grads.run(lambda x: to4(x, "array"), dout, q, k, v, out, lse, **kw)
+    return grads.result(like)
 
 
 def varlen_attention_backward(
@@ -190,37 +193,20 @@ def varlen_attention_backward(
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     mask = varlen_args(causal, window_size)
     score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
-    dq = np.empty(q.shape, q.dtype)
-    dk = np.empty(k.shape, q.dtype)
-    dv = np.empty(v.shape, q.dtype)
-    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
-
-    def t(x):  # (total, H, d) -> (1, H, total, d), a view
-        return x.transpose(1, 0, 2)[None]
-
+    kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
+    grads = _Grads(q, k, v, Hq, sinks)
     if cu_q.size > 1 and Hq:
-        _dispatch.backward(
-            t(dout),
-            t(q),
-            t(k),
-            t(v),
-            t(out),
+        # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
+        grads.run(
+            lambda x: x.transpose(1, 0, 2)[None],
+            dout,
+            q,
+            k,
+            v,
+            out,
             lse,
-            t(dq),
-            t(dk),
-            t(dv),
-            dsinks,
             cu_q=cu_q,
             cu_k=cu_k,
-            scale=scale,
-            mask=mask,
-            score=score,
-            block_q=block_q,
-            block_k=block_k,
+            **kw,
         )
-    else:
-        dq[...], dk[...], dv[...] = 0, 0, 0
-        if dsinks is not None:
-            dsinks[...] = 0
-    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return to_input_kind(res, like)
+    return grads.result(like)

@@ -57,7 +57,7 @@ from numpy.typing import ArrayLike
 
 import attn_fast as af
 
-from ._checks import check_int, check_scale
+from ._checks import check_int, check_qkv, check_scale
 
 __all__ = [
     "ring_attention",
@@ -296,35 +296,13 @@ def _check_tensors(q, k, v, enable_gqa):
             raise ValueError(f"{name} must be (B, H, L/P, d), got shape {tuple(x.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, H, n, d = q.shape
-    Bk, Hkv, nk, dk = k.shape
-    if dk != d:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has head dim {d}")
-    if d == 0:
-        raise ValueError(f"q has shape {tuple(q.shape)}: head dim d must be at least 1")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(
-            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and "
-            "length must match"
-        )
-    if Bk != B:
-        raise ValueError(
-            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: batch sizes differ"
-        )
+    # How the shapes relate: the one q/k/v checker (reads the tensors as NumPy views).
+    *_, (B, H, Hkv, n, nk, d, dv) = check_qkv(q, k, v, enable_gqa=enable_gqa)
     if nk != n:
         raise ValueError(
             f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel "
-            "self-attention "
-            "needs q and k/v shards of the same length"
+            "self-attention needs q and k/v shards of the same length"
         )
-    if Hkv != H:
-        if not enable_gqa:
-            raise ValueError(
-                f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query "
-                "attention"
-            )
-        if Hkv == 0 or H % Hkv:
-            raise ValueError(f"q has {H} heads, not a multiple of k/v's {Hkv} heads")
 
 
 def _check_shards(q, k, v, cfg_codes, group, world):
