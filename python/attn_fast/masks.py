@@ -86,6 +86,24 @@ def _check_align(align: str) -> str:
     return align
 
 
+def _mask_array(
+    x: ArrayLike,
+    dtype_ok: Callable[[np.dtype], bool],
+    min_ndim: int,
+    bad_dtype: str,
+    bad_shape: str,
+) -> np.ndarray:
+    """`x` (read detached) as a NumPy array of an accepted dtype (MaskTypeError:
+    `bad_dtype`, got dtype ...) with min_ndim to 4 dimensions (ValueError:
+    `bad_shape`, got shape ...)."""
+    a = np.asarray(detached(x))
+    if not dtype_ok(a.dtype):
+        raise MaskTypeError(f"{bad_dtype}, got dtype {a.dtype}")
+    if a.ndim < min_ndim or a.ndim > 4:
+        raise ValueError(f"{bad_shape}, got shape {_shape_str(a.shape)}")
+    return a
+
+
 def _broadcast4(arr: np.ndarray, shape: tuple[int, ...], name: str, what: str) -> np.ndarray:
     """View `arr` (ndim <= 4) broadcast to the 4-D `shape` (zero strides, no copy)."""
     if arr.ndim > 4:
@@ -290,17 +308,13 @@ class BlockSparse(Mask):
     """
 
     def __init__(self, layout: ArrayLike, block_q: int, block_k: int | None = None) -> None:
-        lay = np.asarray(detached(layout))
-        if lay.dtype != np.bool_:
-            raise MaskTypeError(
-                f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}"
-            )
-        if lay.ndim < 2 or lay.ndim > 4:
-            raise ValueError(
-                "BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape "
-                f"{_shape_str(lay.shape)}"
-            )
-        self.layout = lay
+        self.layout = _mask_array(
+            layout,
+            lambda dt: dt == np.bool_,
+            2,
+            "BlockSparse layout must be a boolean array",
+            "BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk)",
+        )
         self.block_q = check_int(block_q, "block_q", 1)
         self.block_k = self.block_q if block_k is None else check_int(block_k, "block_k", 1)
 
@@ -494,18 +508,13 @@ class Dense(Mask):
     """
 
     def __init__(self, array: ArrayLike) -> None:
-        a = np.asarray(detached(array))
-        if a.dtype != np.bool_ and a.dtype.kind != "f":
-            raise MaskTypeError(
-                "attn_mask must be a boolean (True = attend) or float (additive) array, got "
-                f"dtype {a.dtype}"
-            )
-        if a.ndim < 1 or a.ndim > 4:
-            raise ValueError(
-                "attn_mask must be broadcastable to (B, H, Lq, Lk), got shape "
-                f"{_shape_str(a.shape)}"
-            )
-        self.array = a
+        self.array = _mask_array(
+            array,
+            lambda dt: dt == np.bool_ or dt.kind == "f",
+            1,
+            "attn_mask must be a boolean (True = attend) or float (additive) array",
+            "attn_mask must be broadcastable to (B, H, Lq, Lk)",
+        )
 
     def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
         a = self.array
