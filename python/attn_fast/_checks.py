@@ -363,7 +363,7 @@ def check_seq_lens(x: Any, name: str, B: int, upper: int | None = None) -> np.nd
     (bool and float included), ValueError for a wrong shape or a value out of
     range (uint64 values beyond int64 included), naming `name` and the shapes.
     """
-    a = np.asarray(detached(x))
+    a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise ArgumentTypeError(
             f"{name} must hold integers (an int, or one per sequence: shape ({B},)), "

@@ -66,8 +66,13 @@ class ScoreArgs:
         return names + [n for n in ("alibi", "sinks") if getattr(self, n) is not None]
 
     def kernel_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``_core.forward`` / ``_core.backward``."""
-        return dict(softcap=self.softcap, alibi=self.alibi, sinks=self.sinks)
+        """The keyword arguments of ``_core.forward`` / ``_core.backward`` this
+        record sets (the others keep the bindings' defaults)."""
+        kw: dict[str, Any] = {n: getattr(self, n) for n in ("alibi", "sinks")}
+        kw = {n: a for n, a in kw.items() if a is not None}
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        return kw
 
 
 PLAIN = ScoreArgs()
@@ -148,42 +153,21 @@ def attend(
     (tiles_computed, tiles_skipped, block_q, block_k); zeros for DECODE.
     The GIL is released while the kernel runs.
     """
-    if kernel == DECODE:
-        _core.decode(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            scale=scale,
-            causal=mask.causal,
-            top_left=mask.top_left,
-            window_left=mask.window_left,
-            window_right=mask.window_right,
-            q_lens=mask.q_lens,
-            kv_lens=mask.kv_lens,
-            kv_start=kv_start,
-        )
+    kw = mask.kernel_kwargs()
+    if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
+        _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
         return (0, 0, 0, 0)
     if kv_start is not None:
         raise ValueError("kv_start (a ring of keys) is read by the decode kernel only")
-    return tuple(
-        _core.forward(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            scale=scale,
-            cu_q=cu_q,
-            cu_k=cu_k,
-            block_q=block_q,
-            block_k=block_k,
-            reference=kernel == REFERENCE,
-            **mask.kernel_kwargs(),
-            **score.kernel_kwargs(),
-        )
-    )
+    if cu_q is not None:
+        kw.update(cu_q=cu_q, cu_k=cu_k)
+    if block_q or block_k:
+        kw.update(block_q=block_q, block_k=block_k)
+    if kernel == REFERENCE:
+        kw["reference"] = True
+    if score is not PLAIN:
+        kw.update(score.kernel_kwargs())
+    return tuple(_core.forward(q, k, v, o, lse, scale=scale, **kw))
 
 
 def backward(

@@ -149,7 +149,12 @@ def _score_args(
                     f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}"
                 )
         arrays.append(arr)
+    if not cap and all(a is None for a in arrays):
+        return _dispatch.PLAIN
     return ScoreArgs(cap, *arrays)
+
+
+_CAUSAL = MaskArgs(causal=True, aligns=frozenset({"bottom_right"}))  # is_causal=True
 
 
 def _mask_args(
@@ -171,7 +176,7 @@ def _mask_args(
     if window_size is not None:
         parts.append(_window_args(window_size))
     if is_causal:
-        parts.append(MaskArgs(causal=True, aligns=frozenset({"bottom_right"})))
+        parts.append(_CAUSAL)
     return masks.add_block_summary(MaskArgs.combine(parts, B, Lq, Lk))
 
 

@@ -202,7 +202,7 @@ class Causal(Mask):
         self.align = _check_align(align)
 
     def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
-        return MaskArgs(causal=True, aligns=frozenset({self.align}))
+        return _CAUSAL[self.align]
 
     def __repr__(self) -> str:
         return f"Causal(align={self.align!r})"
@@ -283,7 +283,7 @@ class Padding(Mask):
             ql = kv.copy()
         else:
             ql = None
-        return MaskArgs(q_lens=ql, kv_lens=kv)
+        return _record(q_lens=ql, kv_lens=kv)
 
     def __repr__(self) -> str:
         q = "" if self.q_lens is None else f", q_lens={self.q_lens.tolist()}"
@@ -532,6 +532,7 @@ class Dense(Mask):
 # ---------------------------------------------------------------- kernel arguments
 
 _ALIGN_FREE: frozenset[str] = frozenset()
+_TOP_LEFT: frozenset[str] = frozenset({"top_left"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -571,7 +572,7 @@ class MaskArgs:
     @property
     def top_left(self) -> bool:
         """True when the diagonal is top-left aligned (off = 0)."""
-        return self.aligns == {"top_left"}
+        return self.aligns == _TOP_LEFT
 
     @property
     def elementwise(self) -> bool:
@@ -587,12 +588,14 @@ class MaskArgs:
         sizes) and boolean masks are AND-ed; additive biases add up;
         alignments are collected (``resolve`` checks that they agree).
         """
+        if other is _EVERYTHING:
+            return self
         if self.layout is None or other.layout is None:
             mine = self if other.layout is None else other
             layout = dict(layout=mine.layout, layout_bq=mine.layout_bq, layout_bk=mine.layout_bk)
         else:
             layout = _merge_layouts(self, other)
-        return MaskArgs(
+        return _record(
             causal=self.causal or other.causal,
             window_left=_min_window(self.window_left, other.window_left),
             window_right=_min_window(self.window_right, other.window_right),
@@ -622,26 +625,26 @@ class MaskArgs:
     @classmethod
     def combine(cls, parts: Iterable[MaskArgs], B: int, Lq: int, Lk: int) -> MaskArgs:
         """The resolved intersection of `parts` (an empty list: everything visible)."""
-        out = cls()
-        for p in parts:
+        it = iter(parts)
+        out = next(it, _EVERYTHING)
+        for p in it:
             out = out.merge(p)
         return out.resolve(B, Lq, Lk)
 
     def kernel_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``_core.forward`` / ``_core.backward`` this record sets."""
-        return dict(
-            causal=self.causal,
-            top_left=self.top_left,
-            window_left=self.window_left,
-            window_right=self.window_right,
-            q_lens=self.q_lens,
-            kv_lens=self.kv_lens,
-            layout=self.layout,
-            layout_bq=self.layout_bq,
-            layout_bk=self.layout_bk,
-            mask=self.mask,
-            bias=self.bias,
-        )
+        """The keyword arguments of ``_core.forward`` / ``_core.decode`` /
+        ``_core.backward`` this record sets: the fields that differ from the
+        defaults (which are the bindings' defaults), ``aligns`` as top_left.
+        Only what is set is passed: every keyword costs the binding a lookup."""
+        kw = {}
+        for n, v in vars(self).items():
+            d = _DEFAULTS[n]
+            if v is d or (n in _SCALARS and v == d):
+                continue
+            kw[n] = v
+        if kw.pop("aligns", None) is not None:
+            kw["top_left"] = self.top_left
+        return kw
 
     def set_fields(self) -> list[str]:
         """The names of the arguments this record sets (for error messages)."""
@@ -657,6 +660,21 @@ class MaskArgs:
         names += [n for n in ("window_left", "window_right") if getattr(self, n) >= 0]
         return sorted(names)
 
+
+_EVERYTHING = MaskArgs()  # no restriction: every pair is visible (records are immutable)
+_DEFAULTS = dict(vars(_EVERYTHING))
+_SCALARS = {"causal", "window_left", "window_right", "layout_bq", "layout_bk", "aligns"}
+
+
+def _record(**kw: Any) -> MaskArgs:
+    """``MaskArgs(**kw)`` without the frozen dataclass's per-field __init__
+    (the merge runs on every call): the same record, built by filling its dict."""
+    obj = object.__new__(MaskArgs)
+    vars(obj).update(_DEFAULTS, **kw)
+    return obj
+
+
+_CAUSAL = {a: MaskArgs(causal=True, aligns=frozenset({a})) for a in _ALIGNS}
 
 # ---------------------------------------------------------------- combination
 
