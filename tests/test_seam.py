@@ -252,3 +252,27 @@ def test_check_qkv_one_checker_for_every_caller():
     with pytest.raises(TypeError, match="float32 or float64, got dtype float16"):
         _checks.check_qkv(x.astype(np.float16), x, x)
     assert _checks.check_qkv(x[0, 0], x[0, 0], None, half=True).v4 is None
+
+
+def test_kernel_kwargs_pass_only_what_is_set():
+    assert MaskArgs().kernel_kwargs() == {} and ScoreArgs().kernel_kwargs() == {}
+    lens = np.array([3, 4])
+    kw = MaskArgs(causal=True, window_left=0, kv_lens=lens, aligns=frozenset({"top_left"}))
+    got = kw.kernel_kwargs()
+    assert got.pop("kv_lens") is lens
+    assert got == {"causal": True, "window_left": 0, "top_left": True}
+    assert MaskArgs(aligns=frozenset({"bottom_right"})).kernel_kwargs() == {"top_left": False}
+    assert ScoreArgs(softcap=2.0).kernel_kwargs() == {"softcap": 2.0}
+
+
+def test_merged_records_equal_constructed_ones():
+    a = MaskArgs(causal=True, aligns=frozenset({"bottom_right"}))
+    b = MaskArgs(kv_lens=np.array([5]))
+    m = a.merge(b)
+    assert type(m) is MaskArgs and dataclasses.is_dataclass(m)
+    want = MaskArgs(causal=True, kv_lens=b.kv_lens, aligns=a.aligns)
+    assert {f.name: getattr(m, f.name) for f in dataclasses.fields(m)} == {
+        f.name: getattr(want, f.name) for f in dataclasses.fields(want)
+    }
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.window_left = 3
