@@ -22,7 +22,7 @@ from attn_fast import reference as ref
 def kernel_inputs(monkeypatch):
     """Record (data pointer, strides) of every q, k, v, o the C++ core receives."""
     seen = []
-    real = F._core.forward
+    real = af._core.forward
 
     def spy(q, k, v, o, lse=None, **kw):
         seen.append(
@@ -30,7 +30,7 @@ def kernel_inputs(monkeypatch):
         )
         return real(q, k, v, o, lse, **kw)
 
-    monkeypatch.setattr(F._core, "forward", spy)
+    monkeypatch.setattr(af._core, "forward", spy)
     return seen
 
 

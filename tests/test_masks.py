@@ -263,8 +263,8 @@ def test_bias_of_other_dtype_is_not_broadcast_copied(rng):
     # A float64 (Lq, Lk) bias with float32 q must be cast at its own shape.
     q, k, v = qkv(rng, 4, 8, 8, 33, 33, 8, 8, np.float32)
     bias = rng.standard_normal((33, 33))
-    kw = M.Dense(bias)._kernel_kwargs(B=4, H=8, Lq=33, Lk=33, dtype=np.float32)
-    assert kw["bias"].dtype == np.float32 and kw["bias"].strides[:2] == (0, 0)
+    args = M.Dense(bias).kernel_args(B=4, H=8, Lq=33, Lk=33, dtype=np.float32)
+    assert args.bias.dtype == np.float32 and args.bias.strides[:2] == (0, 0)
     run_and_check(q, k, v, bias, None, bias=bias, dtype=np.float32)
 
 
@@ -852,8 +852,8 @@ def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     mask = random_mask(rng, shape, 0.5)
     if len(shape) == 4 and shape[-1] > 1:
         mask[..., 64:160] = False  # whole empty tiles
-    kw = af.functional._mask_kwargs(mask, False, None, B, H, Lq, Lk, np.float32)
-    assert kw["layout_bq"] == M.SUMMARY_BLOCK and kw["layout"].shape == (B, H, 10, 13)
+    args = af.functional._mask_args(mask, False, None, B, H, Lq, Lk, np.float32)
+    assert args.layout_bq == M.SUMMARY_BLOCK and args.layout.shape == (B, H, 10, 13)
     o1, s1 = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
     monkeypatch.setattr(M, "add_block_summary", lambda kw: kw)
     o2, s2 = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import os as _os
 
-from . import _core
+from . import _core as _core  # the extension (attn_fast._core), re-exported
 from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config
-from .functional import attention, scaled_dot_product_attention
-from .functional import KernelStats, attention_weights, varlen_attention
+from .functional import (
+    KernelStats,
+    attention,
+    attention_weights,
+    scaled_dot_product_attention,
+    varlen_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -39,11 +44,11 @@ _forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
 if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
 
-from . import reference  # noqa: E402  (the oracle, importable as attn_fast.reference)
-from . import masks  # noqa: E402  (mask objects: Causal, SlidingWindow, Padding, BlockSparse, Dense)
-from . import variants  # noqa: E402  (Linformer, linear attention: attn_fast.variants)
+# masks: Causal, SlidingWindow, Padding, BlockSparse, Dense; reference: the oracle;
+# variants: Linformer, linear attention.
+from . import masks, reference, variants  # noqa: E402
 
-__all__.append("variants")
+__all__ += ["variants"]
 
 from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
 

@@ -11,14 +11,16 @@ commands:
   bench    prefill benchmark: attn_fast vs textbook NumPy vs torch (if installed);
            bench --quick | --full: the suite (peers, FMA peak, bandwidth, JSON + PNG)
   config   print version, ISA, OpenMP runtime and thread count
-  demo     the chapter's demo: attention by hand on 猫 追 红色 激光点 (--step, --causal, --lang, --plot)
+  demo     the chapter's demo: attention by hand on 猫 追 红色 激光点
+           (--step, --causal, --lang, --plot)
 
 {prog} COMMAND --help shows a command's options.
 """
 
 
 def prog_name(argv0=None):
-    """The program name as invoked: "python -m attn_fast", or the console script's name ("attn-fast")."""
+    """The program name as invoked: "python -m attn_fast", or the console
+    script's name ("attn-fast")."""
     argv0 = sys.argv[0] if argv0 is None else argv0
     base = os.path.basename(argv0 or "")
     if not base or base in ("-c", "-m") or base.startswith("__main__") or base.endswith(".py"):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,7 +28,8 @@ F16 = np.dtype(np.float16)
 BF16 = np.dtype(np.uint16)  # bfloat16 held as its bit patterns (after as_float_array)
 HALF_DTYPES = (F16, BF16)
 _HALF_HINT = (
-    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, varlen_attention "
+    "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, "
+    "varlen_attention "
     "and KVCache only; cast to float32 here (x.float() / x.astype(np.float32))"
 )
 
@@ -57,7 +60,8 @@ def dtype_name(dt):
 
 
 def compute_dtype(dt):
-    """What lse, biases, ALiBi slopes and sinks use for storage dtype dt: float32 for the 16-bit types."""
+    """What lse, biases, ALiBi slopes and sinks use for storage dtype dt:
+    float32 for the 16-bit types."""
     dt = np.dtype(dt)
     return np.dtype(np.float32) if dt in HALF_DTYPES else dt
 
@@ -68,7 +72,8 @@ def bf16_to_f32(bits):
 
 
 def f32_to_bf16(x):
-    """uint16 bfloat16 bits of float32 values, round to nearest even, NaN kept NaN (as the kernels)."""
+    """uint16 bfloat16 bits of float32 values, round to nearest even, NaN kept
+    NaN (as the kernels)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
@@ -151,11 +156,13 @@ def _check_on_cpu(x, name):
     if _is_torch_tensor(x):
         if x.device.type != "cpu":
             raise TypeError(
-                f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU only (use .cpu())"
+                f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU "
+                "only (use .cpu())"
             )
         if str(x.layout) != "torch.strided":  # sparse layouts have no strides to read
             raise TypeError(
-                f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors are supported"
+                f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors "
+                "are supported"
             )
         return
     if hasattr(x, "__cuda_array_interface__"):
@@ -279,7 +286,8 @@ def as_out_array(out, name="out"):
     """
     if _is_torch_tensor(out) and out.requires_grad:
         raise TypeError(
-            f"{name} is a torch tensor that requires grad; attn_fast writes results without autograd, "
+            f"{name} is a torch tensor that requires grad; attn_fast writes results without "
+            "autograd, "
             "pass a tensor that does not require grad"
         )
     o = as_array(out, name)
@@ -302,7 +310,8 @@ def check_same_dtype(**arrays):
         first = next(iter(dts))
         raise TypeError(
             f"mixed dtypes are not supported ({desc}); cast them to one float dtype, "
-            f"e.g. x.to({first}.dtype) for torch tensors or x.astype({first}.dtype) for NumPy arrays"
+            f"e.g. x.to({first}.dtype) for torch tensors or x.astype({first}.dtype) for NumPy "
+            "arrays"
         )
 
 
@@ -314,26 +323,65 @@ def shape_str(a):
 
 
 class ArgumentTypeError(TypeError, ValueError):
-    """A scalar argument of the wrong type (a float where a count goes, a string
-    where a scale goes). A TypeError, and a ValueError as well for callers that
-    caught what ``int(x)`` / ``float(x)`` used to raise."""
+    """An argument of the wrong type or dtype (a float where a count goes, a
+    string where a scale goes, float lengths, a non-boolean mask layout). A
+    TypeError, and a ValueError as well for callers that caught what
+    ``int(x)`` / ``float(x)`` used to raise or what the mask checks raised
+    (``masks.MaskTypeError`` is this class)."""
 
 
-def check_int(x, name, minimum=None, maximum=None):
-    """`x` as a Python int: TypeError unless it is an integer (bool, numpy.bool_,
-    floats and strings are refused, so 2.5 is never silently truncated to 2),
-    ValueError outside [minimum, maximum]."""
+def check_int(x: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`x` as a Python int: ArgumentTypeError (a TypeError and a ValueError)
+    unless it is an integer (bool, numpy.bool_, floats and strings are
+    refused, so 2.5 is never silently truncated to 2), ValueError outside
+    [minimum, maximum]."""
     if isinstance(x, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be an int, got bool {x!r}")
+        raise ArgumentTypeError(f"{name} must be an integer, got bool {x!r}")
     try:
         x = operator.index(x)  # ints, NumPy integers, 0-d integer arrays; not floats
     except TypeError:
-        raise ArgumentTypeError(f"{name} must be an int, got {type(x).__name__} {x!r}") from None
-    if minimum is not None and x < minimum:
+        raise ArgumentTypeError(
+            f"{name} must be an integer, got {type(x).__name__} {x!r}"
+        ) from None
+    low = minimum is not None and x < minimum
+    high = maximum is not None and x > maximum
+    if (low or high) and minimum is not None and maximum is not None:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {x}")
+    if low:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    if maximum is not None and x > maximum:
+    if high:
         raise ValueError(f"{name} must be <= {maximum}, got {x}")
     return x
+
+
+def check_seq_lens(x: Any, name: str, B: int, upper: int | None = None) -> np.ndarray:
+    """Per-sequence lengths: an int (the same for every sequence) or a (B,)
+    integer array, as a fresh (B,) int64 array (aligned, native, contiguous:
+    the kernels read it raw) with every value in [0, upper].
+
+    ArgumentTypeError (a TypeError and a ValueError) for a non-integer dtype
+    (bool and float included), ValueError for a wrong shape or a value out of
+    range (uint64 values beyond int64 included), naming `name` and the shapes.
+    """
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ArgumentTypeError(
+            f"{name} must hold integers (an int, or one per sequence: shape ({B},)), "
+            f"got dtype {a.dtype}"
+        )
+    if a.size and a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds values beyond int64, max {a.max()}")
+    if a.ndim == 0:
+        a = np.full(B, a, dtype=np.int64)
+    if a.shape != (B,):
+        raise ValueError(
+            f"{name} must have one length per batch entry, shape ({B},), got shape {shape_str(a)}"
+        )
+    a = a.astype(np.int64)  # a fresh copy
+    if a.size and (a.min() < 0 or (upper is not None and a.max() > upper)):
+        where = "be >= 0" if upper is None else f"lie in [0, {upper}]"
+        raise ValueError(f"{name} must {where}, got values in [{a.min()}, {a.max()}]")
+    return a
 
 
 def check_real(x, name, *, minimum=None, positive=False):
@@ -373,7 +421,8 @@ def check_scale(scale, d, dtype=None):
         dt = compute_dtype(dtype)  # 16-bit inputs are computed in float32
         if abs(scale) > float(np.finfo(dt).max):
             raise ValueError(
-                f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest {np.finfo(dt).max})"
+                f"scale = {scale!r} overflows {dt} (the inputs' compute dtype; largest "
+                f"{np.finfo(dt).max})"
             )
     return scale
 
@@ -443,3 +492,148 @@ def check_bool(x, name):
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     raise ArgumentTypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
+
+
+# ---------------------------------------------------------------- q, k, v
+
+
+def to4(x: np.ndarray, name: str) -> np.ndarray:
+    """(L, d), (H, L, d) or (B, H, L, d) as a 4-D view (B, H, L, d); ValueError otherwise."""
+    if x.ndim == 2:
+        return x[None, None]
+    if x.ndim == 3:
+        return x[None]
+    if x.ndim == 4:
+        return x
+    raise ValueError(
+        f"{name} must have 2, 3 or 4 dimensions ((L, d), (H, L, d) or (B, H, L, d)), "
+        f"got shape {shape_str(x)}"
+    )
+
+
+class QKV(NamedTuple):
+    """q, k, v as checked by ``check_qkv``: NumPy arrays of the callers' shapes,
+    their 4-D (B, H, L, d) views, and the sizes (B, Hq, Hkv, Lq, Lk, d, dv)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray | None
+    q4: np.ndarray
+    k4: np.ndarray
+    v4: np.ndarray | None
+    dims: tuple[int, int, int, int, int, int, int]
+
+
+def check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
+    """ValueError unless Hkv == Hq, or (grouped-query) Hq is a multiple of Hkv."""
+    if Hkv != Hq:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {Hq} heads but k/v have {Hkv}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"q has {Hq} heads, not a multiple of k/v's {Hkv} heads")
+
+
+def check_qkv(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    half: bool = False,
+    enable_gqa: bool | None = False,
+    same_len: bool = False,
+) -> QKV:
+    """The one q/k/v checker: (L, d), (H, L, d) or (B, H, L, d) arrays of one dtype.
+
+    q (…, Lq, d), k (…, Lk, d), v (…, Lk, dv) or None (the weights need no v),
+    the same number of dimensions. Read by ``as_float_array`` (16-bit dtypes
+    with ``half``). k and v agree on batch, heads and length; q and k on the
+    head dim d >= 1 and the batch. Heads: ``enable_gqa`` True allows
+    H_kv | H (grouped-query), False asks for it when they differ, None
+    (functions without GQA) requires the same heads. ``same_len``: Lq == Lk
+    too (only with ``enable_gqa=None``; linear attention). ValueError /
+    TypeError naming the shapes.
+    """
+    q = as_float_array(q, "q", half=half)
+    k = as_float_array(k, "k", half=half)
+    if v is not None:
+        v = as_float_array(v, "v", half=half)
+    check_same_dtype(q=q, k=k, v=v)
+    if not (q.ndim == k.ndim and (v is None or v.ndim == q.ndim)):
+        vs = "" if v is None else f", v {shape_str(v)}"
+        raise ValueError(
+            "q, k and v must all be (L, d), (H, L, d) or (B, H, L, d) with the same number "
+            f"of dimensions, got q {shape_str(q)}, k {shape_str(k)}{vs}"
+        )
+    q4, k4 = to4(q, "q"), to4(k, "k")
+    B, Hq, Lq, d = q4.shape
+    Bk, Hkv, Lk, dk = k4.shape
+    if dk != d:
+        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
+    if d == 0:
+        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
+    dv, v4 = d, None
+    if v is not None:
+        v4 = to4(v, "v")
+        Bv, Hv, Lv, dv = v4.shape
+        if (Bk, Hkv, Lk) != (Bv, Hv, Lv):
+            raise ValueError(
+                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: "
+                "batch, heads and length must match"
+            )
+    if enable_gqa is None:  # no grouped-query heads: batch and heads (and length) as q's
+        if (Bk, Hkv) != (B, Hq) or (same_len and Lk != Lq):
+            what = "batch, heads and length" if same_len else "batch and heads"
+            raise ValueError(
+                f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match"
+            )
+    if Bk != B:
+        raise ValueError(
+            f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ"
+        )
+    if enable_gqa is not None:
+        check_heads(Hq, Hkv, enable_gqa)
+    return QKV(q, k, v, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv))
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Output:
+    """Where a kernel writes its result and how that reaches the caller.
+
+    ``prepare`` gives ``array``, the (C-contiguous new, or the caller's
+    checked ``out``) array the kernel writes; when ``out`` shares memory with
+    an input the kernel writes a temporary instead, copied to ``out`` by
+    ``result``. ``result(*extra)`` returns the caller's own ``out`` object
+    (extras in the input's kind) or the new array, as a torch tensor for
+    torch input (``to_input_kind``), with the extras (lse, stats, ...) after
+    it in a tuple when there are any.
+    """
+
+    array: np.ndarray
+    out: Any = None
+    target: np.ndarray | None = None
+    like: Any = None
+
+    @classmethod
+    def prepare(
+        cls, out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any, reads: tuple = ()
+    ) -> Output:
+        """The output of a call whose input (for the result's kind) is `like` and
+        which reads the arrays `reads` (checked for aliasing with ``out``)."""
+        if out is None:
+            return cls(np.empty(shape, dtype=dtype), like=like)
+        o, target = alias_safe(check_out(out, shape, dtype), *reads)
+        return cls(o, out, target, like)
+
+    def result(self, *extra: Any) -> Any:
+        """The call's return value: out (or the new array), then `extra` if any."""
+        if self.target is not None:
+            self.target[...] = self.array
+        if self.out is not None:  # the caller's own object back (ndarray or tensor)
+            return (self.out, *to_input_kind(tuple(extra), self.like)) if extra else self.out
+        return to_input_kind((self.array, *extra) if extra else self.array, self.like)

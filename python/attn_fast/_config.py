@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Any
 
 from . import _core
 
 __all__ = ["set_isa", "get_isa", "set_num_threads", "get_num_threads", "show_config", "config"]
 
 
-def set_isa(name):
+def set_isa(name: str) -> None:
     """Force the kernel instruction set: "scalar", "avx2", "avx512" or
     "avx512_bf16" (avx512 plus vdpbf16ps micro-kernels for bfloat16 calls;
     chosen by default only where a timing probe finds them faster).
@@ -28,16 +29,17 @@ def set_isa(name):
         _core.set_isa(name)
     except RuntimeError as e:
         raise RuntimeError(
-            f"attn_fast: cannot use ISA {name!r}: {e}. Available here: {', '.join(_core.available_isas())}"
+            f"attn_fast: cannot use ISA {name!r}: {e}. Available here: "
+            f"{', '.join(_core.available_isas())}"
         ) from None
 
 
-def get_isa():
+def get_isa() -> str:
     """The instruction set the kernels run with now."""
     return _core.active_isa()
 
 
-def set_num_threads(n):
+def set_num_threads(n: int) -> None:
     """Set the number of OpenMP threads attn_fast's kernels use (per process)."""
     if isinstance(n, bool) or not isinstance(n, int) and not hasattr(n, "__index__"):
         raise TypeError(f"n must be an int, got {type(n).__name__}")
@@ -49,12 +51,12 @@ def set_num_threads(n):
     _core.set_num_threads(n)
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     """Threads the kernels will use: set_num_threads(), else OMP_NUM_THREADS, else all cores."""
     return _core.get_num_threads()
 
 
-def cpu_model():
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -65,7 +67,7 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-def config():
+def config() -> dict[str, Any]:
     """The configuration as a dict (what show_config prints)."""
     from . import __version__
 
@@ -83,7 +85,7 @@ def config():
     }
 
 
-def show_config():
+def show_config() -> None:
     """Print version, chosen ISA, available ISAs, OpenMP runtime and thread count."""
     for key, val in config().items():
         if isinstance(val, list):

@@ -14,28 +14,57 @@ dk, dv of the block's keys).
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any, Callable
 
-from . import _core
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import _dispatch, masks
 from ._checks import (
     as_float_array,
     check_bool,
+    check_qkv,
     check_same_dtype,
     check_scale,
     shape_str,
+    to4,
     to_input_kind,
 )
 from .functional import (
     _block_size,
-    _check_qkv,
-    _mask_kwargs,
-    _score_kwargs,
-    _to4,
+    _mask_args,
+    _score_args,
     check_varlen,
-    varlen_kwargs,
+    varlen_args,
 )
 
 __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
+
+
+class _Grads:
+    """dq, dk, dv (and dsinks when there are sinks): new arrays of q's dtype,
+    written by the kernel (``run``) or zero when there is nothing to compute."""
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, Hq: int, sinks: Any) -> None:
+        self.arrays = [np.empty(x.shape, q.dtype) for x in (q, k, v)]
+        self.arrays += [np.empty(Hq, q.dtype)] if sinks is not None else []
+        self.ran = False
+
+    def run(self, view: Callable, dout, q, k, v, out, lse, **kw: Any) -> None:
+        """The kernel on 4-D views (``view``) of the inputs and of dq, dk, dv."""
+        dq, dk, dv = (view(a) for a in self.arrays[:3])
+        dsinks = self.arrays[3] if len(self.arrays) > 3 else None
+        _dispatch.backward(
+            view(dout), view(q), view(k), view(v), view(out), lse, dq, dk, dv, dsinks, **kw
+        )
+        self.ran = True
+
+    def result(self, like: Any) -> Any:
+        """(dq, dk, dv) or (dq, dk, dv, dsinks), in the kind of `like`."""
+        if not self.ran:  # nothing to compute: every gradient is zero
+            for a in self.arrays:
+                a[...] = 0
+        return to_input_kind(tuple(self.arrays), like)
 
 
 def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
@@ -61,24 +90,24 @@ def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
 
 
 def scaled_dot_product_attention_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    block_q=0,
-    block_k=0,
-):
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Gradients of ``scaled_dot_product_attention`` with respect to q, k, v.
 
     Parameters
@@ -106,63 +135,43 @@ def scaled_dot_product_attention_backward(
         raise TypeError("v must be an array, got None")
     like = q
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    q, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = _check_qkv(q, k, v, enable_gqa)
+    q, _, _, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = check_qkv(
+        q, k, v, half=True, enable_gqa=enable_gqa
+    )
     k, v = as_float_array(k, "k"), as_float_array(v, "v")
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    dq = np.empty(q.shape, q.dtype)
-    dk = np.empty(k.shape, q.dtype)
-    dv = np.empty(v.shape, q.dtype)
-    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
+    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
+    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
+    kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
+    grads = _Grads(q, k, v, Hq, sinks)
     if B * Hq:
-        _core.backward(
-            _to4(dout, "dout"),
-            q4,
-            k4,
-            v4,
-            _to4(out, "out"),
-            lse,
-            _to4(dq, "dq"),
-            _to4(dk, "dk"),
-            _to4(dv, "dv"),
-            dsinks,
-            scale=scale,
-            block_q=block_q,
-            block_k=block_k,
-            **kw,
-        )
-    else:
-        dq[...], dk[...], dv[...] = 0, 0, 0
-        if dsinks is not None:
-            dsinks[...] = 0
-    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return to_input_kind(res, like)
+        grads.run(lambda x: to4(x, "array"), dout, q, k, v, out, lse, **kw)
+    return grads.result(like)
 
 
 def varlen_attention_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
-    causal=False,
-    window_size=None,
-    scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    block_q=0,
-    block_k=0,
-):
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Gradients of ``varlen_attention`` (packed variable-length sequences).
 
     dout, out : (total_q, H, dv); q : (total_q, H, d); k : (total_k, H_kv, d);
@@ -182,38 +191,22 @@ def varlen_attention_backward(
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    kw = varlen_kwargs(causal, window_size)
-    kw.update(_score_kwargs(Hq, q.dtype, softcap, alibi_slopes, sinks))
-    dq = np.empty(q.shape, q.dtype)
-    dk = np.empty(k.shape, q.dtype)
-    dv = np.empty(v.shape, q.dtype)
-    dsinks = np.empty(Hq, q.dtype) if sinks is not None else None
-
-    def t(x):  # (total, H, d) -> (1, H, total, d), a view
-        return x.transpose(1, 0, 2)[None]
-
+    mask = varlen_args(causal, window_size)
+    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
+    kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
+    grads = _Grads(q, k, v, Hq, sinks)
     if cu_q.size > 1 and Hq:
-        _core.backward(
-            t(dout),
-            t(q),
-            t(k),
-            t(v),
-            t(out),
+        # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
+        grads.run(
+            lambda x: x.transpose(1, 0, 2)[None],
+            dout,
+            q,
+            k,
+            v,
+            out,
             lse,
-            t(dq),
-            t(dk),
-            t(dv),
-            dsinks,
             cu_q=cu_q,
             cu_k=cu_k,
-            scale=scale,
-            block_q=block_q,
-            block_k=block_k,
             **kw,
         )
-    else:
-        dq[...], dk[...], dv[...] = 0, 0, 0
-        if dsinks is not None:
-            dsinks[...] = 0
-    res = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    return to_input_kind(res, like)
+    return grads.result(like)

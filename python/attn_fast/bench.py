@@ -122,7 +122,11 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
     print(f"measured FP32 FMA peak on {nt} thread(s): {peak:.0f} GFLOP/s", file=out)
     if torch is None:
         print(f"torch not installed: its column is skipped ({INSTALL_HINT})", file=out)
-    hdr = f"{'B':>2} {'H':>3} {'L':>5} {'d':>4} {'causal':>6} | {'attn_fast ms':>12} {'GFLOP/s':>8} {'%peak':>6} | {'numpy ms':>9} {'x':>6} | {'torch ms':>9} {'x':>6}"
+    hdr = (
+        f"{'B':>2} {'H':>3} {'L':>5} {'d':>4} {'causal':>6} | "
+        f"{'attn_fast ms':>12} {'GFLOP/s':>8} {'%peak':>6} | "
+        f"{'numpy ms':>9} {'x':>6} | {'torch ms':>9} {'x':>6}"
+    )
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rows = []
@@ -133,7 +137,10 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
         check_against_oracle(o, q, k, v, causal)
         flops = 4.0 * B * H * L * L * d * (0.5 if causal else 1.0)
         settle()
-        t_af = median_time(lambda: scaled_dot_product_attention(q, k, v, is_causal=causal), repeats)
+        t_af = median_time(
+            lambda q=q, k=k, v=v, c=causal: scaled_dot_product_attention(q, k, v, is_causal=c),
+            repeats,
+        )
         row = {
             "B": B,
             "H": H,
@@ -147,7 +154,9 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
         if include_numpy and B * H * L * L * 4 <= 2 << 30:
             check_against_oracle(numpy_textbook(q, k, v, causal), q, k, v, causal)
             settle()
-            t_np = median_time(lambda: numpy_textbook(q, k, v, causal), max(1, repeats // 2))
+            t_np = median_time(
+                lambda q=q, k=k, v=v, c=causal: numpy_textbook(q, k, v, c), max(1, repeats // 2)
+            )
             row["numpy_s"] = t_np[0]
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
@@ -155,13 +164,16 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
             with torch.no_grad():
                 check_against_oracle(F(tq, tk, tv, is_causal=causal).numpy(), q, k, v, causal)
                 settle()
-                t_th = median_time(lambda: F(tq, tk, tv, is_causal=causal), repeats)
+                t_th = median_time(
+                    lambda F=F, tq=tq, tk=tk, tv=tv, c=causal: F(tq, tk, tv, is_causal=c), repeats
+                )
             row["torch_s"] = t_th[0]
         rows.append(row)
         np_s = f"{t_np[0] * 1e3:9.1f} {t_np[0] / t_af[0]:5.2f}x" if t_np else f"{'-':>9} {'-':>6}"
         th_s = f"{t_th[0] * 1e3:9.1f} {t_th[0] / t_af[0]:5.2f}x" if t_th else f"{'-':>9} {'-':>6}"
         print(
-            f"{B:>2} {H:>3} {L:>5} {d:>4} {str(causal):>6} | {t_af[0] * 1e3:12.1f} {row['attn_fast_gflops']:8.1f} "
+            f"{B:>2} {H:>3} {L:>5} {d:>4} {str(causal):>6} | {t_af[0] * 1e3:12.1f} "
+            f"{row['attn_fast_gflops']:8.1f} "
             f"{100 * row['attn_fast_gflops'] / peak:5.0f}% | {np_s} | {th_s}",
             file=out,
             flush=True,
@@ -171,7 +183,8 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
 
 
 def main(argv=None, prog=None):
-    """`bench [--threads N] [--repeats N] [--no-numpy] [--tiny]`; `--full`/`--quick` run the suite."""
+    """`bench [--threads N] [--repeats N] [--no-numpy] [--tiny]`; `--full` /
+    `--quick` run the suite."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or "python -m attn_fast bench"
     if (

@@ -16,7 +16,8 @@ timed interleaved (one call of each per round, rotating the order, with a
 pause before each call so that the previous library's spinning worker
 threads have gone idle: COOLDOWN_S); the table shows medians and
 attn_fast's min-max, the JSON file every sample.
-An implementation slower than max_seconds in total stops after 3 samples. Prefill is reported in GFLOP/s and % of the FMA peak
+An implementation slower than max_seconds in total stops after 3 samples.
+Prefill is reported in GFLOP/s and % of the FMA peak
 (FLOPs = 4·B·Hq·Lq·Lk·d, half of that for causal); decode in GB/s and % of
 the read bandwidth (bytes = the K and V caches read once). Ratios are
 peer time / attn_fast time (above 1: attn_fast is faster). Peak memory per
@@ -90,7 +91,8 @@ class Case:
 
 
 def with_dtypes(cases, dtypes):
-    """Each case, followed by its copies in the 16-bit `dtypes` ("bf16", "fp16"; "fp32" is always there)."""
+    """Each case, followed by its copies in the 16-bit `dtypes` ("bf16",
+    "fp16"; "fp32" is always there)."""
     extra = [dt for dt in dict.fromkeys(dtypes) if dt != "fp32"]
     return [c2 for c in cases for c2 in [c] + [replace(c, dtype=dt) for dt in extra]]
 
@@ -147,7 +149,8 @@ class Skip(Exception):
 
 
 def make_inputs(case, seed=0):
-    """q, k, v as NumPy arrays of the case's dtype: float32, float16, or bfloat16 bits (``bf16_bits``)."""
+    """q, k, v as NumPy arrays of the case's dtype: float32, float16, or
+    bfloat16 bits (``bf16_bits``)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((case.B, case.Hq, case.Lq, case.d), dtype=np.float32)
     k = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
@@ -451,7 +454,8 @@ def run(
     probe_seconds=0.3,
     probe_bytes=512 << 20,
 ):
-    """Measure `cases` at each of `thread_counts`; print the tables to `out`; return the result dict.
+    """Measure `cases` at each of `thread_counts`; print the tables to `out`;
+    return the result dict.
 
     One section per thread count: each row is printed as its case finishes
     (times, rates and peer ratios), and the machine's limits are probed before
@@ -511,7 +515,8 @@ def run(
         set_num_threads(threads_before)
     measured = measured_impls(result)
     print(
-        "\n== % of this machine's limits: prefill of the FP32 FMA peak, decode of the read bandwidth "
+        "\n== % of this machine's limits: prefill of the FP32 FMA peak, decode of the read "
+        "bandwidth "
         "(each section: the highest of its probes)",
         file=out,
     )
@@ -551,7 +556,8 @@ def run(
                 flush=True,
             )
     print(
-        "\nx = peer time / attn_fast time (above 1: attn_fast is faster); rate: attn_fast's GFLOP/s "
+        "\nx = peer time / attn_fast time (above 1: attn_fast is faster); rate: attn_fast's "
+        "GFLOP/s "
         "(prefill) or GB/s of K and V read (decode)",
         file=out,
     )

@@ -31,9 +31,10 @@ import os
 import sys
 import tempfile
 import unicodedata
-from typing import NamedTuple
+from typing import Callable, NamedTuple, TextIO
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import reference
 from ._checks import shape_str
@@ -83,7 +84,7 @@ V_DEMO = np.array(
 )
 
 
-def sentence():
+def sentence() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The demo's inputs in the textbook's form: (X, Wq, Wk, Wv), float64.
 
     X is the (4, 4) one-hot embedding lookup of the four tokens, so
@@ -115,7 +116,9 @@ class Explained(NamedTuple):
     O: np.ndarray
 
 
-def explain(X, Wq, Wk, Wv, causal=False):
+def explain(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
+) -> Explained:
     """Run the textbook's attention step by step and return every intermediate.
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D); float32/float64.
@@ -221,30 +224,39 @@ TEXT = {
         "causal_note": "Causal mask on: token i sees only tokens j <= i (the lower triangle).",
         "qkv": ("Q: what I look for", "K: what I can be found by", "V: what I carry"),
         "step1": "① Scores  S = Q Kᵀ / √d   (d = 3; row = the query token, column = the key token)",
-        "guess1": "   Guess first: which cells should be deep? (the verb looks for nouns; the noun for its modifier)",
+        "guess1": "   Guess first: which cells should be deep? "
+        "(the verb looks for nouns; the noun for its modifier)",
         "step2": "② Weights  P = softmax(S), row by row",
         "guess2": "   Guess first: is every row non-negative, and does it sum to 1?",
         "step3": "③ Output  O = P V: each row is a weighted mix of V's rows",
         "guess3": "   Guess first: whose content ends up in the new vector of 追 (chase)?",
         "masked": "-inf",
         "sum": "sum",
-        "sums_ok": "   every row sums to 1 (max |sum - 1| = {err:.1e}); the smallest weight is {mn:.3f}: none is negative.",
+        "sums_ok": "   every row sums to 1 (max |sum - 1| = {err:.1e}); "
+        "the smallest weight is {mn:.3f}: none is negative.",
         "sums_causal": "   the weights above the diagonal are exactly 0: the future is invisible.",
         "absorbed": "   What each token absorbed (its weights, largest first):",
         "obs_head": "What the numbers show:",
         "obs2": (
-            "a. Look at the 追 (chase) row: it looks deep at both 猫 (cat, {w_cat:.0%}) and 激光点\n"
-            "   (laser-dot, {w_dot:.0%}). The verb pulls its subject and its object into its new vector:\n"
-            "   animal {a:.2f} (from cat), motion {m:.2f} and colour {c:.2f} (mostly from laser-dot)."
+            "a. Look at the 追 (chase) row: it looks deep at both 猫 (cat, {w_cat:.0%}) "
+            "and 激光点\n"
+            "   (laser-dot, {w_dot:.0%}). The verb pulls its subject and its object into its new "
+            "vector:\n"
+            "   animal {a:.2f} (from cat), motion {m:.2f} and colour {c:.2f} (mostly from "
+            "laser-dot)."
         ),
         "obs2_causal": (
-            "a. Look at the 追 (chase) row: with the mask it sees only 猫 (cat, {w_cat:.0%}) and itself;\n"
-            "   激光点 (laser-dot) comes later, so its weight is exactly {w_dot:.0f}. The verb cannot look\n"
+            "a. Look at the 追 (chase) row: with the mask it sees only 猫 (cat, {w_cat:.0%}) and "
+            "itself;\n"
+            "   激光点 (laser-dot) comes later, so its weight is exactly {w_dot:.0f}. The verb "
+            "cannot look\n"
             "   ahead for its object: that is what a GPT-style model lives with."
         ),
         "obs3": (
-            "b. Look at the 激光点 (laser-dot) row: {w_red:.0%} of its weight goes to 红色 (red). The\n"
-            "   modifier relation is captured: its colour rises from {c0:.2f} to {c1:.2f}; the dot is now red."
+            "b. Look at the 激光点 (laser-dot) row: {w_red:.0%} of its weight goes to 红色 (red). "
+            "The\n"
+            "   modifier relation is captured: its colour rises from {c0:.2f} to {c1:.2f}; the "
+            "dot is now red."
         ),
         "obs4": (
             "④ Recap: two matrix products and a softmax, nothing else. Who looks at whom came\n"
@@ -252,12 +264,14 @@ TEXT = {
             "   The mechanism is fixed; the weights are learned."
         ),
         "code": (
-            "The whole mechanism is the chapter's ten lines (attn_fast.reference.attention, in float64):\n"
+            "The whole mechanism is the chapter's ten lines (attn_fast.reference.attention, in "
+            "float64):\n"
             "\n"
             "    import numpy as np\n"
             "\n"
             "    def softmax(x, axis=-1):\n"
-            "        x = x - x.max(axis=axis, keepdims=True)   # subtract the row max: exp cannot overflow\n"
+            "        x = x - x.max(axis=axis, keepdims=True)   # subtract the row max: exp "
+            "cannot overflow\n"
             "        e = np.exp(x)\n"
             "        return e / e.sum(axis=axis, keepdims=True)\n"
             "\n"
@@ -265,11 +279,14 @@ TEXT = {
             "        Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T    # (L,D) -> (L,d): three personas\n"
             "        S = Q @ K.T / np.sqrt(Q.shape[-1])         # (L,L): the first matrix product\n"
             "        if causal:\n"
-            "            S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # the lower-triangular pass\n"
+            "            S = np.where(np.tril(np.ones_like(S)), S, -1e9)  # the lower-triangular "
+            "pass\n"
             "        return softmax(S) @ V                     # the second and third steps"
         ),
-        "check": "check: the fused kernel ({isa}) gives the same O as the float64 reference: max |diff| = {err:.1e}",
-        "check_bad": "CHECK FAILED: the fused kernel ({isa}) differs from the reference: max |diff| = {err:.1e}",
+        "check": "check: the fused kernel ({isa}) gives the same O as the float64 reference: "
+        "max |diff| = {err:.1e}",
+        "check_bad": "CHECK FAILED: the fused kernel ({isa}) differs from the reference: "
+        "max |diff| = {err:.1e}",
         "try": (
             "Try it in the REPL (the chapter's exercise, L = 4, d = 3):\n"
             "    import attn_fast as af\n"
@@ -299,16 +316,20 @@ TEXT = {
         "guess3": "   先猜再看：「追」的新向量里混进了谁的成分？",
         "masked": "-inf",
         "sum": "行和",
-        "sums_ok": "   每行和为 1（max |行和 - 1| = {err:.1e}）；最小的权重是 {mn:.3f}：没有负权重。",
+        "sums_ok": "   每行和为 1（max |行和 - 1| = {err:.1e}）；"
+        "最小的权重是 {mn:.3f}：没有负权重。",
         "sums_causal": "   对角线以上的权重精确为 0：未来看不见。",
         "absorbed": "   每个词吸收了谁（权重从大到小）：",
         "obs_head": "数字里看到了什么：",
         "obs2": (
-            "a. 盯「追」那一行：它同时深看「猫」（{w_cat:.0%}）与「激光点」（{w_dot:.0%}）——动词把主语\n"
-            "   宾语的信息抓进自己的新向量：动物 {a:.2f}（来自猫），运动 {m:.2f}、颜色 {c:.2f}（主要来自激光点）。"
+            "a. 盯「追」那一行：它同时深看「猫」（{w_cat:.0%}）"
+            "与「激光点」（{w_dot:.0%}）——动词把主语\n"
+            "   宾语的信息抓进自己的新向量：动物 {a:.2f}（来自猫），"
+            "运动 {m:.2f}、颜色 {c:.2f}（主要来自激光点）。"
         ),
         "obs2_causal": (
-            "a. 盯「追」那一行：加了掩码，它只能看「猫」（{w_cat:.0%}）和自己；「激光点」在它后面，\n"
+            "a. 盯「追」那一行：加了掩码，它只能看「猫」（{w_cat:.0%}）和自己；"
+            "「激光点」在它后面，\n"
             "   权重精确为 {w_dot:.0f}。动词没法往后找宾语——GPT 式模型就是这样生成的。"
         ),
         "obs3": (
@@ -373,7 +394,14 @@ def _kernel_check(ex, causal):
     return get_isa(), float(np.max(np.abs(O_fast - ex.O)))
 
 
-def run(lang="en", causal=False, step=False, plot=None, file=None, input_fn=input):
+def run(
+    lang: str = "en",
+    causal: bool = False,
+    step: bool = False,
+    plot: str | None = None,
+    file: TextIO | None = None,
+    input_fn: Callable[[str], str] = input,
+) -> int:
     """Print the walk-through; return a process exit code (0 = all checks passed).
 
     lang : "en" or "zh" (labels and commentary). causal : apply the causal
@@ -731,11 +759,12 @@ def _stdin_is_terminal():
         return False
 
 
-def main(argv=None, prog=None):
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """`demo [--step] [--causal] [--lang en|zh] [--plot PATH]`; returns the process exit code."""
     p = argparse.ArgumentParser(
         prog=prog or "python -m attn_fast demo",
-        description="The chapter's demo: attention by hand on 猫 追 红色 激光点 (cat chase red laser-dot).",
+        description="The chapter's demo: attention by hand on 猫 追 红色 激光点 "
+        "(cat chase red laser-dot).",
     )
     p.add_argument("--step", action="store_true", help="pause between the steps (press Enter)")
     p.add_argument("--causal", action="store_true", help="apply the causal mask (lower triangle)")

@@ -47,15 +47,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from numpy.typing import ArrayLike
 
 import attn_fast as af
 
-from ._checks import check_int, check_scale
+from ._checks import check_int, check_qkv, check_scale
 
 __all__ = [
     "ring_attention",
@@ -119,7 +121,7 @@ def _chunks(rank, P, n, layout):
     return [(0, c, rank * c), (c, c, (2 * P - 1 - rank) * c)]
 
 
-def positions(rank, world_size, n, layout="zigzag"):
+def positions(rank: int, world_size: int, n: int, layout: str = "zigzag") -> np.ndarray:
     """Global positions (n,) int64 of the n rows rank `rank` holds in `layout`."""
     _check_layout(layout)
     if layout == "zigzag" and n % 2:
@@ -130,19 +132,24 @@ def positions(rank, world_size, n, layout="zigzag"):
     ).astype(np.int64)
 
 
-def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
+def shard_sequence(
+    x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = -2
+) -> torch.Tensor:
     """This rank's shard of a whole-sequence tensor x (sequence on axis `dim`): a copy, L/P rows."""
     L = x.shape[dim]
     if L % world_size or (layout == "zigzag" and L % (2 * world_size)):
         need = 2 * world_size if layout == "zigzag" else world_size
         raise ValueError(
-            f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of {need}"
+            f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of "
+            f"{need}"
         )
     idx = torch.from_numpy(positions(rank, world_size, L // world_size, layout))
     return x.index_select(dim, idx)
 
 
-def gather_sequence(shards, layout="zigzag", dim=-2):
+def gather_sequence(
+    shards: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = -2
+) -> torch.Tensor:
     """The whole-sequence tensor from the list of all ranks' shards (inverse of shard_sequence)."""
     P = len(shards)
     n = shards[0].shape[dim]
@@ -276,7 +283,8 @@ def _check_tensors(q, k, v, enable_gqa):
             )
         if x.device.type != "cpu":
             raise TypeError(
-                f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use .cpu())"
+                f"{name} is on device {x.device}; attn_fast.distributed computes on the CPU (use "
+                ".cpu())"
             )
         if x.layout != torch.strided:
             raise TypeError(
@@ -288,32 +296,13 @@ def _check_tensors(q, k, v, enable_gqa):
             raise ValueError(f"{name} must be (B, H, L/P, d), got shape {tuple(x.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, H, n, d = q.shape
-    Bk, Hkv, nk, dk = k.shape
-    if dk != d:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has head dim {d}")
-    if d == 0:
-        raise ValueError(f"q has shape {tuple(q.shape)}: head dim d must be at least 1")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(
-            f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}: batch, heads and length must match"
-        )
-    if Bk != B:
-        raise ValueError(
-            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: batch sizes differ"
-        )
+    # How the shapes relate: the one q/k/v checker (reads the tensors as NumPy views).
+    *_, (B, H, Hkv, n, nk, d, dv) = check_qkv(q, k, v, enable_gqa=enable_gqa)
     if nk != n:
         raise ValueError(
-            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel self-attention "
-            "needs q and k/v shards of the same length"
+            f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}: context-parallel "
+            "self-attention needs q and k/v shards of the same length"
         )
-    if Hkv != H:
-        if not enable_gqa:
-            raise ValueError(
-                f"q has {H} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
-            )
-        if Hkv == 0 or H % Hkv:
-            raise ValueError(f"q has {H} heads, not a multiple of k/v's {Hkv} heads")
 
 
 def _check_shards(q, k, v, cfg_codes, group, world):
@@ -339,7 +328,8 @@ def _prepare(q, k, v, is_causal, scale, enable_gqa, group, layout, window_size, 
     n = q.shape[2]
     if layout == "zigzag" and n % 2:
         raise ValueError(
-            f"the zigzag layout needs an even shard length (two chunks per rank), got q shape {tuple(q.shape)}"
+            "the zigzag layout needs an even shard length (two chunks per rank), got q shape "
+            f"{tuple(q.shape)}"
         )
     scale = check_scale(scale, q.shape[-1], q.detach().numpy().dtype)
     w = (-2, -2) if window is None else tuple(-1 if x is None else x for x in window)
@@ -578,19 +568,19 @@ class _RingFn(torch.autograd.Function):
 
 
 def ring_attention(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     *,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    group=None,
-    layout="zigzag",
-    window_size=None,
-    return_lse=False,
-    return_stats=False,
-):
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: Any = None,
+    layout: str = "zigzag",
+    window_size: tuple[int | None, int | None] | None = None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+) -> Any:
     """Context-parallel attention: this rank's shard of softmax(scale·q kᵀ + mask) v.
 
     q : (B, H, n, d) float32/float64 CPU torch tensor, this rank's n = L/P rows
@@ -736,23 +726,24 @@ class _UlyssesFn(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q,
-    k,
-    v,
-    attn_mask=None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Any = None,
     *,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    group=None,
-    layout="zigzag",
-    window_size=None,
-    return_lse=False,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-):
-    """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this rank's shard of the output.
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: Any = None,
+    layout: str = "zigzag",
+    window_size: tuple[int | None, int | None] | None = None,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | ArrayLike | None = None,
+    sinks: torch.Tensor | ArrayLike | None = None,
+) -> Any:
+    """Context-parallel attention by all-to-all (DeepSpeed-Ulysses): this
+    rank's shard of the output.
 
     q : (B, H, n, d), k : (B, H_kv, n, d), v : (B, H_kv, n, dv): this rank's
         n = L/P rows of the sequence in `layout`, float32/float64 CPU torch
@@ -783,7 +774,8 @@ def ulysses_attention(
     H, Hkv = q.shape[1], k.shape[1]
     if H % world:
         raise ValueError(
-            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards heads (H % P == 0)"
+            f"q has {H} heads, not a multiple of the {world} ranks: ulysses_attention shards "
+            "heads (H % P == 0)"
         )
     rep = 1 if Hkv % world == 0 else H // Hkv
     # 1 = Ulysses (0 = ring: a rank calling the other function fails the check instead of hanging)

@@ -18,19 +18,21 @@ float32, and float additive masks, ALiBi slopes and sinks are used in float32
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
-from . import _core, masks
+from . import _dispatch, masks
 from ._checks import (
     HALF_DTYPES,
-    alias_safe,
+    Output,
     as_float_array,
     bf16_bits,
     check_bool,
+    check_heads,
     check_int,
-    check_out,
+    check_qkv,
     check_real,
     check_same_dtype,
     check_scale,
@@ -39,9 +41,12 @@ from ._checks import (
     from_float,
     half_result,
     shape_str,
+    to4,
     to_float,
     to_input_kind,
 )
+from ._dispatch import ScoreArgs
+from .masks import MaskArgs
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -51,32 +56,7 @@ __all__ = [
     "KernelStats",
 ]
 
-_BACKENDS = ("fused", "reference", "decode")
-
-# The split-KV decode kernel serves short query chunks against long keys when
-# no feature it lacks is asked for (see _decode_ok); backend="decode" forces it.
-# Crossover measured with H_q=32, H_kv=8, d=128, Lk=4096 (2-core Zen 3): the
-# decode kernel is ~2x faster for Lq <= 4, the tiled kernel from Lq = 8 on.
-DECODE_MAX_LQ = 4
-DECODE_MIN_LK = 64
-_DECODE_KW = {"causal", "top_left", "window_left", "window_right", "q_lens", "kv_lens"}
-
-
-def _decode_ok(kw, B, Bk, block_q, block_k):
-    used = {key for key, val in kw.items() if val is not None}
-    return used <= _DECODE_KW and B == Bk and not block_q and not block_k
-
-
-def _to4(x, name):
-    if x.ndim == 2:
-        return x[None, None]
-    if x.ndim == 3:
-        return x[None]
-    if x.ndim == 4:
-        return x
-    raise ValueError(
-        f"{name} must have 2, 3 or 4 dimensions ((L, d), (H, L, d) or (B, H, L, d)), got shape {shape_str(x)}"
-    )
+_BACKENDS = ("fused", "reference", "decode")  # which kernel runs: _dispatch.choose_kernel
 
 
 class KernelStats(NamedTuple):
@@ -103,7 +83,7 @@ class KernelStats(NamedTuple):
     block_k: int = 0
 
 
-def _mask_arrays(attn_mask):
+def _mask_arrays(attn_mask: Any) -> list[np.ndarray]:
     """The arrays an attn_mask argument reads (alone, in a list, inside Dense /
     BlockSparse objects), for the check that `out` does not overlap them."""
     if attn_mask is None:
@@ -125,17 +105,13 @@ def _mask_arrays(attn_mask):
         return []
 
 
-def _block_size(b, name):
-    if isinstance(b, bool) or not hasattr(b, "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(b).__name__}")
-    b = int(b)
-    if not 0 <= b <= 4096:
-        raise ValueError(f"{name} must be in [0, 4096] (0 = default), got {b}")
-    return b
+def _block_size(b: Any, name: str) -> int:
+    """A tile size in [0, 4096] (0 = the kernel's default)."""
+    return check_int(b, name, 0, 4096)
 
 
-def _window_kwargs(window_size):
-    """FlashAttention's window_size=(left, right) as kernel arguments (bottom-right)."""
+def _window_args(window_size: Any) -> MaskArgs:
+    """FlashAttention's window_size=(left, right) as a MaskArgs (bottom-right)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -146,19 +122,23 @@ def _window_kwargs(window_size):
         raise ValueError(
             f"window_size entries must be >= 0 (or -1/None for unbounded), got {window_size!r}"
         )
-    left, right = min(left, 2**62), min(right, 2**62)  # wider than any sequence: same result
-    return {"window_left": left, "window_right": right, "_align": "bottom_right"}
+    return masks.window_args(
+        None if left < 0 else left, None if right < 0 else right, "bottom_right"
+    )
 
 
-def _score_kwargs(Hq, dtype, softcap, alibi_slopes, sinks):
-    """softcap, ALiBi slopes and sinks, checked, as kernel arguments."""
-    kw = {}
+def _score_args(
+    Hq: int, dtype: DTypeLike, softcap: Any, alibi_slopes: Any, sinks: Any
+) -> ScoreArgs:
+    """softcap, ALiBi slopes and sinks, checked, as a ScoreArgs record."""
+    cap = 0.0
     if softcap is not None:
-        softcap = float(softcap)
-        if not (softcap > 0 and math.isfinite(softcap)):
-            raise ValueError(f"softcap must be a positive finite number, got {softcap}")
-        kw["softcap"] = softcap
+        cap = float(softcap)
+        if not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"softcap must be a positive finite number, got {cap}")
+    arrays = []
     for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        arr = None
         if val is not None:
             val = detached(val)
             if np.iscomplexobj(val):  # np.asarray(dtype=float) would drop the imaginary part
@@ -168,28 +148,39 @@ def _score_kwargs(Hq, dtype, softcap, alibi_slopes, sinks):
                 raise ValueError(
                     f"{name} must have one value per query head ({Hq},), got shape {np.shape(val)}"
                 )
-            kw["alibi" if name == "alibi_slopes" else "sinks"] = arr
-    return kw
+        arrays.append(arr)
+    if not cap and all(a is None for a in arrays):
+        return _dispatch.PLAIN
+    return ScoreArgs(cap, *arrays)
 
 
-def _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, dtype):
+_CAUSAL = MaskArgs(causal=True, aligns=frozenset({"bottom_right"}))  # is_causal=True
+
+
+def _mask_args(
+    attn_mask: Any,
+    is_causal: bool,
+    window_size: Any,
+    B: int,
+    Hq: int,
+    Lq: int,
+    Lk: int,
+    dtype: DTypeLike,
+) -> MaskArgs:
     """attn_mask (array, Mask object or list of them), is_causal and
-    window_size combined into one set of kernel arguments (their intersection)."""
+    window_size combined into one MaskArgs (their intersection), with the
+    block summary of a dense boolean mask."""
     parts = []
     if attn_mask is not None:
-        m = attn_mask if hasattr(attn_mask, "_kernel_kwargs") else masks.as_mask(attn_mask)
-        kw = dict(m._kernel_kwargs(B=B, H=Hq, Lq=Lq, Lk=Lk, dtype=dtype))
-        if "top_left" in kw:
-            kw["_align"] = "top_left" if kw.pop("top_left") else "bottom_right"
-        parts.append(kw)
+        parts.append(masks.as_mask(attn_mask).kernel_args(B=B, H=Hq, Lq=Lq, Lk=Lk, dtype=dtype))
     if window_size is not None:
-        parts.append(_window_kwargs(window_size))
+        parts.append(_window_args(window_size))
     if is_causal:
-        parts.append({"causal": True, "_align": "bottom_right"})
-    return masks.add_block_summary(masks.merge_kwargs(parts, B, Lq, Lk))
+        parts.append(_CAUSAL)
+    return masks.add_block_summary(MaskArgs.combine(parts, B, Lq, Lk))
 
 
-def _half_mask(attn_mask):
+def _half_mask(attn_mask: Any) -> Any:
     """A float16 / bfloat16 additive attn_mask tensor or array (torch, ml_dtypes;
     NumPy float16 is read as is), which the mask objects cannot read, as float32
     (a copy at its own shape); anything else unchanged."""
@@ -205,59 +196,12 @@ def _half_mask(attn_mask):
     return attn_mask
 
 
-def _check_qkv(q, k, v, enable_gqa):
-    """Common shape checks; returns 4-D views and (B, Hq, Hkv, Lq, Lk, d, dv).
-    float16 / bfloat16 are accepted (bfloat16 as uint16 bits, see _checks)."""
-    q = as_float_array(q, "q", half=True)
-    k = as_float_array(k, "k", half=True)
-    if v is not None:
-        v = as_float_array(v, "v", half=True)
-    check_same_dtype(q=q, k=k, v=v)
-    if not (q.ndim == k.ndim and (v is None or v.ndim == q.ndim)):
-        vs = "" if v is None else f", v {shape_str(v)}"
-        raise ValueError(
-            f"q, k and v must have the same number of dimensions, got q {shape_str(q)}, k {shape_str(k)}{vs}"
-        )
-    q4, k4 = _to4(q, "q"), _to4(k, "k")
-    B, Hq, Lq, d = q4.shape
-    Bk, Hkv, Lk, dk = k4.shape
-    if dk != d:
-        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {d}")
-    if d == 0:
-        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    dv = d
-    v4 = None
-    if v is not None:
-        v4 = _to4(v, "v")
-        Bv, Hv, Lv, dv = v4.shape
-        if (Bk, Hkv, Lk) != (Bv, Hv, Lv):
-            raise ValueError(
-                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match"
-            )
-    if Bk != B:
-        raise ValueError(
-            f"k has shape {shape_str(k)} but q has shape {shape_str(q)}: batch sizes differ"
-        )
-    _check_heads(Hq, Hkv, enable_gqa)
-    return q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv)
-
-
-def _check_heads(Hq, Hkv, enable_gqa):
-    if Hkv != Hq:
-        if not enable_gqa:
-            raise ValueError(
-                f"q has {Hq} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
-            )
-        if Hkv == 0 or Hq % Hkv != 0:
-            raise ValueError(f"q has {Hq} heads, not a multiple of k/v's {Hkv} heads")
-
-
-def _check_backend(backend):
+def _check_backend(backend: Any) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
-def _qkv_names(q, k, v, query, key, value):
+def _qkv_names(q: Any, k: Any, v: Any, query: Any, key: Any, value: Any) -> list[Any]:
     """q/k/v given positionally (or as q=, k=, v=) or under torch's names query=, key=, value=."""
     got = []
     for short, long_name, a, b in (
@@ -274,41 +218,43 @@ def _qkv_names(q, k, v, query, key, value):
     return got
 
 
-def _check_dropout(dropout_p):
+def _check_dropout(dropout_p: Any) -> float:
     p = check_real(dropout_p, "dropout_p", minimum=0.0)
     if p != 0.0:
         raise ValueError(
-            f"dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got {dropout_p!r}; "
-            "apply dropout to the output or call torch's own SDPA when training with attention dropout"
+            "dropout_p must be 0 (attn_fast computes exact attention, it has no dropout), got "
+            f"{dropout_p!r}; "
+            "apply dropout to the output or call torch's own SDPA when training with attention "
+            "dropout"
         )
     return p
 
 
 def scaled_dot_product_attention(
-    q=None,
-    k=None,
-    v=None,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    q: ArrayLike | None = None,
+    k: ArrayLike | None = None,
+    v: ArrayLike | None = None,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    query=None,
-    key=None,
-    value=None,
-    return_lse=False,
-    return_weights=False,
-    return_stats=False,
-    out=None,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    backend="fused",
-    block_q=0,
-    block_k=0,
-):
+    query: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    value: ArrayLike | None = None,
+    return_lse: bool = False,
+    return_weights: bool = False,
+    return_stats: bool = False,
+    out: ArrayLike | None = None,
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    backend: str = "fused",
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """softmax(scale · q kᵀ + mask) v, exact, computed block by block.
 
     The positional order is torch's: ``(query, key, value, attn_mask=None,
@@ -414,7 +360,9 @@ def scaled_dot_product_attention(
     )
     return_stats = check_bool(return_stats, "return_stats")
     like = q
-    q, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, v, enable_gqa)
+    q, k, v, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = check_qkv(
+        q, k, v, half=True, enable_gqa=enable_gqa
+    )
     scale = check_scale(scale, d, q4.dtype)
     _check_backend(backend)
 
@@ -422,70 +370,49 @@ def scaled_dot_product_attention(
     cdt = compute_dtype(q.dtype)  # lse, biases, slopes, sinks
     if half:
         attn_mask = _half_mask(attn_mask)
-    out_shape = q.shape[:-1] + (dv,)
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    o = np.empty(out_shape, dtype=q.dtype) if out is None else check_out(out, out_shape, q.dtype)
-    target = None  # the caller's out when it aliases an input: the kernel writes a temporary
-    if out is not None:
-        o, target = alias_safe(o, q, k, v, *_mask_arrays(attn_mask), alibi_slopes, sinks)
+    reads = (q, k, v, *_mask_arrays(attn_mask), alibi_slopes, sinks)
+    res = Output.prepare(out, q.shape[:-1] + (dv,), q.dtype, like, reads)
     lse = np.empty(q.shape[:-1], dtype=cdt) if return_lse else None
 
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
-    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
+    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    score = _score_args(Hq, cdt, softcap, alibi_slopes, sinks)
+    kernel = _dispatch.choose_kernel(
+        Lq=Lq,
+        Lk=Lk,
+        mask=mask,
+        score=score,
+        backend=backend,
+        same_batch=B == k4.shape[0],
+        block_sizes=(block_q, block_k),
+        stats=return_stats,
+    )
     stats = KernelStats(0, 0, 0, 0)
-    use_decode = backend == "decode"
-    if use_decode and (return_stats or not _decode_ok(kw, B, k4.shape[0], block_q, block_k)):
-        raise ValueError(
-            "backend='decode' supports causal, window_size and kv/q lengths only (no dense masks, biases, "
-            f"ALiBi, softcap, sinks, block sizes or return_stats); got {sorted(kw)}"
-        )
-    if (
-        backend == "fused"
-        and not return_stats
-        and Lq <= DECODE_MAX_LQ
-        and Lk >= DECODE_MIN_LK
-        and _decode_ok(kw, B, k4.shape[0], block_q, block_k)
-    ):
-        use_decode = True
-    if use_decode:
-        if o.size or (lse is not None and lse.size):
-            _core.decode(
-                q4,
-                k4,
-                v4,
-                _to4(o, "out"),
-                lse,
-                scale=scale,
-                **{key: val for key, val in kw.items() if val is not None},
-            )
-    elif o.size or (lse is not None and lse.size):
+    if res.array.size or (lse is not None and lse.size):
         stats = KernelStats(
-            *_core.forward(
+            *_dispatch.attend(
+                kernel,
                 q4,
                 k4,
                 v4,
-                _to4(o, "out"),
+                to4(res.array, "out"),
                 lse,
                 scale=scale,
+                mask=mask,
+                score=score,
                 block_q=block_q,
                 block_k=block_k,
-                reference=(backend == "reference"),
-                **kw,
             )
         )
     extra = []
     if return_lse:
         extra.append(lse)
     if return_weights:
-        w = _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements=_MAX_WEIGHTS, force=False)
+        w = _weights(q4, k4, mask, score, scale, max_elements=_MAX_WEIGHTS, force=False)
         extra.append(half_result(from_float(w, q.dtype).reshape(q.shape[:-1] + (Lk,))))
     if return_stats:
         extra.append(stats)
-    if target is not None:
-        target[...] = o
-    if out is not None:  # the caller's own object back (ndarray or tensor); lse etc. in q's kind
-        return (out, *to_input_kind(tuple(extra), like)) if extra else out
-    return to_input_kind((o, *extra) if extra else o, like)
+    return res.result(*extra)
 
 
 # ---------------------------------------------------------------- weights
@@ -493,37 +420,49 @@ def scaled_dot_product_attention(
 _MAX_WEIGHTS = 1 << 22
 
 
-def _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements, force):
-    """P in float64 (B, Hq, Lq, Lk), following attention.h's rules."""
+def _weights(
+    q4: np.ndarray,
+    k4: np.ndarray,
+    mask: MaskArgs,
+    score: ScoreArgs,
+    scale: float,
+    max_elements: int,
+    force: bool,
+) -> np.ndarray:
+    """P in float64 (B, Hq, Lq, Lk) for q4 (B, Hq, Lq, d) and k4 (B, Hkv, Lk, d),
+    following attention.h's rules (the same records the kernel reads)."""
+    (B, Hq, Lq, d), Lk = q4.shape, k4.shape[2]
     n = B * Hq * Lq * Lk
     if n > max_elements and not force:
         raise ValueError(
-            f"the attention weights would have B*H*Lq*Lk = {B}*{Hq}*{Lq}*{Lk} = {n} elements, above "
-            f"max_elements = {max_elements}; pass force=True (or a larger max_elements) to build them anyway"
+            f"the attention weights would have B*H*Lq*Lk = {B}*{Hq}*{Lq}*{Lk} = {n} elements, "
+            "above "
+            f"max_elements = {max_elements}; pass force=True (or a larger max_elements) to build "
+            "them anyway"
         )
     Hkv = k4.shape[1]
     g = Hq // Hkv
-    d = q4.shape[-1]
     qf = to_float(q4).reshape(B, Hkv, g, Lq, d)
     kf = to_float(k4)
     S = np.einsum("bhgid,bhjd->bhgij", qf, kf).reshape(B, Hq, Lq, Lk) * scale
-    if kw.get("softcap"):
-        c = kw["softcap"]
+    if score.softcap:
+        c = score.softcap
         S = c * np.tanh(S / c)
-    if kw.get("alibi") is not None:
-        q_len = np.asarray(kw.get("q_lens", np.full(B, Lq))).reshape(B, 1, 1, 1)
-        k_len = np.asarray(kw.get("kv_lens", np.full(B, Lk))).reshape(B, 1, 1, 1)
-        off = 0 if kw.get("top_left") else k_len - q_len
+    if score.alibi is not None:
+        q_len = np.asarray(np.full(B, Lq) if mask.q_lens is None else mask.q_lens)
+        k_len = np.asarray(np.full(B, Lk) if mask.kv_lens is None else mask.kv_lens)
+        q_len, k_len = q_len.reshape(B, 1, 1, 1), k_len.reshape(B, 1, 1, 1)
+        off = 0 if mask.top_left else k_len - q_len
         dist = np.abs(np.arange(Lq).reshape(1, 1, Lq, 1) + off - np.arange(Lk).reshape(1, 1, 1, Lk))
-        S = S - kw["alibi"].astype(np.float64).reshape(1, Hq, 1, 1) * dist
-    if kw.get("bias") is not None:
-        S = S + kw["bias"].astype(np.float64)
-    vis = masks.visibility(kw, B, Hq, Lq, Lk)
+        S = S - score.alibi.astype(np.float64).reshape(1, Hq, 1, 1) * dist
+    if mask.bias is not None:
+        S = S + mask.bias.astype(np.float64)
+    vis = masks.visibility(mask, B, Hq, Lq, Lk)
     S = np.where(vis, S, -np.inf)
     m = S.max(axis=-1, keepdims=True) if Lk else np.full((B, Hq, Lq, 1), -np.inf)
     sink = None
-    if kw.get("sinks") is not None:
-        sink = np.broadcast_to(kw["sinks"].astype(np.float64).reshape(1, Hq, 1, 1), m.shape)
+    if score.sinks is not None:
+        sink = np.broadcast_to(score.sinks.astype(np.float64).reshape(1, Hq, 1, 1), m.shape)
         m = np.maximum(m, np.where(np.any(vis, axis=-1, keepdims=True), sink, -np.inf))
     dead = np.isneginf(m)
     m = np.where(dead, 0.0, m)
@@ -536,20 +475,20 @@ def _weights(q4, k4, kw, scale, B, Hq, Lq, Lk, max_elements, force):
 
 
 def attention_weights(
-    q,
-    k,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    q: ArrayLike,
+    k: ArrayLike,
+    attn_mask: masks.Mask | ArrayLike | list | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    window_size=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    max_elements=_MAX_WEIGHTS,
-    force=False,
-):
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    max_elements: int = _MAX_WEIGHTS,
+    force: bool = False,
+) -> Any:
     """The attention weights P = softmax(scale · q kᵀ + mask), materialised.
 
     For teaching, plots and debugging on small inputs: this builds the whole
@@ -567,15 +506,17 @@ def attention_weights(
     """
     like = q
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    q, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = _check_qkv(q, k, None, enable_gqa)
+    q, _, _, q4, k4, _, (B, Hq, Hkv, Lq, Lk, d, dv) = check_qkv(
+        q, k, None, half=True, enable_gqa=enable_gqa
+    )
     scale = check_scale(scale, d, q.dtype)
     cdt = compute_dtype(q.dtype)
     if q.dtype in HALF_DTYPES:
         attn_mask = _half_mask(attn_mask)
-    kw = _mask_kwargs(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
-    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
+    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    score = _score_args(Hq, cdt, softcap, alibi_slopes, sinks)
     P = _weights(
-        q4, k4, kw, scale, B, Hq, Lq, Lk, check_int(max_elements, "max_elements", 0), bool(force)
+        q4, k4, mask, score, scale, check_int(max_elements, "max_elements", 0), bool(force)
     )
     return to_input_kind(from_float(P, q.dtype).reshape(q.shape[:-1] + (Lk,)), like)
 
@@ -583,7 +524,7 @@ def attention_weights(
 # ---------------------------------------------------------------- varlen
 
 
-def _cu_seqlens(cu, name, total):
+def _cu_seqlens(cu: ArrayLike, name: str, total: int) -> np.ndarray:
     a = np.asarray(cu)
     if a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
@@ -601,7 +542,16 @@ def _cu_seqlens(cu, name, total):
     return np.ascontiguousarray(a)
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=False):
+def check_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    half: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Packed (total, heads, dim) q, k, v and their cu_seqlens, checked (shared by the
     forward and the backward): returns (q, k, v, cu_q, cu_k) as NumPy arrays."""
     q = as_float_array(q, "q", half=half)
@@ -621,14 +571,16 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
     if v.shape[:2] != (Tk, Hkv):
         raise ValueError(
-            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads must match"
+            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: total length and heads "
+            "must match"
         )
-    _check_heads(Hq, Hkv, True)
+    check_heads(Hq, Hkv, True)
     cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
     cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
     if cu_q.shape != cu_k.shape:
         raise ValueError(
-            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: they must match"
+            f"cu_seqlens_q has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}: "
+            "they must match"
         )
     for name, mx, cu in (
         ("max_seqlen_q", max_seqlen_q, cu_q),
@@ -641,39 +593,38 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return q, k, v, cu_q, cu_k
 
 
-def varlen_kwargs(causal, window_size):
-    """Kernel arguments of varlen's causal flag and window (aligned per sequence, bottom-right)."""
-    kw = {}
+def varlen_args(causal: bool, window_size: Any) -> MaskArgs:
+    """MaskArgs of varlen's causal flag and window (aligned per sequence, bottom-right,
+    which the kernel does for cu_seqlens calls: no alignment is recorded)."""
+    args = MaskArgs(causal=causal)
     if window_size is not None:
-        kw.update(_window_kwargs(window_size))
-        del kw["_align"]
-    if causal:
-        kw["causal"] = True
-    return kw
+        w = _window_args(window_size)
+        args = MaskArgs(causal=causal, window_left=w.window_left, window_right=w.window_right)
+    return args
 
 
 def varlen_attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
-    causal=False,
-    window_size=None,
-    scale=None,
-    softcap=None,
-    alibi_slopes=None,
-    sinks=None,
-    return_lse=False,
-    return_stats=False,
-    out=None,
-    backend="fused",
-    block_q=0,
-    block_k=0,
-):
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+    out: ArrayLike | None = None,
+    backend: str = "fused",
+    block_q: int = 0,
+    block_k: int = 0,
+) -> Any:
     """Attention over a packed batch of variable-length sequences (no padding).
 
     FlashAttention's ``flash_attn_varlen_func`` convention: the sequences are
@@ -714,23 +665,21 @@ def varlen_attention(
         raise ValueError("varlen_attention supports backend='fused' or 'reference', not 'decode'")
 
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    o = (
-        np.empty((Tq, Hq, dv), dtype=q.dtype)
-        if out is None
-        else check_out(out, (Tq, Hq, dv), q.dtype)
-    )
-    target = None
-    if out is not None:
-        o, target = alias_safe(o, q, k, v, alibi_slopes, sinks)
+    res = Output.prepare(out, (Tq, Hq, dv), q.dtype, like, (q, k, v, alibi_slopes, sinks))
+    o = res.array
     cdt = compute_dtype(q.dtype)  # lse, slopes, sinks: float32 for 16-bit q
     lse = np.empty((Hq, Tq), dtype=cdt) if return_lse else None
-    kw = varlen_kwargs(causal, window_size)
-    kw.update(_score_kwargs(Hq, cdt, softcap, alibi_slopes, sinks))
+    mask = varlen_args(causal, window_size)
+    score = _score_args(Hq, cdt, softcap, alibi_slopes, sinks)
+    kernel = _dispatch.choose_kernel(
+        Lq=Tq, Lk=k.shape[0], mask=mask, score=score, backend=backend, packed=True
+    )
     stats = KernelStats(0, 0, 0, 0)
     if cu_q.size > 1 and (o.size or (lse is not None and lse.size)):
         # (total, H, d) -> (1, H, total, d): views, the kernel reads the strides.
         stats = KernelStats(
-            *_core.forward(
+            *_dispatch.attend(
+                kernel,
                 q.transpose(1, 0, 2)[None],
                 k.transpose(1, 0, 2)[None],
                 v.transpose(1, 0, 2)[None],
@@ -739,25 +688,22 @@ def varlen_attention(
                 cu_q=cu_q,
                 cu_k=cu_k,
                 scale=scale,
+                mask=mask,
+                score=score,
                 block_q=block_q,
                 block_k=block_k,
-                reference=(backend == "reference"),
-                **kw,
             )
         )
     elif o.size:
         o[...] = 0
         if lse is not None:
             lse[...] = -np.inf
-    extra = [x for x, want in ((lse, return_lse), (stats, return_stats)) if want]
-    if target is not None:
-        target[...] = o
-    if out is not None:  # the caller's own object back (ndarray or tensor); lse etc. in q's kind
-        return (out, *to_input_kind(tuple(extra), like)) if extra else out
-    return to_input_kind((o, *extra) if extra else o, like)
+    return res.result(*[x for x, want in ((lse, return_lse), (stats, return_stats)) if want])
 
 
-def check_textbook_args(X, Wq, Wk, Wv):
+def check_textbook_args(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Read and check the textbook's arguments: X (L, D) or (B, L, D), Wq and
     Wk (d, D), Wv (dv, D), one float dtype. Returns them as NumPy arrays."""
     X = as_float_array(X, "X", half=True)
@@ -771,7 +717,8 @@ def check_textbook_args(X, Wq, Wk, Wv):
     for name, W in (("Wq", Wq), ("Wk", Wk), ("Wv", Wv)):
         if W.ndim != 2 or W.shape[1] != D:
             raise ValueError(
-                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape {shape_str(W)}"
+                f"{name} must be (d, D) with D = {D} (X has shape {shape_str(X)}), got shape "
+                f"{shape_str(W)}"
             )
     if Wq.shape[0] != Wk.shape[0]:
         raise ValueError(
@@ -780,7 +727,9 @@ def check_textbook_args(X, Wq, Wk, Wv):
     return X, Wq, Wk, Wv
 
 
-def attention(X, Wq, Wk, Wv, causal=False):
+def attention(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
+) -> Any:
     """The textbook's single-head attention, fused.
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D), all one float dtype.

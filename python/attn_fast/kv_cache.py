@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core, _cyloops, _loops
+from . import _cyloops, _dispatch, _loops
 from ._checks import (
     BF16,
     F16,
@@ -64,7 +64,6 @@ from ._checks import (
     to_float,
     to_input_kind,
 )
-from .functional import DECODE_MAX_LQ  # chunks up to this long use the split-KV decode kernel
 from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
@@ -515,23 +514,28 @@ class KVCache:
         return to_input_kind((o, lse) if return_lse else o, like)
 
     def _run(self, q, o, lse, ql, scale, causal):
-        kw = dict(scale=scale, causal=bool(causal), q_lens=ql, kv_lens=self._n.copy())
-        if self.window is not None:
-            kw["window_left"] = self.window - 1
-        Lq = q.shape[2]
-        plain = not (
-            (self._start + self._n > self.capacity).any() or (self._start != self._start[0]).any()
+        mask = _dispatch.MaskArgs(
+            causal=bool(causal),
+            q_lens=ql,
+            kv_lens=self._n.copy(),
+            window_left=-1 if self.window is None else self.window - 1,
         )
-        if (
-            Lq <= DECODE_MAX_LQ or not plain
-        ):  # longer chunks (prefill): the tiled kernel, unless the ring wraps
+        start, n = self._start, self._n
+        ring = (start + n > self.capacity).any() or (start != start[0]).any()
+        kernel = _dispatch.choose_kernel(
+            Lq=q.shape[2],
+            Lk=int(self._n.max()),
+            mask=mask,
+            keys=_dispatch.KEYS_RING if ring else _dispatch.KEYS_CACHE,
+        )
+        if kernel == _dispatch.DECODE:
             # Split-KV decode kernel: reads the ring in place (logical key j of
             # sequence b is slot (start[b] + j) mod capacity).
-            _core.decode(q, self._k, self._v, o, lse, kv_start=self._start.copy(), **kw)
+            k, v, start = self._k, self._v, self._start.copy()
         else:  # prefill-sized chunk over contiguous keys: the tiled kernel on a view
-            s = int(self._start[0])
-            maxn = int(self._n.max())
-            _core.forward(q, self._k[:, :, s : s + maxn], self._v[:, :, s : s + maxn], o, lse, **kw)
+            s, maxn = int(self._start[0]), int(self._n.max())
+            k, v, start = self._k[:, :, s : s + maxn], self._v[:, :, s : s + maxn], None
+        _dispatch.attend(kernel, q, k, v, o, lse, scale=scale, mask=mask, kv_start=start)
 
     def forward(self, q, k, v, scale=None, return_lse=False):
         """append(k, v) then attend(q), in pieces that fit a window ring.

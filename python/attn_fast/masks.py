@@ -31,20 +31,29 @@ lse = -inf (never NaN), and masked-out keys are never read into the result, so
 a NaN/inf in a masked K or V row cannot leak into the output. Bad arguments
 raise ``ValueError`` naming the argument (a wrong dtype raises ``MaskTypeError``,
 which is both a ``TypeError`` and a ``ValueError``).
+
+Each object describes itself to the kernel as a ``MaskArgs`` record
+(``Mask.kernel_args``); ``MaskArgs.merge`` is the intersection, and
+``visibility`` is the same rule in NumPy.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, TypeVar
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _cyloops, _loops
-from ._checks import detached
+from ._checks import ArgumentTypeError, check_int, check_seq_lens, detached
 
 __all__ = [
     "Mask",
+    "MaskArgs",
     "Causal",
     "SlidingWindow",
     "Padding",
@@ -57,32 +66,45 @@ __all__ = [
 _ALIGNS = ("bottom_right", "top_left")
 
 
-class MaskTypeError(TypeError, ValueError):
-    """A mask argument of the wrong dtype (catchable as TypeError or ValueError)."""
+MaskTypeError = ArgumentTypeError
+"""A mask argument of the wrong dtype or type: ``_checks.ArgumentTypeError``,
+both a TypeError and a ValueError (one class for every argument checker)."""
 
 
-def _shape_str(shape):
+def _shape_str(shape: tuple[int, ...]) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-def _check_int(x, name, minimum=0, allow_none=False):
-    if x is None and allow_none:
-        return None
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {x!r}")
-    x = int(x)
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
+def _check_side(x: int | None, name: str) -> int | None:
+    """A window side: None (unbounded) or an int >= 0."""
+    return None if x is None else check_int(x, name, 0)
 
 
-def _check_align(align):
+def _check_align(align: str) -> str:
     if align not in _ALIGNS:
         raise ValueError(f"align must be one of {_ALIGNS}, got {align!r}")
     return align
 
 
-def _broadcast4(arr, shape, name, what):
+def _mask_array(
+    x: ArrayLike,
+    dtype_ok: Callable[[np.dtype], bool],
+    min_ndim: int,
+    bad_dtype: str,
+    bad_shape: str,
+) -> np.ndarray:
+    """`x` (read detached) as a NumPy array of an accepted dtype (MaskTypeError:
+    `bad_dtype`, got dtype ...) with min_ndim to 4 dimensions (ValueError:
+    `bad_shape`, got shape ...)."""
+    a = np.asarray(detached(x))
+    if not dtype_ok(a.dtype):
+        raise MaskTypeError(f"{bad_dtype}, got dtype {a.dtype}")
+    if a.ndim < min_ndim or a.ndim > 4:
+        raise ValueError(f"{bad_shape}, got shape {_shape_str(a.shape)}")
+    return a
+
+
+def _broadcast4(arr: np.ndarray, shape: tuple[int, ...], name: str, what: str) -> np.ndarray:
     """View `arr` (ndim <= 4) broadcast to the 4-D `shape` (zero strides, no copy)."""
     if arr.ndim > 4:
         raise ValueError(f"{name} has shape {_shape_str(arr.shape)}: at most 4 dimensions ({what})")
@@ -90,50 +112,54 @@ def _broadcast4(arr, shape, name, what):
         return np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
     except ValueError:
         raise ValueError(
-            f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = {_shape_str(shape)}"
+            f"{name} has shape {_shape_str(arr.shape)}, not broadcastable to {what} = "
+            f"{_shape_str(shape)}"
         ) from None
 
 
 class Mask:
     """Base class: a visibility rule the kernel understands block by block.
 
-    Subclasses describe themselves as kernel arguments; ``a & b`` combines
-    them. ``to_dense(B, H, Lq, Lk)`` materialises the equivalent boolean
-    (B, H, Lq, Lk) array (True = visible), for plots, tests and debugging.
+    Subclasses describe themselves as a ``MaskArgs`` record
+    (``kernel_args``); ``a & b`` combines them. ``to_dense(B, H, Lq, Lk)``
+    materialises the equivalent boolean (B, H, Lq, Lk) array (True =
+    visible), for plots, tests and debugging.
     """
 
     # Make `ndarray & mask` call Mask.__rand__ instead of an element-wise ufunc.
     __array_ufunc__ = None
 
-    def _parts(self):
+    def _parts(self) -> tuple[Mask, ...]:
         return (self,)
 
-    def _kw(self, B, H, Lq, Lk, dtype):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
+        raise NotImplementedError  # pragma: no cover - abstract
 
-    def __and__(self, other):
+    def __and__(self, other: Any) -> Mask:
         return _All(self._parts() + as_mask(other)._parts())
 
-    def __rand__(self, other):
+    def __rand__(self, other: Any) -> Mask:
         return _All(as_mask(other)._parts() + self._parts())
 
-    def _kernel_kwargs(self, *, B, H, Lq, Lk, dtype):
-        """Keyword arguments for ``_core.forward`` (see attention.h's AttnArgs)."""
-        return merge_kwargs(
-            [p._kw(B, H, Lq, Lk, np.dtype(dtype)) for p in self._parts()], B, Lq, Lk
-        )
+    def kernel_args(self, *, B: int, H: int, Lq: int, Lk: int, dtype: DTypeLike) -> MaskArgs:
+        """The kernel's visibility arguments for a (B, H, Lq, Lk) call whose
+        scores are computed in `dtype` (a ``Dense`` bias is cast to it): the
+        resolved intersection of this mask's parts. Raises ValueError /
+        ``MaskTypeError`` for arguments that do not fit the shapes."""
+        dt = np.dtype(dtype)
+        return MaskArgs.combine([p._args(B, H, Lq, Lk, dt) for p in self._parts()], B, Lq, Lk)
 
-    def to_dense(self, B, H, Lq, Lk):
+    def to_dense(self, B: int, H: int, Lq: int, Lk: int) -> np.ndarray:
         """Boolean (B, H, Lq, Lk) array: True where query i may see key j.
 
         An additive ``Dense`` bias counts as visible where it is > -inf.
         Materialises Lq x Lk per (batch, head); meant for small sizes.
         """
-        kw = self._kernel_kwargs(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.float64)
-        return np.broadcast_to(visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk))
+        args = self.kernel_args(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.float64)
+        return np.broadcast_to(visibility(args, B, H, Lq, Lk), (B, H, Lq, Lk))
 
 
-def as_mask(x):
+def as_mask(x: Any) -> Mask:
     """A Mask as is; a NumPy array (boolean or float) as ``Dense(x)``; a list or
     tuple of masks and arrays as their intersection."""
     if isinstance(x, Mask):
@@ -151,13 +177,13 @@ def as_mask(x):
 class _All(Mask):
     """The intersection of several masks (built by ``&``)."""
 
-    def __init__(self, parts):
+    def __init__(self, parts: Iterable[Mask]) -> None:
         self.parts = tuple(parts)
 
-    def _parts(self):
+    def _parts(self) -> tuple[Mask, ...]:
         return self.parts
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return " & ".join(map(repr, self.parts))
 
 
@@ -172,13 +198,13 @@ class Causal(Mask):
     return zeros (lse = -inf).
     """
 
-    def __init__(self, align="bottom_right"):
+    def __init__(self, align: str = "bottom_right") -> None:
         self.align = _check_align(align)
 
-    def _kw(self, B, H, Lq, Lk, dtype):
-        return {"causal": True, "_align": self.align}
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
+        return _CAUSAL[self.align]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Causal(align={self.align!r})"
 
 
@@ -193,36 +219,31 @@ class SlidingWindow(Mask):
     the band, so the cost grows as Lq * (left + right + 1), not Lq * Lk.
     """
 
-    def __init__(self, left, right=0, align="bottom_right"):
-        self.left = _check_int(left, "SlidingWindow left", 0, allow_none=True)
-        self.right = _check_int(right, "SlidingWindow right", 0, allow_none=True)
+    def __init__(
+        self, left: int | None, right: int | None = 0, align: str = "bottom_right"
+    ) -> None:
+        self.left = _check_side(left, "SlidingWindow left")
+        self.right = _check_side(right, "SlidingWindow right")
         self.align = _check_align(align)
 
-    def _kw(self, B, H, Lq, Lk, dtype):
-        # Sides wider than any sequence (even >= 2^63) are clamped, as window_size= is: same result.
-        return {
-            "window_left": -1 if self.left is None else min(self.left, 2**62),
-            "window_right": -1 if self.right is None else min(self.right, 2**62),
-            "_align": self.align,
-        }
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
+        return window_args(self.left, self.right, self.align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SlidingWindow(left={self.left}, right={self.right}, align={self.align!r})"
 
 
-def _lens(x, name, B, L):
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu" or a.dtype == np.bool_:
-        raise MaskTypeError(f"{name} must hold integers, got dtype {a.dtype}")
-    if a.ndim == 0:
-        a = np.full(B, a, dtype=np.int64)
-    if a.shape != (B,):
-        raise ValueError(
-            f"{name} must have one length per batch entry, shape ({B},), got shape {_shape_str(a.shape)}"
-        )
-    if a.size and (a.min() < 0 or a.max() > L):
-        raise ValueError(f"{name} must lie in [0, {L}], got values in [{a.min()}, {a.max()}]")
-    return a.astype(np.int64)  # a fresh copy: aligned, native, contiguous (the kernel reads it raw)
+def window_args(left: int | None, right: int | None, align: str) -> MaskArgs:
+    """A sliding window's record: keys in [i' - left, i' + right] (None: unbounded).
+
+    Sides wider than any sequence (even >= 2**63) are clamped to 2**62: the
+    same result, and the kernel's int64 arithmetic cannot overflow.
+    """
+    return MaskArgs(
+        window_left=-1 if left is None else min(left, 2**62),
+        window_right=-1 if right is None else min(right, 2**62),
+        aligns=frozenset({align}),
+    )
 
 
 class Padding(Mask):
@@ -250,20 +271,21 @@ class Padding(Mask):
         o = sdpa(q4, k, v, attn_mask=Causal() & Padding(lens))  # query 3 sees keys < lens[b]
     """
 
-    def __init__(self, kv_lens, q_lens=None):
+    def __init__(self, kv_lens: ArrayLike, q_lens: ArrayLike | None = None) -> None:
         self.kv_lens = np.asarray(kv_lens)
         self.q_lens = None if q_lens is None else np.asarray(q_lens)
 
-    def _kw(self, B, H, Lq, Lk, dtype):
-        kv = _lens(self.kv_lens, "kv_lens", B, Lk)
-        kw = {"kv_lens": kv}
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
+        kv = check_seq_lens(self.kv_lens, "kv_lens", B, Lk)
         if self.q_lens is not None:
-            kw["q_lens"] = _lens(self.q_lens, "q_lens", B, Lq)
+            ql = check_seq_lens(self.q_lens, "q_lens", B, Lq)
         elif Lq == Lk:  # self-attention over a padded batch: the queries are the same tokens
-            kw["q_lens"] = kv.copy()
-        return kw
+            ql = kv.copy()
+        else:
+            ql = None
+        return _record(q_lens=ql, kv_lens=kv)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         q = "" if self.q_lens is None else f", q_lens={self.q_lens.tolist()}"
         return f"Padding(kv_lens={self.kv_lens.tolist()}{q})"
 
@@ -285,37 +307,36 @@ class BlockSparse(Mask):
     ``global_tokens``.
     """
 
-    def __init__(self, layout, block_q, block_k=None):
-        lay = np.asarray(detached(layout))
-        if lay.dtype != np.bool_:
-            raise MaskTypeError(
-                f"BlockSparse layout must be a boolean array, got dtype {lay.dtype}"
-            )
-        if lay.ndim < 2 or lay.ndim > 4:
-            raise ValueError(
-                f"BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk), got shape {_shape_str(lay.shape)}"
-            )
-        self.layout = lay
-        self.block_q = _check_int(block_q, "block_q", 1)
-        self.block_k = self.block_q if block_k is None else _check_int(block_k, "block_k", 1)
+    def __init__(self, layout: ArrayLike, block_q: int, block_k: int | None = None) -> None:
+        self.layout = _mask_array(
+            layout,
+            lambda dt: dt == np.bool_,
+            2,
+            "BlockSparse layout must be a boolean array",
+            "BlockSparse layout must be (nq, nk), (H, nq, nk) or (B, H, nq, nk)",
+        )
+        self.block_q = check_int(block_q, "block_q", 1)
+        self.block_k = self.block_q if block_k is None else check_int(block_k, "block_k", 1)
 
     @property
-    def density(self):
+    def density(self) -> float:
         """Fraction of blocks kept (over the whole layout)."""
         return float(self.layout.mean()) if self.layout.size else 0.0
 
-    def _kw(self, B, H, Lq, Lk, dtype):
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
         nq, nk = self.layout.shape[-2:]
         if nq * self.block_q < Lq or nk * self.block_k < Lk:
             raise ValueError(
-                f"BlockSparse layout of shape {_shape_str(self.layout.shape)} with block_q={self.block_q}, "
-                f"block_k={self.block_k} covers ({nq * self.block_q}, {nk * self.block_k}) positions, "
+                f"BlockSparse layout of shape {_shape_str(self.layout.shape)} with "
+                f"block_q={self.block_q}, "
+                f"block_k={self.block_k} covers ({nq * self.block_q}, {nk * self.block_k}) "
+                "positions, "
                 f"but (Lq, Lk) = ({Lq}, {Lk})"
             )
         view = _broadcast4(self.layout, (B, H, nq, nk), "BlockSparse layout", "(B, H, nq, nk)")
-        return {"layout": view.view(np.uint8), "layout_bq": self.block_q, "layout_bk": self.block_k}
+        return MaskArgs(layout=view.view(np.uint8), layout_bq=self.block_q, layout_bk=self.block_k)
 
-    def __or__(self, other):
+    def __or__(self, other: BlockSparse) -> BlockSparse:
         if not isinstance(other, BlockSparse):
             return NotImplemented
         a, b = _common_blocks(self, other)
@@ -325,7 +346,7 @@ class BlockSparse(Mask):
             _pad_layout(a.layout, nq, nk) | _pad_layout(b.layout, nq, nk), a.block_q, a.block_k
         )
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"BlockSparse(layout {_shape_str(self.layout.shape)}, block_q={self.block_q}, "
             f"block_k={self.block_k}, density={self.density:.3f})"
@@ -334,23 +355,23 @@ class BlockSparse(Mask):
     # ------------------------------------------------------------ constructors
 
     @staticmethod
-    def _grid(seq_len, block):
-        seq_len = _check_int(seq_len, "seq_len", 1)
-        block = _check_int(block, "block", 1)
+    def _grid(seq_len: int, block: int) -> tuple[int, np.ndarray, np.ndarray]:
+        seq_len = check_int(seq_len, "seq_len", 1)
+        block = check_int(block, "block", 1)
         n = -(-seq_len // block)
         x = np.arange(n)[:, None]  # query block
         y = np.arange(n)[None, :]  # key block
         return block, x, y
 
     @classmethod
-    def local(cls, seq_len, block, width, causal=False):
+    def local(cls, seq_len: int, block: int, width: int, causal: bool = False) -> BlockSparse:
         """Band of blocks (self-attention, Lq = Lk = seq_len): (nb, nb) layout.
 
         Query block x sees key blocks y with |x - y| < width, or
         0 <= x - y < width if causal. width >= 1 blocks.
         """
         block, x, y = cls._grid(seq_len, block)
-        width = _check_int(width, "width", 1)
+        width = check_int(width, "width", 1)
         if _loops.USE_CYTHON:
             lo = 0 if causal else 1 - width
             keep = _cyloops.band_layout(
@@ -361,7 +382,7 @@ class BlockSparse(Mask):
         return cls(keep, block, block)
 
     @classmethod
-    def strided(cls, seq_len, block, stride, causal=True):
+    def strided(cls, seq_len: int, block: int, stride: int, causal: bool = True) -> BlockSparse:
         """Sparse Transformer's strided pattern (Child et al. 2019), in blocks.
 
         Query block x sees the previous ``stride`` blocks (x - stride < y <= x)
@@ -370,7 +391,7 @@ class BlockSparse(Mask):
         mirrored (|x - y| instead of x - y). stride >= 1 blocks.
         """
         block, x, y = cls._grid(seq_len, block)
-        stride = _check_int(stride, "stride", 1)
+        stride = check_int(stride, "stride", 1)
         if _loops.USE_CYTHON:
             lo = 0 if causal else 1 - stride
             keep = _cyloops.band_layout(
@@ -382,8 +403,15 @@ class BlockSparse(Mask):
 
     @classmethod
     def global_tokens(
-        cls, seq_len, block, global_blocks=1, width=1, random_blocks=0, causal=False, seed=0
-    ):
+        cls,
+        seq_len: int,
+        block: int,
+        global_blocks: int | ArrayLike = 1,
+        width: int = 1,
+        random_blocks: int = 0,
+        causal: bool = False,
+        seed: Any = 0,
+    ) -> BlockSparse:
         """Longformer / BigBird pattern: global anchors + local band (+ random).
 
         global_blocks : int n (the first n blocks) or a list of block indices.
@@ -396,12 +424,12 @@ class BlockSparse(Mask):
         """
         block, x, y = cls._grid(seq_len, block)
         n = x.shape[0]
-        width = _check_int(width, "width", 0)
-        random_blocks = _check_int(random_blocks, "random_blocks", 0)
+        width = check_int(width, "width", 0)
+        random_blocks = check_int(random_blocks, "random_blocks", 0)
         if isinstance(global_blocks, numbers.Integral) and not isinstance(
             global_blocks, (bool, np.bool_)
         ):
-            g = np.arange(min(_check_int(global_blocks, "global_blocks", 0), n))
+            g = np.arange(min(check_int(global_blocks, "global_blocks", 0), n))
         else:
             g = np.asarray(global_blocks)
             if g.size and (g.dtype.kind not in "iu"):  # 2.5 or [True] are not block indices
@@ -479,36 +507,190 @@ class Dense(Mask):
     kernel finds empty tiles without scanning them once per head.
     """
 
-    def __init__(self, array):
-        a = np.asarray(detached(array))
-        if a.dtype != np.bool_ and a.dtype.kind != "f":
-            raise MaskTypeError(
-                f"attn_mask must be a boolean (True = attend) or float (additive) array, got dtype {a.dtype}"
-            )
-        if a.ndim < 1 or a.ndim > 4:
-            raise ValueError(
-                f"attn_mask must be broadcastable to (B, H, Lq, Lk), got shape {_shape_str(a.shape)}"
-            )
-        self.array = a
+    def __init__(self, array: ArrayLike) -> None:
+        self.array = _mask_array(
+            array,
+            lambda dt: dt == np.bool_ or dt.kind == "f",
+            1,
+            "attn_mask must be a boolean (True = attend) or float (additive) array",
+            "attn_mask must be broadcastable to (B, H, Lq, Lk)",
+        )
 
-    def _kw(self, B, H, Lq, Lk, dtype):
+    def _args(self, B: int, H: int, Lq: int, Lk: int, dtype: np.dtype) -> MaskArgs:
         a = self.array
         if a.dtype == np.bool_:
-            return {
-                "mask": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)").view(np.uint8)
-            }
+            view = _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)")
+            return MaskArgs(mask=view.view(np.uint8))
         if a.dtype != dtype or not a.flags.aligned:
             a = a.astype(dtype)  # at the array's own shape, before broadcasting (aligned, native)
-        return {"bias": _broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)")}
+        return MaskArgs(bias=_broadcast4(a, (B, H, Lq, Lk), "attn_mask", "(B, H, Lq, Lk)"))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Dense({self.array.dtype}, shape {_shape_str(self.array.shape)})"
 
 
+# ---------------------------------------------------------------- kernel arguments
+
+_ALIGN_FREE: frozenset[str] = frozenset()
+_TOP_LEFT: frozenset[str] = frozenset({"top_left"})
+
+
+@dataclass(frozen=True, eq=False)
+class MaskArgs:
+    """The kernel's visibility arguments (the mask half of attention.h's AttnArgs), one record.
+
+    Every mask object produces one (``Mask.kernel_args``), ``is_causal`` and
+    ``window_size`` too; ``merge`` intersects two of them; the kernels
+    (``attn_fast._dispatch``), the weights path and ``visibility`` read them.
+    Immutable: a merge or a block summary makes a new record; the arrays are
+    shared, never copied (they are read-only views where they are broadcast).
+
+    causal : query i sees keys j <= i + off (off: the alignment's diagonal).
+    window_left, window_right : keys in [i + off - left, i + off + right];
+        -1 leaves that side unbounded.
+    q_lens, kv_lens : (B,) int64 valid lengths per batch entry, or None (all).
+    layout : (B, H, nq, nk) uint8 block layout (nonzero = kept), or None;
+        layout_bq, layout_bk its block sizes in tokens.
+    mask : (B, H, Lq, Lk) uint8 view (nonzero = attend), or None.
+    bias : (B, H, Lq, Lk) float view added to the scores (-inf = masked), or None.
+    aligns : the alignments the parts asked for ("bottom_right", "top_left");
+        empty when none depends on it. ``resolve`` leaves at most one.
+    """
+
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    q_lens: np.ndarray | None = None
+    kv_lens: np.ndarray | None = None
+    layout: np.ndarray | None = None
+    layout_bq: int = 1
+    layout_bk: int = 1
+    mask: np.ndarray | None = None
+    bias: np.ndarray | None = None
+    aligns: frozenset[str] = _ALIGN_FREE
+
+    @property
+    def top_left(self) -> bool:
+        """True when the diagonal is top-left aligned (off = 0)."""
+        return self.aligns == _TOP_LEFT
+
+    @property
+    def elementwise(self) -> bool:
+        """True when a block layout, a dense mask or a bias is set (what the
+        split-KV decode kernel does not read)."""
+        return self.layout is not None or self.mask is not None or self.bias is not None
+
+    def merge(self, other: MaskArgs) -> MaskArgs:
+        """The intersection of two records: a pair is visible if both let it through.
+
+        Causal if either is; windows intersect side by side; lengths take
+        the element-wise minimum; block layouts (at the gcd of their block
+        sizes) and boolean masks are AND-ed; additive biases add up;
+        alignments are collected (``resolve`` checks that they agree).
+        """
+        if other is _EVERYTHING:
+            return self
+        if self.layout is None or other.layout is None:
+            mine = self if other.layout is None else other
+            layout = dict(layout=mine.layout, layout_bq=mine.layout_bq, layout_bk=mine.layout_bk)
+        else:
+            layout = _merge_layouts(self, other)
+        return _record(
+            causal=self.causal or other.causal,
+            window_left=_min_window(self.window_left, other.window_left),
+            window_right=_min_window(self.window_right, other.window_right),
+            q_lens=_either(self.q_lens, other.q_lens, np.minimum),
+            kv_lens=_either(self.kv_lens, other.kv_lens, np.minimum),
+            mask=_either(self.mask, other.mask, _and_broadcast),
+            bias=_either(self.bias, other.bias, _add_broadcast),
+            aligns=self.aligns | other.aligns,
+            **layout,
+        )
+
+    def resolve(self, B: int, Lq: int, Lk: int) -> MaskArgs:
+        """This record with one alignment at most; ValueError when its parts ask
+        for both bottom-right and top-left and the two differ here (they
+        coincide when every sequence has k_len == q_len)."""
+        if len(self.aligns) <= 1:
+            return self
+        q_len = np.full(B, Lq) if self.q_lens is None else self.q_lens
+        k_len = np.full(B, Lk) if self.kv_lens is None else self.kv_lens
+        if np.any(np.asarray(k_len) != np.asarray(q_len)):
+            raise ValueError(
+                "masks combine bottom-right and top-left alignment, which differ here "
+                f"(Lq = {Lq}, Lk = {Lk}, or padded lengths differ); use one alignment"
+            )
+        return replace(self, aligns=frozenset({"bottom_right"}))
+
+    @classmethod
+    def combine(cls, parts: Iterable[MaskArgs], B: int, Lq: int, Lk: int) -> MaskArgs:
+        """The resolved intersection of `parts` (an empty list: everything visible)."""
+        it = iter(parts)
+        out = next(it, _EVERYTHING)
+        for p in it:
+            out = out.merge(p)
+        return out.resolve(B, Lq, Lk)
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``_core.forward`` / ``_core.decode`` /
+        ``_core.backward`` this record sets: the fields that differ from the
+        defaults (which are the bindings' defaults), ``aligns`` as top_left.
+        Only what is set is passed: every keyword costs the binding a lookup."""
+        kw = {}
+        for n, v in vars(self).items():
+            d = _DEFAULTS[n]
+            if v is d or (n in _SCALARS and v == d):
+                continue
+            kw[n] = v
+        if kw.pop("aligns", None) is not None:
+            kw["top_left"] = self.top_left
+        return kw
+
+    def set_fields(self) -> list[str]:
+        """The names of the arguments this record sets (for error messages)."""
+        names = [
+            n
+            for n in ("q_lens", "kv_lens", "layout", "mask", "bias")
+            if getattr(self, n) is not None
+        ]
+        if self.causal:
+            names.append("causal")
+        if self.top_left:
+            names.append("top_left")
+        names += [n for n in ("window_left", "window_right") if getattr(self, n) >= 0]
+        return sorted(names)
+
+
+_EVERYTHING = MaskArgs()  # no restriction: every pair is visible (records are immutable)
+_DEFAULTS = dict(vars(_EVERYTHING))
+_SCALARS = {"causal", "window_left", "window_right", "layout_bq", "layout_bk", "aligns"}
+
+
+def _record(**kw: Any) -> MaskArgs:
+    """``MaskArgs(**kw)`` without the frozen dataclass's per-field __init__
+    (the merge runs on every call): the same record, built by filling its dict."""
+    obj = object.__new__(MaskArgs)
+    vars(obj).update(_DEFAULTS, **kw)
+    return obj
+
+
+_CAUSAL = {a: MaskArgs(causal=True, aligns=frozenset({a})) for a in _ALIGNS}
+
 # ---------------------------------------------------------------- combination
 
+T = TypeVar("T")
 
-def _min_window(a, b):
+
+def _either(a: T | None, b: T | None, both: Callable[[T, T], T]) -> T | None:
+    """`a` or `b` where only one is set, ``both(a, b)`` where both are."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return both(a, b)
+
+
+def _min_window(a: int, b: int) -> int:
     """Intersection of two window sides (-1 = unbounded)."""
     if a < 0:
         return b
@@ -517,79 +699,29 @@ def _min_window(a, b):
     return min(a, b)
 
 
-def _compact(x):
+def _compact(x: np.ndarray) -> np.ndarray:
     """The un-broadcast core of a broadcast view: zero-stride axes become size 1."""
     return x[tuple(slice(0, 1) if st == 0 else slice(None) for st in x.strides)]
 
 
-def _and_broadcast(x, y):
+def _and_broadcast(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """AND of two broadcast 4-D uint8 views, materialised at their common shape."""
     return np.broadcast_to(np.logical_and(_compact(x), _compact(y)).view(np.uint8), x.shape)
 
 
-def _add_broadcast(x, y):
+def _add_broadcast(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Sum of two broadcast 4-D float views, materialised at their common shape."""
     return np.broadcast_to(_compact(x) + _compact(y), x.shape)
 
 
-def merge_kwargs(parts, B, Lq, Lk):
-    """Combine several kernel-argument dicts into the dict of their intersection.
-
-    Rules: causal if any part is causal; windows intersect side by side;
-    lengths take the element-wise minimum; block layouts and boolean masks are
-    AND-ed (layouts at the gcd of their block sizes); additive biases add up.
-    Parts that depend on the alignment must agree on it, unless bottom-right
-    and top-left coincide (every sequence has k_len == q_len).
-    """
-    out = {}
-    aligns = set()
-    for kw in parts:
-        for key, val in kw.items():
-            if key == "_align":
-                aligns.add(val)
-            elif key not in out:
-                out[key] = val
-            elif key == "causal":
-                out[key] = out[key] or val
-            elif key in ("window_left", "window_right"):
-                out[key] = _min_window(out[key], val)
-            elif key in ("q_lens", "kv_lens"):
-                out[key] = np.minimum(out[key], val)
-            elif key == "mask":
-                out[key] = _and_broadcast(out[key], val)
-            elif key == "bias":
-                out[key] = _add_broadcast(out[key], val)
-            elif key == "layout":
-                pass  # handled below with the block sizes
-            elif key in ("layout_bq", "layout_bk"):
-                pass
-            else:
-                raise ValueError(f"two masks both set {key!r}; they cannot be combined")
-    layouts = [kw for kw in parts if "layout" in kw]
-    if len(layouts) > 1:
-        out.update(_merge_layouts(layouts))
-    if len(aligns) > 1:
-        q_len = out.get("q_lens", np.full(B, Lq))
-        k_len = out.get("kv_lens", np.full(B, Lk))
-        if np.any(np.asarray(k_len) != np.asarray(q_len)):
-            raise ValueError(
-                "masks combine bottom-right and top-left alignment, which differ here "
-                f"(Lq = {Lq}, Lk = {Lk}, or padded lengths differ); use one alignment"
-            )
-        aligns = {"bottom_right"}
-    if aligns:
-        out["top_left"] = aligns.pop() == "top_left"
-    return out
-
-
-def _merge_layouts(layouts):
-    gq = math.gcd(*[kw["layout_bq"] for kw in layouts])
-    gk = math.gcd(*[kw["layout_bk"] for kw in layouts])
+def _merge_layouts(a: MaskArgs, b: MaskArgs) -> dict[str, Any]:
+    """Two block layouts AND-ed at the gcd of their block sizes (cropped to the
+    smaller cover), broadcast over a's (B, H)."""
+    gq, gk = math.gcd(a.layout_bq, b.layout_bq), math.gcd(a.layout_bk, b.layout_bk)
     merged = None
-    for kw in layouts:
-        lay = kw["layout"]
-        fq, fk = kw["layout_bq"] // gq, kw["layout_bk"] // gk
-        compact = _compact(lay).astype(bool)
+    for m in (a, b):
+        fq, fk = m.layout_bq // gq, m.layout_bk // gk
+        compact = _compact(m.layout).astype(bool)
         if fq > 1 or fk > 1:
             compact = _refine(compact, fq, fk)
         if merged is None:
@@ -598,43 +730,44 @@ def _merge_layouts(layouts):
             nq = min(merged.shape[-2], compact.shape[-2])
             nk = min(merged.shape[-1], compact.shape[-1])
             merged = merged[..., :nq, :nk] & compact[..., :nq, :nk]
-    B, H = layouts[0]["layout"].shape[:2]
+    B, H = a.layout.shape[:2]
     view = np.broadcast_to(merged, (B, H) + merged.shape[-2:])
-    return {"layout": view.view(np.uint8), "layout_bq": gq, "layout_bk": gk}
+    return dict(layout=view.view(np.uint8), layout_bq=gq, layout_bk=gk)
 
 
 # ---------------------------------------------------------------- dense view
 
 
-def visibility(kw, B, H, Lq, Lk):
+def visibility(args: MaskArgs, B: int, H: int, Lq: int, Lk: int) -> np.ndarray:
     """The rule of attention.h's AttnArgs, in NumPy: boolean (B, H|1, Lq, Lk).
 
-    kw : kernel keyword arguments (as ``Mask._kernel_kwargs`` returns them).
+    args : the kernel's visibility arguments (``Mask.kernel_args``).
     Reads causal, top_left, window_left/right, q_lens, kv_lens, layout, mask
     and bias (-inf = masked). Materialises Lq x Lk per batch entry.
     """
-    q_len = np.asarray(kw.get("q_lens", np.full(B, Lq)), dtype=np.int64).reshape(B, 1, 1, 1)
-    k_len = np.asarray(kw.get("kv_lens", np.full(B, Lk)), dtype=np.int64).reshape(B, 1, 1, 1)
-    off = np.zeros_like(k_len) if kw.get("top_left") else k_len - q_len
+    q_len = np.asarray(np.full(B, Lq) if args.q_lens is None else args.q_lens, dtype=np.int64)
+    k_len = np.asarray(np.full(B, Lk) if args.kv_lens is None else args.kv_lens, dtype=np.int64)
+    q_len, k_len = q_len.reshape(B, 1, 1, 1), k_len.reshape(B, 1, 1, 1)
+    off = np.zeros_like(k_len) if args.top_left else k_len - q_len
     i = np.arange(Lq).reshape(1, 1, Lq, 1)
     j = np.arange(Lk).reshape(1, 1, 1, Lk)
     diag = i + off
     vis = (j < k_len) & (i < q_len)
-    if kw.get("causal"):
+    if args.causal:
         vis = vis & (j <= diag)
-    if kw.get("window_left", -1) >= 0:
-        vis = vis & (j >= diag - kw["window_left"])
-    if kw.get("window_right", -1) >= 0:
-        vis = vis & (j <= diag + kw["window_right"])
-    if kw.get("layout") is not None:
-        lay = kw["layout"].astype(bool)
-        rows = np.arange(Lq) // kw["layout_bq"]
-        cols = np.arange(Lk) // kw["layout_bk"]
+    if args.window_left >= 0:
+        vis = vis & (j >= diag - args.window_left)
+    if args.window_right >= 0:
+        vis = vis & (j <= diag + args.window_right)
+    if args.layout is not None:
+        lay = args.layout.astype(bool)
+        rows = np.arange(Lq) // args.layout_bq
+        cols = np.arange(Lk) // args.layout_bk
         vis = vis & lay[:, :, rows][:, :, :, cols]
-    if kw.get("mask") is not None:
-        vis = vis & kw["mask"].astype(bool)
-    if kw.get("bias") is not None:
-        vis = vis & (kw["bias"] > -np.inf)
+    if args.mask is not None:
+        vis = vis & args.mask.astype(bool)
+    if args.bias is not None:
+        vis = vis & (args.bias > -np.inf)
     return vis
 
 
@@ -643,7 +776,7 @@ def visibility(kw, B, H, Lq, Lk):
 SUMMARY_BLOCK = 16
 
 
-def add_block_summary(kw, block=SUMMARY_BLOCK):
+def add_block_summary(args: MaskArgs, block: int = SUMMARY_BLOCK) -> MaskArgs:
     """Give a dense boolean mask a block layout summarising it, so the kernel
     skips its all-False tiles by looking at a few layout bytes instead of
     scanning Br x Bc mask bytes once per (batch, head, tile).
@@ -654,19 +787,17 @@ def add_block_summary(kw, block=SUMMARY_BLOCK):
     layout of its own (so no re-blocking at a gcd is ever needed) and the mask
     is at least 4 x 4 blocks.
     """
-    m = kw.get("mask")
-    if m is None or kw.get("layout") is not None:
-        return kw
+    m = args.mask
+    if m is None or args.layout is not None:
+        return args
     B, H, Lq, Lk = m.shape
     if Lq < 4 * block or Lk < 4 * block:
-        return kw
+        return args
     summary = block_summary(_compact(m), block) != BLOCK_MASKED
     # A broadcast row (column) axis of the mask stays one summary row (column),
     # broadcast again (stride 0) over the whole sequence.
     layout = np.broadcast_to(summary, (B, H, -(-Lq // block), -(-Lk // block)))
-    out = dict(kw)
-    out.update(layout=layout.view(np.uint8), layout_bq=block, layout_bk=block)
-    return out
+    return replace(args, layout=layout.view(np.uint8), layout_bq=block, layout_bk=block)
 
 
 BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = 0, 1, 2
@@ -687,7 +818,7 @@ def block_summary(mask, block=SUMMARY_BLOCK):
         raise MaskTypeError(f"mask must be a bool or uint8 array, got dtype {m.dtype}")
     if m.ndim != 4:
         raise ValueError(f"mask must be (B, H, Lq, Lk), got shape {_shape_str(m.shape)}")
-    block = _check_int(block, "block", 1)
+    block = check_int(block, "block", 1)
     if _loops.USE_CYTHON:
         return _cyloops.block_summary(m.view(np.uint8), block, num_threads=_loops.threads())
     return _summary_numpy(m, block)

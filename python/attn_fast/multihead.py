@@ -31,8 +31,11 @@ heads, H_kv key/value heads (H % H_kv == 0), d_h head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import (
     as_float_array,
@@ -42,6 +45,7 @@ from ._checks import (
     shape_str,
     to_input_kind,
 )
+from ._module import Module, as_rng
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .positional import RoPE
@@ -49,39 +53,7 @@ from .positional import RoPE
 __all__ = ["MultiHeadAttention"]
 
 
-def _as_rng(rng):
-    if rng is None or isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        return np.random.default_rng(rng)
-    if isinstance(rng, np.random.Generator):
-        return rng
-    raise TypeError(
-        f"rng must be None, an int seed or a numpy.random.Generator, got {type(rng).__name__}"
-    )
-
-
-def _checked_weight(dst, src, name, prefix=""):
-    """`src` as an array fit for parameter `dst` (shape, real dtype, finite), or a clear error."""
-    a = np.asarray(src)
-    if a.dtype.kind not in "fiu":
-        raise TypeError(f"weight {prefix}{name} must be a real numeric array, got dtype {a.dtype}")
-    if a.shape != dst.shape:
-        raise ValueError(
-            f"weight {prefix}{name} has shape {shape_str(a)}, expected {shape_str(dst)}"
-        )
-    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-        raise ValueError(f"weight {prefix}{name} contains NaN or inf")
-    return a
-
-
-def _load_all(pairs):
-    """Copy each (dst, src, name, prefix) after checking every one of them:
-    a bad weight raises before any parameter is changed."""
-    checked = [(dst, _checked_weight(dst, src, name, prefix)) for dst, src, name, prefix in pairs]
-    for dst, a in checked:
-        dst[...] = a
-
-
-class MultiHeadAttention:
+class MultiHeadAttention(Module):
     """Multi-head attention on (L, D) or (B, L, D) arrays, calling the fused kernel.
 
     Parameters
@@ -106,19 +78,19 @@ class MultiHeadAttention:
 
     def __init__(
         self,
-        d_model,
-        num_heads,
-        num_kv_heads=None,
-        head_dim=None,
-        bias=False,
-        positional=None,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        positional: str | RoPE | None = None,
         *,
-        kv_dim=None,
-        scale=None,
-        weights=None,
-        rng=None,
-        dtype=np.float32,
-    ):
+        kv_dim: int | None = None,
+        scale: float | None = None,
+        weights: Mapping[str, ArrayLike] | None = None,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         D, H = check_int(d_model, "d_model", 1), check_int(num_heads, "num_heads", 1)
         Hkv = H if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", 1)
         if H % Hkv:
@@ -182,7 +154,7 @@ class MultiHeadAttention:
             self._params.update(
                 bq=self._b_q, bk=self._b_kv[:nkv], bv=self._b_kv[nkv:], bo=self._b_o
             )
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         for name in ("Wq", "Wk", "Wv", "Wo"):
             p = self._params[name]
             p[...] = gen.standard_normal(p.shape) / math.sqrt(p.shape[1])
@@ -197,38 +169,15 @@ class MultiHeadAttention:
     )
     Wo = property(lambda self: self._params["Wo"], doc="(D, H·d_h) output projection.")
 
-    def state_dict(self):
-        """The parameters by name (views; copy them to keep a snapshot)."""
+    def _own(self) -> dict[str, np.ndarray]:
+        """Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo (views; see
+        ``Module.state_dict`` and ``Module.load_weights``)."""
         return dict(self._params)
 
-    def load_weights(self, weights, *, prefix="", strict=True):
-        """Copy arrays from a mapping (dict, ``np.load(...npz)``) into the parameters.
+    def _unknown_hint(self) -> str:
+        return "" if self.bias else " (biases need bias=True)"
 
-        Names: Wq, Wk, Wv, Wo and, with bias=True, bq, bk, bv, bo, each
-        preceded by ``prefix``. With strict=True (default), missing names and
-        unknown names under ``prefix`` raise KeyError (all of them listed);
-        wrong shapes always raise ValueError. Every weight is checked before
-        any is copied: on error the parameters are unchanged.
-        """
-        missing = [prefix + n for n in self._params if prefix + n not in weights]
-        if missing and strict:
-            raise KeyError(f"missing weights: {', '.join(missing)}")
-        if strict:
-            unknown = sorted(
-                n for n in weights if n.startswith(prefix) and n[len(prefix) :] not in self._params
-            )
-            if unknown:
-                hint = "" if self.bias else " (biases need bias=True)"
-                raise KeyError(f"unknown weights: {', '.join(unknown)}{hint}")
-        _load_all(
-            [
-                (p, weights[prefix + n], n, prefix)
-                for n, p in self._params.items()
-                if prefix + n in weights
-            ]
-        )
-
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}, "
@@ -236,7 +185,7 @@ class MultiHeadAttention:
         )
 
     # -- forward ------------------------------------------------------------
-    def _check_input(self, x, name, dim):
+    def _check_input(self, x: ArrayLike, name: str, dim: int) -> np.ndarray:
         x = as_float_array(x, name)  # big-endian / misaligned data: copied once
         if x.dtype != self.dtype:
             raise TypeError(
@@ -248,11 +197,13 @@ class MultiHeadAttention:
             )
         return x
 
-    def _check_cache(self, cache, B):
-        """TypeError / ValueError unless `cache` is a KVCache this layer can use (before anything runs)."""
+    def _check_cache(self, cache: Any, B: int) -> None:
+        """TypeError / ValueError unless `cache` is a KVCache this layer can use
+        (checked before anything runs)."""
         if not isinstance(cache, KVCache):
             raise TypeError(
-                f"cache must be a KVCache (one per layer; index a LayerCaches), got {type(cache).__name__}"
+                "cache must be a KVCache (one per layer; index a LayerCaches), got "
+                f"{type(cache).__name__}"
             )
         want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
         got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
@@ -263,11 +214,20 @@ class MultiHeadAttention:
                 f"({want[0]}, {want[1]}, {want[2]}, {want[3]}, {want[4]})"
             )
 
-    def _heads(self, y, n_heads):
+    def _heads(self, y: np.ndarray, n_heads: int) -> np.ndarray:
         """(B, L, n·d_h) -> (B, L, n, d_h): a reshape, no copy."""
         return y.reshape(y.shape[0], y.shape[1], n_heads, self.head_dim)
 
-    def __call__(self, x, context=None, mask=None, cache=None, *, causal=False, positions=None):
+    def __call__(
+        self,
+        x: ArrayLike,
+        context: ArrayLike | None = None,
+        mask: Any = None,
+        cache: KVCache | None = None,
+        *,
+        causal: bool = False,
+        positions: ArrayLike | None = None,
+    ) -> Any:
         """Attention of x over itself (or over ``context``), then Wo.
 
         x : (L, D) or (B, L, D) in the module's dtype.
@@ -308,7 +268,8 @@ class MultiHeadAttention:
         if context is None:
             if self._w_qkv is None:
                 raise ValueError(
-                    f"this attention was built for cross-attention with kv_dim={self.kv_dim} != d_model={self.d_model}; pass context="
+                    f"this attention was built for cross-attention with kv_dim={self.kv_dim} != "
+                    f"d_model={self.d_model}; pass context="
                 )
             qkv = x3 @ self._w_qkv.T  # (B, L, (H + 2 H_kv) d_h), one product
             if self.bias:
@@ -335,7 +296,8 @@ class MultiHeadAttention:
             c3 = c[None] if c.ndim == 2 else c
             if c3.shape[0] != B:
                 raise ValueError(
-                    f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch sizes differ"
+                    f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch "
+                    "sizes differ"
                 )
             q = x3 @ self._w_q.T
             if self.bias:

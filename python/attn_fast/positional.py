@@ -22,7 +22,10 @@ Shape legend: B batch, L positions, H heads, d head dim, r rotary dims.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _cyloops, _loops
 from ._checks import as_array, check_float_dtype, check_int, check_real, self_overlapping, shape_str
@@ -39,7 +42,14 @@ MAX_POSITION = 2**31
 TABLE_MAX = 8192
 
 
-def sinusoidal(L, D, *, base=10000.0, offset=0, dtype=np.float32):
+def sinusoidal(
+    L: int,
+    D: int,
+    *,
+    base: float = 10000.0,
+    offset: int | ArrayLike = 0,
+    dtype: DTypeLike = np.float32,
+) -> np.ndarray:
     """The original Transformer's position table, to be added to embeddings.
 
     L : number of positions; D : model dim (odd D allowed: the last column is
@@ -96,7 +106,13 @@ class RoPE:
     ring buffers.
     """
 
-    def __init__(self, head_dim, base=10000.0, rotary_dim=None, interleaved=False):
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+    ) -> None:
         head_dim = check_int(head_dim, "head_dim", 1)
         rotary_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "rotary_dim")
         if rotary_dim < 0 or rotary_dim > head_dim or rotary_dim % 2:
@@ -114,12 +130,15 @@ class RoPE:
         self._n = 0  # positions covered by the tables
         self._tables = {}  # dtype -> (cos, sin), each (n, r/2)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         conv = "interleaved" if self.interleaved else "rotate_half"
-        return f"RoPE(head_dim={self.head_dim}, base={self.base:g}, rotary_dim={self.rotary_dim}, {conv})"
+        return (
+            f"RoPE(head_dim={self.head_dim}, base={self.base:g}, "
+            f"rotary_dim={self.rotary_dim}, {conv})"
+        )
 
     # -- tables -------------------------------------------------------------
-    def cos_sin(self, n, dtype=np.float64):
+    def cos_sin(self, n: int, dtype: DTypeLike = np.float64) -> tuple[np.ndarray, np.ndarray]:
         """Tables for positions 0 … n-1: (cos, sin), each (n, r/2) of dtype.
 
         Views of the cache when n <= ``TABLE_MAX``; computed (and not kept)
@@ -225,7 +244,8 @@ class RoPE:
         return x, ax
 
     def _target(self, x, out, inplace, name="x"):
-        """The array the result goes to: x itself, out, or a new C-contiguous one (not yet filled)."""
+        """The array the result goes to: x itself, out, or a new C-contiguous
+        one (not yet filled)."""
         if inplace:
             if out is not None:
                 raise ValueError("pass either inplace=True or out=, not both")
@@ -251,7 +271,16 @@ class RoPE:
             return out
         return np.empty(x.shape, dtype=x.dtype)
 
-    def __call__(self, x, *, offset=0, positions=None, seq_axis=-3, out=None, inplace=False):
+    def __call__(
+        self,
+        x: ArrayLike,
+        *,
+        offset: int | ArrayLike = 0,
+        positions: ArrayLike | None = None,
+        seq_axis: int = -3,
+        out: ArrayLike | None = None,
+        inplace: bool = False,
+    ) -> Any:
         """Rotate x by its positions; returns the rotated array.
 
         x : float32/float64 array whose last axis is head_dim and whose
@@ -278,7 +307,16 @@ class RoPE:
             return y
         return self._rope_numpy(y, ax, offset, positions)
 
-    def rotate_qk(self, q, k, *, offset=0, positions=None, seq_axis=-3, inplace=False):
+    def rotate_qk(
+        self,
+        q: ArrayLike,
+        k: ArrayLike,
+        *,
+        offset: int | ArrayLike = 0,
+        positions: ArrayLike | None = None,
+        seq_axis: int = -3,
+        inplace: bool = False,
+    ) -> tuple[Any, Any]:
         """Rotate queries and keys at the same positions, in one pass; returns (q_rot, k_rot).
 
         q : (…, L, H_q, d) and k : (…, L, H_kv, d) with seq_axis=-3 (or
@@ -308,7 +346,8 @@ class RoPE:
         return self(q, **kw), self(k, **kw)
 
     def _rope_cython(self, pairs, ax, offset, positions):
-        """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing done) if a layout needs NumPy."""
+        """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing
+        done) if a layout needs NumPy."""
         x0 = pairs[0][0]
         if x0.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             return False
@@ -323,7 +362,8 @@ class RoPE:
             for x, _ in pairs:
                 if pos.shape[0] != x.shape[0]:
                     raise ValueError(
-                        f"offset/positions give {pos.shape[0]} sequences but x has shape {shape_str(x)}"
+                        f"offset/positions give {pos.shape[0]} sequences but x has shape "
+                        f"{shape_str(x)}"
                     )
         c, s, pos = self._rows(pos, x0.dtype)
         srcs = []
@@ -345,7 +385,8 @@ class RoPE:
         return True
 
     def _rope_numpy(self, y, ax, offset, positions):
-        """The NumPy formula (the reference the Cython loop is tested against): rotate y in place."""
+        """The NumPy formula (the reference the Cython loop is tested against):
+        rotate y in place."""
         r = self.rotary_dim
         L = y.shape[ax]
         c, s = self._angles_for(L, offset, positions, y.dtype)  # (L, r/2) or (B, L, r/2)
@@ -382,7 +423,14 @@ def _overlap(a, b):
         return True
 
 
-def rope_reference(x, positions, *, base=10000.0, rotary_dim=None, interleaved=False):
+def rope_reference(
+    x: ArrayLike,
+    positions: ArrayLike,
+    *,
+    base: float = 10000.0,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+) -> np.ndarray:
     """The rotation written out with complex numbers, in float64 (the oracle).
 
     x : (…, L, d) with positions (L,). Pair i of features (a_i, b_i) is the

@@ -12,6 +12,7 @@ fast. Masks are dense boolean arrays here (True = attend).
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = [
     "softmax",
@@ -22,14 +23,16 @@ __all__ = [
 ]
 
 
-def softmax(x, axis=-1):
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """The textbook softmax: subtract the row max, exponentiate, normalise."""
     x = x - x.max(axis=axis, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def attention(X, Wq, Wk, Wv, causal=False):
+def attention(
+    X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
+) -> np.ndarray:
     """The chapter's ten lines, in float64. X (L, D), each W (d, D) -> (L, dv)."""
     X, Wq, Wk, Wv = (np.asarray(a, dtype=np.float64) for a in (X, Wq, Wk, Wv))
     Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (L,D) -> (L,d): three personas
@@ -39,7 +42,7 @@ def attention(X, Wq, Wk, Wv, causal=False):
     return softmax(S) @ V  # second and third steps
 
 
-def causal_mask(Lq, Lk, align="bottom_right"):
+def causal_mask(Lq: int, Lk: int, align: str = "bottom_right") -> np.ndarray:
     """Boolean (Lq, Lk): query i sees key j iff j <= i + offset.
 
     offset = Lk - Lq for bottom-right alignment (KV caches, FlashAttention),
@@ -50,7 +53,9 @@ def causal_mask(Lq, Lk, align="bottom_right"):
     return j <= i + off
 
 
-def window_mask(Lq, Lk, left, right=0, align="bottom_right"):
+def window_mask(
+    Lq: int, Lk: int, left: int | None, right: int | None = 0, align: str = "bottom_right"
+) -> np.ndarray:
     """Boolean (Lq, Lk): query i sees keys in [i+off-left, i+off+right]."""
     off = Lk - Lq if align == "bottom_right" else 0
     i = np.arange(Lq)[:, None] + off
@@ -63,7 +68,17 @@ def window_mask(Lq, Lk, left, right=0, align="bottom_right"):
     return vis
 
 
-def sdpa(q, k, v, mask=None, bias=None, scale=None, softcap=None, sinks=None, return_lse=False):
+def sdpa(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Dense float64 attention for (…, Lq, d) / (…, Lk, d) / (…, Lk, dv).
 
     mask: boolean, broadcastable to (…, Lq, Lk), True = attend.

@@ -23,7 +23,7 @@ Differences from torch's function, on purpose:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -68,15 +68,15 @@ def _sdpa_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
     is_causal: bool,
     scale: float,
     enable_gqa: bool,
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kw = _kwargs(
         attn_mask,
@@ -119,15 +119,15 @@ def _sdpa_backward_op(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
     is_causal: bool,
     scale: float,
     enable_gqa: bool,
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     kw = _kwargs(
         attn_mask,
@@ -236,16 +236,16 @@ class _SdpaFunction(torch.autograd.Function):
 
 
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    **attn_fast_options,
-):
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | Any | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **attn_fast_options: Any,
+) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` on attn_fast's fused CPU kernels, differentiable.
 
     query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU
@@ -268,7 +268,8 @@ def scaled_dot_product_attention(
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
         raise TypeError(
-            f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are {list(_OPTIONS)}"
+            f"unexpected keyword arguments {sorted(unknown)}; attn_fast options are "
+            f"{list(_OPTIONS)}"
         )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (attn_fast has no dropout), got {dropout_p}")
@@ -320,8 +321,9 @@ def _dense_mask(mask, query, key):
     Lq, Lk = query.shape[-2], key.shape[-2]
     B = query.shape[0] if query.dim() == 4 else 1
     H = query.shape[-3] if query.dim() >= 3 else 1
-    kw = mask._kernel_kwargs(
+    args = mask.kernel_args(
         B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", ""))
     )
-    vis = np.ascontiguousarray(np.broadcast_to(_masks.visibility(kw, B, H, Lq, Lk), (B, H, Lq, Lk)))
+    vis = _masks.visibility(args, B, H, Lq, Lk)
+    vis = np.ascontiguousarray(np.broadcast_to(vis, (B, H, Lq, Lk)))
     return torch.from_numpy(vis[(0,) * (4 - query.dim())])

@@ -25,61 +25,31 @@ Shape legend: B batch, L tokens, D model dim, F feed-forward dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import check_float_dtype, check_int, check_real, shape_str, to_input_kind
-from .multihead import MultiHeadAttention, _as_rng, _load_all
+from ._module import Module, as_rng
+from .multihead import MultiHeadAttention
 from .positional import RoPE, sinusoidal
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache, LayerCaches
 
 __all__ = ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "TransformerBlock", "TinyTransformerLM"]
 
 
-class _Module:
-    """Named parameters with state_dict / load_weights (prefix-aware)."""
-
-    def _own(self):  # name -> array owned directly by this module
-        return {}
-
-    def _children(self):  # name -> sub-module
-        return {}
-
-    def state_dict(self, prefix=""):
-        """All parameters by dotted name (views into the live arrays)."""
-        sd = {prefix + n: p for n, p in self._own().items()}
-        for cn, c in self._children().items():
-            sd.update(c.state_dict(prefix=f"{prefix}{cn}."))
-        return sd
-
-    def load_weights(self, weights, *, prefix="", strict=True):
-        """Copy arrays from a mapping (dict, ``np.load(...npz)``, a safetensors
-        dict) into the parameters, by the names ``state_dict`` lists.
-
-        strict=True: every parameter must be present (KeyError listing all
-        missing names) and no unknown name under ``prefix`` may appear
-        (KeyError listing them). Shapes must match exactly (ValueError).
-        Every weight is checked before any is copied: on error nothing changes.
-        """
-        own = self.state_dict(prefix=prefix)
-        if strict:
-            missing = [n for n in own if n not in weights]
-            if missing:
-                raise KeyError(f"missing weights: {', '.join(missing)}")
-            unknown = [n for n in weights if n.startswith(prefix) and n not in own]
-            if unknown:
-                raise KeyError(f"unknown weights: {', '.join(sorted(unknown))}")
-        _load_all([(p, weights[n], n, "") for n, p in own.items() if n in weights])
-
-
-def _init(gen, shape, dtype):
+def _init(gen: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """Normal with std 1/sqrt(fan_in)."""
     return (gen.standard_normal(shape) / math.sqrt(shape[-1])).astype(dtype)
 
 
-class LayerNorm(_Module):
+class LayerNorm(Module):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
 
-    def __init__(self, dim, eps=1e-5, dtype=np.float32):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
         self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
         self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
@@ -87,45 +57,51 @@ class LayerNorm(_Module):
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         mu = x.mean(axis=-1, keepdims=True)
         xc = x - mu
         var = np.mean(xc * xc, axis=-1, keepdims=True)
         return xc / np.sqrt(var + self.eps) * self.weight + self.bias
 
 
-class RMSNorm(_Module):
+class RMSNorm(Module):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
 
-    def __init__(self, dim, eps=1e-6, dtype=np.float32):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
         self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
 
     def _own(self):
         return {"weight": self.weight}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.eps) * self.weight
 
 
-def gelu(x):
+def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh form: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))."""
     return (
         0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + 0.044715 * x * x * x)))
     )
 
 
-def silu(x):
+def silu(x: np.ndarray) -> np.ndarray:
     """SiLU (swish): x · sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2 (no overflow)."""
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-class MLP(_Module):
+class MLP(Module):
     """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F)."""
 
-    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
-        gen = _as_rng(rng)
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
+        gen = as_rng(rng)
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
         self.W2 = _init(gen, (d_model, d_ff), dtype)
@@ -134,7 +110,7 @@ class MLP(_Module):
     def _own(self):
         return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         h = x @ self.W1.T
         h += self.b1
         y = gelu(h) @ self.W2.T
@@ -142,14 +118,20 @@ class MLP(_Module):
         return y
 
 
-class SwiGLU(_Module):
+class SwiGLU(Module):
     """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
 
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
     W_down (D, F)."""
 
-    def __init__(self, d_model, d_ff, rng=None, dtype=np.float32):
-        gen = _as_rng(rng)
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
+        gen = as_rng(rng)
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
         self.W_down = _init(gen, (d_model, d_ff), dtype)
@@ -158,27 +140,17 @@ class SwiGLU(_Module):
     def _own(self):
         return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
 
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = x @ self._w_gate_up.T  # (…, 2F)
         g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
         return (silu(g) * u) @ self.W_down.T
-
-
-class _Attn(_Module):
-    """Adapter giving MultiHeadAttention the _Module naming interface."""
-
-    def __init__(self, mha):
-        self.mha = mha
-
-    def _own(self):
-        return self.mha.state_dict()
 
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 _FFNS = {"gelu": MLP, "swiglu": SwiGLU}
 
 
-class TransformerBlock(_Module):
+class TransformerBlock(Module):
     """Pre-norm Transformer layer: x + attn(norm1 x), [+ cross(norm_cross h)], + ffn(norm2 h).
 
     Parameters
@@ -195,34 +167,34 @@ class TransformerBlock(_Module):
 
     Parameter names (``state_dict`` / ``load_weights``)::
 
-        norm1.weight [norm1.bias]          attn.Wq attn.Wk attn.Wv attn.Wo [attn.bq …]
-        norm_cross.* cross.Wq …            (cross_attention=True only)
-        norm2.weight [norm2.bias]          ffn.W1 ffn.b1 ffn.W2 ffn.b2  |  ffn.W_gate ffn.W_up ffn.W_down
+        norm1.weight [norm1.bias]    attn.Wq attn.Wk attn.Wv attn.Wo [attn.bq …]
+        norm_cross.* cross.Wq …      (cross_attention=True only)
+        norm2.weight [norm2.bias]    ffn.W1 ffn.b1 ffn.W2 ffn.b2 | ffn.W_gate ffn.W_up ffn.W_down
     """
 
     def __init__(
         self,
-        d_model,
-        num_heads,
-        num_kv_heads=None,
-        d_ff=None,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        d_ff: int | None = None,
         *,
-        head_dim=None,
-        norm="layernorm",
-        eps=None,
-        ffn="gelu",
-        bias=False,
-        positional=None,
-        cross_attention=False,
-        kv_dim=None,
-        rng=None,
-        dtype=np.float32,
-    ):
+        head_dim: int | None = None,
+        norm: str = "layernorm",
+        eps: float | None = None,
+        ffn: str = "gelu",
+        bias: bool = False,
+        positional: str | RoPE | None = None,
+        cross_attention: bool = False,
+        kv_dim: int | None = None,
+        rng: int | np.random.Generator | None = None,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         if norm not in _NORMS:
             raise ValueError(f"norm must be one of {sorted(_NORMS)}, got {norm!r}")
         if ffn not in _FFNS:
             raise ValueError(f"ffn must be one of {sorted(_FFNS)}, got {ffn!r}")
-        gen = _as_rng(rng)
+        gen = as_rng(rng)
         D = check_int(d_model, "d_model", 1)
         if d_ff is None:
             d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
@@ -254,13 +226,22 @@ class TransformerBlock(_Module):
         self.ffn = _FFNS[ffn](D, self.d_ff, rng=gen, dtype=dtype)
 
     def _children(self):
-        ch = {"norm1": self.norm1, "attn": _Attn(self.attn)}
+        ch = {"norm1": self.norm1, "attn": self.attn}
         if self.cross is not None:
-            ch.update(norm_cross=self.norm_cross, cross=_Attn(self.cross))
+            ch.update(norm_cross=self.norm_cross, cross=self.cross)
         ch.update(norm2=self.norm2, ffn=self.ffn)
         return ch
 
-    def __call__(self, x, context=None, mask=None, cache=None, *, causal=True, cross_cache=None):
+    def __call__(
+        self,
+        x: ArrayLike,
+        context: ArrayLike | None = None,
+        mask: Any = None,
+        cache: KVCache | None = None,
+        *,
+        causal: bool = True,
+        cross_cache: KVCache | None = None,
+    ) -> Any:
         """x (L, D) or (B, L, D) -> same shape.
 
         causal / mask / cache go to the self-attention (causal defaults to
@@ -271,7 +252,8 @@ class TransformerBlock(_Module):
         """
         if (context is None) != (self.cross is None):
             raise ValueError(
-                "context= is required by a block with cross_attention=True and not accepted otherwise"
+                "context= is required by a block with cross_attention=True and not accepted "
+                "otherwise"
             )
         like = x
         x = self.attn._check_input(x, "x", self.d_model)
@@ -281,7 +263,7 @@ class TransformerBlock(_Module):
         return to_input_kind(h + self.ffn(self.norm2(h)), like)
 
 
-class TinyTransformerLM(_Module):
+class TinyTransformerLM(Module):
     """A decoder-only language model: embed, N pre-norm blocks, norm, project.
 
     Parameters
@@ -299,33 +281,34 @@ class TinyTransformerLM(_Module):
 
         embed.weight                 (V, D)
         blocks.{i}.norm1.weight      (D,)  [+ .bias for layernorm]
-        blocks.{i}.attn.Wq           (H·d_h, D)    attn.Wk, attn.Wv (H_kv·d_h, D)    attn.Wo (D, H·d_h)
+        blocks.{i}.attn.Wq           (H·d_h, D)  attn.Wk, attn.Wv (H_kv·d_h, D)  attn.Wo (D, H·d_h)
         blocks.{i}.norm2.weight      (D,)
-        blocks.{i}.ffn.W_gate, ffn.W_up (F, D), ffn.W_down (D, F)   | gelu: ffn.W1 (F, D) b1 W2 (D, F) b2
+        blocks.{i}.ffn.W_gate, ffn.W_up (F, D), ffn.W_down (D, F)
+                                     | gelu: ffn.W1 (F, D) b1 W2 (D, F) b2
         norm.weight                  (D,)  [+ norm.bias]
         lm_head.weight               (V, D)  (absent when tie_embeddings)
     """
 
     def __init__(
         self,
-        vocab_size,
-        d_model,
-        num_layers,
-        num_heads,
-        num_kv_heads=None,
-        d_ff=None,
+        vocab_size: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        d_ff: int | None = None,
         *,
-        head_dim=None,
-        norm="rmsnorm",
-        ffn="swiglu",
-        positional="rope",
-        rope_base=10000.0,
-        rotary_dim=None,
-        rope_interleaved=False,
-        tie_embeddings=False,
-        seed=0,
-        dtype=np.float32,
-    ):
+        head_dim: int | None = None,
+        norm: str = "rmsnorm",
+        ffn: str = "swiglu",
+        positional: str = "rope",
+        rope_base: float = 10000.0,
+        rotary_dim: int | None = None,
+        rope_interleaved: bool = False,
+        tie_embeddings: bool = False,
+        seed: int | None = 0,
+        dtype: DTypeLike = np.float32,
+    ) -> None:
         V, D = check_int(vocab_size, "vocab_size", 1), check_int(d_model, "d_model", 1)
         N, H = check_int(num_layers, "num_layers", 1), check_int(num_heads, "num_heads", 1)
         if positional not in ("rope", "sinusoidal"):
@@ -362,7 +345,7 @@ class TinyTransformerLM(_Module):
         a = self.blocks[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
 
-    class _Embed(_Module):
+    class _Embed(Module):
         def __init__(self, w):
             self.weight = w
 
@@ -377,7 +360,7 @@ class TinyTransformerLM(_Module):
             ch["lm_head"] = self._Embed(self.lm_head)
         return ch
 
-    def _check_tokens(self, tokens, name="tokens"):
+    def _check_tokens(self, tokens: ArrayLike, name: str = "tokens") -> np.ndarray:
         t = np.asarray(tokens)
         if t.dtype.kind not in "iu":
             raise TypeError(f"{name} must be an integer array, got dtype {t.dtype}")
@@ -385,11 +368,12 @@ class TinyTransformerLM(_Module):
             raise ValueError(f"{name} must be (L,) or (B, L), got shape {shape_str(t)}")
         if t.size and (t.min() < 0 or t.max() >= self.vocab_size):
             raise ValueError(
-                f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, {t.max()}]"
+                f"{name} must lie in [0, vocab_size={self.vocab_size}), got range [{t.min()}, "
+                f"{t.max()}]"
             )
         return t
 
-    def make_cache(self, batch, capacity, **kw):
+    def make_cache(self, batch: int, capacity: int, **kw: Any) -> LayerCaches:
         """A ``LayerCaches`` sized for this model (one KVCache per block)."""
         from .kv_cache import LayerCaches
 
@@ -403,7 +387,7 @@ class TinyTransformerLM(_Module):
             **kw,
         )
 
-    def _check_cache(self, cache, B, L):
+    def _check_cache(self, cache: LayerCaches, B: int, L: int) -> None:
         """Every layer's cache fits (checked before layer 0 appends anything, so
         a bad cache leaves every layer unchanged)."""
         if len(cache) != self.num_layers:
@@ -423,16 +407,18 @@ class TinyTransformerLM(_Module):
                 continue
             if c.window is None and int(c.lengths.max()) + L > c.capacity:
                 raise ValueError(
-                    f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity {c.capacity}: "
+                    f"cache[{i}] holds {c.lengths.tolist()} tokens of a fixed capacity "
+                    f"{c.capacity}: "
                     f"no room for {L} more (growable=False)"
                 )
             if c.window is not None and L > c.capacity - c.window + 1:
                 raise ValueError(
-                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of {c.capacity} slots "
+                    f"cache[{i}]: a chunk of {L} tokens does not fit its fixed ring of "
+                    f"{c.capacity} slots "
                     f"with window {c.window} (growable=False)"
                 )
 
-    def forward(self, tokens, cache=None):
+    def forward(self, tokens: ArrayLike, cache: LayerCaches | None = None) -> np.ndarray:
         """Logits for every position: tokens (L,) or (B, L) ints -> (L, V) or (B, L, V).
 
         cache : optional ``LayerCaches`` (``make_cache``); the tokens continue
@@ -457,8 +443,14 @@ class TinyTransformerLM(_Module):
     __call__ = forward
 
     def generate(
-        self, prompt_tokens, max_new_tokens, temperature=0.0, seed=None, *, use_cache=True
-    ):
+        self,
+        prompt_tokens: ArrayLike,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        *,
+        use_cache: bool = True,
+    ) -> np.ndarray:
         """Continue the prompt by max_new_tokens tokens.
 
         prompt_tokens : (Lp,) or (B, Lp) ints, Lp >= 1.
@@ -496,7 +488,7 @@ class TinyTransformerLM(_Module):
         return out[0] if squeeze else out
 
     @staticmethod
-    def _pick(logits, temperature, gen):
+    def _pick(logits: np.ndarray, temperature: float, gen: np.random.Generator) -> np.ndarray:
         """(B, V) logits -> (B,) next tokens."""
         if temperature == 0:
             return np.argmax(logits, axis=-1)

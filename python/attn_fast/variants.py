@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core
 from ._checks import (
     as_float_array,
+    check_bool,
     check_float_dtype,
     check_int,
-    check_bool,
+    check_qkv,
     check_real,
-    check_same_dtype,
     shape_str,
+    to4,
     to_input_kind,
 )
 from .functional import scaled_dot_product_attention
@@ -50,38 +53,6 @@ __all__ = [
     "LinearAttentionState",
     "feature_map",
 ]
-
-
-def _to4(x):
-    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
-
-
-def _check_qkv(q, k, v, *, same_len=True):
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    check_same_dtype(q=q, k=k, v=v)
-    if not (q.ndim == k.ndim == v.ndim) or q.ndim not in (2, 3, 4):
-        raise ValueError(
-            "q, k and v must all be (L, d), (H, L, d) or (B, H, L, d), got "
-            f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
-        )
-    if q.shape[-1] == 0:
-        raise ValueError(f"q has shape {shape_str(q)}: head dim d must be at least 1")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has shape {shape_str(k)} but q has head dim {q.shape[-1]}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: batch, heads and length must match"
-        )
-    lead_q = q.shape[:-1] if same_len else q.shape[:-2]
-    lead_k = k.shape[:-1] if same_len else k.shape[:-2]
-    if lead_q != lead_k:
-        what = "batch, heads and length" if same_len else "batch and heads"
-        raise ValueError(
-            f"q has shape {shape_str(q)} but k has shape {shape_str(k)}: {what} must match"
-        )
-    return q, k, v
 
 
 # --------------------------------------------------------------------------
@@ -100,7 +71,15 @@ def _check_projection(P, name, Lk, dtype):
     return P.astype(dtype, copy=False)
 
 
-def linformer_attention(q, k, v, E, F=None, *, scale=None):
+def linformer_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    E: ArrayLike,
+    F: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+) -> Any:
     """Linformer attention: softmax(q (E k)ᵀ · scale) (F v), exact on k rows.
 
     q : (L, d), (H, L, d) or (B, H, L, d) float32/float64.
@@ -119,13 +98,14 @@ def linformer_attention(q, k, v, E, F=None, *, scale=None):
     ``is_causal``; use sliding-window or linear attention for decoders.
     """
     like = q
-    q, k, v = _check_qkv(q, k, v, same_len=False)
+    q, k, v = check_qkv(q, k, v, enable_gqa=None)[:3]
     Lk = k.shape[-2]
     E = _check_projection(E, "E", Lk, q.dtype)
     F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
     if E.shape[0] != F.shape[0]:
         raise ValueError(
-            f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the same k"
+            f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the "
+            "same k"
         )
     Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
     Vp = np.matmul(F, v)  # (…, kp, dv)
@@ -149,8 +129,16 @@ class Linformer:
     """
 
     def __init__(
-        self, d_model, n_heads, seq_len, k=256, *, share_kv=False, dtype=np.float32, seed=None
-    ):
+        self,
+        d_model: int,
+        n_heads: int,
+        seq_len: int,
+        k: int = 256,
+        *,
+        share_kv: bool = False,
+        dtype: DTypeLike = np.float32,
+        seed: int | None = None,
+    ) -> None:
         d_model, n_heads = check_int(d_model, "d_model", 1), check_int(n_heads, "n_heads", 1)
         seq_len, k = check_int(seq_len, "seq_len", 1), check_int(k, "k", 1)
         if d_model % n_heads != 0:
@@ -176,7 +164,7 @@ class Linformer:
         self.E = (rng.standard_normal((k, seq_len)) * p).astype(dtype)
         self.F = self.E if share_kv else (rng.standard_normal((k, seq_len)) * p).astype(dtype)
 
-    def __call__(self, X):
+    def __call__(self, X: ArrayLike) -> Any:
         like = X
         X = as_float_array(X, "X").astype(self.dtype, copy=False)
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
@@ -218,7 +206,7 @@ def _relu(x):
 _FEATURE_MAPS = {"elu1": _elu1, "relu": _relu}
 
 
-def feature_map(x, fm="elu1"):
+def feature_map(x: np.ndarray, fm: str | Callable[[np.ndarray], ArrayLike] = "elu1") -> np.ndarray:
     """Apply a linear-attention feature map to (…, d) and check it.
 
     fm : "elu1" (elu(x) + 1, Katharopoulos et al.; strictly positive),
@@ -243,7 +231,8 @@ def feature_map(x, fm="elu1"):
         raise TypeError(f"feature_map returned dtype {y.dtype}; expected real numbers")
     if y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1] or y.shape[-1] < 1:
         raise ValueError(
-            f"feature_map mapped shape {shape_str(x)} to {shape_str(y)}; it must keep every axis but the last"
+            f"feature_map mapped shape {shape_str(x)} to {shape_str(y)}; it must keep every axis "
+            "but the last"
         )
     y = y.astype(x.dtype, copy=False)
     if not np.all(np.isfinite(y)):
@@ -271,10 +260,10 @@ class LinearAttentionState:
     k_sum: np.ndarray
     length: int = 0
 
-    def copy(self):
+    def copy(self) -> LinearAttentionState:
         return LinearAttentionState(self.kv.copy(), self.k_sum.copy(), self.length)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         # Short: shapes, dtypes and the position, never the arrays themselves.
         def desc(x):
             shape = getattr(x, "shape", None)
@@ -282,7 +271,10 @@ class LinearAttentionState:
                 return type(x).__name__
             return f"{shape_str(x)} {getattr(x, 'dtype', '')}".rstrip()
 
-        return f"LinearAttentionState(kv {desc(self.kv)}, k_sum {desc(self.k_sum)}, length={self.length!r})"
+        return (
+            f"LinearAttentionState(kv {desc(self.kv)}, k_sum {desc(self.k_sum)}, "
+            f"length={self.length!r})"
+        )
 
 
 def _check_state(state, lead, r, dv):
@@ -301,8 +293,16 @@ def _check_state(state, lead, r, dv):
 
 
 def linear_attention(
-    q, k, v, feature_map="elu1", causal=False, *, eps=1e-6, state=None, return_state=False
-):
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    feature_map: str | Callable[[np.ndarray], ArrayLike] = "elu1",
+    causal: bool = False,
+    *,
+    eps: float = 1e-6,
+    state: LinearAttentionState | None = None,
+    return_state: bool = False,
+) -> Any:
     """Linear attention O = φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps), right to left.
 
     q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
@@ -327,7 +327,7 @@ def linear_attention(
     like = q
     causal = check_bool(causal, "causal")
     return_state = check_bool(return_state, "return_state")
-    q, k, v = _check_qkv(q, k, v)
+    q, k, v = check_qkv(q, k, v, enable_gqa=None, same_len=True)[:3]
     eps = check_real(eps, "eps", minimum=0.0)
     fq, fk = _feature(q, k, feature_map)
     lead, r, dv, L = q.shape[:-2], fq.shape[-1], v.shape[-1], q.shape[-2]
@@ -338,7 +338,14 @@ def linear_attention(
     o = np.empty(q.shape[:-1] + (dv,), dtype=q.dtype)
     if o.size or st.kv.size:
         _core.linear_attention(
-            _to4(fq), _to4(fk), _to4(v), _to4(o), st.kv, st.k_sum, causal=bool(causal), eps=eps
+            to4(fq, "q"),
+            to4(fk, "k"),
+            to4(v, "v"),
+            to4(o, "out"),
+            st.kv,
+            st.k_sum,
+            causal=bool(causal),
+            eps=eps,
         )
     st.length += L
     o = to_input_kind(o, like)
@@ -355,7 +362,15 @@ def _feature(q, k, fm):
     return fq, fk
 
 
-def linear_attention_step(q, k, v, state=None, feature_map="elu1", *, eps=1e-6):
+def linear_attention_step(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    state: LinearAttentionState | None = None,
+    feature_map: str | Callable[[np.ndarray], ArrayLike] = "elu1",
+    *,
+    eps: float = 1e-6,
+) -> tuple[Any, LinearAttentionState]:
     """One decode step of causal linear attention: O(r·dv), whatever the length.
 
     q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv).

@@ -1,0 +1,215 @@
+"""The one seam between the Python layer and the C++ attention kernels.
+
+Every call of ``_core.forward``, ``_core.decode`` and ``_core.backward``
+goes through this module, with typed arguments: a ``masks.MaskArgs`` record
+(the visibility rule) and a ``ScoreArgs`` record (softcap, ALiBi slopes,
+sinks) instead of a keyword dict. The kernel is chosen here once, by
+``choose_kernel``:
+
+    PREFILL    the tiled FlashAttention kernel (flash_fwd.cpp), any mask;
+    DECODE     the split-KV decode kernel (decode.cpp): short query chunks
+               against long keys, structural masks only (causal, window,
+               lengths), keys read in place from a KV cache's ring;
+    REFERENCE  the plain-loop C++ kernel (reference.cpp), for tests.
+
+Shape legend: B batch, H query heads, H_kv key/value heads, Lq queries,
+Lk keys, d query/key head dim, dv value head dim. The callers check the
+arguments (``_checks``); this module only routes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .masks import MaskArgs
+
+PREFILL, DECODE, REFERENCE = "prefill", "decode", "reference"
+
+# The split-KV decode kernel serves short query chunks against long keys when
+# no feature it lacks is asked for; backend="decode" forces it.
+# Crossover measured with H_q=32, H_kv=8, d=128, Lk=4096 (2-core Zen 3): the
+# decode kernel is ~2x faster for Lq <= 4, the tiled kernel from Lq = 8 on.
+DECODE_MAX_LQ = 4
+DECODE_MIN_LK = 64
+
+# Where the keys live, for choose_kernel: a caller's arrays, a KV cache's
+# storage read as one contiguous view, or a ring that wraps (or starts at a
+# different slot per sequence), which only the decode kernel reads.
+KEYS_ARRAY, KEYS_CACHE, KEYS_RING = "array", "cache", "ring"
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreArgs:
+    """The score transforms of attention.h's AttnArgs, one record.
+
+    softcap : scores become softcap · tanh(score / softcap); 0 = off.
+    alibi : (H,) slopes in the compute dtype, contiguous, or None.
+    sinks : (H,) sink logits in the compute dtype, contiguous, or None.
+    """
+
+    softcap: float = 0.0
+    alibi: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+
+    @property
+    def plain(self) -> bool:
+        """True when no transform is set (what the decode kernel supports)."""
+        return not self.softcap and self.alibi is None and self.sinks is None
+
+    def set_fields(self) -> list[str]:
+        """The names of the arguments this record sets (for error messages)."""
+        names = ["softcap"] if self.softcap else []
+        return names + [n for n in ("alibi", "sinks") if getattr(self, n) is not None]
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``_core.forward`` / ``_core.backward`` this
+        record sets (the others keep the bindings' defaults)."""
+        kw: dict[str, Any] = {n: getattr(self, n) for n in ("alibi", "sinks")}
+        kw = {n: a for n, a in kw.items() if a is not None}
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        return kw
+
+
+PLAIN = ScoreArgs()
+
+
+def choose_kernel(
+    *,
+    Lq: int,
+    Lk: int,
+    mask: MaskArgs,
+    score: ScoreArgs = PLAIN,
+    backend: str = "fused",
+    same_batch: bool = True,
+    block_sizes: tuple[int, int] = (0, 0),
+    stats: bool = False,
+    keys: str = KEYS_ARRAY,
+    packed: bool = False,
+) -> str:
+    """PREFILL, DECODE or REFERENCE for one call: the only place that decides.
+
+    backend : "fused" (choose), "decode" (force the split-KV kernel: ValueError
+        when the call asks for what it lacks) or "reference".
+    same_batch : k has q's batch size (the decode kernel does not broadcast).
+    block_sizes : the (block_q, block_k) asked for; the decode kernel has no tiles.
+    stats : KernelStats are wanted (the decode kernel reports none).
+    keys : KEYS_ARRAY (a caller's arrays), KEYS_CACHE (a KV cache read as one
+        view: short chunks decode whatever Lk) or KEYS_RING (a wrapped ring:
+        always the decode kernel, which reads it in place).
+    packed : varlen (cu_seqlens) sequences, which the tiled kernels read only.
+    """
+    fits = (
+        not mask.elementwise
+        and score.plain
+        and same_batch
+        and tuple(block_sizes) == (0, 0)
+        and not stats
+        and not packed
+    )
+    if backend == REFERENCE:
+        return REFERENCE
+    if backend == DECODE:
+        if not fits:
+            got = sorted(mask.set_fields() + score.set_fields())
+            raise ValueError(
+                "backend='decode' supports causal, window_size and kv/q lengths only (no dense "
+                "masks, biases, ALiBi, softcap, sinks, block sizes or return_stats); "
+                f"got {got}"
+            )
+        return DECODE
+    if keys == KEYS_RING:
+        return DECODE
+    short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lk >= DECODE_MIN_LK)
+    return DECODE if fits and short else PREFILL
+
+
+def attend(
+    kernel: str,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray | None,
+    *,
+    scale: float,
+    mask: MaskArgs,
+    score: ScoreArgs = PLAIN,
+    block_q: int = 0,
+    block_k: int = 0,
+    cu_q: np.ndarray | None = None,
+    cu_k: np.ndarray | None = None,
+    kv_start: np.ndarray | None = None,
+) -> tuple[int, int, int, int]:
+    """Run the forward `kernel` (from ``choose_kernel``), writing o and lse.
+
+    q (B, H, Lq, d), k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv), o (B, H, Lq, dv)
+    and lse (B, H, Lq) or None, any strides (varlen: B = 1 with cu_q / cu_k;
+    a KV cache's ring: kv_start, DECODE only). Returns the tile counts
+    (tiles_computed, tiles_skipped, block_q, block_k); zeros for DECODE.
+    The GIL is released while the kernel runs.
+    """
+    kw = mask.kernel_kwargs()
+    if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
+        _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
+        return (0, 0, 0, 0)
+    if kv_start is not None:
+        raise ValueError("kv_start (a ring of keys) is read by the decode kernel only")
+    if cu_q is not None:
+        kw.update(cu_q=cu_q, cu_k=cu_k)
+    if block_q or block_k:
+        kw.update(block_q=block_q, block_k=block_k)
+    if kernel == REFERENCE:
+        kw["reference"] = True
+    if score is not PLAIN:
+        kw.update(score.kernel_kwargs())
+    return tuple(_core.forward(q, k, v, o, lse, scale=scale, **kw))
+
+
+def backward(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    dsinks: np.ndarray | None,
+    *,
+    scale: float,
+    mask: MaskArgs,
+    score: ScoreArgs = PLAIN,
+    block_q: int = 0,
+    block_k: int = 0,
+    cu_q: np.ndarray | None = None,
+    cu_k: np.ndarray | None = None,
+) -> None:
+    """The FlashAttention-2 backward: writes dq, dk, dv (and dsinks) from dout.
+
+    4-D (B, H, L, ·) views as in ``attend``; lse (B, H, Lq) from the forward.
+    """
+    _core.backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        dsinks,
+        scale=scale,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        block_q=block_q,
+        block_k=block_k,
+        **mask.kernel_kwargs(),
+        **score.kernel_kwargs(),
+    )
