@@ -37,8 +37,8 @@ import attn_fast.functional as F  # noqa: E402
 import attn_fast.integrations.transformers as af_hf  # noqa: E402
 import attn_fast.integrations.transformers_cache as af_cache  # noqa: E402
 import attn_fast.kv_cache as kvc  # noqa: E402
-from attn_fast import KVCache  # noqa: E402
-from attn_fast.functional import DECODE_MAX_LQ  # noqa: E402
+from attn_fast import KVCache, _dispatch  # noqa: E402
+from attn_fast._dispatch import DECODE_MAX_LQ  # noqa: E402
 
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 5e-3}
 TOL_BF16_MODEL = 2e-2
@@ -73,7 +73,7 @@ def _registered():
 def counted(monkeypatch):
     """Counts KVCache.attend calls, decode/tiled kernel calls, and dense attn_fast calls."""
     seen = {"attend": [], "decode": 0, "forward": 0, "dense": 0}
-    real_attend, real_core = kvc.KVCache.attend, kvc._core
+    real_attend, real_core = kvc.KVCache.attend, _dispatch._core
 
     def attend(self, q, *a, **kw):
         seen["attend"].append(tuple(q.shape))
@@ -98,7 +98,7 @@ def counted(monkeypatch):
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(kvc.KVCache, "attend", attend)
-    monkeypatch.setattr(kvc, "_core", Core())
+    monkeypatch.setattr(_dispatch, "_core", Core())  # every kernel call goes through it
     monkeypatch.setattr(F, "scaled_dot_product_attention", dense)
     return seen
 

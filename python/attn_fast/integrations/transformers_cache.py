@@ -31,7 +31,7 @@ at once, because only it sees the layer's mask:
    dtype (one copy; a left-padded chunk is first right-aligned, one more copy
    of the prefill chunk), and ``KVCache.attend`` computes attention of the
    queries against each sequence's own keys: the split-KV decode kernel for
-   Lq <= ``attn_fast.functional.DECODE_MAX_LQ`` (every generated token), the
+   Lq <= ``attn_fast._dispatch.DECODE_MAX_LQ`` (every generated token), the
    tiled kernel for a prefill. K/V are never materialised as dense tensors and
    padding keys are never read.
 
