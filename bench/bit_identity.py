@@ -90,7 +90,7 @@ def _cases():
         )
         yield (
             f"{tag}/block_sparse",
-            lambda q=q, k=k, v=v: [
+            lambda q=q, k=k, v=v, L=L: [
                 sdpa(q, k, v, attn_mask=masks.BlockSparse.local(L, 32, 1, causal=True))
             ],
         )

@@ -71,13 +71,7 @@ namespace ATTN_NS {
 
 namespace {
 
-#if defined(ATTN_ISA_AVX512)
-constexpr int kBMR = 6, kBNR = 4;
-#elif defined(ATTN_ISA_AVX2)
-constexpr int kBMR = 6, kBNR = 2;
-#else
-constexpr int kBMR = 4, kBNR = 4;
-#endif
+constexpr int kBMR = IsaTraits::kMR, kBNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
 constexpr int64_t kMinItems = 16;  // (sequence, kv head) pairs below which keys are split
 constexpr int64_t kMaxSplit = 8;
 

@@ -96,13 +96,7 @@ namespace attn_fast {
 namespace ATTN_NS {
 
 #include ATTN_VEC_HEADER
-#if defined(ATTN_ISA_AVX512)
-constexpr int kMR = 6, kNR = 4;  // 24 accumulators of 32 zmm
-#elif defined(ATTN_ISA_AVX2)
-constexpr int kMR = 6, kNR = 2;  // 12 accumulators of 16 ymm
-#else
-constexpr int kMR = 4, kNR = 4;
-#endif
+constexpr int kMR = IsaTraits::kMR, kNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
 
 namespace {
 
