@@ -59,6 +59,7 @@
 
 #include "attn_fast/attention.h"
 #include "attn_fast/interrupt.h"
+#include "attn_fast/kernel_entries.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -560,8 +561,11 @@ void backward_impl(const BwdArgs<T>& g0) {
 
 }  // namespace
 
-void flash_backward_f32(const BwdArgs<float>& a) { backward_impl<float>(a); }
-void flash_backward_f64(const BwdArgs<double>& a) { backward_impl<double>(a); }
+ATTN_ISA_ENTRY_POINTS
+#define ATTN_DEFINE_BACKWARD(sfx, S) \
+  void flash_backward_##sfx(const BwdArgs<S>& a) { backward_impl<S>(a); }
+ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
+#undef ATTN_DEFINE_BACKWARD
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

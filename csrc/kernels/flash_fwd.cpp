@@ -88,6 +88,7 @@
 #include "attn_fast/attention.h"
 #include "attn_fast/half.h"
 #include "attn_fast/interrupt.h"
+#include "attn_fast/kernel_entries.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -183,22 +184,22 @@ template <int MR, int NR>
 inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
                          float scale, float* __restrict S, int64_t lds) {
   using V = Vec<float>;
+  using D = DotBf16;
   constexpr int W = V::W;
-  __m512 acc[MR][NR];
+  V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
   for (int64_t k = 0; k < d2; ++k) {
-    __m512bh b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Kw + k * (NR * W) + n * W);
+    D::B b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = D::load(Kw + k * (NR * W) + n * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Qw[k * MR + r]));
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+      const D::B a = D::set1(Qw[k * MR + r]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
     }
   }
-  const __m512 vs = _mm512_set1_ps(scale);
+  const V::R vs = V::set1(scale);
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n)
-      _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
+    for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, V::mul(acc[r][n], vs));
 }
 
 // O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
@@ -207,32 +208,33 @@ template <int MR, int NR>
 inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n,
                          const uint32_t* __restrict Vw, int64_t ldv, float* __restrict O,
                          int64_t ldo) {
-  constexpr int W = Vec<float>::W;
-  __m512 acc[MR][NR];
+  using V = Vec<float>;
+  using D = DotBf16;
+  constexpr int W = V::W;
+  V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_loadu_ps(O + r * ldo + n * W);
+    for (int n = 0; n < NR; ++n) acc[r][n] = V::load(O + r * ldo + n * W);
   for (int64_t c = 0; c < c2n; ++c) {
-    __m512bh b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Vw + c * ldv + n * W);
+    D::B b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = D::load(Vw + c * ldv + n * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pw[r * ldp + c]));
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+      const D::B a = D::set1(Pw[r * ldp + c]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(O + r * ldo + n * W, acc[r][n]);
+    for (int n = 0; n < NR; ++n) V::store(O + r * ldo + n * W, acc[r][n]);
 }
 
-// P rows (fp32, cols_p % 32 == 0) rounded to bf16 in place: row r's first
+// P rows (fp32, cols_p % (2 W) == 0) rounded to bf16 in place: row r's first
 // cols_p / 2 words become its pairs (each chunk is read before it is overwritten).
 inline void p_to_bf16(float* S, int64_t lds, int64_t rows_p, int64_t cols_p) {
   for (int64_t r = 0; r < rows_p; ++r) {
     float* s = S + r * lds;
     uint16_t* h = reinterpret_cast<uint16_t*>(s);
-    for (int64_t j = 0; j < cols_p; j += 32) {
-      const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
-      _mm512_storeu_si512(h + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    constexpr int W = Vec<float>::W;
+    for (int64_t j = 0; j < cols_p; j += 2 * W)
+      DotBf16::store_pairs(h + j, Vec<float>::load(s + j), Vec<float>::load(s + j + W));
   }
 }
 
@@ -943,85 +945,17 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 }  // namespace
 
 #if defined(ATTN_ISA_AVX512_BF16)
-// The avx512_bf16 object holds only the bf16 kernel and its probe loop.
+// The avx512_bf16 object holds only the vdpbf16ps bf16 kernel (and, in
+// probes.cpp, its probe loop).
+ATTN_BF16DOT_ENTRY_POINTS
 AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
-
-// vdpbf16ps throughput probe for dispatch (the shape of fma_loop): 10
-// independent accumulator chains in registers; returns the FLOPs done
-// (2 per bf16 pair).
-double dpbf16_loop(int64_t iters) {
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
-  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33803380);  // (2^-24, 2^-24)
-  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1e-3f), c2 = _mm512_set1_ps(2e-3f),
-         c3 = _mm512_set1_ps(3e-3f), c4 = _mm512_set1_ps(4e-3f), c5 = _mm512_set1_ps(5e-3f),
-         c6 = _mm512_set1_ps(6e-3f), c7 = _mm512_set1_ps(7e-3f), c8 = _mm512_set1_ps(8e-3f),
-         c9 = _mm512_set1_ps(9e-3f);
-  for (int64_t it = 0; it < iters; ++it) {
-    c0 = _mm512_dpbf16_ps(c0, a, b);
-    c1 = _mm512_dpbf16_ps(c1, a, b);
-    c2 = _mm512_dpbf16_ps(c2, a, b);
-    c3 = _mm512_dpbf16_ps(c3, a, b);
-    c4 = _mm512_dpbf16_ps(c4, a, b);
-    c5 = _mm512_dpbf16_ps(c5, a, b);
-    c6 = _mm512_dpbf16_ps(c6, a, b);
-    c7 = _mm512_dpbf16_ps(c7, a, b);
-    c8 = _mm512_dpbf16_ps(c8, a, b);
-    c9 = _mm512_dpbf16_ps(c9, a, b);
-  }
-  const __m512 sum =
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
-                                  _mm512_add_ps(c8, c9)));
-  const float sink = _mm512_reduce_add_ps(sum);
-  return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
-}
 #else
-AttnStats flash_forward_f32(const AttnArgs<float>& a) { return forward_impl<float>(a); }
-AttnStats flash_forward_f64(const AttnArgs<double>& a) { return forward_impl<double>(a); }
-AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
-AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a) { return forward_impl<fp16_t>(a); }
-
-// Peak-FMA probe: 10 independent accumulator chains held in registers (named
-// variables, not an array, so the compiler never spills them), no memory.
-double fma_loop(int64_t iters) {
-  using V = Vec<float>;
-  typename V::R c0 = V::set1(0.f), c1 = V::set1(1e-3f), c2 = V::set1(2e-3f), c3 = V::set1(3e-3f),
-                c4 = V::set1(4e-3f), c5 = V::set1(5e-3f), c6 = V::set1(6e-3f), c7 = V::set1(7e-3f),
-                c8 = V::set1(8e-3f), c9 = V::set1(9e-3f);
-  const typename V::R a = V::set1(0.999999f), b = V::set1(1e-7f);
-  for (int64_t it = 0; it < iters; ++it) {
-    c0 = V::fma(c0, a, b);
-    c1 = V::fma(c1, a, b);
-    c2 = V::fma(c2, a, b);
-    c3 = V::fma(c3, a, b);
-    c4 = V::fma(c4, a, b);
-    c5 = V::fma(c5, a, b);
-    c6 = V::fma(c6, a, b);
-    c7 = V::fma(c7, a, b);
-    c8 = V::fma(c8, a, b);
-    c9 = V::fma(c9, a, b);
-  }
-  const float sink =
-      V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
-                     V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
-  return sink == 12345.f ? 0.0 : 2.0 * 10 * V::W * static_cast<double>(iters);
-}
-
-// Streaming-read probe: the sum of n floats (n % (4 * W) == 0), four
-// independent vector accumulators so the loop is bound by the loads alone.
-double read_loop(const float* p, int64_t n) {
-  using V = Vec<float>;
-  constexpr int W = V::W;
-  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-  for (int64_t i = 0; i < n; i += 4 * W) {
-    a0 = V::add(a0, V::load(p + i));
-    a1 = V::add(a1, V::load(p + i + W));
-    a2 = V::add(a2, V::load(p + i + 2 * W));
-    a3 = V::add(a3, V::load(p + i + 3 * W));
-  }
-  return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
-}
-#endif  // ATTN_ISA_AVX512_BF16
+ATTN_ISA_ENTRY_POINTS
+#define ATTN_DEFINE_FORWARD(sfx, S) \
+  AttnStats flash_forward_##sfx(const AttnArgs<S>& a) { return forward_impl<S>(a); }
+ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
+#undef ATTN_DEFINE_FORWARD
+#endif
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

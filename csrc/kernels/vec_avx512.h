@@ -119,3 +119,19 @@ struct Vec<double> {
   static R exp(R x) { return exp_poly<double>(x); }
   static R exp2_neg(R t) { return exp2_neg_poly<double>(t); }
 };
+
+#if defined(ATTN_ISA_AVX512_BF16)
+// AVX512-BF16 (the avx512_bf16 object): vdpbf16ps on pairs of bf16 values,
+// one pair per 32-bit word (element 2k in the low half), W pairs per B.
+struct DotBf16 {
+  using B = __m512bh;
+  static B load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static B set1(uint32_t pair) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); }
+  // acc + a[2k] b[2k] + a[2k+1] b[2k+1] per lane k, in fp32 (products exact).
+  static Vec<float>::R dot(Vec<float>::R acc, B a, B b) { return _mm512_dpbf16_ps(acc, a, b); }
+  // 2 W floats (lo, then hi) rounded to bf16 (vcvtne2ps2bf16) and stored as 2 W values.
+  static void store_pairs(uint16_t* p, Vec<float>::R lo, Vec<float>::R hi) {
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+};
+#endif
