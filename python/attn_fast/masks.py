@@ -40,7 +40,7 @@ import numbers
 
 import numpy as np
 
-from . import _cyloops, _loops
+from . import _core, _cyloops, _loops
 from ._checks import detached
 
 __all__ = [
@@ -669,7 +669,12 @@ def add_block_summary(kw, block=SUMMARY_BLOCK):
     return out
 
 
-BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = 0, 1, 2
+# Tile classes: the numbering of the C++ kernels' TileClass (attention.h).
+BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = (
+    _core.BLOCK_MASKED,
+    _core.BLOCK_PARTIAL,
+    _core.BLOCK_VISIBLE,
+)
 
 
 def block_summary(mask, block=SUMMARY_BLOCK):
