@@ -104,48 +104,39 @@ namespace {
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
 // written back once, in the finalize step; every other step is the fp32 kernel.
-#include "storage.h"  // ld / put / bits_of
+#include "storage.h"  // Storage<S>, ld / put / bits_of
 #include "scores.h"   // add_alibi_bias
 #include "toolkit.h"  // NEG_INF, online_softmax_row, ThreadArena
 
-// dst[0..n) = src[0..n) in the compute type (unit stride both sides).
-template <typename T>
-inline void ld_row(const T* src, T* dst, int64_t n) {
-  if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
-}
+// dst[0..n) = src[0..n) in the compute type (unit stride both sides):
+// copied for the native types, converted W at a time for the others.
 template <typename S>
-inline void ld_row16(const S* src, float* dst, int64_t n) {
-  using V = Vec<float>;
-  int64_t e = 0;
-  for (; e + V::W <= n; e += V::W)
-    V::store(dst + e, std::is_same<S, bf16_t>::value ? V::load_bf16(bits_of(src + e))
-                                                     : V::load_f16(bits_of(src + e)));
-  for (; e < n; ++e) dst[e] = ld(src + e);
+inline void ld_row(const S* src, compute_t<S>* dst, int64_t n) {
+  using St = Storage<S>;
+  if constexpr (St::kNative) {
+    if (n > 0) std::memcpy(dst, src, sizeof(S) * n);
+  } else {
+    using V = Vec<compute_t<S>>;
+    int64_t e = 0;
+    for (; e + V::W <= n; e += V::W) V::store(dst + e, St::load(src + e));
+    for (; e < n; ++e) dst[e] = St::ld(src + e);
+  }
 }
-inline void ld_row(const bf16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
-inline void ld_row(const fp16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
 
 // dst[0..n) = src[0..n) * f in the storage type (unit stride both sides).
-template <typename T>
-inline void st_row(T* dst, const T* src, T f, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
-}
 template <typename S>
-inline void st_row16(S* dst, const float* src, float f, int64_t n) {
-  using V = Vec<float>;
-  const V::R vf = V::set1(f);
-  int64_t e = 0;
-  for (; e + V::W <= n; e += V::W) {
-    const V::R x = V::mul(V::load(src + e), vf);
-    if (std::is_same<S, bf16_t>::value)
-      V::store_bf16(bits_of(dst + e), x);
-    else
-      V::store_f16(bits_of(dst + e), x);
+inline void st_row(S* dst, const compute_t<S>* src, compute_t<S> f, int64_t n) {
+  using St = Storage<S>;
+  if constexpr (St::kNative) {
+    for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
+  } else {
+    using V = Vec<compute_t<S>>;
+    const typename V::R vf = V::set1(f);
+    int64_t e = 0;
+    for (; e + V::W <= n; e += V::W) St::store(dst + e, V::mul(V::load(src + e), vf));
+    for (; e < n; ++e) St::put(dst + e, src[e] * f);
   }
-  for (; e < n; ++e) put(dst + e, src[e] * f);
 }
-inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
-inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
 
 // S[MR][NR*W] = Q[MR][d] * K^T for one micro-tile. Qp is an MR-row panel
 // stored k-major (Qp[k*MR + r]), Kp a packed panel of NR*W keys stored k-major
