@@ -831,26 +831,18 @@ bool carve_scratch(ThreadArena& arena, Scratch<T>& sc, int64_t Br, int64_t Bc, i
   sc.lds = Bc + 64 / static_cast<int64_t>(sizeof(T));
   const int64_t slot_bytes = Bc * (d + dvp) * static_cast<int64_t>(sizeof(T));
   sc.nslots = imax(1, imin((Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
-  const int64_t oQp = arena.plan<T>(Brp * d), oS = arena.plan<T>(Brp * sc.lds);
-  const int64_t oO = arena.plan<T>(Brp * dvp), om = arena.plan<T>(Brp), ol = arena.plan<T>(Brp);
-  const int64_t olo = arena.plan<int64_t>(Brp), ohi = arena.plan<int64_t>(Brp);
-  const int64_t opc = arena.plan<int64_t>(2 * (Brp / kMR + 1));
-  const int64_t oKc = arena.plan<T>(sc.nslots * Bc * d);
-  const int64_t oVc = arena.plan<T>(sc.nslots * Bc * dvp);
-  const int64_t otag = arena.plan<int64_t>(sc.nslots);
+  T** tp[] = {&sc.Qp, &sc.S, &sc.O, &sc.m, &sc.l, &sc.Kc, &sc.Vc};
+  const int64_t tn[] = {Brp * d, Brp * sc.lds,       Brp * dvp,           Brp,
+                        Brp,     sc.nslots * Bc * d, sc.nslots * Bc * dvp};
+  int64_t** ip[] = {&sc.lo, &sc.hi, &sc.pc, &sc.tag};
+  const int64_t in[] = {Brp, Brp, 2 * (Brp / kMR + 1), sc.nslots};
+  int64_t toff[7], ioff[4];
+  for (int i = 0; i < 7; ++i) toff[i] = arena.plan<T>(tn[i]);
+  for (int i = 0; i < 4; ++i) ioff[i] = arena.plan<int64_t>(in[i]);
   const int64_t onf = arena.plan<uint8_t>(sc.nslots);
   if (!arena.acquire()) return false;
-  sc.Qp = arena.at<T>(oQp);
-  sc.S = arena.at<T>(oS);
-  sc.O = arena.at<T>(oO);
-  sc.m = arena.at<T>(om);
-  sc.l = arena.at<T>(ol);
-  sc.lo = arena.at<int64_t>(olo);
-  sc.hi = arena.at<int64_t>(ohi);
-  sc.pc = arena.at<int64_t>(opc);
-  sc.Kc = arena.at<T>(oKc);
-  sc.Vc = arena.at<T>(oVc);
-  sc.tag = arena.at<int64_t>(otag);
+  for (int i = 0; i < 7; ++i) *tp[i] = arena.at<T>(toff[i]);
+  for (int i = 0; i < 4; ++i) *ip[i] = arena.at<int64_t>(ioff[i]);
   sc.nonfinite = arena.at<uint8_t>(onf);
   return true;
 }

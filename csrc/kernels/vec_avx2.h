@@ -26,7 +26,7 @@ struct Vec;
 #include "vec_math.h"
 
 template <>
-struct Vec<float> {
+struct Vec<float> : VecMath<float> {
   static constexpr int W = 8;
   using R = __m256;
   static R zero() { return _mm256_setzero_ps(); }
@@ -70,8 +70,6 @@ struct Vec<float> {
     const __m256 t2 = _mm256_hadd_ps(t0, t1);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
-  static R exp(R x) { return exp_poly<float>(x); }
-  static R exp2_neg(R t) { return exp2_neg_poly<float>(t); }
   // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
   // narrows with round to nearest even (NaN kept NaN, quieted); fp16 by F16C.
   static R load_bf16(const uint16_t* p) {
@@ -106,7 +104,7 @@ struct Vec<float> {
 };
 
 template <>
-struct Vec<double> {
+struct Vec<double> : VecMath<double> {
   static constexpr int W = 4;
   using R = __m256d;
   static R zero() { return _mm256_setzero_pd(); }
@@ -142,9 +140,4 @@ struct Vec<double> {
     x = _mm_add_sd(x, _mm_unpackhi_pd(x, x));
     return _mm_cvtsd_f64(x);
   }
-  static void hsum4(const R* a, double* out) {
-    for (int i = 0; i < 4; ++i) out[i] = hsum(a[i]);
-  }
-  static R exp(R x) { return exp_poly<double>(x); }
-  static R exp2_neg(R t) { return exp2_neg_poly<double>(t); }
 };

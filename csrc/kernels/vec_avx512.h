@@ -15,7 +15,7 @@ struct Vec;
 #include "vec_math.h"
 
 template <>
-struct Vec<float> {
+struct Vec<float> : VecMath<float> {
   static constexpr int W = 16;
   using R = __m512;
   static R zero() { return _mm512_setzero_ps(); }
@@ -50,8 +50,6 @@ struct Vec<float> {
     const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
-  static R exp(R x) { return exp_poly<float>(x); }
-  static R exp2_neg(R t) { return exp2_neg_poly<float>(t); }
   // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
   // narrows with round to nearest even (NaN kept NaN, quieted; denormals kept,
   // unlike vcvtneps2bf16); fp16 by vcvtph2ps / vcvtps2ph.
@@ -85,7 +83,7 @@ struct Vec<float> {
 };
 
 template <>
-struct Vec<double> {
+struct Vec<double> : VecMath<double> {
   static constexpr int W = 8;
   using R = __m512d;
   static R zero() { return _mm512_setzero_pd(); }
@@ -113,11 +111,6 @@ struct Vec<double> {
   }
   static double hmax(R a) { return _mm512_reduce_max_pd(a); }
   static double hsum(R a) { return _mm512_reduce_add_pd(a); }
-  static void hsum4(const R* a, double* out) {
-    for (int i = 0; i < 4; ++i) out[i] = hsum(a[i]);
-  }
-  static R exp(R x) { return exp_poly<double>(x); }
-  static R exp2_neg(R t) { return exp2_neg_poly<double>(t); }
 };
 
 #if defined(ATTN_ISA_AVX512_BF16)

@@ -5,7 +5,7 @@
 // The scalar header (vec_scalar.h) uses libm instead.
 //
 // Primitives used: zero, set1, add, sub, mul, fma, min, max, select_lt,
-// select_nan, shift_exponent (see vec_avx2.h for their meaning).
+// select_nan, shift_exponent, hsum (see vec_avx2.h for their meaning).
 //
 // exp(x): x * log2(e) = n + f with n integer (round to nearest via the
 //   1.5 * 2^p magic constant, p = mantissa bits) and |f| <= 0.5; 2^f by the
@@ -120,3 +120,23 @@ inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
   const typename V::R p = horner<T, K::kExp2N>(f, [](int i) { return K::exp2(i); });
   return V::mul(p, V::shift_exponent(r));
 }
+
+// The math members every SIMD Vec<T> inherits (struct Vec<T> : VecMath<T>):
+// V::exp and V::exp2_neg above, and a four-way horizontal sum by hsum (a
+// Vec<T> may declare a faster hsum4 of its own, which hides this one).
+// Templates over the register type, so that Vec<T> need not be complete here.
+template <typename T>
+struct VecMath {
+  template <typename R>
+  static R exp(R x) {
+    return exp_poly<T>(x);
+  }
+  template <typename R>
+  static R exp2_neg(R t) {
+    return exp2_neg_poly<T>(t);
+  }
+  template <typename R>
+  static void hsum4(const R* a, T* out) {
+    for (int i = 0; i < 4; ++i) out[i] = Vec<T>::hsum(a[i]);
+  }
+};
