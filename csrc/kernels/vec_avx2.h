@@ -26,7 +26,7 @@ struct Vec;
 #include "vec_math.h"
 
 template <>
-struct Vec<float> : VecMath<float> {
+struct Vec<float> : VecMath<float>, HalfScalar {
   static constexpr int W = 8;
   using R = __m256;
   static R zero() { return _mm256_setzero_ps(); }
@@ -94,12 +94,6 @@ struct Vec<float> : VecMath<float> {
   static void store_f16(uint16_t* p, R x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
-  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
-  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
-  static uint16_t to_f16(float x) {
-    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
 

@@ -15,7 +15,7 @@ struct Vec;
 #include "vec_math.h"
 
 template <>
-struct Vec<float> : VecMath<float> {
+struct Vec<float> : VecMath<float>, HalfScalar {
   static constexpr int W = 16;
   using R = __m512;
   static R zero() { return _mm512_setzero_ps(); }
@@ -73,12 +73,6 @@ struct Vec<float> : VecMath<float> {
   static void store_f16(uint16_t* p, R x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
-  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
-  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
-  static uint16_t to_f16(float x) {
-    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
 

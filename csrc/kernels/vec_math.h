@@ -140,3 +140,15 @@ struct VecMath {
     for (int i = 0; i < 4; ++i) out[i] = Vec<T>::hsum(a[i]);
   }
 };
+
+// One 16-bit value <-> fp32, the same on every SIMD ISA (both have F16C):
+// bf16 by bit manipulation (attn_fast/half.h: round to nearest even, NaN
+// kept), fp16 by vcvtph2ps / vcvtps2ph. Vec<float> inherits these.
+struct HalfScalar {
+  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
+  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
+  static uint16_t to_f16(float x) {
+    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
