@@ -23,7 +23,7 @@
 //        key panel outer so that panel stays in L1. On a tile a structural
 //        mask cuts (causal diagonal, window edges) each MR-row micro-panel
 //        computes only the key panels its rows can see, and step 5 skips
-//        the columns it cannot (causal 1-4 % faster, paired A/B runs);
+//        the columns it cannot;
 //     3. score transforms (softcap, ALiBi, additive bias) and element masks,
 //        only on tiles that need them (diagonal/partial tiles);
 //     4. online softmax per row: m_new = max(m, rowmax(S)),
@@ -38,22 +38,30 @@
 //   the packed blocks of one (sequence, kv head), at most kCacheBytes (blocks
 //   are reused as a ring beyond that).
 //
-// Micro-kernels (AVX2: MR = 6, NR = 2, W = 8): 12 accumulators, 2 panel
-//   loads and 6 broadcasts per 12 FMAs; the inner loops are pure loads and
-//   FMAs (checked in the disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+// Micro-kernels (the tile shape is IsaTraits in vec_*.h; AVX2: MR = 6,
+//   NR = 2, W = 8): 12 accumulators, 2 panel loads and 6 broadcasts per 12
+//   FMAs; the inner loops are pure loads and FMAs (checked in the
+//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//
+// Code: process_item runs one work item as named steps (row_ranges, pack_q,
+//   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
+//   score_transforms / element_masks / online_softmax_row, pv_tile,
+//   finalize_rows); scratch is one ThreadArena block per thread
+//   (carve_scratch); the shared helpers are kernels/toolkit.h and
+//   attn_fast/seq.h, the storage types kernels/storage.h.
 //
 // Memory: Br = 48, Bc = 256, d = dv = 128 in fp32: Q block 24 KiB, a K panel
-//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB (Bc = 256 halves
-//   the per-row softmax bookkeeping of Bc = 128 and measured 1-4 % faster in
-//   paired A/B runs, bench/NOTES.md); the K/V blocks
+//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB; the K/V blocks
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
 //   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
+//   Why these sizes (the measurements behind them): bench/NOTES.md,
+//   "Tuning history of the kernel essays".
 //
 // Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
 //   first. Each output row is computed by exactly one thread in a fixed order,
 //   so results are bit-for-bit identical for any thread count.
 //
-// Numerics: exp is the vector polynomial of vec_*.h (about 1 ulp in fp32).
+// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
 //   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is
 //   masked for some query of the tile is not multiplied by 0: tiles whose packed V holds a
