@@ -55,7 +55,7 @@
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
 //   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
 //   Why these sizes (the measurements behind them): bench/NOTES.md,
-//   "Tuning history of the kernel essays".
+//   "Tuning history moved out of the kernel essays".
 //
 // Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
 //   first. Each output row is computed by exactly one thread in a fixed order,
