@@ -503,6 +503,10 @@ void backward(py::array dout, py::array q, py::array k, py::array v, py::array o
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attn_fast C++ core: fused flash-attention forward kernels (internal; use attn_fast)";
   set_interrupt_check(&python_signal_raised);  // Ctrl-C stops long kernel calls
+  // Tile classes (attention.h TileClass), the numbering of masks.block_summary.
+  m.attr("BLOCK_MASKED") = static_cast<int>(TileClass::masked);
+  m.attr("BLOCK_PARTIAL") = static_cast<int>(TileClass::partial);
+  m.attr("BLOCK_VISIBLE") = static_cast<int>(TileClass::visible);
   m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,

@@ -25,39 +25,9 @@
 #endif
 
 #include "attn_fast/attention.h"
+#include "dispatch.h"
 
 namespace attn_fast {
-
-#define ATTN_DECLARE_ISA(ns)                               \
-  namespace ns {                                           \
-  AttnStats flash_forward_f32(const AttnArgs<float>& a);   \
-  AttnStats flash_forward_f64(const AttnArgs<double>& a);  \
-  double fma_loop(int64_t iters);                          \
-  void decode_forward_f32(const DecodeArgs<float>& a);     \
-  void decode_forward_f64(const DecodeArgs<double>& a);    \
-  void decode_forward_bf16(const DecodeArgs<bf16_t>& a);   \
-  void decode_forward_f16(const DecodeArgs<fp16_t>& a);    \
-  float stream_read(const float* p, int64_t n);            \
-  double read_loop(const float* p, int64_t n);             \
-  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
-  AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a);  \
-  void flash_backward_f32(const BwdArgs<float>& a);        \
-  void flash_backward_f64(const BwdArgs<double>& a);       \
-  }
-ATTN_DECLARE_ISA(isa_scalar)
-#ifdef ATTN_HAVE_AVX2
-ATTN_DECLARE_ISA(isa_avx2)
-#endif
-#ifdef ATTN_HAVE_AVX512
-ATTN_DECLARE_ISA(isa_avx512)
-#endif
-#ifdef ATTN_HAVE_AVX512_BF16
-// The vdpbf16ps object: only the bf16 fused kernel and its probe loop.
-namespace isa_avx512_bf16 {
-AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a);
-double dpbf16_loop(int64_t iters);
-}  // namespace isa_avx512_bf16
-#endif
 
 namespace {
 
@@ -286,6 +256,8 @@ int threads_for_call() {
 
 bool forked_child_serial() { return g_forked_child.load(); }
 
+void note_pool_used() { g_pool_used.store(true); }
+
 bool openmp_enabled() {
 #ifdef _OPENMP
   return true;
@@ -308,196 +280,38 @@ std::string openmp_runtime() {
 #endif
 }
 
-#define ATTN_DISPATCH(fn, ...)            \
-  switch (active_isa()) {                 \
-    AVX512_CASE(fn, __VA_ARGS__)          \
-    AVX2_CASE(fn, __VA_ARGS__)            \
-    default:                              \
-      return isa_scalar::fn(__VA_ARGS__); \
-  }
-#ifdef ATTN_HAVE_AVX512
-#define AVX512_CASE(fn, ...) \
-  case Isa::avx512:          \
-  case Isa::avx512_bf16:     \
-    return isa_avx512::fn(__VA_ARGS__);
-#else
-#define AVX512_CASE(fn, ...)
-#endif
-#ifdef ATTN_HAVE_AVX2
-#define AVX2_CASE(fn, ...) \
-  case Isa::avx2:          \
-    return isa_avx2::fn(__VA_ARGS__);
-#else
-#define AVX2_CASE(fn, ...)
-#endif
-
-AttnStats flash_forward(const AttnArgs<float>& a){ATTN_DISPATCH(flash_forward_f32, a)} AttnStats
-    flash_forward(const AttnArgs<double>& a) {
-  ATTN_DISPATCH(flash_forward_f64, a)
-}
-
-static double fma_loop_active(int64_t iters) { ATTN_DISPATCH(fma_loop, iters) }
-
-double fma_peak_gflops(int threads, double seconds) {
-  if (threads < 1 || g_forked_child.load()) threads = 1;
-  if (threads > 1) g_pool_used.store(true);
-  // Calibrate on one thread, then run the same count on every thread.
-  int64_t iters = 1 << 20;
-  double el = 0;
-  for (;;) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fma_loop_active(iters);
-    el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (el > 0.02 || iters > (int64_t(1) << 40)) break;
-    iters *= 4;
-  }
-  iters = static_cast<int64_t>(iters * (seconds / (el > 0 ? el : 1e-3)));
-  if (iters < 1) iters = 1;
-  double flops = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : flops)
-  {
-    flops += fma_loop_active(iters);
-  }
-  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return flops / dt * 1e-9;
-}
-
-void decode_forward(const DecodeArgs<float>& a) { ATTN_DISPATCH(decode_forward_f32, a) }
-void decode_forward(const DecodeArgs<double>& a) { ATTN_DISPATCH(decode_forward_f64, a) }
-// 16-bit storage: avx512_bf16 runs the avx512 kernel (AVX512_CASE); the
-// decode is bound by reading K/V, not by the dot products.
-void decode_forward(const DecodeArgs<bf16_t>& a) { ATTN_DISPATCH(decode_forward_bf16, a) }
-void decode_forward(const DecodeArgs<fp16_t>& a) { ATTN_DISPATCH(decode_forward_f16, a) }
-
-static float stream_read_active(const float* p, int64_t n) { ATTN_DISPATCH(stream_read, p, n) }
-
-double stream_read_gbps(int threads, int64_t nbytes, int reps) {
-  if (threads < 1 || g_forked_child.load()) threads = 1;  // see ForkGuard
-  if (threads > 1) g_pool_used.store(true);
-  if (reps < 1) reps = 1;
-  const int64_t n = nbytes / static_cast<int64_t>(sizeof(float)) / threads / 16 * 16;
-  if (n <= 0) return 0.0;
-  float* buf =
-      static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n * threads) * sizeof(float)));
-  if (!buf) throw std::bad_alloc();
-  double best = 0;
-  float sink = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    float* mine = buf + static_cast<int64_t>(t) * n;
-    for (int64_t i = 0; i < n; ++i) mine[i] = static_cast<float>(i & 7);  // first touch
-    std::chrono::steady_clock::time_point t0;
-    for (int r = 0; r < reps; ++r) {
-#pragma omp barrier
-#pragma omp master
-      t0 = std::chrono::steady_clock::now();
-#pragma omp barrier
-      sink += stream_read_active(mine, n);
-#pragma omp barrier
-#pragma omp master
-      {  // the barrier above waited for the slowest thread
-        const double dt =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const double gbps = static_cast<double>(n) * threads * sizeof(float) / dt * 1e-9;
-        if (gbps > best) best = gbps;
-      }
-    }
-  }
-  std::free(buf);
-  return sink == 1.2345e30f ? -1.0 : best;
-}
-
-static double read_loop_active(const float* p, int64_t n) { ATTN_DISPATCH(read_loop, p, n) }
-
-double read_bandwidth_gbs(int threads, int64_t bytes, double seconds) {
-  if (threads < 1 || g_forked_child.load()) threads = 1;  // see ForkGuard
-  if (threads > 1) g_pool_used.store(true);
-  const int64_t chunk = 64 * 1024;  // floats per work unit, a multiple of 4 * W
-  int64_t n = bytes / static_cast<int64_t>(sizeof(float)) / chunk * chunk;
-  if (n < chunk) n = chunk;
-  const int64_t units = n / chunk;
-  float* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(float)));
-  if (!buf) throw std::bad_alloc();
-  // First touch by the thread that will read the unit (same static split).
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t u = 0; u < units; ++u)
-    for (int64_t i = 0; i < chunk; ++i) buf[u * chunk + i] = 1.0f;
-  double sink = 0, best = 0, total = 0;
-  int passes = 0;
-  while (passes < 3 || total < seconds) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
-    for (int64_t u = 0; u < units; ++u) sink += read_loop_active(buf + u * chunk, chunk);
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    total += dt;
-    ++passes;
-    const double gbs = static_cast<double>(n) * sizeof(float) / dt * 1e-9;
-    if (gbs > best) best = gbs;
-  }
-  std::free(buf);
-  return sink == -1.0 ? 0.0 : best;
-}
-
-// ---------------------------------------------------------------- 16-bit storage
-
-// Whether vdpbf16ps beats fp32 FMA on this core, measured once: the same
-// register-only loop shape (10 independent chains) for both, best of three
-// short runs each (~10 ms in all), vdpbf16ps counted as 2 FLOPs per bf16 pair.
-// It wins by ~2x on AMD Zen 4 and loses by ~2x on Sapphire Rapids, where the
-// flag alone would pick the slow path. ATTN_FAST_BF16_PROBE=0/1 skips the
-// measurement (forces the convert path / the vdpbf16ps path).
-// Decides whether the default ISA is avx512_bf16 rather than avx512 (at the
-// first kernel call or get_isa()); ATTN_FAST_ISA=avx512 / avx512_bf16 choose
-// without measuring.
-static bool measure_bf16_dot() {
-#ifdef ATTN_HAVE_AVX512_BF16
-  if (!features().avx512_bf16) return false;
-  if (const char* env = std::getenv("ATTN_FAST_BF16_PROBE")) {
-    if (env[0] == '0') return false;
-    if (env[0] == '1') return true;
-  }
-  auto rate = [](double (*loop)(int64_t)) {
-    const int64_t iters = int64_t(1) << 17;
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const double flops = loop(iters);
-      const double dt =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (dt > 0 && flops / dt > best) best = flops / dt;
-    }
-    return best;
-  };
-  const double fma = rate(&isa_avx512::fma_loop);
-  const double dot = rate(&isa_avx512_bf16::dpbf16_loop);
-  // The dot product must win clearly: it only speeds up S = Q K^T (P V stays fp32).
-  return dot > 1.3 * fma;
-#else
+// The entry points: one overload per storage type of each kernel's list
+// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward calls
+// on avx512_bf16 take that object's vdpbf16ps kernel (bf16_dot_forward); every
+// other call of that ISA runs the avx512 object (ATTN_DISPATCH).
+template <typename S>
+inline bool bf16_dot_forward(const AttnArgs<S>&, AttnStats*) {
   return false;
-#endif
 }
-
-bool bf16_dot_preferred() {
-  static const bool preferred = measure_bf16_dot();
-  return preferred;
-}
-
-// bf16 on avx512_bf16: the vdpbf16ps object; on every other ISA (avx512
-// included) the convert-on-pack kernel of that ISA.
-AttnStats flash_forward(const AttnArgs<bf16_t>& a) {
+inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
 #ifdef ATTN_HAVE_AVX512_BF16
-  if (active_isa() == Isa::avx512_bf16) return isa_avx512_bf16::flash_forward_bf16(a);
+  if (active_isa() == Isa::avx512_bf16) {
+    *st = isa_avx512_bf16::flash_forward_bf16(a);
+    return true;
+  }
 #endif
-  ATTN_DISPATCH(flash_forward_bf16, a)
+  (void)a;
+  (void)st;
+  return false;
 }
-AttnStats flash_forward(const AttnArgs<fp16_t>& a) { ATTN_DISPATCH(flash_forward_f16, a) }
-void flash_backward(const BwdArgs<float>& a) { ATTN_DISPATCH(flash_backward_f32, a) }
-void flash_backward(const BwdArgs<double>& a) { ATTN_DISPATCH(flash_backward_f64, a) }
+
+#define ATTN_DEFINE_FORWARD(sfx, S)               \
+  AttnStats flash_forward(const AttnArgs<S>& a) { \
+    AttnStats st;                                 \
+    if (bf16_dot_forward(a, &st)) return st;      \
+    ATTN_DISPATCH(flash_forward_##sfx, a)         \
+  }
+#define ATTN_DEFINE_DECODE(sfx, S) \
+  void decode_forward(const DecodeArgs<S>& a) { ATTN_DISPATCH(decode_forward_##sfx, a) }
+#define ATTN_DEFINE_BACKWARD(sfx, S) \
+  void flash_backward(const BwdArgs<S>& a) { ATTN_DISPATCH(flash_backward_##sfx, a) }
+ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
+ATTN_DECODE_TYPES(ATTN_DEFINE_DECODE)
+ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
 
 }  // namespace attn_fast

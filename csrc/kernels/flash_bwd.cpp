@@ -59,6 +59,7 @@
 
 #include "attn_fast/attention.h"
 #include "attn_fast/interrupt.h"
+#include "attn_fast/kernel_entries.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -71,24 +72,11 @@ namespace ATTN_NS {
 
 namespace {
 
-#if defined(ATTN_ISA_AVX512)
-constexpr int kBMR = 6, kBNR = 4;
-#elif defined(ATTN_ISA_AVX2)
-constexpr int kBMR = 6, kBNR = 2;
-#else
-constexpr int kBMR = 4, kBNR = 4;
-#endif
+#include "toolkit.h"  // ThreadArena
+
+constexpr int kBMR = IsaTraits::kMR, kBNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
 constexpr int64_t kMinItems = 16;  // (sequence, kv head) pairs below which keys are split
 constexpr int64_t kMaxSplit = 8;
-
-inline int64_t rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-template <typename T>
-T* alloc_t(int64_t n) {
-  const size_t bytes =
-      static_cast<size_t>(rup((n > 0 ? n : 1) * static_cast<int64_t>(sizeof(T)), 64));
-  return static_cast<T*>(std::aligned_alloc(64, bytes));
-}
 
 // C[MR][NR*W] (+)= A[MR][K] * B[K][NR*W]; B rows of ldb. A element (r, k) is
 // A[r * lda + k], or A[k * lda + r] when TA (A stored transposed: P^T and dS^T
@@ -170,20 +158,26 @@ void dq_guarded(int64_t rows, int64_t cols, const T* dS, int64_t lds, const T* K
   }
 }
 
+// One thread's buffers, carved from its ThreadArena (toolkit.h).
 template <typename T>
 struct BScratch {
   T *Kb, *KT, *VT, *dKa, *dVa;  // key block: K rows, K^T, V^T, dK / dV accumulators
   T *Qs, *dOb, *S, *dS, *G, *dQb, *lse, *D;
   int64_t* qlo;  // per query block: union of its rows' structural key ranges
   int64_t* qhi;
-  bool ok() const {
-    return Kb && KT && VT && dKa && dVa && Qs && dOb && S && dS && G && dQb && lse && D && qlo &&
-           qhi;
-  }
-  void release() {
-    for (T* p : {Kb, KT, VT, dKa, dVa, Qs, dOb, S, dS, G, dQb, lse, D}) std::free(p);
-    std::free(qlo);
-    std::free(qhi);
+  // Plans and takes every piece; false when the arena cannot provide them.
+  bool carve(ThreadArena& ar, int64_t Br, int64_t Bc, int64_t dp, int64_t dvp, int64_t max_qb) {
+    T** pieces[] = {&Kb, &KT, &VT, &dKa, &dVa, &Qs, &dOb, &S, &dS, &G, &dQb, &lse, &D};
+    const int64_t sizes[] = {Bc * dp, dp * Bc, dvp * Bc, Bc * dp, Bc * dvp, Br * dp, Br * dvp,
+                             Br * Bc, Br * Bc, Br * Bc,  Br * dp, Br,       Br};
+    int64_t off[13];
+    for (int i = 0; i < 13; ++i) off[i] = ar.plan<T>(sizes[i]);
+    const int64_t olo = ar.plan<int64_t>(max_qb), ohi = ar.plan<int64_t>(max_qb);
+    if (!ar.acquire()) return false;
+    for (int i = 0; i < 13; ++i) *pieces[i] = ar.at<T>(off[i]);
+    qlo = ar.at<int64_t>(olo);
+    qhi = ar.at<int64_t>(ohi);
+    return true;
   }
 };
 
@@ -220,8 +214,7 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
   using V = Vec<T>;
   constexpr int W = V::W;
   const AttnArgs<T>& a = g.f;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
-  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
+  const int64_t d = a.d, dv = a.dv, dp = round_up(d, W), dvp = round_up(dv, W);
   const T scale = static_cast<T>(a.scale);
 
   // Pack Q (scaled), dO, lse and D of the rows.
@@ -262,13 +255,13 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     add_alibi_bias(a, si, h, i, j0, cols, s);
     if (lo > j0 || hi < j0 + cols)  // the structural range cuts this row of the tile
       for (int64_t j = 0; j < cols; ++j)
-        if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF;
+        if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF<T>;
     if (a.layout || a.mask)
       for (int64_t j = 0; j < cols; ++j)
-        if (!user_visible(a, si, h, i, j0 + j)) s[j] = NEG_INF;
-    for (int64_t j = cols; j < Bcp; ++j) s[j] = NEG_INF;
+        if (!user_visible(a, si, h, i, j0 + j)) s[j] = NEG_INF<T>;
+    for (int64_t j = cols; j < Bcp; ++j) s[j] = NEG_INF<T>;
     const T L = sc.lse[r];
-    if (L == NEG_INF) {  // the row sees nothing: P = 0
+    if (L == NEG_INF<T>) {  // the row sees nothing: P = 0
       for (int64_t j = 0; j < Bcp; ++j) s[j] = T(0);
       continue;
     }
@@ -340,7 +333,7 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
   constexpr int W = V::W;
   const AttnArgs<T>& a = g.f;
   const SeqInfo si = seq_info(a, s);
-  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
+  const int64_t d = a.d, dv = a.dv, dp = round_up(d, W), dvp = round_up(dv, W);
   const int64_t G = a.Hq / a.Hkv;
   const int64_t nkb = (si.k_len + Bc - 1) / Bc;
   const int64_t kb0 = chunk * nkb / nsplit, kb1 = (chunk + 1) * nkb / nsplit;
@@ -379,7 +372,7 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
 
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     if (tok.poll()) return;  // Ctrl-C: the call raises; the gradients are not a result
-    const int64_t j0 = kb * Bc, cols = imin(Bc, si.k_len - j0), Bcp = rup(cols, W);
+    const int64_t j0 = kb * Bc, cols = imin(Bc, si.k_len - j0), Bcp = round_up(cols, W);
     // Pack K (rows and transposed) and V^T; zero the accumulators.
     const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
     const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
@@ -438,10 +431,9 @@ void backward_impl(const BwdArgs<T>& g0) {
   const AttnArgs<T>& a = g0.f;
   if (a.B <= 0 || a.Hq <= 0 || a.Hkv <= 0) return;
   const int64_t Bc =
-      imin(rup(a.block_k > 0 ? a.block_k : 128, W), rup(imin(imax(a.Lk, 1), 4096), W));
+      imin(round_up(a.block_k > 0 ? a.block_k : 128, W), round_up(imin(imax(a.Lk, 1), 4096), W));
   const int64_t Br = imin(a.block_q > 0 ? a.block_q : 64, imin(imax(a.Lq, 1), 4096));
-  const int64_t d = a.d, dv = a.dv, dp = rup(d, W), dvp = rup(dv, W);
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  const int64_t d = a.d, dv = a.dv, dp = round_up(d, W), dvp = round_up(dv, W);
 
   // Split rule (shapes only): few (sequence, kv head) pairs -> cut the keys.
   const int64_t pairs = a.B * a.Hkv;
@@ -454,8 +446,8 @@ void backward_impl(const BwdArgs<T>& g0) {
   BwdRun<T> g;
   static_cast<BwdArgs<T>&>(g) = g0;
   const int64_t nD = a.Hq * rows_total;
-  T* Dbuf = alloc_t<T>(nD);
-  T* split_buf = nsplit > 1 ? alloc_t<T>((nsplit - 1) * nD * d) : nullptr;
+  T* Dbuf = alloc_scratch<T>(nD);
+  T* split_buf = nsplit > 1 ? alloc_scratch<T>((nsplit - 1) * nD * d) : nullptr;
   if (!Dbuf || (nsplit > 1 && !split_buf)) {
     std::free(Dbuf);
     std::free(split_buf);
@@ -481,7 +473,7 @@ void backward_impl(const BwdArgs<T>& g0) {
     const T* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
     for (int64_t i = 0; i < si.q_rows; ++i) {
       T acc = T(0);
-      if (i < si.q_len && a.lse[lr + i] != NEG_INF)
+      if (i < si.q_len && a.lse[lr + i] != NEG_INF<T>)
         for (int64_t e = 0; e < dv; ++e)
           acc += dob[i * g.sdo.l + e * g.sdo.d] * ob[i * a.so.l + e * a.so.d];
       Dbuf[lr + i] = acc;
@@ -513,23 +505,9 @@ void backward_impl(const BwdArgs<T>& g0) {
   CancelToken tok;  // Ctrl-C, polled between items and key blocks
 #pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
+    ThreadArena arena;
     BScratch<T> sc;
-    sc.Kb = alloc_t<T>(Bc * dp);
-    sc.KT = alloc_t<T>(dp * Bc);
-    sc.VT = alloc_t<T>(dvp * Bc);
-    sc.dKa = alloc_t<T>(Bc * dp);
-    sc.dVa = alloc_t<T>(Bc * dvp);
-    sc.Qs = alloc_t<T>(Br * dp);
-    sc.dOb = alloc_t<T>(Br * dvp);
-    sc.S = alloc_t<T>(Br * Bc);
-    sc.dS = alloc_t<T>(Br * Bc);
-    sc.G = alloc_t<T>(Br * Bc);
-    sc.dQb = alloc_t<T>(Br * dp);
-    sc.lse = alloc_t<T>(Br);
-    sc.D = alloc_t<T>(Br);
-    sc.qlo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * max_qb));
-    sc.qhi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * max_qb));
-    const bool ok = sc.ok();
+    const bool ok = sc.carve(arena, Br, Bc, dp, dvp, max_qb);
     failed += ok ? 0 : 1;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
@@ -538,7 +516,6 @@ void backward_impl(const BwdArgs<T>& g0) {
       bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc, tok);
     }
     tok.finish_share();  // the calling thread keeps polling until the team is done
-    sc.release();
   }
   if (failed) {
     std::free(Dbuf);
@@ -566,8 +543,11 @@ void backward_impl(const BwdArgs<T>& g0) {
 
 }  // namespace
 
-void flash_backward_f32(const BwdArgs<float>& a) { backward_impl<float>(a); }
-void flash_backward_f64(const BwdArgs<double>& a) { backward_impl<double>(a); }
+ATTN_ISA_ENTRY_POINTS
+#define ATTN_DEFINE_BACKWARD(sfx, S) \
+  void flash_backward_##sfx(const BwdArgs<S>& a) { backward_impl<S>(a); }
+ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
+#undef ATTN_DEFINE_BACKWARD
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

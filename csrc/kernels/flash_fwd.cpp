@@ -23,7 +23,7 @@
 //        key panel outer so that panel stays in L1. On a tile a structural
 //        mask cuts (causal diagonal, window edges) each MR-row micro-panel
 //        computes only the key panels its rows can see, and step 5 skips
-//        the columns it cannot (causal 1-4 % faster, paired A/B runs);
+//        the columns it cannot;
 //     3. score transforms (softcap, ALiBi, additive bias) and element masks,
 //        only on tiles that need them (diagonal/partial tiles);
 //     4. online softmax per row: m_new = max(m, rowmax(S)),
@@ -38,22 +38,30 @@
 //   the packed blocks of one (sequence, kv head), at most kCacheBytes (blocks
 //   are reused as a ring beyond that).
 //
-// Micro-kernels (AVX2: MR = 6, NR = 2, W = 8): 12 accumulators, 2 panel
-//   loads and 6 broadcasts per 12 FMAs; the inner loops are pure loads and
-//   FMAs (checked in the disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+// Micro-kernels (the tile shape is IsaTraits in vec_*.h; AVX2: MR = 6,
+//   NR = 2, W = 8): 12 accumulators, 2 panel loads and 6 broadcasts per 12
+//   FMAs; the inner loops are pure loads and FMAs (checked in the
+//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//
+// Code: process_item runs one work item as named steps (row_ranges, pack_q,
+//   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
+//   score_transforms / element_masks / online_softmax_row, pv_tile,
+//   finalize_rows); scratch is one ThreadArena block per thread
+//   (carve_scratch); the shared helpers are kernels/toolkit.h and
+//   attn_fast/seq.h, the storage types kernels/storage.h.
 //
 // Memory: Br = 48, Bc = 256, d = dv = 128 in fp32: Q block 24 KiB, a K panel
-//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB (Bc = 256 halves
-//   the per-row softmax bookkeeping of Bc = 128 and measured 1-4 % faster in
-//   paired A/B runs, bench/NOTES.md); the K/V blocks
+//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB; the K/V blocks
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
 //   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
+//   Why these sizes (the measurements behind them): bench/NOTES.md,
+//   "Tuning history moved out of the kernel essays".
 //
 // Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
 //   first. Each output row is computed by exactly one thread in a fixed order,
 //   so results are bit-for-bit identical for any thread count.
 //
-// Numerics: exp is the vector polynomial of vec_*.h (about 1 ulp in fp32).
+// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
 //   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is
 //   masked for some query of the tile is not multiplied by 0: tiles whose packed V holds a
@@ -88,6 +96,7 @@
 #include "attn_fast/attention.h"
 #include "attn_fast/half.h"
 #include "attn_fast/interrupt.h"
+#include "attn_fast/kernel_entries.h"
 #include "attn_fast/seq.h"
 
 #include "isa.h"
@@ -96,68 +105,45 @@ namespace attn_fast {
 namespace ATTN_NS {
 
 #include ATTN_VEC_HEADER
-#if defined(ATTN_ISA_AVX512)
-constexpr int kMR = 6, kNR = 4;  // 24 accumulators of 32 zmm
-#elif defined(ATTN_ISA_AVX2)
-constexpr int kMR = 6, kNR = 2;  // 12 accumulators of 16 ymm
-#else
-constexpr int kMR = 4, kNR = 4;
-#endif
+constexpr int kMR = IsaTraits::kMR, kNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
 
 namespace {
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
 // written back once, in the finalize step; every other step is the fp32 kernel.
-#include "storage.h"  // ld / put / bits_of
+#include "storage.h"  // Storage<S>, ld / put / bits_of
 #include "scores.h"   // add_alibi_bias
+#include "toolkit.h"  // NEG_INF, online_softmax_row, ThreadArena
 
-// dst[0..n) = src[0..n) in the compute type (unit stride both sides).
-template <typename T>
-inline void ld_row(const T* src, T* dst, int64_t n) {
-  if (n > 0) std::memcpy(dst, src, sizeof(T) * n);
-}
+// dst[0..n) = src[0..n) in the compute type (unit stride both sides):
+// copied for the native types, converted W at a time for the others.
 template <typename S>
-inline void ld_row16(const S* src, float* dst, int64_t n) {
-  using V = Vec<float>;
-  int64_t e = 0;
-  for (; e + V::W <= n; e += V::W)
-    V::store(dst + e, std::is_same<S, bf16_t>::value ? V::load_bf16(bits_of(src + e))
-                                                     : V::load_f16(bits_of(src + e)));
-  for (; e < n; ++e) dst[e] = ld(src + e);
+inline void ld_row(const S* src, compute_t<S>* dst, int64_t n) {
+  using St = Storage<S>;
+  if constexpr (St::kNative) {
+    if (n > 0) std::memcpy(dst, src, sizeof(S) * n);
+  } else {
+    using V = Vec<compute_t<S>>;
+    int64_t e = 0;
+    for (; e + V::W <= n; e += V::W) V::store(dst + e, St::load(src + e));
+    for (; e < n; ++e) dst[e] = St::ld(src + e);
+  }
 }
-inline void ld_row(const bf16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
-inline void ld_row(const fp16_t* src, float* dst, int64_t n) { ld_row16(src, dst, n); }
 
 // dst[0..n) = src[0..n) * f in the storage type (unit stride both sides).
-template <typename T>
-inline void st_row(T* dst, const T* src, T f, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
-}
 template <typename S>
-inline void st_row16(S* dst, const float* src, float f, int64_t n) {
-  using V = Vec<float>;
-  const V::R vf = V::set1(f);
-  int64_t e = 0;
-  for (; e + V::W <= n; e += V::W) {
-    const V::R x = V::mul(V::load(src + e), vf);
-    if (std::is_same<S, bf16_t>::value)
-      V::store_bf16(bits_of(dst + e), x);
-    else
-      V::store_f16(bits_of(dst + e), x);
+inline void st_row(S* dst, const compute_t<S>* src, compute_t<S> f, int64_t n) {
+  using St = Storage<S>;
+  if constexpr (St::kNative) {
+    for (int64_t e = 0; e < n; ++e) dst[e] = src[e] * f;
+  } else {
+    using V = Vec<compute_t<S>>;
+    const typename V::R vf = V::set1(f);
+    int64_t e = 0;
+    for (; e + V::W <= n; e += V::W) St::store(dst + e, V::mul(V::load(src + e), vf));
+    for (; e < n; ++e) St::put(dst + e, src[e] * f);
   }
-  for (; e < n; ++e) put(dst + e, src[e] * f);
-}
-inline void st_row(bf16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
-inline void st_row(fp16_t* dst, const float* src, float f, int64_t n) { st_row16(dst, src, f, n); }
-
-template <typename T>
-T* alloc_scratch(int64_t n) {
-  const size_t bytes = static_cast<size_t>(round_up(n * static_cast<int64_t>(sizeof(T)), 64));
-  void* p = std::aligned_alloc(64, bytes > 0 ? bytes : 64);
-  return static_cast<T*>(p);
 }
 
 // S[MR][NR*W] = Q[MR][d] * K^T for one micro-tile. Qp is an MR-row panel
@@ -197,22 +183,22 @@ template <int MR, int NR>
 inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
                          float scale, float* __restrict S, int64_t lds) {
   using V = Vec<float>;
+  using D = DotBf16;
   constexpr int W = V::W;
-  __m512 acc[MR][NR];
+  V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
   for (int64_t k = 0; k < d2; ++k) {
-    __m512bh b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Kw + k * (NR * W) + n * W);
+    D::B b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = D::load(Kw + k * (NR * W) + n * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Qw[k * MR + r]));
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+      const D::B a = D::set1(Qw[k * MR + r]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
     }
   }
-  const __m512 vs = _mm512_set1_ps(scale);
+  const V::R vs = V::set1(scale);
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n)
-      _mm512_storeu_ps(S + r * lds + n * W, _mm512_mul_ps(acc[r][n], vs));
+    for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, V::mul(acc[r][n], vs));
 }
 
 // O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
@@ -221,32 +207,33 @@ template <int MR, int NR>
 inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n,
                          const uint32_t* __restrict Vw, int64_t ldv, float* __restrict O,
                          int64_t ldo) {
-  constexpr int W = Vec<float>::W;
-  __m512 acc[MR][NR];
+  using V = Vec<float>;
+  using D = DotBf16;
+  constexpr int W = V::W;
+  V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_loadu_ps(O + r * ldo + n * W);
+    for (int n = 0; n < NR; ++n) acc[r][n] = V::load(O + r * ldo + n * W);
   for (int64_t c = 0; c < c2n; ++c) {
-    __m512bh b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = (__m512bh)_mm512_loadu_si512(Vw + c * ldv + n * W);
+    D::B b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = D::load(Vw + c * ldv + n * W);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pw[r * ldp + c]));
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], a, b[n]);
+      const D::B a = D::set1(Pw[r * ldp + c]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(O + r * ldo + n * W, acc[r][n]);
+    for (int n = 0; n < NR; ++n) V::store(O + r * ldo + n * W, acc[r][n]);
 }
 
-// P rows (fp32, cols_p % 32 == 0) rounded to bf16 in place: row r's first
+// P rows (fp32, cols_p % (2 W) == 0) rounded to bf16 in place: row r's first
 // cols_p / 2 words become its pairs (each chunk is read before it is overwritten).
 inline void p_to_bf16(float* S, int64_t lds, int64_t rows_p, int64_t cols_p) {
   for (int64_t r = 0; r < rows_p; ++r) {
     float* s = S + r * lds;
     uint16_t* h = reinterpret_cast<uint16_t*>(s);
-    for (int64_t j = 0; j < cols_p; j += 32) {
-      const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
-      _mm512_storeu_si512(h + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    constexpr int W = Vec<float>::W;
+    for (int64_t j = 0; j < cols_p; j += 2 * W)
+      DotBf16::store_pairs(h + j, Vec<float>::load(s + j), Vec<float>::load(s + j + W));
   }
 }
 
@@ -387,21 +374,22 @@ void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const
     }
 }
 
+// One thread's buffers (carve_scratch: one ThreadArena block).
 template <typename T>
 struct Scratch {
-  T* Qp;        // Brp * d: Q block scaled, MR-row panels, k-major
-  T* S;         // Brp * lds: scores, then P
-  int64_t lds;  // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
-  T* O;         // Brp * dvp: unnormalised output accumulator
-  T* m;
-  T* l;
-  int64_t* lo;
-  int64_t* hi;
-  int64_t* pc;         // 2 per micro-panel: the tile columns its rows can see
-  T* Kc;               // nslots * Bc * d: panels of kNR*W keys, k-major
-  T* Vc;               // nslots * Bc * dvp: rows
-  int64_t* tag;        // nslots: block held by the slot, -1 = none
-  uint8_t* nonfinite;  // nslots: the slot's V block holds an inf/NaN
+  T* Qp = nullptr;  // Brp * d: Q block scaled, MR-row panels, k-major
+  T* S = nullptr;   // Brp * lds: scores, then P
+  int64_t lds = 0;  // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
+  T* O = nullptr;   // Brp * dvp: unnormalised output accumulator
+  T* m = nullptr;   // Brp: running row max
+  T* l = nullptr;   // Brp: running row sum
+  int64_t* lo = nullptr;  // Brp: structural key range of each row
+  int64_t* hi = nullptr;
+  int64_t* pc = nullptr;         // 2 per micro-panel: the tile columns its rows can see
+  T* Kc = nullptr;               // nslots * Bc * d: panels of kNR*W keys, k-major
+  T* Vc = nullptr;               // nslots * Bc * dvp: rows
+  int64_t* tag = nullptr;        // nslots: block held by the slot, -1 = none
+  uint8_t* nonfinite = nullptr;  // nslots: the slot's V block holds an inf/NaN
   int64_t nslots = 1;
   int64_t key_s = -1, key_hk = -1;  // owner of the cached blocks
 };
@@ -500,11 +488,11 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
   return slot;
 }
 
-// Tile classification against the block-sparse layout and the dense mask:
-// returns 0 = nothing visible (skip), 1 = all visible, 2 = mixed.
+// Tile classification against the block-sparse layout and the dense mask
+// (TileClass, attention.h: the numbering Python's masks.block_summary uses).
 template <typename T>
-int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t i0,
-                        int64_t rows, int64_t j0, int64_t cols) {
+TileClass classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                              int64_t rows, int64_t j0, int64_t cols) {
   bool any = false, all = true;
   if (a.layout) {
     const uint8_t* L = a.layout + si.b * a.slayout.b + h * a.slayout.h;
@@ -516,7 +504,7 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
         any = any || vis;
         all = all && vis;
       }
-    if (!any) return 0;
+    if (!any) return TileClass::masked;
   }
   if (a.mask) {
     bool many = false, mall = true;
@@ -529,249 +517,231 @@ int classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int6
         mall = mall && vis;
       }
     }
-    if (!many) return 0;
+    if (!many) return TileClass::masked;
     all = all && mall;
   }
-  return all ? 1 : 2;
+  return all ? TileClass::visible : TileClass::partial;
 }
 
-template <typename S>
-void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
-                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st,
-                  CancelToken& tok) {
-  using T = compute_t<S>;
-  using V = Vec<T>;
-  constexpr int W = V::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
-  const int64_t d = a.d, dv = a.dv;
-  const int64_t dvp = round_up(dv, W);
-  const int64_t i0 = qb * Br;
-  const int64_t rows_all = imin(Br, si.q_rows - i0);            // rows to write
-  const int64_t rows = imax(0, imin(rows_all, si.q_len - i0));  // rows to compute
-  const int64_t hk = h / (a.Hq / a.Hkv);
+// ---------------------------------------------------------------------------
+// The steps of one work item (process_item below runs them in this order).
 
-  const S* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
-  S* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
-  T* lsebase = nullptr;
-  if (a.lse) lsebase = a.cu_q ? a.lse + h * a.Lq + si.q0 : a.lse + (si.b * a.Hq + h) * a.Lq;
-
-  // Key range of the block and per-row structural ranges.
-  int64_t jlo = si.k_len, jhi = 0;
+// Per-row structural key ranges [sc.lo[r], sc.hi[r]) of rows i0 .. i0+rows-1
+// and their union [*jlo, *jhi) (empty: *jhi <= *jlo).
+template <typename S, typename T>
+void row_ranges(const AttnArgs<S>& a, const SeqInfo& si, int64_t i0, int64_t rows, Scratch<T>& sc,
+                int64_t* jlo, int64_t* jhi) {
+  int64_t lo = si.k_len, hi = 0;
   for (int64_t r = 0; r < rows; ++r) {
     row_range(a, si, i0 + r, &sc.lo[r], &sc.hi[r]);
     if (sc.hi[r] > sc.lo[r]) {
-      jlo = imin(jlo, sc.lo[r]);
-      jhi = imax(jhi, sc.hi[r]);
+      lo = imin(lo, sc.lo[r]);
+      hi = imax(hi, sc.hi[r]);
     }
   }
-  const int64_t rows_p = round_up(rows, kMR);
-  for (int64_t r = 0; r < rows_p; ++r) {
-    sc.m[r] = NEG_INF;
-    sc.l[r] = T(0);
-  }
-  if (jhi > jlo) {
-    std::memset(sc.O, 0, sizeof(T) * rows_p * dvp);
-    // Pack Q (scaled) as MR-row panels, k-major; zero rows up to rows_p.
+  *jlo = lo;
+  *jhi = hi;
+}
+
+// 1. Pack Q: rows i0 .. i0+rows-1 (scaled) as kMR-row panels, k-major
+// (Qp[(r / kMR) * kMR * d + k * kMR + r % kMR]); zero rows up to rows_p.
+// The vdpbf16ps path packs unscaled bf16 pairs instead (qk_micro_dot).
+template <typename S>
+void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+            compute_t<S>* Qp) {
+  using T = compute_t<S>;
+  const int64_t d = a.d;
+  if constexpr (dot_path<S>()) {
+    // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
+    const int64_t d2 = (d + 1) / 2;
+    uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
+    for (int64_t r = 0; r < rows_p; ++r) {
+      uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
+      const S* src = qbase + (i0 + r) * a.sq.l;
+      for (int64_t k2 = 0; k2 < d2; ++k2)
+        dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+    }
+  } else {
     const T scale = static_cast<T>(a.scale);
-    if constexpr (dot_path<S>()) {
-      // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
-      const int64_t d2 = (d + 1) / 2;
-      uint32_t* Qw = reinterpret_cast<uint32_t*>(sc.Qp);
-      for (int64_t r = 0; r < rows_p; ++r) {
-        uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
+    for (int64_t r = 0; r < rows_p; ++r) {
+      T* dst = Qp + (r / kMR) * kMR * d + r % kMR;
+      if (r < rows) {
         const S* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t k2 = 0; k2 < d2; ++k2)
-          dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
+      } else {
+        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
       }
+    }
+  }
+}
+
+// The class of the tile (rows i0 .. i0+rows-1) x (keys j0 .. j0+cols-1):
+// partial when a structural mask cuts it (rows are monotone in lo/hi) or the
+// user masks make it mixed, masked when the user masks hide all of it.
+template <typename S, typename T>
+TileClass classify_tile(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                        int64_t rows, int64_t j0, int64_t cols, const Scratch<T>& sc) {
+  bool partial = false;
+  for (int64_t r = 0; r < rows; ++r)
+    if (sc.lo[r] > j0 || sc.hi[r] < j0 + cols) {
+      partial = true;
+      break;
+    }
+  if (a.layout || a.mask) {
+    const TileClass c = classify_user_masks(a, si, h, i0, rows, j0, cols);
+    if (c == TileClass::masked) return c;
+    partial = partial || c == TileClass::partial;
+  }
+  return partial ? TileClass::partial : TileClass::visible;
+}
+
+// 2. Panel column ranges: micro-panel p (rows p*kMR .. p*kMR + kMR-1) sees
+// only the tile columns [sc.pc[2p], sc.pc[2p+1]) (all of [0, cols_p) on a
+// tile no mask cuts); S = Q K^T and O += P V skip the rest.
+template <typename T>
+void panel_columns(Scratch<T>& sc, int64_t rows, int64_t rows_p, int64_t j0, int64_t cols,
+                   int64_t cols_p, bool partial) {
+  const int64_t npanels = rows_p / kMR;
+  for (int64_t p = 0; p < npanels; ++p) {
+    int64_t c_lo = cols_p, c_hi = 0;
+    if (!partial) {
+      c_lo = 0;
+      c_hi = cols_p;
     } else {
-      for (int64_t r = 0; r < rows_p; ++r) {
-        T* dst = sc.Qp + (r / kMR) * kMR * d + r % kMR;
-        if (r < rows) {
-          const S* src = qbase + (i0 + r) * a.sq.l;
-          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
-        } else {
-          for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
-        }
-      }
-    }
-  }
-
-  const bool transforms = a.softcap > 0 || a.alibi || a.bias;
-  for (int64_t j0 = jlo / Bc * Bc; j0 < jhi; j0 += Bc) {
-    if (tok.poll()) return;  // Ctrl-C: the call raises, this block's rows stay unwritten
-    const int64_t cols = imin(Bc, jhi - j0);
-    // Structural classification (rows are monotone in lo/hi).
-    bool partial = false;
-    for (int64_t r = 0; r < rows; ++r)
-      if (sc.lo[r] > j0 || sc.hi[r] < j0 + cols) {
-        partial = true;
-        break;
-      }
-    if (a.layout || a.mask) {
-      const int c = classify_user_masks(a, si, h, i0, rows, j0, cols);
-      if (c == 0) {
-        ++st.tiles_skipped;
-        continue;
-      }
-      partial = partial || c == 2;
-    }
-    ++st.tiles_computed;
-    const int64_t cols_p = round_up(cols, kNR * W);
-
-    // 1. Packed K and V blocks (cached per thread).
-    const int64_t slot = kv_block(a, si, s_idx, hk, j0 / Bc, Bc, sc);
-    const T* Kt = sc.Kc + slot * Bc * d;
-    const T* Vp = sc.Vc + slot * Bc * dvp;
-    const bool nonfinite = sc.nonfinite[slot] != 0;
-
-    // 2. S = Q K^T.
-    // Key panel outer: one panel (d x kNR*W) stays in L1 while the Q block's
-    // row panels stream past it.
-    // On tiles a structural mask cuts (causal diagonal, window edges) each
-    // micro-panel computes only the key panels its rows can see; the rest of
-    // its scores are set to -inf by the masking below.
-    const int64_t npanels = rows_p / kMR;
-    for (int64_t p = 0; p < npanels; ++p) {
-      int64_t c_lo = cols_p, c_hi = 0;
-      if (!partial) {
-        c_lo = 0;
-        c_hi = cols_p;
-      } else {
-        for (int64_t r = p * kMR; r < imin(rows, (p + 1) * kMR); ++r) {
-          const int64_t lo = imax(sc.lo[r] - j0, 0), hi = imin(sc.hi[r] - j0, cols);
-          if (hi > lo) {
-            c_lo = imin(c_lo, lo);
-            c_hi = imax(c_hi, hi);
-          }
-        }
-      }
-      if (c_hi <= c_lo) c_lo = c_hi = 0;
-      sc.pc[2 * p] = c_lo;
-      sc.pc[2 * p + 1] = c_hi;
-    }
-    for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
-      for (int64_t i = 0; i < rows_p; i += kMR) {
-        const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
-        if (jv < c_hi && jv + kNR * W > c_lo) {
-#if defined(ATTN_ISA_AVX512_BF16)
-          if constexpr (dot_path<S>()) {
-            const int64_t d2 = (d + 1) / 2;
-            qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
-                                   reinterpret_cast<const uint32_t*>(Kt) + jv * d2,
-                                   static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds);
-            continue;
-          }
-#endif
-          qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds);
-        }
-      }
-
-    // 3. Transforms and element masks, 4. online softmax.
-    for (int64_t r = 0; r < rows; ++r) {
-      T* s = sc.S + r * sc.lds;
-      const int64_t i = i0 + r;
-      if (transforms) {
-        if (a.softcap > 0) {
-          const T c = static_cast<T>(a.softcap), ic = T(1) / c;
-          for (int64_t j = 0; j < cols; ++j) s[j] = c * std::tanh(s[j] * ic);
-        }
-        add_alibi_bias(a, si, h, i, j0, cols, s);
-      }
-      if (partial) {
+      for (int64_t r = p * kMR; r < imin(rows, (p + 1) * kMR); ++r) {
         const int64_t lo = imax(sc.lo[r] - j0, 0), hi = imin(sc.hi[r] - j0, cols);
-        for (int64_t j = 0; j < imin(lo, cols); ++j) s[j] = NEG_INF;
-        for (int64_t j = imax(hi, 0); j < cols; ++j) s[j] = NEG_INF;
-        if (a.layout) {
-          const uint8_t* L =
-              a.layout + si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l;
-          for (int64_t j = 0; j < cols; ++j)
-            if (!L[((j0 + j) / a.layout_bk) * a.slayout.d]) s[j] = NEG_INF;
-        }
-        if (a.mask) {
-          const uint8_t* M =
-              a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
-          for (int64_t j = 0; j < cols; ++j)
-            if (!M[j * a.smask.d]) s[j] = NEG_INF;
+        if (hi > lo) {
+          c_lo = imin(c_lo, lo);
+          c_hi = imax(c_hi, hi);
         }
       }
-      for (int64_t j = cols; j < cols_p; ++j) s[j] = NEG_INF;
-
-      // cols_p is a multiple of 2W (kNR >= 2) or W (scalar): two chains each
-      // for the max and the sum, so neither loop waits on one dependency.
-      typename V::R vm = V::set1(NEG_INF), vm1 = vm;
-      int64_t j2 = 0;
-      for (; j2 + 2 * W <= cols_p; j2 += 2 * W) {
-        vm = V::max(vm, V::load(s + j2));
-        vm1 = V::max(vm1, V::load(s + j2 + W));
-      }
-      for (; j2 < cols_p; j2 += W) vm = V::max(vm, V::load(s + j2));
-      const T mx = V::hmax(V::max(vm, vm1));
-      const T m_old = sc.m[r];
-      const T m_new = mx > m_old ? mx : m_old;
-      if (m_new == NEG_INF) {  // nothing visible in this row so far, or only NaN
-        bool nan = false;      // (max() drops NaN, so look for it here)
-        for (int64_t j = 0; j < cols; ++j) nan = nan || s[j] != s[j];
-        if (nan) sc.m[r] = sc.l[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row
-        for (int64_t j = 0; j < cols_p; ++j) s[j] = T(0);
-        continue;
-      }
-      // P = 2^((S - m) * log2 e): the same rounding as exp(S - m), cheaper.
-      const typename V::R vmn = V::set1(m_new);
-      const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
-      typename V::R vs = V::zero(), vs1 = V::zero();
-      int64_t j = 0;
-      for (; j + 2 * W <= cols_p; j += 2 * W) {
-        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
-        const typename V::R p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
-        V::store(s + j, p);
-        V::store(s + j + W, p1);
-        vs = V::add(vs, p);
-        vs1 = V::add(vs1, p1);
-      }
-      for (; j < cols_p; j += W) {
-        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
-        V::store(s + j, p);
-        vs = V::add(vs, p);
-      }
-      const T rowsum = V::hsum(V::add(vs, vs1));
-      if (m_new != m_old) {
-        const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
-        sc.l[r] = sc.l[r] * alpha + rowsum;
-        T* orow = sc.O + r * dvp;
-        const typename V::R va = V::set1(alpha);
-        for (int64_t e = 0; e < dvp; e += W) V::store(orow + e, V::mul(V::load(orow + e), va));
-      } else {
-        sc.l[r] += rowsum;
-      }
-      sc.m[r] = m_new;
     }
-    for (int64_t r = rows; r < rows_p; ++r)
-      for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
-
-    // 5. O += P V.
-#if defined(ATTN_ISA_AVX512_BF16)
-    if constexpr (dot_path<S>()) {
-      if (nonfinite) {
-        pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
-      } else {
-        p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
-        pv_block_dot(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
-      }
-      continue;
-    }
-#endif
-    if (nonfinite)
-      pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
-    else
-      pv_block<T>(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+    if (c_hi <= c_lo) c_lo = c_hi = 0;
+    sc.pc[2 * p] = c_lo;
+    sc.pc[2 * p + 1] = c_hi;
   }
+}
 
-  // Finalise: O = O_acc / l, lse = m + log(l); empty rows -> 0 and -inf.
+// S = Q_blk K^T over the packed K block Kt. Key panel outer: one panel
+// (d x kNR*W) stays in L1 while the Q block's row panels stream past it; each
+// micro-panel computes only the key panels of its column range (panel_columns).
+template <typename S>
+void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt,
+             int64_t rows_p, int64_t cols_p) {
+  using T = compute_t<S>;
+  constexpr int W = Vec<T>::W;
+  const int64_t d = a.d;
+  for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
+      if (jv < c_hi && jv + kNR * W > c_lo) {
+#if defined(ATTN_ISA_AVX512_BF16)
+        if constexpr (dot_path<S>()) {
+          const int64_t d2 = (d + 1) / 2;
+          qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
+                                 reinterpret_cast<const uint32_t*>(Kt) + jv * d2,
+                                 static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds);
+          continue;
+        }
+#endif
+        qk_micro<T, kMR, kNR>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds);
+      }
+    }
+}
+
+// 3. Score transforms of one row s[0, cols) (query row i, keys j0 ..):
+// softcap, then ALiBi and the additive bias (scores.h).
+template <typename S, typename T>
+inline void score_transforms(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i,
+                             int64_t j0, int64_t cols, T* s) {
+  if (a.softcap > 0) {
+    const T c = static_cast<T>(a.softcap), ic = T(1) / c;
+    for (int64_t j = 0; j < cols; ++j) s[j] = c * std::tanh(s[j] * ic);
+  }
+  add_alibi_bias(a, si, h, i, j0, cols, s);
+}
+
+// 4. Element masks of one row on a partial tile: keys outside the row's
+// structural range [lo, hi) (absolute), then the block-sparse layout and the
+// dense mask, set to -inf.
+template <typename S, typename T>
+inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i, int64_t j0,
+                          int64_t cols, int64_t row_lo, int64_t row_hi, T* s) {
+  const int64_t lo = imax(row_lo - j0, 0), hi = imin(row_hi - j0, cols);
+  for (int64_t j = 0; j < imin(lo, cols); ++j) s[j] = NEG_INF<T>;
+  for (int64_t j = imax(hi, 0); j < cols; ++j) s[j] = NEG_INF<T>;
+  if (a.layout) {
+    const uint8_t* L =
+        a.layout + si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l;
+    for (int64_t j = 0; j < cols; ++j)
+      if (!L[((j0 + j) / a.layout_bk) * a.slayout.d]) s[j] = NEG_INF<T>;
+  }
+  if (a.mask) {
+    const uint8_t* M = a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
+    for (int64_t j = 0; j < cols; ++j)
+      if (!M[j * a.smask.d]) s[j] = NEG_INF<T>;
+  }
+}
+
+// 5. Softmax rows: steps 3 and 4 where the tile needs them, the padding
+// columns [cols, cols_p) to -inf, then the online-softmax update of each row
+// (toolkit.h; two chains: cols_p is a multiple of 2W when kNR >= 2, of W for
+// scalar); the padding rows [rows, rows_p) get P = 0.
+template <typename S>
+void softmax_rows(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
+                  int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool transforms,
+                  bool partial, int64_t dvp, Scratch<compute_t<S>>& sc) {
+  using T = compute_t<S>;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = sc.S + r * sc.lds;
+    const int64_t i = i0 + r;
+    if (transforms) score_transforms(a, si, h, i, j0, cols, s);
+    if (partial) element_masks(a, si, h, i, j0, cols, sc.lo[r], sc.hi[r], s);
+    for (int64_t j = cols; j < cols_p; ++j) s[j] = NEG_INF<T>;
+    online_softmax_row<T, 2>(s, cols, cols_p, sc.m[r], sc.l[r], sc.O + r * dvp, dvp);
+  }
+  for (int64_t r = rows; r < rows_p; ++r)
+    for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
+}
+
+// 6. O += P V over the packed V block Vp; the NaN-safe product when the
+// block holds an inf/NaN (nonfinite).
+template <typename S>
+void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, int64_t rows_p,
+             int64_t cols, int64_t cols_p, int64_t Bc, int64_t dvp, bool nonfinite) {
+  using T = compute_t<S>;
+#if defined(ATTN_ISA_AVX512_BF16)
+  if constexpr (dot_path<S>()) {
+    if (nonfinite) {
+      pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
+    } else {
+      p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+      pv_block_dot(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+    }
+    return;
+  }
+#endif
+  (void)cols_p;
+  if (nonfinite)
+    pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
+  else
+    pv_block<T>(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
+}
+
+// 7. Finalize rows 0 .. rows_all-1: O = O_acc / l (with the sink's weight),
+// lse = m + log(l), through o's strides; empty rows -> 0 and -inf. has_keys:
+// the item saw a visible key range at all.
+template <typename S>
+void finalize_rows(const AttnArgs<S>& a, int64_t h, int64_t i0, int64_t rows, int64_t rows_all,
+                   bool has_keys, int64_t dvp, S* obase, compute_t<S>* lsebase,
+                   const Scratch<compute_t<S>>& sc) {
+  using T = compute_t<S>;
+  const int64_t dv = a.dv;
   for (int64_t r = 0; r < rows_all; ++r) {
     S* dst = obase + (i0 + r) * a.so.l;
-    T m = r < rows ? sc.m[r] : NEG_INF;
+    T m = r < rows ? sc.m[r] : NEG_INF<T>;
     T l = r < rows ? sc.l[r] : T(0);
-    bool has_o = r < rows && jhi > jlo && !(l == T(0));  // NaN l propagates
+    bool has_o = r < rows && has_keys && !(l == T(0));  // NaN l propagates
     T factor = T(0);
     if (r < rows && a.sinks && a.sinks[h] == std::numeric_limits<T>::infinity() && m == m &&
         l == l) {
@@ -780,10 +750,10 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
       has_o = false;
       m = a.sinks[h];
       l = T(1);
-    } else if (r < rows && a.sinks && a.sinks[h] != NEG_INF) {  // a -inf sink is no sink
+    } else if (r < rows && a.sinks && a.sinks[h] != NEG_INF<T>) {  // a -inf sink is no sink
       const T sk = a.sinks[h];
       const T m2 = sk > m ? sk : m;
-      const T keep = m == NEG_INF ? T(0) : std::exp(m - m2);
+      const T keep = m == NEG_INF<T> ? T(0) : std::exp(m - m2);
       l = l * keep + std::exp(sk - m2);
       factor = keep / l;
       m = m2;
@@ -799,8 +769,90 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     } else {
       for (int64_t e = 0; e < dv; ++e) put(dst + e * a.so.d, T(0));
     }
-    if (lsebase) lsebase[i0 + r] = (l > T(0) || l != l) ? m + std::log(l) : NEG_INF;
+    if (lsebase) lsebase[i0 + r] = (l > T(0) || l != l) ? m + std::log(l) : NEG_INF<T>;
   }
+}
+
+// One work item: (sequence si, head h, query block qb of Br rows) against
+// the key blocks of Bc keys its rows can see.
+template <typename S>
+void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_t h, int64_t qb,
+                  int64_t Br, int64_t Bc, Scratch<compute_t<S>>& sc, AttnStats& st,
+                  CancelToken& tok) {
+  using T = compute_t<S>;
+  constexpr int W = Vec<T>::W;
+  const int64_t d = a.d, dvp = round_up(a.dv, W);
+  const int64_t i0 = qb * Br;
+  const int64_t rows_all = imin(Br, si.q_rows - i0);            // rows to write
+  const int64_t rows = imax(0, imin(rows_all, si.q_len - i0));  // rows to compute
+  const int64_t rows_p = round_up(rows, kMR);
+  const int64_t hk = h / (a.Hq / a.Hkv);
+
+  const S* qbase = a.q + si.b * a.sq.b + h * a.sq.h + si.q0 * a.sq.l;
+  S* obase = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+  T* lsebase = nullptr;
+  if (a.lse) lsebase = a.cu_q ? a.lse + h * a.Lq + si.q0 : a.lse + (si.b * a.Hq + h) * a.Lq;
+
+  int64_t jlo, jhi;
+  row_ranges(a, si, i0, rows, sc, &jlo, &jhi);
+  for (int64_t r = 0; r < rows_p; ++r) {
+    sc.m[r] = NEG_INF<T>;
+    sc.l[r] = T(0);
+  }
+  if (jhi > jlo) {
+    std::memset(sc.O, 0, sizeof(T) * rows_p * dvp);
+    pack_q(a, qbase, i0, rows, rows_p, sc.Qp);
+  }
+
+  const bool transforms = a.softcap > 0 || a.alibi || a.bias;
+  for (int64_t j0 = jlo / Bc * Bc; j0 < jhi; j0 += Bc) {
+    if (tok.poll()) return;  // Ctrl-C: the call raises, this block's rows stay unwritten
+    const int64_t cols = imin(Bc, jhi - j0);
+    const TileClass tc = classify_tile(a, si, h, i0, rows, j0, cols, sc);
+    if (tc == TileClass::masked) {
+      ++st.tiles_skipped;
+      continue;
+    }
+    const bool partial = tc == TileClass::partial;
+    ++st.tiles_computed;
+    const int64_t cols_p = round_up(cols, kNR * W);
+
+    // The packed K and V blocks (cached per thread, kv_block).
+    const int64_t slot = kv_block(a, si, s_idx, hk, j0 / Bc, Bc, sc);
+    const T* Kt = sc.Kc + slot * Bc * d;
+    const T* Vp = sc.Vc + slot * Bc * dvp;
+
+    panel_columns(sc, rows, rows_p, j0, cols, cols_p, partial);
+    qk_tile(a, sc, Kt, rows_p, cols_p);
+    softmax_rows(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp, sc);
+    pv_tile<S>(sc, Vp, rows, rows_p, cols, cols_p, Bc, dvp, sc.nonfinite[slot] != 0);
+  }
+  finalize_rows(a, h, i0, rows, rows_all, jhi > jlo, dvp, obase, lsebase, sc);
+}
+
+// One thread's scratch (Scratch<T>) carved from its arena; false when it
+// cannot be had (the thread then computes nothing and the call throws).
+template <typename T>
+bool carve_scratch(ThreadArena& arena, Scratch<T>& sc, int64_t Br, int64_t Bc, int64_t d,
+                   int64_t dvp, int64_t Lk) {
+  const int64_t Brp = round_up(Br, kMR);
+  sc.lds = Bc + 64 / static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = Bc * (d + dvp) * static_cast<int64_t>(sizeof(T));
+  sc.nslots = imax(1, imin((Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
+  T** tp[] = {&sc.Qp, &sc.S, &sc.O, &sc.m, &sc.l, &sc.Kc, &sc.Vc};
+  const int64_t tn[] = {Brp * d, Brp * sc.lds,       Brp * dvp,           Brp,
+                        Brp,     sc.nslots * Bc * d, sc.nslots * Bc * dvp};
+  int64_t** ip[] = {&sc.lo, &sc.hi, &sc.pc, &sc.tag};
+  const int64_t in[] = {Brp, Brp, 2 * (Brp / kMR + 1), sc.nslots};
+  int64_t toff[7], ioff[4];
+  for (int i = 0; i < 7; ++i) toff[i] = arena.plan<T>(tn[i]);
+  for (int i = 0; i < 4; ++i) ioff[i] = arena.plan<int64_t>(in[i]);
+  const int64_t onf = arena.plan<uint8_t>(sc.nslots);
+  if (!arena.acquire()) return false;
+  for (int i = 0; i < 7; ++i) *tp[i] = arena.at<T>(toff[i]);
+  for (int i = 0; i < 4; ++i) *ip[i] = arena.at<int64_t>(ioff[i]);
+  sc.nonfinite = arena.at<uint8_t>(onf);
+  return true;
 }
 
 template <typename S>
@@ -822,7 +874,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   Br = imin(Br, imin(imax(a.Lq, 1), 4096));
 
   // Work items: (sequence, head, query block); prefix over sequences.
-  int64_t* prefix = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (a.B + 1)));
+  int64_t* prefix = alloc_scratch<int64_t>(a.B + 1);
   if (!prefix) throw std::bad_alloc();
   prefix[0] = 0;
   for (int64_t s = 0; s < a.B; ++s) {
@@ -842,27 +894,11 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   if (work < kSerialWork) nt = 1;
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
-    Scratch<T> sc;
-    const int64_t Brp = round_up(Br, kMR);
-    sc.Qp = alloc_scratch<T>(Brp * a.d);
-    sc.lds = Bc + 64 / static_cast<int64_t>(sizeof(T));
-    sc.S = alloc_scratch<T>(Brp * sc.lds);
-    sc.O = alloc_scratch<T>(Brp * dvp);
-    sc.m = alloc_scratch<T>(Brp);
-    sc.l = alloc_scratch<T>(Brp);
-    sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
-    sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * Brp));
-    sc.pc = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (Brp / kMR + 1)));
-    const int64_t slot_bytes = Bc * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
-    sc.nslots = imax(1, imin((a.Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
-    sc.Kc = alloc_scratch<T>(sc.nslots * Bc * a.d);
-    sc.Vc = alloc_scratch<T>(sc.nslots * Bc * dvp);
-    sc.tag = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * sc.nslots));
-    sc.nonfinite = static_cast<uint8_t*>(std::malloc(sc.nslots));
     // A thread whose scratch could not be allocated computes nothing; the
     // call then throws std::bad_alloc (MemoryError) instead of crashing.
-    const bool ok = sc.Qp && sc.S && sc.O && sc.m && sc.l && sc.lo && sc.hi && sc.pc && sc.Kc &&
-                    sc.Vc && sc.tag && sc.nonfinite;
+    ThreadArena arena;
+    Scratch<T> sc;
+    const bool ok = carve_scratch(arena, sc, Br, Bc, a.d, dvp, a.Lk);
     failed += ok ? 0 : 1;
     AttnStats st;
 #pragma omp for schedule(dynamic, 1) nowait
@@ -887,18 +923,6 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
     tok.finish_share();  // the calling thread keeps polling until the team is done
     computed += st.tiles_computed;
     skipped += st.tiles_skipped;
-    std::free(sc.Qp);
-    std::free(sc.S);
-    std::free(sc.O);
-    std::free(sc.m);
-    std::free(sc.l);
-    std::free(sc.lo);
-    std::free(sc.hi);
-    std::free(sc.pc);
-    std::free(sc.Kc);
-    std::free(sc.Vc);
-    std::free(sc.tag);
-    std::free(sc.nonfinite);
   }
   std::free(prefix);
   if (failed) throw std::bad_alloc();
@@ -912,85 +936,17 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 }  // namespace
 
 #if defined(ATTN_ISA_AVX512_BF16)
-// The avx512_bf16 object holds only the bf16 kernel and its probe loop.
+// The avx512_bf16 object holds only the vdpbf16ps bf16 kernel (and, in
+// probes.cpp, its probe loop).
+ATTN_BF16DOT_ENTRY_POINTS
 AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
-
-// vdpbf16ps throughput probe for dispatch (the shape of fma_loop): 10
-// independent accumulator chains in registers; returns the FLOPs done
-// (2 per bf16 pair).
-double dpbf16_loop(int64_t iters) {
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
-  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33803380);  // (2^-24, 2^-24)
-  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1e-3f), c2 = _mm512_set1_ps(2e-3f),
-         c3 = _mm512_set1_ps(3e-3f), c4 = _mm512_set1_ps(4e-3f), c5 = _mm512_set1_ps(5e-3f),
-         c6 = _mm512_set1_ps(6e-3f), c7 = _mm512_set1_ps(7e-3f), c8 = _mm512_set1_ps(8e-3f),
-         c9 = _mm512_set1_ps(9e-3f);
-  for (int64_t it = 0; it < iters; ++it) {
-    c0 = _mm512_dpbf16_ps(c0, a, b);
-    c1 = _mm512_dpbf16_ps(c1, a, b);
-    c2 = _mm512_dpbf16_ps(c2, a, b);
-    c3 = _mm512_dpbf16_ps(c3, a, b);
-    c4 = _mm512_dpbf16_ps(c4, a, b);
-    c5 = _mm512_dpbf16_ps(c5, a, b);
-    c6 = _mm512_dpbf16_ps(c6, a, b);
-    c7 = _mm512_dpbf16_ps(c7, a, b);
-    c8 = _mm512_dpbf16_ps(c8, a, b);
-    c9 = _mm512_dpbf16_ps(c9, a, b);
-  }
-  const __m512 sum =
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)),
-                                  _mm512_add_ps(c8, c9)));
-  const float sink = _mm512_reduce_add_ps(sum);
-  return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
-}
 #else
-AttnStats flash_forward_f32(const AttnArgs<float>& a) { return forward_impl<float>(a); }
-AttnStats flash_forward_f64(const AttnArgs<double>& a) { return forward_impl<double>(a); }
-AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
-AttnStats flash_forward_f16(const AttnArgs<fp16_t>& a) { return forward_impl<fp16_t>(a); }
-
-// Peak-FMA probe: 10 independent accumulator chains held in registers (named
-// variables, not an array, so the compiler never spills them), no memory.
-double fma_loop(int64_t iters) {
-  using V = Vec<float>;
-  typename V::R c0 = V::set1(0.f), c1 = V::set1(1e-3f), c2 = V::set1(2e-3f), c3 = V::set1(3e-3f),
-                c4 = V::set1(4e-3f), c5 = V::set1(5e-3f), c6 = V::set1(6e-3f), c7 = V::set1(7e-3f),
-                c8 = V::set1(8e-3f), c9 = V::set1(9e-3f);
-  const typename V::R a = V::set1(0.999999f), b = V::set1(1e-7f);
-  for (int64_t it = 0; it < iters; ++it) {
-    c0 = V::fma(c0, a, b);
-    c1 = V::fma(c1, a, b);
-    c2 = V::fma(c2, a, b);
-    c3 = V::fma(c3, a, b);
-    c4 = V::fma(c4, a, b);
-    c5 = V::fma(c5, a, b);
-    c6 = V::fma(c6, a, b);
-    c7 = V::fma(c7, a, b);
-    c8 = V::fma(c8, a, b);
-    c9 = V::fma(c9, a, b);
-  }
-  const float sink =
-      V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
-                     V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
-  return sink == 12345.f ? 0.0 : 2.0 * 10 * V::W * static_cast<double>(iters);
-}
-
-// Streaming-read probe: the sum of n floats (n % (4 * W) == 0), four
-// independent vector accumulators so the loop is bound by the loads alone.
-double read_loop(const float* p, int64_t n) {
-  using V = Vec<float>;
-  constexpr int W = V::W;
-  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-  for (int64_t i = 0; i < n; i += 4 * W) {
-    a0 = V::add(a0, V::load(p + i));
-    a1 = V::add(a1, V::load(p + i + W));
-    a2 = V::add(a2, V::load(p + i + 2 * W));
-    a3 = V::add(a3, V::load(p + i + 3 * W));
-  }
-  return V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
-}
-#endif  // ATTN_ISA_AVX512_BF16
+ATTN_ISA_ENTRY_POINTS
+#define ATTN_DEFINE_FORWARD(sfx, S) \
+  AttnStats flash_forward_##sfx(const AttnArgs<S>& a) { return forward_impl<S>(a); }
+ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
+#undef ATTN_DEFINE_FORWARD
+#endif
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

@@ -1,8 +1,12 @@
-// Per-ISA compilation of a kernel source (flash_fwd.cpp, decode.cpp): the
-// build compiles each once with ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or
-// ATTN_ISA_AVX512 defined (CMakeLists.txt); flash_fwd.cpp once more with
-// ATTN_ISA_AVX512 and ATTN_ISA_AVX512_BF16 (its vdpbf16ps bf16 kernel). This header picks the
-// namespace the source's code goes into and the vector header to include inside it:
+// Per-ISA compilation of a kernel source (flash_fwd.cpp, decode.cpp,
+// flash_bwd.cpp, probes.cpp): the build compiles each once with
+// ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or ATTN_ISA_AVX512 defined (CMakeLists.txt);
+// flash_fwd.cpp and probes.cpp once more with ATTN_ISA_AVX512 and
+// ATTN_ISA_AVX512_BF16 (the vdpbf16ps bf16 kernel and its probe). What each
+// object defines is listed once, in attn_fast/kernel_entries.h. This header
+// picks the namespace the source's code goes into and the vector header
+// (register type, primitives, IsaTraits; vec_math.h for the math over them)
+// to include inside it:
 //
 //   #include "isa.h"
 //   namespace attn_fast {

@@ -1,19 +1,74 @@
-// Scalar loads and stores of a storage type S (float, double, bf16_t, fp16_t)
-// in its compute type compute_t<S>: the one definition the kernels share.
+// Storage types S of q, k, v, o (float, double, bf16_t, fp16_t) and their
+// compute type compute_t<S>: one traits block per type, the only place the
+// kernels learn how a type is read and written.
+//
+//   Storage<S>::kNative   S is its own compute type (rows are copied as they are)
+//   Storage<S>::ld(p)     one element, as compute_t<S>
+//   Storage<S>::put(p, x) one compute_t<S> value rounded to S (16-bit: round to
+//                         nearest even, NaN kept)
+//   Storage<S>::load(p)   W consecutive elements as one Vec<compute_t<S>> register
+//   Storage<S>::store(p, x)
+//
+// A new storage type is one block here (with its compute_type in
+// attn_fast/attention.h when it is not its own compute type) and one line in
+// the type lists of attn_fast/kernel_entries.h. ld / put are the spellings
+// the kernels use.
+//
 // Included by each per-ISA kernel source inside its ISA namespace, after
-// ATTN_VEC_HEADER (it uses Vec<float>'s conversions), like the vector headers:
-// no static data, nothing outside the namespace.
+// ATTN_VEC_HEADER (the 16-bit types use Vec<float>'s conversions), like the
+// vector headers: no static data, nothing outside the namespace.
 #pragma once
 
-inline float ld(const float* p) { return *p; }
-inline double ld(const double* p) { return *p; }
-inline float ld(const bf16_t* p) { return Vec<float>::from_bf16(p->bits); }
-inline float ld(const fp16_t* p) { return Vec<float>::from_f16(p->bits); }
-inline void put(float* p, float x) { *p = x; }
-inline void put(double* p, double x) { *p = x; }
-inline void put(bf16_t* p, float x) { p->bits = Vec<float>::to_bf16(x); }
-inline void put(fp16_t* p, float x) { p->bits = Vec<float>::to_f16(x); }
 inline const uint16_t* bits_of(const bf16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const uint16_t* bits_of(const fp16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline uint16_t* bits_of(bf16_t* p) { return reinterpret_cast<uint16_t*>(p); }
 inline uint16_t* bits_of(fp16_t* p) { return reinterpret_cast<uint16_t*>(p); }
+
+template <typename S>
+struct Storage;
+
+// float and double: their own compute type.
+template <typename T>
+struct NativeStorage {
+  static constexpr bool kNative = true;
+  using V = Vec<T>;
+  static T ld(const T* p) { return *p; }
+  static void put(T* p, T x) { *p = x; }
+  static typename V::R load(const T* p) { return V::load(p); }
+  static void store(T* p, typename V::R x) { V::store(p, x); }
+};
+template <>
+struct Storage<float> : NativeStorage<float> {};
+template <>
+struct Storage<double> : NativeStorage<double> {};
+
+// bfloat16: widened by a 16-bit shift.
+template <>
+struct Storage<bf16_t> {
+  static constexpr bool kNative = false;
+  using V = Vec<float>;
+  static float ld(const bf16_t* p) { return V::from_bf16(p->bits); }
+  static void put(bf16_t* p, float x) { p->bits = V::to_bf16(x); }
+  static V::R load(const bf16_t* p) { return V::load_bf16(bits_of(p)); }
+  static void store(bf16_t* p, V::R x) { V::store_bf16(bits_of(p), x); }
+};
+
+// IEEE binary16: F16C where the ISA has it.
+template <>
+struct Storage<fp16_t> {
+  static constexpr bool kNative = false;
+  using V = Vec<float>;
+  static float ld(const fp16_t* p) { return V::from_f16(p->bits); }
+  static void put(fp16_t* p, float x) { p->bits = V::to_f16(x); }
+  static V::R load(const fp16_t* p) { return V::load_f16(bits_of(p)); }
+  static void store(fp16_t* p, V::R x) { V::store_f16(bits_of(p), x); }
+};
+
+template <typename S>
+inline compute_t<S> ld(const S* p) {
+  return Storage<S>::ld(p);
+}
+template <typename S>
+inline void put(S* p, compute_t<S> x) {
+  Storage<S>::put(p, x);
+}

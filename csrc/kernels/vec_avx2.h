@@ -1,17 +1,32 @@
 // AVX2 + FMA vectors: 8 floats / 4 doubles per register, 16 registers.
+//
+// The vector layer of one ISA: the register type and its primitives, the
+// tile shapes of the micro-kernels (IsaTraits) and nothing else; the math
+// over the primitives (exp, exp2_neg) is vec_math.h, the same for every ISA.
+// Primitives, per Vec<T> (W lanes of T in one R):
+//   zero set1 load store fma(a, b, c) = a * b + c, mul add sub min max (the
+//   x86 rule: max(a, b) = b when either is NaN); hmax hsum (one register to
+//   a scalar) and hsum4 (four registers to four sums at once);
+//   select_lt(a, b, x, y) = a < b ? x : y, select_nan(a, x, y) = a NaN ? x : y
+//   (lane-wise); shift_exponent(r[, bias]) = the bits of r (plus bias, as
+//   integers) shifted left by the mantissa width: 2^n from a magic-rounded n;
+//   Vec<float> only: W and one 16-bit values (bf16, fp16) to and from fp32.
 #pragma once
 #include <immintrin.h>
+
+// Register blocking of the fused kernels' micro-tiles (flash_fwd.cpp,
+// flash_bwd.cpp): MR rows x NR vectors, 12 accumulators of 16 ymm.
+struct IsaTraits {
+  static constexpr int kMR = 6, kNR = 2;
+};
 
 template <typename T>
 struct Vec;
 
-// exp(x) for the softmax: x * log2(e) = n + f with n integer (round to nearest
-// via the 1.5 * 2^23 magic constant) and |f| <= 0.5; 2^f by its Taylor series
-// to degree 6 (relative error < 1.2e-7, about 1 ulp); 2^n by building the
-// exponent bits. Inputs below -87.3 (t < -126) give exactly 0, -inf gives 0,
-// +inf and overflow give +inf, NaN stays NaN.
+#include "vec_math.h"
+
 template <>
-struct Vec<float> {
+struct Vec<float> : VecMath<float>, HalfScalar {
   static constexpr int W = 8;
   using R = __m256;
   static R zero() { return _mm256_setzero_ps(); }
@@ -23,6 +38,20 @@ struct Vec<float> {
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static R min(R a, R b) { return _mm256_min_ps(a, b); }
+  static R select_lt(R a, R b, R x, R y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+  }
+  static R select_nan(R a, R x, R y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  static R shift_exponent(R r) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(r), 23));
+  }
+  static R shift_exponent(R r, int32_t bias) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(r), _mm256_set1_epi32(bias)), 23));
+  }
   static float hmax(R a) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -35,47 +64,11 @@ struct Vec<float> {
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
   }
-  static R exp(R x) {
-    const R t0 = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const R t = _mm256_min_ps(_mm256_max_ps(t0, _mm256_set1_ps(-127.f)), _mm256_set1_ps(128.f));
-    const R magic = _mm256_set1_ps(12582912.f);  // 1.5 * 2^23
-    const R r = _mm256_add_ps(t, magic);
-    const R n = _mm256_sub_ps(r, magic);
-    const R f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-    R p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_castps_si256(r), _mm256_set1_epi32(127 - 0x4B400000)), 23);
-    R y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
-                         _mm256_cmp_ps(t0, _mm256_set1_ps(-126.f), _CMP_LT_OQ));
-    // t0 NaN: keep NaN (the clamp above turned it into a number).
-    return _mm256_blendv_ps(y, t0, _mm256_cmp_ps(t0, t0, _CMP_UNORD_Q));
-  }
-  // 2^t for t <= 0 in log2 units (softmax weights: t = (s - m) * log2(e)).
-  // The polynomial of exp() with ln 2 folded into the coefficients; t < -126
-  // gives 0 or a denormal, -inf gives 0, NaN stays NaN (max() passes its
-  // second operand through). No upper clamp and no blends: t <= 0 cannot
-  // overflow. The exponent is built by one shift: r = t + (1.5 * 2^23 + 127)
-  // holds n + 127 in its low mantissa bits.
-  static R exp2_neg(R t0) {
-    const R t = _mm256_max_ps(_mm256_set1_ps(-127.f), t0);
-    const R magic = _mm256_set1_ps(12583039.f);  // 1.5 * 2^23 + 127
-    const R r = _mm256_add_ps(t, magic);
-    const R f = _mm256_sub_ps(t, _mm256_sub_ps(r, magic));
-    R p = _mm256_set1_ps(1.540353039e-04f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355815e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129108e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265070e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471806e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(r), 23)));
+  static void hsum4(const R* a, float* out) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
+    const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(t0, t1);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
   // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
   // narrows with round to nearest even (NaN kept NaN, quieted); fp16 by F16C.
@@ -102,18 +95,10 @@ struct Vec<float> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
-  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
-  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
-  static uint16_t to_f16(float x) {
-    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
 };
 
-// Same scheme in double: magic 1.5 * 2^52, Taylor series of 2^f to degree 12
-// (relative error < 2e-16).
 template <>
-struct Vec<double> {
+struct Vec<double> : VecMath<double> {
   static constexpr int W = 4;
   using R = __m256d;
   static R zero() { return _mm256_setzero_pd(); }
@@ -125,6 +110,20 @@ struct Vec<double> {
   static R add(R a, R b) { return _mm256_add_pd(a, b); }
   static R sub(R a, R b) { return _mm256_sub_pd(a, b); }
   static R max(R a, R b) { return _mm256_max_pd(a, b); }
+  static R min(R a, R b) { return _mm256_min_pd(a, b); }
+  static R select_lt(R a, R b, R x, R y) {
+    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, b, _CMP_LT_OQ));
+  }
+  static R select_nan(R a, R x, R y) {
+    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, a, _CMP_UNORD_Q));
+  }
+  static R shift_exponent(R r) {
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(r), 52));
+  }
+  static R shift_exponent(R r, int64_t bias) {
+    return _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(r), _mm256_set1_epi64x(bias)), 52));
+  }
   static double hmax(R a) {
     __m128d x = _mm_max_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
     x = _mm_max_sd(x, _mm_unpackhi_pd(x, x));
@@ -134,39 +133,5 @@ struct Vec<double> {
     __m128d x = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
     x = _mm_add_sd(x, _mm_unpackhi_pd(x, x));
     return _mm_cvtsd_f64(x);
-  }
-  static R exp(R x) {
-    const R t0 = _mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634074));
-    const R t = _mm256_min_pd(_mm256_max_pd(t0, _mm256_set1_pd(-1023.)), _mm256_set1_pd(1024.));
-    const R magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
-    const R r = _mm256_add_pd(t, magic);
-    const R n = _mm256_sub_pd(r, magic);
-    const R f = _mm256_mul_pd(_mm256_sub_pd(t, n), _mm256_set1_pd(0.69314718055994530942));
-    R p = _mm256_set1_pd(1.0 / 479001600);
-    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-                          1.0 / 5040,     1.0 / 720,     1.0 / 120,    1.0 / 24,
-                          1.0 / 6,        0.5,           1.0,          1.0};
-    for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
-    const __m256i e = _mm256_slli_epi64(
-        _mm256_add_epi64(_mm256_castpd_si256(r), _mm256_set1_epi64x(1023 - 0x4338000000000000LL)),
-        52);
-    R y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
-    y = _mm256_blendv_pd(y, _mm256_setzero_pd(),
-                         _mm256_cmp_pd(t0, _mm256_set1_pd(-1022.), _CMP_LT_OQ));
-    return _mm256_blendv_pd(y, t0, _mm256_cmp_pd(t0, t0, _CMP_UNORD_Q));
-  }
-  // 2^t for t <= 0 (see Vec<float>::exp2_neg); r = t + (1.5 * 2^52 + 1023).
-  static R exp2_neg(R t0) {
-    const R t = _mm256_max_pd(_mm256_set1_pd(-1023.), t0);
-    const R magic = _mm256_set1_pd(6755399441056767.0);  // 1.5 * 2^52 + 1023
-    const R r = _mm256_add_pd(t, magic);
-    const R f = _mm256_mul_pd(_mm256_sub_pd(t, _mm256_sub_pd(r, magic)),
-                              _mm256_set1_pd(0.69314718055994530942));
-    R p = _mm256_set1_pd(1.0 / 479001600);
-    const double c[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-                          1.0 / 5040,     1.0 / 720,     1.0 / 120,    1.0 / 24,
-                          1.0 / 6,        0.5,           1.0,          1.0};
-    for (double ci : c) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(ci));
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(r), 52)));
   }
 };

@@ -1,8 +1,14 @@
 // Portable "vector" of one lane: the baseline path for any CPU. Same interface
 // as vec_avx2.h / vec_avx512.h so the kernel source is shared.
+// exp and exp2_neg are libm's (the SIMD headers share vec_math.h instead).
 #pragma once
 #include <cmath>
 #include <cstdint>
+
+// Register blocking of the fused kernels' micro-tiles (4 x 4 scalars).
+struct IsaTraits {
+  static constexpr int kMR = 4, kNR = 4;
+};
 
 template <typename T>
 struct Vec {
@@ -19,6 +25,9 @@ struct Vec {
   static R max(R a, R b) { return a > b ? a : b; }
   static T hmax(R a) { return a; }
   static T hsum(R a) { return a; }
+  static void hsum4(const R* a, T* out) {
+    for (int i = 0; i < 4; ++i) out[i] = a[i];
+  }
   static R exp(R x) { return std::exp(x); }
   static R exp2_neg(R t) { return std::exp2(t); }  // t <= 0: softmax weights
   // 16-bit storage <-> fp32 (T = float only): W elements, and one element.

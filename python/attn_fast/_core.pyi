@@ -101,3 +101,8 @@ def backward(
     block_q: int = ...,
     block_k: int = ...,
 ) -> None: ...
+
+# Tile classes (C++ TileClass), as attn_fast.masks.BLOCK_*.
+BLOCK_MASKED: int
+BLOCK_PARTIAL: int
+BLOCK_VISIBLE: int

@@ -48,7 +48,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _cyloops, _loops
+from . import _core, _cyloops, _loops
 from ._checks import ArgumentTypeError, check_int, check_seq_lens, detached
 
 __all__ = [
@@ -800,7 +800,12 @@ def add_block_summary(args: MaskArgs, block: int = SUMMARY_BLOCK) -> MaskArgs:
     return replace(args, layout=layout.view(np.uint8), layout_bq=block, layout_bk=block)
 
 
-BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = 0, 1, 2
+# Tile classes: the numbering of the C++ kernels' TileClass (attention.h).
+BLOCK_MASKED, BLOCK_PARTIAL, BLOCK_VISIBLE = (
+    _core.BLOCK_MASKED,
+    _core.BLOCK_PARTIAL,
+    _core.BLOCK_VISIBLE,
+)
 
 
 def block_summary(mask, block=SUMMARY_BLOCK):

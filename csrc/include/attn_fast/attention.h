@@ -118,6 +118,13 @@ struct AttnArgs {
 // saves, and between NumPy BLAS calls it fights BLAS's spinning workers.
 constexpr double kSerialWork = double(1 << 21);
 
+// The class of a tile (a block of query rows x a block of keys) under the
+// masks: nothing visible (skipped), some pairs visible (masked element by
+// element), every pair visible. The same numbering as Python's
+// attn_fast.masks.BLOCK_MASKED / BLOCK_PARTIAL / BLOCK_VISIBLE (exported by
+// the bindings as _core.BLOCK_*) and the tiles of masks.block_summary.
+enum class TileClass : int8_t { masked = 0, partial = 1, visible = 2 };
+
 struct AttnStats {
   int64_t tiles_computed = 0;  // (Br x Bc) tiles whose scores were computed
   int64_t tiles_skipped = 0;   // tiles inside the key range skipped by a mask

@@ -1,5 +1,8 @@
-// Per-sequence geometry and structural visibility, shared by the fused
-// kernels (compiled once per ISA) and the reference kernel.
+// Per-sequence geometry, structural visibility and the index and allocation
+// helpers, shared by the fused kernels (compiled once per ISA) and the
+// reference kernel. The per-ISA part of the kernel toolkit (NEG_INF, the
+// online-softmax row update, the per-thread scratch arena) is
+// csrc/kernels/toolkit.h, which includes this header.
 //
 // Everything here lives in an anonymous namespace on purpose: each translation
 // unit, compiled with its own ISA flags, gets its own copy, so the linker can
@@ -7,7 +10,9 @@
 // aten/src/ATen/native/cpu/README.md on per-ISA objects).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "attn_fast/attention.h"
 
@@ -27,6 +32,19 @@ struct SeqInfo {
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+// x rounded up to a multiple of m (x >= 0, m > 0).
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// n elements of T, 64-byte aligned (at least one cache line), or nullptr when
+// n is negative, the size overflows, or memory is short: callers check and
+// throw std::bad_alloc (MemoryError in Python). Freed with std::free.
+template <typename T>
+T* alloc_scratch(int64_t n) {
+  constexpr int64_t kMax = (int64_t(1) << 62) / static_cast<int64_t>(sizeof(T));
+  if (n < 0 || n > kMax) return nullptr;
+  const int64_t bytes = round_up(imax(n, 1) * static_cast<int64_t>(sizeof(T)), 64);
+  return static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
+}
 
 template <typename T>
 inline SeqInfo seq_info(const AttnArgs<T>& a, int64_t s) {

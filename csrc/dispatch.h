@@ -1,0 +1,59 @@
+// Private to the baseline-compiled dispatcher (dispatch.cpp, probes.cpp): the
+// per-ISA entry points of every ISA object in this build, and the switch that
+// calls the active one. Kernel sources never include this.
+#pragma once
+
+#include "attn_fast/attention.h"
+#include "attn_fast/kernel_entries.h"
+
+namespace attn_fast {
+
+namespace isa_scalar {
+ATTN_ISA_ENTRY_POINTS
+}  // namespace isa_scalar
+#ifdef ATTN_HAVE_AVX2
+namespace isa_avx2 {
+ATTN_ISA_ENTRY_POINTS
+}  // namespace isa_avx2
+#endif
+#ifdef ATTN_HAVE_AVX512
+namespace isa_avx512 {
+ATTN_ISA_ENTRY_POINTS
+}  // namespace isa_avx512
+#endif
+#ifdef ATTN_HAVE_AVX512_BF16
+namespace isa_avx512_bf16 {
+ATTN_BF16DOT_ENTRY_POINTS
+}  // namespace isa_avx512_bf16
+#endif
+
+// Records that a multi-threaded region is about to run outside the kernels'
+// own calls (the probes): the fork guard of dispatch.cpp must know.
+void note_pool_used();
+
+}  // namespace attn_fast
+
+// `return isa_<active>::fn(args...)`; avx512_bf16 runs the avx512 object
+// (its own object holds only ATTN_BF16DOT_ENTRY_POINTS).
+#define ATTN_DISPATCH(fn, ...)            \
+  switch (active_isa()) {                 \
+    ATTN_AVX512_CASE(fn, __VA_ARGS__)     \
+    ATTN_AVX2_CASE(fn, __VA_ARGS__)       \
+    default:                              \
+      return isa_scalar::fn(__VA_ARGS__); \
+  }
+#ifdef ATTN_HAVE_AVX512
+#define ATTN_AVX512_CASE(fn, ...) \
+  case Isa::avx512:               \
+  case Isa::avx512_bf16:          \
+    return isa_avx512::fn(__VA_ARGS__);
+#else
+#define ATTN_AVX512_CASE(fn, ...)
+#endif
+#ifdef ATTN_HAVE_AVX2
+#define ATTN_AVX2_CASE(fn, ...) \
+  case Isa::avx2:               \
+    return isa_avx2::fn(__VA_ARGS__);
+#else
+#define ATTN_AVX2_CASE(fn, ...)
+#endif

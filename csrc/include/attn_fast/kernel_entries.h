@@ -1,0 +1,47 @@
+// The entry points of the per-ISA kernel objects, declared once.
+//
+// Each ISA object (csrc/kernels/*.cpp compiled with one ISA's flags, see
+// CMakeLists.txt and kernels/isa.h) defines these functions in its namespace
+// attn_fast::isa_<name>; dispatch.cpp and probes.cpp declare them for every
+// ISA compiled into the build and call the active one. Adding a storage type
+// to a kernel is one X(...) line in its list (plus the type's traits block in
+// kernels/storage.h); adding an ISA is one ATTN_ISA_ENTRY_POINTS namespace in
+// the dispatcher, one attn_add_isa() line in CMakeLists.txt, a vector header
+// and its isa.h branch.
+//
+// No SIMD types: included by the baseline-compiled dispatcher as well.
+#pragma once
+
+#include <cstdint>
+
+#include "attn_fast/attention.h"
+
+// X(suffix, S): the storage types of the fused forward and of the decode
+// kernel (flash_forward_<suffix>, decode_forward_<suffix>).
+#define ATTN_FORWARD_TYPES(X) X(f32, float) X(f64, double) X(bf16, bf16_t) X(f16, fp16_t)
+#define ATTN_DECODE_TYPES(X) X(f32, float) X(f64, double) X(bf16, bf16_t) X(f16, fp16_t)
+// ... and of the backward (flash_backward_<suffix>).
+#define ATTN_BACKWARD_TYPES(X) X(f32, float) X(f64, double)
+
+#define ATTN_DECLARE_FORWARD(sfx, S) AttnStats flash_forward_##sfx(const AttnArgs<S>& a);
+#define ATTN_DECLARE_DECODE(sfx, S) void decode_forward_##sfx(const DecodeArgs<S>& a);
+#define ATTN_DECLARE_BACKWARD(sfx, S) void flash_backward_##sfx(const BwdArgs<S>& a);
+
+// What every ISA object defines (flash_fwd.cpp, decode.cpp, flash_bwd.cpp,
+// probes.cpp). The probe loops (kernels/probes.cpp): fma_loop runs `iters`
+// rounds of 10 independent W-lane FMA chains and returns the FLOPs done;
+// read_loop returns the sum of n floats (any n), read as a stream.
+#define ATTN_ISA_ENTRY_POINTS                \
+  ATTN_FORWARD_TYPES(ATTN_DECLARE_FORWARD)   \
+  ATTN_DECODE_TYPES(ATTN_DECLARE_DECODE)     \
+  ATTN_BACKWARD_TYPES(ATTN_DECLARE_BACKWARD) \
+  double fma_loop(int64_t iters);            \
+  double read_loop(const float* p, int64_t n);
+
+// What the avx512_bf16 object defines (flash_fwd.cpp and probes.cpp only):
+// the vdpbf16ps forward for bf16 storage and its throughput probe (the shape
+// of fma_loop, 2 FLOPs per bf16 pair). Every other call of that ISA runs the
+// avx512 object.
+#define ATTN_BF16DOT_ENTRY_POINTS                          \
+  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
+  double dpbf16_loop(int64_t iters);

@@ -1,0 +1,154 @@
+// The vector math of the kernels, written once over the Vec<T> primitives of
+// the SIMD headers (vec_avx2.h, vec_avx512.h): exp and exp2_neg for float and
+// double. Included by those headers right after `template <typename T> struct
+// Vec;`, inside the kernel source's ISA namespace (isa.h): no static data.
+// The scalar header (vec_scalar.h) uses libm instead.
+//
+// Primitives used: zero, set1, add, sub, mul, fma, min, max, select_lt,
+// select_nan, shift_exponent, hsum (see vec_avx2.h for their meaning).
+//
+// exp(x): x * log2(e) = n + f with n integer (round to nearest via the
+//   1.5 * 2^p magic constant, p = mantissa bits) and |f| <= 0.5; 2^f by the
+//   Taylor series of e^(f ln 2) (degree 6 in float, relative error < 1.2e-7,
+//   about 1 ulp; degree 12 in double, < 2e-16); 2^n by building the exponent
+//   bits. Inputs below the smallest normal exponent give exactly 0, -inf
+//   gives 0, +inf and overflow give +inf, NaN stays NaN.
+// exp2_neg(t): 2^t for t <= 0 in log2 units (softmax weights:
+//   t = (s - m) * log2(e)). t below the smallest exponent gives 0 or a
+//   denormal, -inf gives 0, NaN stays NaN (max() passes its second operand
+//   through). No upper clamp and no blends: t <= 0 cannot overflow. The
+//   exponent is built by one shift: r = t + (1.5 * 2^p + bias) holds n + bias
+//   in its low mantissa bits. In float the polynomial has ln 2 folded into
+//   its coefficients; double keeps the Taylor series of exp, times ln 2.
+#pragma once
+
+// Constants of exp / exp2_neg per compute type.
+template <typename T>
+struct ExpConsts;
+
+template <>
+struct ExpConsts<float> {
+  using Bits = int32_t;
+  static constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+  static constexpr float kLo = -127.f, kHi = 128.f, kUnderflow = -126.f;
+  static constexpr float kMagic = 12582912.f;         // 1.5 * 2^23
+  static constexpr float kMagicBiased = 12583039.f;   // 1.5 * 2^23 + 127
+  static constexpr Bits kExpBias = 127 - 0x4B400000;  // exponent bias minus the magic's bits
+  static constexpr bool kScaleF = false;              // exp2_neg: ln 2 is in its coefficients
+  static constexpr int kTaylorN = 7, kExp2N = 7;
+  // Horner order, highest degree first.
+  static constexpr float taylor(int i) {
+    constexpr float c[kTaylorN] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    return c[i];
+  }
+  static constexpr float exp2(int i) {
+    constexpr float c[kExp2N] = {1.540353039e-04f,
+                                 1.333355815e-03f,
+                                 9.618129108e-03f,
+                                 5.550410866e-02f,
+                                 2.402265070e-01f,
+                                 6.931471806e-01f,
+                                 1.f};
+    return c[i];
+  }
+};
+
+template <>
+struct ExpConsts<double> {
+  using Bits = int64_t;
+  static constexpr double kLog2e = 1.4426950408889634074, kLn2 = 0.69314718055994530942;
+  static constexpr double kLo = -1023., kHi = 1024., kUnderflow = -1022.;
+  static constexpr double kMagic = 6755399441055744.0;        // 1.5 * 2^52
+  static constexpr double kMagicBiased = 6755399441056767.0;  // 1.5 * 2^52 + 1023
+  static constexpr Bits kExpBias = 1023 - 0x4338000000000000LL;
+  static constexpr bool kScaleF = true;  // exp2_neg: f * ln 2, then the Taylor series of exp
+  static constexpr int kTaylorN = 13, kExp2N = 13;
+  static constexpr double taylor(int i) {
+    constexpr double c[kTaylorN] = {1.0 / 479001600,
+                                    1.0 / 39916800,
+                                    1.0 / 3628800,
+                                    1.0 / 362880,
+                                    1.0 / 40320,
+                                    1.0 / 5040,
+                                    1.0 / 720,
+                                    1.0 / 120,
+                                    1.0 / 24,
+                                    1.0 / 6,
+                                    0.5,
+                                    1.0,
+                                    1.0};
+    return c[i];
+  }
+  static constexpr double exp2(int i) { return taylor(i); }
+};
+
+// p(f) by Horner's rule, coefficient i = C(i), highest degree first.
+template <typename T, int N, typename C>
+inline typename Vec<T>::R horner(typename Vec<T>::R f, C coef) {
+  using V = Vec<T>;
+  typename V::R p = V::set1(coef(0));
+#pragma GCC unroll 16
+  for (int i = 1; i < N; ++i) p = V::fma(p, f, V::set1(coef(i)));
+  return p;
+}
+
+template <typename T>
+inline typename Vec<T>::R exp_poly(typename Vec<T>::R x) {
+  using V = Vec<T>;
+  using K = ExpConsts<T>;
+  const typename V::R t0 = V::mul(x, V::set1(K::kLog2e));
+  const typename V::R t = V::min(V::max(t0, V::set1(K::kLo)), V::set1(K::kHi));
+  const typename V::R magic = V::set1(K::kMagic);
+  const typename V::R r = V::add(t, magic);
+  const typename V::R n = V::sub(r, magic);
+  const typename V::R f = V::mul(V::sub(t, n), V::set1(K::kLn2));
+  const typename V::R p = horner<T, K::kTaylorN>(f, [](int i) { return K::taylor(i); });
+  typename V::R y = V::mul(p, V::shift_exponent(r, K::kExpBias));
+  y = V::select_lt(t0, V::set1(K::kUnderflow), V::zero(), y);
+  return V::select_nan(t0, t0, y);  // t0 NaN: keep NaN (the clamp turned it into a number)
+}
+
+template <typename T>
+inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
+  using V = Vec<T>;
+  using K = ExpConsts<T>;
+  const typename V::R t = V::max(V::set1(K::kLo), t0);
+  const typename V::R magic = V::set1(K::kMagicBiased);
+  const typename V::R r = V::add(t, magic);
+  typename V::R f = V::sub(t, V::sub(r, magic));
+  if constexpr (K::kScaleF) f = V::mul(f, V::set1(K::kLn2));
+  const typename V::R p = horner<T, K::kExp2N>(f, [](int i) { return K::exp2(i); });
+  return V::mul(p, V::shift_exponent(r));
+}
+
+// The math members every SIMD Vec<T> inherits (struct Vec<T> : VecMath<T>):
+// V::exp and V::exp2_neg above, and a four-way horizontal sum by hsum (a
+// Vec<T> may declare a faster hsum4 of its own, which hides this one).
+// Templates over the register type, so that Vec<T> need not be complete here.
+template <typename T>
+struct VecMath {
+  template <typename R>
+  static R exp(R x) {
+    return exp_poly<T>(x);
+  }
+  template <typename R>
+  static R exp2_neg(R t) {
+    return exp2_neg_poly<T>(t);
+  }
+  template <typename R>
+  static void hsum4(const R* a, T* out) {
+    for (int i = 0; i < 4; ++i) out[i] = Vec<T>::hsum(a[i]);
+  }
+};
+
+// One 16-bit value <-> fp32, the same on every SIMD ISA (both have F16C):
+// bf16 by bit manipulation (attn_fast/half.h: round to nearest even, NaN
+// kept), fp16 by vcvtph2ps / vcvtps2ph. Vec<float> inherits these.
+struct HalfScalar {
+  static float from_bf16(uint16_t h) { return bf16_to_f32(h); }
+  static float from_f16(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t to_bf16(float x) { return f32_to_bf16(x); }
+  static uint16_t to_f16(float x) {
+    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
