@@ -145,6 +145,21 @@ inline Vec<float>::R ldv(const bf16_t* p) {
 inline Vec<float>::R ldv(const fp16_t* p) {
   return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p));
 }
+// int8 K/V (KVCache(dtype="int8")): W codes sign-extended and converted to fp32
+// in registers; the scales are applied outside the dot products (run_split).
+// TODO(#17 merge): a Vec<float>::load_i8 primitive in the vector headers.
+inline Vec<float>::R ldv(const int8_t* p) {
+#if defined(ATTN_ISA_AVX512)
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(ATTN_ISA_AVX2)
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return static_cast<float>(*p);
+#endif
+}
+inline float ld(const int8_t* p) { return static_cast<float>(*p); }
 
 // Row block geometry: rows r0 .. r0+nr-1 of the (Lq * G) rows of one kv head,
 // row r = i * G + g (query token i, group member g).
@@ -336,6 +351,21 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
   }
 }
 
+// touch_lines (below) for int8 rows: one byte of every line.
+inline float touch_lines(const int8_t* const* rows, int64_t cols, int64_t len) {
+  int32_t t0 = 0, t1 = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int8_t* r = rows[c];
+    int64_t e = 0;
+    for (; e + 64 < len; e += 128) {
+      t0 += r[e];
+      t1 += r[e + 64];
+    }
+    if (e < len) t0 += r[e];
+  }
+  return static_cast<float>(t0 + t1);
+}
+
 // Load one element of every 64-byte line of `cols` rows of `len` elements and
 // sum them (so the loads are kept): brings the rows into the caches with many
 // independent misses in flight.
@@ -391,7 +421,32 @@ struct DScratch {
   T* sink;
   T* Ob;             // dvp: one output row while the merge sums the splits (rounded once)
   const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
+  // int8 K/V only: the block's K / V rows, the rows' Q with the block's key
+  // group scales folded in, the group offsets' dot products, and the block's
+  // per-token value scales and offsets.
+  const int8_t** krow8;
+  const int8_t** vrow8;
+  T* Qg;   // kRB x dp
+  T* qb;   // kRB
+  T* pvs;  // kBc
+  T* pvo;  // kBc
 };
+
+// The block's K / V row pointers of storage type KV (S itself, or int8_t).
+template <typename KV, typename S>
+const KV** krows_of(const DScratch<S>& sc) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    return sc.krow8;
+  else
+    return sc.krow;
+}
+template <typename KV, typename S>
+const KV** vrows_of(const DScratch<S>& sc) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    return sc.vrow8;
+  else
+    return sc.vrow;
+}
 
 template <typename S>
 void free_thread_scratch(DScratch<S>& sc) {
@@ -406,6 +461,12 @@ void free_thread_scratch(DScratch<S>& sc) {
   std::free(sc.sink);
   std::free(sc.Ob);
   std::free(sc.pfa);
+  std::free(sc.krow8);
+  std::free(sc.vrow8);
+  std::free(sc.Qg);
+  std::free(sc.qb);
+  std::free(sc.pvs);
+  std::free(sc.pvo);
 }
 
 // All of one thread's scratch; false (and nothing left allocated) on failure.
@@ -427,8 +488,14 @@ bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   sc.sink = alloc_scratch<T>(1);
   sc.Ob = alloc_scratch<T>(dvp);
   sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
+  sc.krow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
+  sc.vrow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
+  sc.Qg = alloc_scratch<T>(kRB * dp);
+  sc.qb = alloc_scratch<T>(kRB);
+  sc.pvs = alloc_scratch<T>(kBc);
+  sc.pvo = alloc_scratch<T>(kBc);
   if (sc.Qs && sc.S && sc.Kpack && sc.Vpack && sc.krow && sc.vrow && sc.lo && sc.hi && sc.sink &&
-      sc.Ob && sc.pfa) {
+      sc.Ob && sc.pfa && sc.krow8 && sc.vrow8 && sc.Qg && sc.qb && sc.pvs && sc.pvo) {
     sc.sink[0] = T(0);
     return true;
   }
@@ -492,8 +559,12 @@ inline bool softmax_row(T* srow, int64_t cols, int64_t lo, int64_t hi, T* m, T* 
 
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
-// call is cancelled.
-template <typename S, typename T = compute_t<S>>
+// call is cancelled. KV: the storage type of K and V, S or int8_t (then S is
+// float and the codes come from a.k8 / a.v8, see DecodeArgs): a key group's
+// scales are folded into Q once per block (S = (Q * ks) K8^T + Q . ko), the
+// value scales into P (O += (P * vs) V8 + (P . vo) 1), and a block never
+// crosses a key group (it is cut at the group's end).
+template <typename S, typename KV = S, typename T = compute_t<S>>
 void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
                const DScratch<S>& sc, T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
@@ -518,72 +589,128 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
   }
   std::memset(Op, 0, sizeof(T) * kRB * dvp);
 
-  const S* kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
-  const S* vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
-  const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
-  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+  constexpr bool Q8 = std::is_same<KV, int8_t>::value;
+  const KV* kbase;
+  const KV* vbase;
+  const T *ks_base = nullptr, *ko_base = nullptr, *vs_base = nullptr, *vo_base = nullptr;
+  if constexpr (Q8) {
+    kbase = a.k8 + g.b * a.sk.b + hk * a.sk.h;
+    vbase = a.v8 + g.b * a.sv.b + hk * a.sv.h;
+    const int64_t bh = g.b * a.Hkv + hk;
+    ks_base = a.k_scale + bh * (a.R / a.kgroup) * d;
+    ko_base = a.k_off + bh * (a.R / a.kgroup) * d;
+    vs_base = a.v_scale + bh * a.R;
+    vo_base = a.v_off + bh * a.R;
+  } else {
+    kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
+    vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
+  }
+  const KV** krow = krows_of<KV>(sc);
+  const KV** vrow = vrows_of<KV>(sc);
+  const bool kpack = !Q8 && a.sk.d != 1, vpack = !Q8 && a.sv.d != 1;
+  int64_t cols = 0;
+  for (int64_t j0 = c0, blk = 0; j0 < c1; j0 += cols, ++blk) {
     // Long splits (a capped split count, see decode_impl) look for Ctrl-C
     // every 16 blocks, not only between items.
-    if (((j0 - c0) / kBc) % 16 == 15 && tok.poll()) return;
-    const int64_t cols = imin(kBc, c1 - j0);
+    if (blk % 16 == 15 && tok.poll()) return;
+    cols = imin(kBc, c1 - j0);
+    if constexpr (Q8) cols = imin(cols, a.kgroup - (s.k0 + j0) % a.kgroup);
     // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
     int64_t slot = s.k0 + j0;
     slot %= a.R;
-    for (int64_t c = 0; c < cols; ++c) {
-      if (kpack) {
-        S* dst = sc.Kpack + c * dp;
-        const S* src = kbase + slot * a.sk.l;
-        for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
-        sc.krow[c] = dst;
-      } else {
-        sc.krow[c] = kbase + slot * a.sk.l;
+    if constexpr (Q8) {
+      // The block's key group: fold its scales into Q, its offsets into qb.
+      const T* ks = ks_base + slot / a.kgroup * d;
+      const T* ko = ko_base + slot / a.kgroup * d;
+      for (int r = 0; r < nr; ++r) {
+        const T* qs = sc.Qs + r * dp;
+        T* qg = sc.Qg + r * dp;
+        T b = T(0);
+        for (int64_t e = 0; e < d; ++e) {
+          qg[e] = qs[e] * ks[e];
+          b += qs[e] * ko[e];
+        }
+        for (int64_t e = d; e < dp; ++e) qg[e] = T(0);
+        sc.qb[r] = b;
       }
-      if (vpack) {
-        S* dst = sc.Vpack + c * dvp;
-        const S* src = vbase + slot * a.sv.l;
-        for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
-        sc.vrow[c] = dst;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      if constexpr (Q8) {
+        krow[c] = kbase + slot * a.sk.l;
+        vrow[c] = vbase + slot * a.sv.l;
+        sc.pvs[c] = vs_base[slot];
+        sc.pvo[c] = vo_base[slot];
       } else {
-        sc.vrow[c] = vbase + slot * a.sv.l;
+        if (kpack) {
+          S* dst = sc.Kpack + c * dp;
+          const S* src = kbase + slot * a.sk.l;
+          for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
+          sc.krow[c] = dst;
+        } else {
+          sc.krow[c] = kbase + slot * a.sk.l;
+        }
+        if (vpack) {
+          S* dst = sc.Vpack + c * dvp;
+          const S* src = vbase + slot * a.sv.l;
+          for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
+          sc.vrow[c] = dst;
+        } else {
+          sc.vrow[c] = vbase + slot * a.sv.l;
+        }
       }
       if (++slot == a.R) slot = 0;
     }
     // Touch every cache line of the block's K and V rows first, in a tight
     // loop with many loads in flight (as a streaming read does): the misses
     // overlap, and QK / PV below then hit L1/L2.
-    sc.sink[0] += touch_lines(sc.krow, cols, d) + touch_lines(sc.vrow, cols, dv);
+    sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched one per inner iteration of QK / PV.
     Pf pf{sc.pfa, 0, 0};
-    if (!kpack && !vpack && j0 + kBc < c1) {
-      int64_t ns = (s.k0 + j0 + kBc) % a.R;
-      const int64_t ncols = imin(kBc, c1 - j0 - kBc);
+    if (!kpack && !vpack && j0 + cols < c1) {
+      int64_t ns = (s.k0 + j0 + cols) % a.R;
+      const int64_t ncols = imin(kBc, c1 - j0 - cols);
       for (int64_t c = 0; c < ncols; ++c) {
         const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
         const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(S)); off += 64)
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(S)); off += 64)
+        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = vr + off;
         if (++ns == a.R) ns = 0;
       }
     }
     // S = Q K^T.
-    qk_dispatch<T, S>(nr, sc.Qs, dp, sc.krow, cols, d, sc.S, kBc, &pf);
+    qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, &pf);
+    if constexpr (Q8)
+      for (int r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] += sc.qb[r];
     // Masks and online softmax.
     bool partial = false;
     for (int r = 0; r < nr; ++r)
       partial |= softmax_row(sc.S + r * kBc, cols, sc.lo[r] - j0, sc.hi[r] - j0, &mp[r], &lp[r],
                              Op + r * dvp, dvp);
+    // int8 V: O += (P . vo) 1 now, and P * vs below.
+    if constexpr (Q8)
+      for (int r = 0; r < nr; ++r) {
+        T* prow = sc.S + r * kBc;
+        T ex = T(0);
+        for (int64_t c = 0; c < cols; ++c) {
+          ex += prow[c] * sc.pvo[c];
+          prow[c] *= sc.pvs[c];
+        }
+        T* orow = Op + r * dvp;
+        for (int64_t e = 0; e < dv; ++e) orow[e] += ex;
+      }
     // O += P V.
     if (!partial) {
-      pv_dispatch<T, S>(nr, sc.S, kBc, sc.vrow, cols, dv, Op, dvp, &pf);
+      pv_dispatch<T, KV>(nr, sc.S, kBc, vrow, cols, dv, Op, dvp, &pf);
     } else {  // skip zero weights: a NaN in a masked V row must not leak
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const T p = sc.S[r * kBc + c];
           if (p == T(0)) continue;
           T* orow = Op + r * dvp;
-          const S* vr = sc.vrow[c];
+          const KV* vr = vrow[c];
           for (int64_t e = 0; e < dv; ++e) orow[e] += p * ld(vr + e);
         }
     }
@@ -789,7 +916,15 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
         const Group& g = groups[lo];
         const int64_t sp = w - g.item0;
         const int64_t c0 = g.jlo + sp * split, c1 = imin(g.jhi, c0 + split);
-        run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
+        T* Ow = Opart + w * kRB * dvp;
+        if constexpr (std::is_same<ST, float>::value) {
+          if (a.k8)
+            run_split<ST, int8_t>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+          else
+            run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+        } else {
+          run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+        }
         if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
           merge_group(a, g, Opart, mpart, lpart, sc.Ob);
       }
