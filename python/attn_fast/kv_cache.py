@@ -118,7 +118,8 @@ def _cache_dtype(dtype):
         return F16
     if dt is None or dt not in FLOAT_DTYPES:
         raise TypeError(
-            f"dtype must be float32, float64, float16 or bfloat16 (or int8, quantised), got {dtype!r}"
+            "dtype must be float32, float64, float16 or bfloat16 (or int8, quantised), "
+            f"got {dtype!r}"
         )
     return dt
 
@@ -306,9 +307,9 @@ class KVCache:
             self._stage_grp[:] = -1
 
     def keys(self, b):
-        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the ring wraps);
-        bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable, else its uint16 bits;
-        int8: the dequantised float32 keys (what ``attend`` reads)."""
+        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the
+        ring wraps); bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable,
+        else its uint16 bits; int8: the dequantised float32 keys (what ``attend`` reads)."""
         if self._q8:
             slots = self._slots(b)
             g = slots // KGROUP
@@ -316,8 +317,8 @@ class KVCache:
         return half_result(self._gather(self._k, b))
 
     def values(self, b):
-        """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as for keys;
-        int8: the dequantised float32 values)."""
+        """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as
+        for keys; int8: the dequantised float32 values)."""
         if self._q8:
             slots = self._slots(b)
             vs, vo = self._vs[b][:, slots, None], self._vo[b][:, slots, None]
@@ -325,7 +326,7 @@ class KVCache:
         return half_result(self._gather(self._v, b))
 
     def _slots(self, b):
-        """Slots of sequence b's stored keys in position order (int8: position p in slot p mod R)."""
+        """Slots of sequence b's stored keys in position order (int8: position p, slot p mod R)."""
         return (int(self._start[b]) + np.arange(int(self._n[b]))) % self.capacity
 
     def _gather(self, buf, b):
@@ -368,8 +369,8 @@ class KVCache:
     def _dtype_error(self, name, x):
         if self._q8:
             return TypeError(
-                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v and q;"
-                " cast it first (x.to(torch.float32) / x.astype(np.float32))"
+                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
+                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
             )
         return TypeError(
             f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
