@@ -73,6 +73,16 @@
 //   splits into an fp32 row (DScratch::Ob) and rounds O once to the storage
 //   type. lse is fp32. No vdpbf16ps path: the avx512_bf16 ISA runs the avx512
 //   object here (dispatch.cpp).
+//   int8 K/V (KVCache(dtype="int8"), DecodeArgs<float>::k8; run_split's KV =
+//   int8_t): codes are sign-extended and converted to fp32 in registers (ldv);
+//   the scales never touch the d-long loops. Keys x = q8 * ks + ko per channel
+//   over groups of kgroup (= kBc = 64) slots: a block is cut at its group's
+//   end, and the group's ks is folded into the block's Q rows (Qg = Qs * ks,
+//   dp multiplies per row and block) and its ko into one bias per row
+//   (Qs . ko) added to S. Values x = q8 * vs + vo per token: P * vs is the PV
+//   weight and (P . vo) is added to every O column. Bytes read per key and kv
+//   head: d + dv codes + 8 + 8 d / kgroup scale bytes (280 at d = dv = 128,
+//   1024 for fp32).
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
