@@ -334,3 +334,20 @@ def test_constant_channels_and_values(rng):
     c.append(k, v)
     np.testing.assert_array_equal(c.keys(0)[..., 0], k[0, ..., 0])
     np.testing.assert_array_equal(c.values(0), v[0])
+
+
+def test_model_runs_on_int8_caches(rng):
+    """A TinyTransformerLM prefills and decodes through int8 LayerCaches (float32 activations);
+    its logits stay close to the float32 caches' run."""
+    m = af.TinyTransformerLM(97, 32, 2, 4, 2, seed=1)
+    tokens = rng.integers(0, 97, (2, 20))
+    logits = {}
+    for dt in ("float32", "int8"):
+        caches = af.LayerCaches(m.num_layers, 2, m.num_kv_heads, m.head_dim, dtype=dt)
+        out = [m.forward(tokens, cache=caches)[:, -1]]
+        for t in range(3):
+            out.append(m.forward(tokens[:, t : t + 1], cache=caches)[:, -1])
+        logits[dt] = np.stack(out)
+        assert caches.positions.tolist() == [23, 23]
+    a, b = logits["float32"], logits["int8"]
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
