@@ -351,3 +351,28 @@ def test_model_runs_on_int8_caches(rng):
         assert caches.positions.tolist() == [23, 23]
     a, b = logits["float32"], logits["int8"]
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+
+
+def test_ring_truncate_non_causal_and_reset(isa, rng):
+    """Speculative rollback on a wrapped int8 ring, non-causal attend, then reset."""
+    B, Hq, Hkv, d, w = 2, 2, 1, 8, 30
+    c = af.KVCache(B, Hkv, d, window=w, dtype="int8")
+    for _ in range(5):
+        c.append(randn(rng, (B, Hkv, 40, d)), randn(rng, (B, Hkv, 40, d)))
+    c.truncate([195, 190])  # back past a group end (positions 192..199 opened group 3)
+    assert c.positions.tolist() == [195, 190]
+    k, v = randn(rng, (B, Hkv, 4, d)), randn(rng, (B, Hkv, 4, d))
+    c.append(k, v)
+    q = randn(rng, (B, Hq, 4, d))
+    for causal in (True, False):
+        o, lse = c.attend(q, causal=causal, return_lse=True)
+        for b in range(B):
+            O, LSE = oracle_seq(q[b], c.keys(b), c.values(b), 4, window=w, causal=causal)
+            np.testing.assert_allclose(o[b], O, **tol(F32))
+            np.testing.assert_allclose(lse[b], LSE, **tol(F32))
+        # the newest stored keys are this append's, within half a code step
+        assert np.abs(c.keys(0)[:, -4:] - k[0]).max() < 0.02
+    c.reset()
+    assert c.lengths.tolist() == [0, 0]
+    c.append(k, v)
+    np.testing.assert_array_equal(c.keys(1), quantise_keys(k[1]))
