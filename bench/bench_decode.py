@@ -1,7 +1,7 @@
 """Decode (one token against a KV cache) and prefill latency: attn_fast vs torch SDPA.
 
     python bench/bench_decode.py [--threads N] [--lengths 1024 4096 16384 32768]
-                                 [--batches 1 8] [--png bench/decode.png] [--dtype bf16|fp16]
+                                 [--batches 1 8] [--png bench/decode.png] [--dtype bf16|fp16|int8]
 
 Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128, float32. For each batch B and
 cache length L, a KVCache is filled with L tokens and one decode step
@@ -25,6 +25,14 @@ tokens (rounded); each row then times, in the same run, the float32 step, the
 streaming read), their ratio (float32 time / 16-bit time: tokens/s gained),
 and torch's SDPA in the same 16-bit dtype on the 16-bit cache's arrays. The
 16-bit results are checked against the oracle on the same rounded inputs.
+
+``--dtype int8``: float32, bfloat16 and int8 caches of the same tokens, each
+step timed in the same run (paired: the three are timed in turn, ``--rounds``
+times, and the medians of the per-round best-of times are printed). GB/s for
+int8 counts the bytes it actually reads: codes, key scales and offsets (2 x d
+floats per 64 keys) and value scales and offsets (2 floats per key),
+B * H_kv * L * (d + dv + 8 + 8 d / 64). The int8 result is checked against the
+oracle on the cache's dequantised K/V.
 """
 
 from __future__ import annotations
@@ -86,11 +94,14 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true")
     p.add_argument(
         "--dtype",
-        choices=("fp32", "bf16", "fp16"),
+        choices=("fp32", "bf16", "fp16", "int8"),
         default="fp32",
-        help="also time a 16-bit cache beside the float32 one (see above)",
+        help="also time a 16-bit (or int8) cache beside the float32 one (see above)",
     )
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds for --dtype int8")
     args = p.parse_args(argv)
+    if args.dtype == "int8":
+        return main_int8(args)
     if args.dtype != "fp32":
         return main_16bit(args)
     if args.threads:
@@ -314,6 +325,70 @@ def main_16bit(args):
         "(tokens/s gained);"
     )
     print(f"x = torch {args.dtype} time / attn_fast {args.dtype} time. " + tag)
+    return 0
+
+
+def main_int8(args):
+    """--dtype int8: float32, bfloat16 and int8 decode steps on the same tokens, paired rounds."""
+    if args.threads:
+        af.set_num_threads(args.threads)
+    nt = af.get_num_threads()
+    cfg = config()
+    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
+    print(f"attn_fast {cfg['version']}  {tag}")
+    bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
+    print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
+    print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; medians of")
+    print(f"{args.rounds} paired rounds (fp32, bf16, int8 timed in turn, best of n within a round)")
+    hdr = (
+        f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} {'%str':>5} | {'bf16 ms':>8} {'GB/s':>6} "
+        f"{'%str':>5} {'vs fp32':>7} | {'int8 ms':>8} {'GB/s':>6} {'%str':>5} {'vs fp32':>7}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    rng = np.random.default_rng(0)
+    for B in args.batches:
+        for L in args.lengths:
+            kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
+            q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
+            c32 = af.KVCache(B, HKV, D, capacity=L + 1)
+            c32.append(kv, kv[:, :, ::-1])
+            c16 = af.KVCache(B, HKV, D, capacity=L + 1, dtype="bfloat16")
+            kv16 = bf16_bits(from_float(kv, BF16))
+            c16.append(kv16, kv16[:, :, ::-1])
+            c8 = af.KVCache(B, HKV, D, capacity=L + 1, dtype="int8")
+            c8.append(kv, kv[:, :, ::-1])
+            del kv, kv16
+            q16 = bf16_bits(from_float(q, BF16))
+            K, V = c32._k[:, :, :L], c32._v[:, :, :L]
+            check(c32.attend(q), q, K, V)
+            check(c16.attend(q16), q16, bf16_bits(c16._k[:, :, :L]), bf16_bits(c16._v[:, :, :L]),
+                  tol=1e-2)  # fmt: skip
+            check(c8.attend(q), q, c8.keys(0)[None], c8.values(0)[None])
+            nb32 = K.nbytes + V.nbytes
+            nb16 = nb32 // 2
+            nb8 = B * HKV * L * (2 * D + 8 + 8 * D // 64)
+            reps = repeats_for(nb32)
+            steps = {"32": (c32, q), "16": (c16, q16), "8": (c8, q)}
+            ts = {key: [] for key in steps}
+            for _ in range(args.rounds):
+                for key, (c, qq) in steps.items():
+                    ts[key].append(best_time(lambda c=c, qq=qq: c.attend(qq), reps))
+            t32, t16, t8 = (float(np.median(ts[key])) for key in ("32", "16", "8"))
+            del steps
+            g32, g16, g8 = nb32 / t32 / 1e9, nb16 / t16 / 1e9, nb8 / t8 / 1e9
+            print(
+                f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {g32:6.1f} {100 * g32 / bwn:4.0f}% | "
+                f"{t16 * 1e3:8.3f} {g16:6.1f} {100 * g16 / bwn:4.0f}% {t32 / t16:6.2f}x | "
+                f"{t8 * 1e3:8.3f} {g8:6.1f} {100 * g8 / bwn:4.0f}% {t32 / t8:6.2f}x",
+                flush=True,
+            )
+            del c32, c16, c8, K, V
+    print("GB/s = bytes actually read per step / step time (fp32 4, bf16 2 per element; int8 codes")
+    print(
+        "+ scales); %str = of the all-thread streaming read; vs fp32 = fp32 time / that time. "
+        + tag
+    )
     return 0
 
 

@@ -401,9 +401,158 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
   raise_if_interrupted();
 }
 
+// A C-contiguous writeable (or readable) array of `dtype` with this shape, or a ValueError naming
+// it.
+template <typename T>
+T* exact_array(const py::object& obj, const char* name, std::initializer_list<int64_t> shape,
+               bool write) {
+  if (obj.is_none()) throw py::value_error(std::string(name) + " is required for an int8 cache");
+  auto arr = py::cast<py::array>(obj);
+  bool ok = py::isinstance<py::array_t<T>>(arr) && (arr.flags() & py::array::c_style) &&
+            arr.ndim() == static_cast<py::ssize_t>(shape.size()) && (!write || arr.writeable());
+  int i = 0;
+  for (int64_t n : shape) ok = ok && arr.shape(i++) == n;
+  if (!ok) {
+    std::string s = "(";
+    for (int64_t n : shape) s += std::to_string(n) + ", ";
+    throw py::value_error(std::string(name) + " must be a C-contiguous " +
+                          (write ? "writeable " : "") + "array of shape " +
+                          s.substr(0, s.size() - 2) + ") of its dtype");
+  }
+  return static_cast<T*>(write ? arr.mutable_data() : const_cast<void*>(arr.data()));
+}
+
+// Decode over an int8 KV cache (DecodeArgs<float>::k8): q, o float32; k, v
+// int8 (B, Hkv, R, d) / (B, Hkv, R, dv) with element stride 1; the scales
+// and offsets contiguous float32 (B, Hkv, R / kgroup, d) and (B, Hkv, R).
+void decode_q8(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+               bool causal, bool top_left, int64_t window_left, int64_t window_right,
+               py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split,
+               py::object k_scale, py::object k_off, py::object v_scale, py::object v_off,
+               int64_t kgroup) {
+  if (!py::isinstance<py::array_t<float>>(q) || !py::isinstance<py::array_t<float>>(o) ||
+      !py::isinstance<py::array_t<int8_t>>(v))
+    throw py::type_error("an int8 cache takes float32 q and o, int8 k and v");
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || o.ndim() != 4)
+    throw py::value_error("q, k, v, o must be 4-D");
+  DecodeArgs<float> a;
+  a.sq = strides4(q, "q");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.so = strides4(o, "o");
+  if (a.sk.d != 1 || a.sv.d != 1)
+    throw py::value_error("int8 k and v need element stride 1 along d");
+  a.q = static_cast<const float*>(q.data());
+  a.o = static_cast<float*>(o.mutable_data());
+  a.k8 = static_cast<const int8_t*>(k.data());
+  a.v8 = static_cast<const int8_t*>(v.data());
+  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<float>::max())))
+    throw py::value_error("scale is out of the range of float32");
+  a.scale = scale;
+  a.causal = causal;
+  a.top_left = top_left;
+  a.window_left = clamp_window(window_left);
+  a.window_right = clamp_window(window_right);
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Lq = q.shape(2);
+  a.d = q.shape(3);
+  a.Hkv = k.shape(1);
+  a.R = k.shape(2);
+  a.dv = v.shape(3);
+  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
+      v.shape(1) != a.Hkv || o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq ||
+      o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  if (kgroup < 1 || a.R % kgroup != 0)
+    throw py::value_error("kgroup must be >= 1 and divide the slots R");
+  a.kgroup = kgroup;
+  a.k_scale = exact_array<float>(k_scale, "k_scale", {a.B, a.Hkv, a.R / kgroup, a.d}, false);
+  a.k_off = exact_array<float>(k_off, "k_off", {a.B, a.Hkv, a.R / kgroup, a.d}, false);
+  a.v_scale = exact_array<float>(v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
+  a.v_off = exact_array<float>(v_off, "v_off", {a.B, a.Hkv, a.R}, false);
+  a.split = split > a.R ? a.R : split;
+  a.num_threads = threads_for_call();
+  a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
+  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
+  a.kv_start = data_of<int64_t>(kv_start, "kv_start", a.B);
+  if (a.kv_start)
+    for (int64_t b = 0; b < a.B; ++b)
+      if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
+        throw py::value_error("kv_start entries must lie in [0, R)");
+  a.lse = lse_of<float>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
+  {
+    py::gil_scoped_release release;
+    decode_forward(a);
+  }
+  raise_if_interrupted();
+}
+
+// Quantise a float32 chunk into an int8 cache (KvQuantArgs, csrc/kv_quant.cpp).
+void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py::object k_scale,
+                        py::object k_off, py::object v_scale, py::object v_off, py::object stage,
+                        py::object stage_grp, py::object pos0, py::object count,
+                        py::object first_before, py::object first_after) {
+  if (!py::isinstance<py::array_t<float>>(k) || !py::isinstance<py::array_t<float>>(v))
+    throw py::type_error("k and v must be float32");
+  if (k.ndim() != 4 || v.ndim() != 4 || k8.ndim() != 4 || v8.ndim() != 4)
+    throw py::value_error("k, v, k8, v8 must be 4-D");
+  KvQuantArgs a;
+  a.B = k8.shape(0);
+  a.Hkv = k8.shape(1);
+  a.R = k8.shape(2);
+  a.d = k8.shape(3);
+  a.dv = v8.shape(3);
+  a.L = k.shape(2);
+  if (k.shape(0) != a.B || k.shape(1) != a.Hkv || k.shape(3) != a.d || v.shape(0) != a.B ||
+      v.shape(1) != a.Hkv || v.shape(2) != a.L || v.shape(3) != a.dv)
+    throw py::value_error("k, v do not match the cache's (B, Hkv, ., d / dv)");
+  auto sarr = py::cast<py::array>(stage);
+  a.G = sarr.ndim() == 4 ? sarr.shape(2) : 0;
+  if (a.G < 1 || a.G > 512 || a.R % a.G != 0)
+    throw py::value_error("stage must be (B, Hkv, G, d) with 1 <= G <= 512 dividing R");
+  a.k8 = exact_array<int8_t>(k8, "k8", {a.B, a.Hkv, a.R, a.d}, true);
+  a.v8 = exact_array<int8_t>(v8, "v8", {a.B, a.Hkv, a.R, a.dv}, true);
+  a.k_scale = exact_array<float>(k_scale, "k_scale", {a.B, a.Hkv, a.R / a.G, a.d}, true);
+  a.k_off = exact_array<float>(k_off, "k_off", {a.B, a.Hkv, a.R / a.G, a.d}, true);
+  a.v_scale = exact_array<float>(v_scale, "v_scale", {a.B, a.Hkv, a.R}, true);
+  a.v_off = exact_array<float>(v_off, "v_off", {a.B, a.Hkv, a.R}, true);
+  a.stage = exact_array<float>(stage, "stage", {a.B, a.Hkv, a.G, a.d}, true);
+  a.stage_grp = exact_array<int64_t>(stage_grp, "stage_grp", {a.B}, true);
+  a.pos0 = exact_array<int64_t>(pos0, "pos0", {a.B}, false);
+  a.count = exact_array<int64_t>(count, "count", {a.B}, false);
+  a.first_before = exact_array<int64_t>(first_before, "first_before", {a.B}, false);
+  a.first_after = exact_array<int64_t>(first_after, "first_after", {a.B}, false);
+  for (int64_t b = 0; b < a.B; ++b)
+    if (a.count[b] < 0 || a.count[b] > a.L || a.count[b] > a.R || a.pos0[b] < 0 ||
+        a.first_before[b] < 0 || a.first_before[b] > a.pos0[b] ||
+        a.first_after[b] < a.first_before[b] || a.first_after[b] > a.pos0[b] + a.count[b] ||
+        a.pos0[b] + a.count[b] - a.first_after[b] > a.R)
+      throw py::value_error("inconsistent pos0 / count / first_before / first_after");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.k = static_cast<const float*>(k.data());
+  a.v = static_cast<const float*>(v.data());
+  a.num_threads = threads_for_call();
+  try {
+    py::gil_scoped_release release;
+    kv_quant_append(a);
+  } catch (const std::invalid_argument&) {
+    throw py::value_error(
+        "k or v holds inf or NaN: an int8 cache stores finite values only (nothing was stored)");
+  }
+}
+
 void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
             bool causal, bool top_left, int64_t window_left, int64_t window_right,
-            py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
+            py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split,
+            py::object k_scale, py::object k_off, py::object v_scale, py::object v_off,
+            int64_t kgroup) {
+  if (py::isinstance<py::array_t<int8_t>>(k))
+    return decode_q8(q, k, v, o, lse, scale, causal, top_left, window_left, window_right, q_lens,
+                     kv_lens, kv_start, split, k_scale, k_off, v_scale, v_off, kgroup);
   if (py::isinstance<py::array_t<float>>(q))
     return decode_t<float>(q, k, v, o, lse, scale, causal, top_left, window_left, window_right,
                            q_lens, kv_lens, kv_start, split);
@@ -557,8 +706,17 @@ PYBIND11_MODULE(_core, m) {
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("kv_start") = py::none(), py::arg("split") = 0,
-        "Split-KV decode kernel on 4-D strided arrays; k/v may be a ring of R slots (kv_start).");
+        py::arg("kv_start") = py::none(), py::arg("split") = 0, py::arg("k_scale") = py::none(),
+        py::arg("k_off") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
+        "Split-KV decode kernel on 4-D strided arrays; k/v may be a ring of R slots (kv_start); "
+        "int8 k/v (with k_scale, k_off, v_scale, v_off, kgroup) read an int8 KV cache.");
+  m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
+        py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
+        py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),
+        py::arg("first_before"), py::arg("first_after"),
+        "Quantise float32 k, v chunks into an int8 KV cache (keys per channel and group, values "
+        "per token); see KvQuantArgs.");
   m.def(
       "stream_read_gbps",
       [](int threads, int64_t nbytes, int reps) {

@@ -73,6 +73,16 @@
 //   splits into an fp32 row (DScratch::Ob) and rounds O once to the storage
 //   type. lse is fp32. No vdpbf16ps path: the avx512_bf16 ISA runs the avx512
 //   object here (dispatch.cpp).
+//   int8 K/V (KVCache(dtype="int8"), DecodeArgs<float>::k8; run_split's KV =
+//   int8_t): codes are sign-extended and converted to fp32 in registers (ldv);
+//   the scales never touch the d-long loops. Keys x = q8 * ks + ko per channel
+//   over groups of kgroup (= kBc = 64) slots: a block is cut at its group's
+//   end, and the group's ks is folded into the block's Q rows (Qg = Qs * ks,
+//   dp multiplies per row and block) and its ko into one bias per row
+//   (Qs . ko) added to S. Values x = q8 * vs + vo per token: P * vs is the PV
+//   weight and (P . vo) is added to every O column. Bytes read per key and kv
+//   head: d + dv codes + 8 + 8 d / kgroup scale bytes (280 at d = dv = 128,
+//   1024 for fp32).
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
@@ -95,6 +105,7 @@
 #include "attn_fast/attention.h"
 #include "attn_fast/half.h"
 #include "attn_fast/interrupt.h"
+#include "attn_fast/seq.h"
 
 #include "isa.h"
 
@@ -114,16 +125,9 @@ constexpr int64_t kBc = 64;  // keys per block
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 
-inline int64_t dmin(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t dmax(int64_t a, int64_t b) { return a > b ? a : b; }
-inline int64_t dround(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-template <typename T>
-T* dalloc(int64_t n) {
-  const size_t bytes =
-      static_cast<size_t>(dround(dmax(n, 1) * static_cast<int64_t>(sizeof(T)), 64));
-  return static_cast<T*>(std::aligned_alloc(64, bytes));
-}
+// Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
+// (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
+// round_up and alloc_scratch (checked, 64-byte aligned): attn_fast/seq.h too.
 
 // Storage type S of q, k, v, o <-> compute type compute_t<S> (as flash_fwd.cpp):
 // float and double are read as they are; bf16 / fp16 K and V rows are widened
@@ -141,48 +145,34 @@ inline Vec<float>::R ldv(const bf16_t* p) {
 inline Vec<float>::R ldv(const fp16_t* p) {
   return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p));
 }
-
-// Per-sequence geometry.
-template <typename T>
-struct DSeq {
-  int64_t q_len, k_len, start, off;
-};
-
-template <typename T>
-inline DSeq<T> dseq(const DecodeArgs<T>& a, int64_t b) {
-  DSeq<T> s;
-  s.q_len = a.q_lens ? dmax(0, dmin(a.Lq, a.q_lens[b])) : a.Lq;
-  s.k_len = a.kv_lens ? dmax(0, dmin(a.R, a.kv_lens[b])) : a.R;
-  s.start = a.kv_start ? a.kv_start[b] : 0;
-  s.off = a.top_left ? 0 : s.k_len - s.q_len;
-  return s;
+// int8 K/V (KVCache(dtype="int8")): W codes sign-extended and converted to fp32
+// in registers; the scales are applied outside the dot products (run_split).
+// TODO(#17 merge): a Vec<float>::load_i8 primitive in the vector headers.
+inline Vec<float>::R ldv(const int8_t* p) {
+#if defined(ATTN_ISA_AVX512)
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(ATTN_ISA_AVX2)
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return static_cast<float>(*p);
+#endif
 }
-
-// Visible logical keys [lo, hi) of query token i.
-template <typename T>
-inline void drange(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t i, int64_t* lo, int64_t* hi) {
-  int64_t l = 0, h = s.k_len;
-  const int64_t diag = i + s.off;
-  if (a.causal) h = dmin(h, diag + 1);
-  if (a.window_left >= 0) l = dmax(l, diag - a.window_left);
-  if (a.window_right >= 0) h = dmin(h, diag + a.window_right + 1);
-  if (i >= s.q_len) h = l;
-  *lo = l;
-  *hi = h;
-}
+inline float ld(const int8_t* p) { return static_cast<float>(*p); }
 
 // Row block geometry: rows r0 .. r0+nr-1 of the (Lq * G) rows of one kv head,
 // row r = i * G + g (query token i, group member g).
 template <typename T>
-inline void block_range(const DecodeArgs<T>& a, const DSeq<T>& s, int64_t G, int64_t r0, int64_t nr,
+inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int64_t r0, int64_t nr,
                         int64_t* jlo, int64_t* jhi) {
   int64_t lo = s.k_len, hi = 0;
   for (int64_t i = r0 / G; i <= (r0 + nr - 1) / G; ++i) {
     int64_t l, h;
-    drange(a, s, i, &l, &h);
+    row_range(a, s, i, &l, &h);
     if (h > l) {
-      lo = dmin(lo, l);
-      hi = dmax(hi, h);
+      lo = imin(lo, l);
+      hi = imax(hi, h);
     }
   }
   *jlo = lo;
@@ -361,6 +351,21 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
   }
 }
 
+// touch_lines (below) for int8 rows: one byte of every line.
+inline float touch_lines(const int8_t* const* rows, int64_t cols, int64_t len) {
+  int32_t t0 = 0, t1 = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int8_t* r = rows[c];
+    int64_t e = 0;
+    for (; e + 64 < len; e += 128) {
+      t0 += r[e];
+      t1 += r[e + 64];
+    }
+    if (e < len) t0 += r[e];
+  }
+  return static_cast<float>(t0 + t1);
+}
+
 // Load one element of every 64-byte line of `cols` rows of `len` elements and
 // sum them (so the loads are kept): brings the rows into the caches with many
 // independent misses in flight.
@@ -405,74 +410,169 @@ struct Group {
 // ST: the storage type of q, k, v, o; T: the compute type.
 template <typename ST, typename T = compute_t<ST>>
 struct DScratch {
-  T* Qs;    // kRB x dp, scaled query rows (padded)
-  T* S;     // kRB x kBc scores / probabilities
-  ST* Kp;   // kBc x dp packed K block (only for strided d), storage type
-  ST* Vpk;  // kBc x dvp packed V block (only for strided dv), storage type
-  const ST** kp;
-  const ST** vp;
+  T* Qs;            // kRB x dp, scaled query rows (padded)
+  T* S;             // kRB x kBc scores / probabilities
+  ST* Kpack;        // kBc x dp packed K block (only for strided d), storage type
+  ST* Vpack;        // kBc x dvp packed V block (only for strided dv), storage type
+  const ST** krow;  // the block's K rows (in the cache, or in Kpack)
+  const ST** vrow;  // the block's V rows
   int64_t* lo;
   int64_t* hi;
   T* sink;
   T* Ob;             // dvp: one output row while the merge sums the splits (rounded once)
   const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
+  // int8 K/V only: the block's K / V rows, the rows' Q with the block's key
+  // group scales folded in, the group offsets' dot products, and the block's
+  // per-token value scales and offsets.
+  const int8_t** krow8;
+  const int8_t** vrow8;
+  T* Qg;   // kRB x dp
+  T* qb;   // kRB
+  T* pvs;  // kBc
+  T* pvo;  // kBc
 };
 
+// The block's K / V row pointers of storage type KV (S itself, or int8_t).
+template <typename KV, typename S>
+const KV** krows_of(const DScratch<S>& sc) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    return sc.krow8;
+  else
+    return sc.krow;
+}
+template <typename KV, typename S>
+const KV** vrows_of(const DScratch<S>& sc) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    return sc.vrow8;
+  else
+    return sc.vrow;
+}
+
 template <typename S>
-void free_scratch(DScratch<S>& sc) {
+void free_thread_scratch(DScratch<S>& sc) {
   std::free(sc.Qs);
   std::free(sc.S);
-  std::free(sc.Kp);
-  std::free(sc.Vpk);
-  std::free(sc.kp);
-  std::free(sc.vp);
+  std::free(sc.Kpack);
+  std::free(sc.Vpack);
+  std::free(sc.krow);
+  std::free(sc.vrow);
   std::free(sc.lo);
   std::free(sc.hi);
   std::free(sc.sink);
   std::free(sc.Ob);
   std::free(sc.pfa);
+  std::free(sc.krow8);
+  std::free(sc.vrow8);
+  std::free(sc.Qg);
+  std::free(sc.qb);
+  std::free(sc.pvs);
+  std::free(sc.pvo);
 }
 
 // All of one thread's scratch; false (and nothing left allocated) on failure.
 template <typename S>
-bool alloc_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
+bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
-  const int64_t dp = dround(d, W), dvp = dround(dv, W);
+  const int64_t dp = round_up(d, W), dvp = round_up(dv, W);
   const int64_t lines = (d * static_cast<int64_t>(sizeof(S)) + 63) / 64 +
                         (dv * static_cast<int64_t>(sizeof(S)) + 63) / 64;
-  sc.Qs = dalloc<T>(kRB * dp);
-  sc.S = dalloc<T>(kRB * kBc);
-  sc.Kp = dalloc<S>(kBc * dp);
-  sc.Vpk = dalloc<S>(kBc * dvp);
-  sc.kp = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
-  sc.vp = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
+  sc.Qs = alloc_scratch<T>(kRB * dp);
+  sc.S = alloc_scratch<T>(kRB * kBc);
+  sc.Kpack = alloc_scratch<S>(kBc * dp);
+  sc.Vpack = alloc_scratch<S>(kBc * dvp);
+  sc.krow = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
+  sc.vrow = static_cast<const S**>(std::malloc(sizeof(S*) * kBc));
   sc.lo = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
   sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
-  sc.sink = dalloc<T>(1);
-  sc.Ob = dalloc<T>(dvp);
+  sc.sink = alloc_scratch<T>(1);
+  sc.Ob = alloc_scratch<T>(dvp);
   sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
-  if (sc.Qs && sc.S && sc.Kp && sc.Vpk && sc.kp && sc.vp && sc.lo && sc.hi && sc.sink && sc.Ob &&
-      sc.pfa) {
+  sc.krow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
+  sc.vrow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
+  sc.Qg = alloc_scratch<T>(kRB * dp);
+  sc.qb = alloc_scratch<T>(kRB);
+  sc.pvs = alloc_scratch<T>(kBc);
+  sc.pvo = alloc_scratch<T>(kBc);
+  if (sc.Qs && sc.S && sc.Kpack && sc.Vpack && sc.krow && sc.vrow && sc.lo && sc.hi && sc.sink &&
+      sc.Ob && sc.pfa && sc.krow8 && sc.vrow8 && sc.Qg && sc.qb && sc.pvs && sc.pvo) {
     sc.sink[0] = T(0);
     return true;
   }
-  free_scratch(sc);
+  free_thread_scratch(sc);
   return false;
+}
+
+// The online-softmax update of one row over one key block (the lead joins it
+// to the fused kernel's after issue #17's toolkit lands): srow[0, cols) holds
+// the scores, keys outside [lo, hi) are masked; on return srow holds
+// P = exp(s - m_new) (0 where masked), *m and *l are updated and the row's
+// O_acc (dvp elements) is rescaled by exp(m_old - m_new). A row whose
+// visible scores are all NaN becomes a NaN row (max() drops NaN). Returns
+// whether the mask cut through the block (then PV must skip zero weights).
+template <typename T>
+inline bool softmax_row(T* srow, int64_t cols, int64_t lo, int64_t hi, T* m, T* l, T* orow,
+                        int64_t dvp) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  bool partial = false;
+  if (lo > 0 || hi < cols) {
+    partial = true;
+    for (int64_t c = 0; c < cols; ++c)
+      if (c < lo || c >= hi) srow[c] = NEG_INF;
+  }
+  for (int64_t c = cols; c < round_up(cols, W); ++c) srow[c] = NEG_INF;
+  typename V::R vm = V::set1(NEG_INF);
+  for (int64_t c = 0; c < cols; c += W) vm = V::max(vm, V::load(srow + c));
+  const T mx = V::hmax(vm);
+  const T m_old = *m;
+  const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
+  if (m_new == NEG_INF) {                   // nothing visible so far, or only NaN: max() drops NaN
+    bool nan = false;
+    for (int64_t c = 0; c < cols; ++c) nan = nan || srow[c] != srow[c];
+    if (nan) *m = *l = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
+    for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
+    return partial;
+  }
+  const typename V::R vmn = V::set1(m_new);
+  const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
+  typename V::R vs = V::zero();
+  for (int64_t c = 0; c < cols; c += W) {
+    // 2^((s - m) log2 e): the argument is <= 0 (or NaN), see exp2_neg.
+    const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(srow + c), vmn), vl2e));
+    V::store(srow + c, p);
+    vs = V::add(vs, p);
+  }
+  const T rowsum = V::hsum(vs);
+  if (m_new != m_old) {
+    const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
+    *l = *l * alpha + rowsum;
+    const typename V::R va = V::set1(alpha);
+    for (int64_t e = 0; e < dvp; e += W) V::store(orow + e, V::mul(V::load(orow + e), va));
+  } else {
+    *l += rowsum;
+  }
+  *m = m_new;
+  return partial;
 }
 
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
-// call is cancelled.
-template <typename S, typename T = compute_t<S>>
+// call is cancelled. KV: the storage type of K and V, S or int8_t (then S is
+// float and the codes come from a.k8 / a.v8, see DecodeArgs): a key group's
+// scales are folded into Q once per block (S = (Q * ks) K8^T + Q . ko), the
+// value scales into P (O += (P * vs) V8 + (P . vo) 1), and a block never
+// crosses a key group (it is cut at the group's end).
+template <typename S, typename KV = S, typename T = compute_t<S>>
 void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
                const DScratch<S>& sc, T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
   const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv, hk = g.hk;
-  const int64_t dp = dround(d, W), dvp = dround(dv, W);
-  const DSeq<S> s = dseq(a, g.b);
+  const int64_t dp = round_up(d, W), dvp = round_up(dv, W);
+  const SeqInfo s = seq_info(a, g.b);
   const int nr = static_cast<int>(g.nr);
 
   // Rows: scaled Q, per-row ranges.
@@ -483,118 +583,134 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     T* dst = sc.Qs + r * dp;
     for (int64_t e = 0; e < d; ++e) dst[e] = ld(src + e * a.sq.d) * scale;
     for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
-    drange(a, s, i, &sc.lo[r], &sc.hi[r]);
+    row_range(a, s, i, &sc.lo[r], &sc.hi[r]);
     mp[r] = NEG_INF;
     lp[r] = T(0);
   }
   std::memset(Op, 0, sizeof(T) * kRB * dvp);
 
-  const S* kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
-  const S* vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
-  const bool kpack = a.sk.d != 1, vpack = a.sv.d != 1;
-  for (int64_t j0 = c0; j0 < c1; j0 += kBc) {
+  constexpr bool Q8 = std::is_same<KV, int8_t>::value;
+  const KV* kbase;
+  const KV* vbase;
+  const T *ks_base = nullptr, *ko_base = nullptr, *vs_base = nullptr, *vo_base = nullptr;
+  if constexpr (Q8) {
+    kbase = a.k8 + g.b * a.sk.b + hk * a.sk.h;
+    vbase = a.v8 + g.b * a.sv.b + hk * a.sv.h;
+    const int64_t bh = g.b * a.Hkv + hk;
+    ks_base = a.k_scale + bh * (a.R / a.kgroup) * d;
+    ko_base = a.k_off + bh * (a.R / a.kgroup) * d;
+    vs_base = a.v_scale + bh * a.R;
+    vo_base = a.v_off + bh * a.R;
+  } else {
+    kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
+    vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
+  }
+  const KV** krow = krows_of<KV>(sc);
+  const KV** vrow = vrows_of<KV>(sc);
+  const bool kpack = !Q8 && a.sk.d != 1, vpack = !Q8 && a.sv.d != 1;
+  int64_t cols = 0;
+  for (int64_t j0 = c0, blk = 0; j0 < c1; j0 += cols, ++blk) {
     // Long splits (a capped split count, see decode_impl) look for Ctrl-C
     // every 16 blocks, not only between items.
-    if (((j0 - c0) / kBc) % 16 == 15 && tok.poll()) return;
-    const int64_t cols = dmin(kBc, c1 - j0);
+    if (blk % 16 == 15 && tok.poll()) return;
+    cols = imin(kBc, c1 - j0);
+    if constexpr (Q8) cols = imin(cols, a.kgroup - (s.k0 + j0) % a.kgroup);
     // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
-    int64_t slot = s.start + j0;
+    int64_t slot = s.k0 + j0;
     slot %= a.R;
-    for (int64_t c = 0; c < cols; ++c) {
-      if (kpack) {
-        S* dst = sc.Kp + c * dp;
-        const S* src = kbase + slot * a.sk.l;
-        for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
-        sc.kp[c] = dst;
-      } else {
-        sc.kp[c] = kbase + slot * a.sk.l;
+    if constexpr (Q8) {
+      // The block's key group: fold its scales into Q, its offsets into qb.
+      const T* ks = ks_base + slot / a.kgroup * d;
+      const T* ko = ko_base + slot / a.kgroup * d;
+      for (int r = 0; r < nr; ++r) {
+        const T* qs = sc.Qs + r * dp;
+        T* qg = sc.Qg + r * dp;
+        T b = T(0);
+        for (int64_t e = 0; e < d; ++e) {
+          qg[e] = qs[e] * ks[e];
+          b += qs[e] * ko[e];
+        }
+        for (int64_t e = d; e < dp; ++e) qg[e] = T(0);
+        sc.qb[r] = b;
       }
-      if (vpack) {
-        S* dst = sc.Vpk + c * dvp;
-        const S* src = vbase + slot * a.sv.l;
-        for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
-        sc.vp[c] = dst;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      if constexpr (Q8) {
+        krow[c] = kbase + slot * a.sk.l;
+        vrow[c] = vbase + slot * a.sv.l;
+        sc.pvs[c] = vs_base[slot];
+        sc.pvo[c] = vo_base[slot];
       } else {
-        sc.vp[c] = vbase + slot * a.sv.l;
+        if (kpack) {
+          S* dst = sc.Kpack + c * dp;
+          const S* src = kbase + slot * a.sk.l;
+          for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
+          sc.krow[c] = dst;
+        } else {
+          sc.krow[c] = kbase + slot * a.sk.l;
+        }
+        if (vpack) {
+          S* dst = sc.Vpack + c * dvp;
+          const S* src = vbase + slot * a.sv.l;
+          for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
+          sc.vrow[c] = dst;
+        } else {
+          sc.vrow[c] = vbase + slot * a.sv.l;
+        }
       }
       if (++slot == a.R) slot = 0;
     }
     // Touch every cache line of the block's K and V rows first, in a tight
     // loop with many loads in flight (as a streaming read does): the misses
     // overlap, and QK / PV below then hit L1/L2.
-    sc.sink[0] += touch_lines(sc.kp, cols, d) + touch_lines(sc.vp, cols, dv);
+    sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched one per inner iteration of QK / PV.
     Pf pf{sc.pfa, 0, 0};
-    if (!kpack && !vpack && j0 + kBc < c1) {
-      int64_t ns = (s.start + j0 + kBc) % a.R;
-      const int64_t ncols = dmin(kBc, c1 - j0 - kBc);
+    if (!kpack && !vpack && j0 + cols < c1) {
+      int64_t ns = (s.k0 + j0 + cols) % a.R;
+      const int64_t ncols = imin(kBc, c1 - j0 - cols);
       for (int64_t c = 0; c < ncols; ++c) {
         const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
         const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(S)); off += 64)
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(S)); off += 64)
+        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = vr + off;
         if (++ns == a.R) ns = 0;
       }
     }
     // S = Q K^T.
-    qk_dispatch<T, S>(nr, sc.Qs, dp, sc.kp, cols, d, sc.S, kBc, &pf);
+    qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, &pf);
+    if constexpr (Q8)
+      for (int r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] += sc.qb[r];
     // Masks and online softmax.
     bool partial = false;
-    for (int r = 0; r < nr; ++r) {
-      T* srow = sc.S + r * kBc;
-      const int64_t lo = sc.lo[r] - j0, hi = sc.hi[r] - j0;
-      if (lo > 0 || hi < cols) {
-        partial = true;
-        for (int64_t c = 0; c < cols; ++c)
-          if (c < lo || c >= hi) srow[c] = NEG_INF;
-      }
-      for (int64_t c = cols; c < dround(cols, W); ++c) srow[c] = NEG_INF;
-      typename V::R vm = V::set1(NEG_INF);
-      for (int64_t c = 0; c < cols; c += W) vm = V::max(vm, V::load(srow + c));
-      const T mx = V::hmax(vm);
-      const T m_old = mp[r];
-      const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
-      if (m_new == NEG_INF) {  // nothing visible so far, or only NaN: max() drops NaN
-        bool nan = false;
-        for (int64_t c = 0; c < cols; ++c) nan = nan || srow[c] != srow[c];
-        if (nan)
-          mp[r] = lp[r] = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
-        for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
-        continue;
-      }
-      const typename V::R vmn = V::set1(m_new);
-      const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
-      typename V::R vs = V::zero();
-      for (int64_t c = 0; c < cols; c += W) {
-        // 2^((s - m) log2 e): the argument is <= 0 (or NaN), see exp2_neg.
-        const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(srow + c), vmn), vl2e));
-        V::store(srow + c, p);
-        vs = V::add(vs, p);
-      }
-      const T rowsum = V::hsum(vs);
-      if (m_new != m_old) {
-        const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
-        lp[r] = lp[r] * alpha + rowsum;
+    for (int r = 0; r < nr; ++r)
+      partial |= softmax_row(sc.S + r * kBc, cols, sc.lo[r] - j0, sc.hi[r] - j0, &mp[r], &lp[r],
+                             Op + r * dvp, dvp);
+    // int8 V: O += (P . vo) 1 now, and P * vs below.
+    if constexpr (Q8)
+      for (int r = 0; r < nr; ++r) {
+        T* prow = sc.S + r * kBc;
+        T ex = T(0);
+        for (int64_t c = 0; c < cols; ++c) {
+          ex += prow[c] * sc.pvo[c];
+          prow[c] *= sc.pvs[c];
+        }
         T* orow = Op + r * dvp;
-        const typename V::R va = V::set1(alpha);
-        for (int64_t e = 0; e < dvp; e += W) V::store(orow + e, V::mul(V::load(orow + e), va));
-      } else {
-        lp[r] += rowsum;
+        for (int64_t e = 0; e < dv; ++e) orow[e] += ex;
       }
-      mp[r] = m_new;
-    }
     // O += P V.
     if (!partial) {
-      pv_dispatch<T, S>(nr, sc.S, kBc, sc.vp, cols, dv, Op, dvp, &pf);
+      pv_dispatch<T, KV>(nr, sc.S, kBc, vrow, cols, dv, Op, dvp, &pf);
     } else {  // skip zero weights: a NaN in a masked V row must not leak
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const T p = sc.S[r * kBc + c];
           if (p == T(0)) continue;
           T* orow = Op + r * dvp;
-          const S* vr = sc.vp[c];
+          const KV* vr = vrow[c];
           for (int64_t e = 0; e < dv; ++e) orow[e] += p * ld(vr + e);
         }
     }
@@ -610,7 +726,7 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
   constexpr int W = Vec<T>::W;
   const T NEG_INF = -std::numeric_limits<T>::infinity();
   const T NaN = std::numeric_limits<T>::quiet_NaN();
-  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
+  const int64_t G = a.Hq / a.Hkv, dvp = round_up(a.dv, W);
   for (int64_t r = 0; r < g.nr; ++r) {
     const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
     S* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
@@ -671,7 +787,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   using T = compute_t<ST>;
   constexpr int W = Vec<T>::W;
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
-  const int64_t G = a.Hq / a.Hkv, dvp = dround(a.dv, W);
+  const int64_t G = a.Hq / a.Hkv, dvp = round_up(a.dv, W);
   const int64_t rows = a.Lq * G;               // rows per (sequence, kv head)
   const int64_t upb = (rows + kRB - 1) / kRB;  // row blocks per sequence
   const int64_t n_groups = a.B * upb * a.Hkv;  // group x = (b * upb + row block) * Hkv + hk
@@ -680,35 +796,35 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   int64_t long_items = 0, max_range = 0;
   double work = 0;
   for (int64_t b = 0; b < a.B; ++b) {
-    const DSeq<ST> s = dseq(a, b);
+    const SeqInfo s = seq_info(a, b);
     for (int64_t r0 = 0; r0 < rows; r0 += kRB) {
-      const int64_t nr = dmin(kRB, rows - r0);
+      const int64_t nr = imin(kRB, rows - r0);
       int64_t jlo, jhi;
       block_range(a, s, G, r0, nr, &jlo, &jhi);
-      const int64_t range = dmax(0, jhi - jlo);
-      max_range = dmax(max_range, range);
+      const int64_t range = imax(0, jhi - jlo);
+      max_range = imax(max_range, range);
       if (long_items < kMinLongItems) long_items += (range + kSplitLong - 1) / kSplitLong * a.Hkv;
       work += static_cast<double>(range) * nr * a.Hkv * static_cast<double>(a.d + a.dv);
     }
   }
   int64_t split = a.split > 0 ? a.split : long_items >= kMinLongItems ? kSplitLong : kSplitShort;
   const int64_t item_bytes = kRB * (dvp + 2) * static_cast<int64_t>(sizeof(T));
-  const int64_t max_items = dmax(kMinSliceItems, kPartBytes / item_bytes);
-  if (max_range / split >= max_items) split = dround(max_range / max_items + 1, kBc);
+  const int64_t max_items = imax(kMinSliceItems, kPartBytes / item_bytes);
+  if (max_range / split >= max_items) split = round_up(max_range / max_items + 1, kBc);
   int64_t n_items = 0;  // over the whole call
   for (int64_t b = 0; b < a.B && n_items < max_items; ++b) {
-    const DSeq<ST> s = dseq(a, b);
+    const SeqInfo s = seq_info(a, b);
     for (int64_t r0 = 0; r0 < rows && n_items < max_items; r0 += kRB) {
       int64_t jlo, jhi;
-      block_range(a, s, G, r0, dmin(kRB, rows - r0), &jlo, &jhi);
+      block_range(a, s, G, r0, imin(kRB, rows - r0), &jlo, &jhi);
       if (jhi > jlo) n_items += (jhi - jlo + split - 1) / split * a.Hkv;
     }
   }
-  const int64_t slice_items = dmax(1, dmin(n_items, max_items));
-  const int64_t slice_groups = dmin(n_groups, kMaxSliceGroups);
+  const int64_t slice_items = imax(1, imin(n_items, max_items));
+  const int64_t slice_groups = imin(n_groups, kMaxSliceGroups);
 
   int nt = a.num_threads > 0 ? a.num_threads : 1;
-  if (dmax(n_items, n_groups) < nt) nt = static_cast<int>(dmax(1, dmax(n_items, n_groups)));
+  if (imax(n_items, n_groups) < nt) nt = static_cast<int>(imax(1, imax(n_items, n_groups)));
   // Small steps (a short cache: tens of microseconds of work) run on the
   // calling thread, as in the prefill kernel. Waking a team costs more than it
   // saves, and in a model that also calls NumPy's BLAS between attention
@@ -722,9 +838,9 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   // the team's wake-up), and one that cannot takes no items: the call then
   // throws after the region. The group tables are double-buffered: the next
   // slice is built while the last items of this one still read theirs.
-  T* Opart = dalloc<T>(slice_items * kRB * dvp);
-  T* mpart = dalloc<T>(slice_items * kRB);
-  T* lpart = dalloc<T>(slice_items * kRB);
+  T* Opart = alloc_scratch<T>(slice_items * kRB * dvp);
+  T* mpart = alloc_scratch<T>(slice_items * kRB);
+  T* lpart = alloc_scratch<T>(slice_items * kRB);
   Group* gbuf =
       static_cast<Group*>(std::malloc(sizeof(Group) * static_cast<size_t>(2 * slice_groups)));
   int64_t* dbuf =
@@ -755,9 +871,9 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
       Group& g = S.groups[S.ng];
       g.b = u / upb;
       g.r0 = (u % upb) * kRB;
-      g.nr = dmin(kRB, rows - g.r0);
+      g.nr = imin(kRB, rows - g.r0);
       g.hk = x_next % a.Hkv;
-      block_range(a, dseq(a, g.b), G, g.r0, g.nr, &g.jlo, &g.jhi);
+      block_range(a, seq_info(a, g.b), G, g.r0, g.nr, &g.jlo, &g.jhi);
       g.nsplit = g.jhi > g.jlo ? (g.jhi - g.jlo + split - 1) / split : 0;
       if (S.ng > 0 && S.ni + g.nsplit > slice_items) break;
       g.item0 = S.ni;
@@ -773,7 +889,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
 #pragma omp parallel num_threads(nt) reduction(+ : failed)
   {
     DScratch<ST> sc;
-    const bool ok = alloc_scratch(sc, a.d, a.dv);
+    const bool ok = alloc_thread_scratch(sc, a.d, a.dv);
     failed += ok ? 0 : 1;
     for (int cur = 0;; cur ^= 1) {
       const Slice& S = sl[cur];
@@ -799,8 +915,16 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
         while (groups[lo].nsplit == 0 || w >= groups[lo].item0 + groups[lo].nsplit) ++lo;
         const Group& g = groups[lo];
         const int64_t sp = w - g.item0;
-        const int64_t c0 = g.jlo + sp * split, c1 = dmin(g.jhi, c0 + split);
-        run_split(a, g, c0, c1, sc, Opart + w * kRB * dvp, mpart + w * kRB, lpart + w * kRB, tok);
+        const int64_t c0 = g.jlo + sp * split, c1 = imin(g.jhi, c0 + split);
+        T* Ow = Opart + w * kRB * dvp;
+        if constexpr (std::is_same<ST, float>::value) {
+          if (a.k8)
+            run_split<ST, int8_t>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+          else
+            run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+        } else {
+          run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
+        }
         if (__atomic_add_fetch(&S.done[lo], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
           merge_group(a, g, Opart, mpart, lpart, sc.Ob);
       }
@@ -811,7 +935,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
 #pragma omp single
       build(sl[cur ^ 1]);
     }
-    if (ok) free_scratch(sc);
+    if (ok) free_thread_scratch(sc);
   }
   std::free(dbuf);
   std::free(gbuf);
@@ -827,24 +951,6 @@ void decode_forward_f32(const DecodeArgs<float>& a) { decode_impl<float>(a); }
 void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<double>(a); }
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<bf16_t>(a); }
 void decode_forward_f16(const DecodeArgs<fp16_t>& a) { decode_impl<fp16_t>(a); }
-
-// Streaming read of n floats with independent vector accumulators: the probe
-// the decode benchmark compares its achieved bandwidth against.
-float stream_read(const float* p, int64_t n) {
-  using V = Vec<float>;
-  constexpr int W = V::W;
-  typename V::R a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-  int64_t i = 0;
-  for (; i + 4 * W <= n; i += 4 * W) {
-    a0 = V::add(a0, V::load(p + i));
-    a1 = V::add(a1, V::load(p + i + W));
-    a2 = V::add(a2, V::load(p + i + 2 * W));
-    a3 = V::add(a3, V::load(p + i + 3 * W));
-  }
-  float s = V::hsum(V::add(V::add(a0, a1), V::add(a2, a3)));
-  for (; i < n; ++i) s += p[i];
-  return s;
-}
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

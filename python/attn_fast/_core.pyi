@@ -64,6 +64,27 @@ def decode(
     kv_lens: np.ndarray | None = ...,
     kv_start: np.ndarray | None = ...,
     split: int = ...,
+    k_scale: np.ndarray | None = ...,
+    k_off: np.ndarray | None = ...,
+    v_scale: np.ndarray | None = ...,
+    v_off: np.ndarray | None = ...,
+    kgroup: int = ...,
+) -> None: ...
+def kv_quant_append(
+    k: np.ndarray,
+    v: np.ndarray,
+    k8: np.ndarray,
+    v8: np.ndarray,
+    k_scale: np.ndarray,
+    k_off: np.ndarray,
+    v_scale: np.ndarray,
+    v_off: np.ndarray,
+    stage: np.ndarray,
+    stage_grp: np.ndarray,
+    pos0: np.ndarray,
+    count: np.ndarray,
+    first_before: np.ndarray,
+    first_after: np.ndarray,
 ) -> None: ...
 def stream_read_gbps(threads: int, nbytes: int, reps: int = ...) -> float: ...
 def forked_child_serial() -> bool: ...

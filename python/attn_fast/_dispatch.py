@@ -38,8 +38,34 @@ DECODE_MIN_LK = 64
 
 # Where the keys live, for choose_kernel: a caller's arrays, a KV cache's
 # storage read as one contiguous view, or a ring that wraps (or starts at a
-# different slot per sequence), which only the decode kernel reads.
-KEYS_ARRAY, KEYS_CACHE, KEYS_RING = "array", "cache", "ring"
+# different slot per sequence), which only the decode kernel reads, or int8
+# codes with their scales (a quantised cache), which only the decode kernel reads.
+KEYS_ARRAY, KEYS_CACHE, KEYS_RING, KEYS_CODES = "array", "cache", "ring", "codes"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantArgs:
+    """The int8 K/V codes' scales of attention.h's DecodeArgs, one record.
+
+    Keys per channel over groups of `kgroup` positions, values per token:
+    k = k_code · k_scale + k_off with k_scale, k_off (B, H_kv, capacity / kgroup, d);
+    v = v_code · v_scale + v_off with v_scale, v_off (B, H_kv, capacity); float32.
+    """
+
+    k_scale: np.ndarray
+    k_off: np.ndarray
+    v_scale: np.ndarray
+    v_off: np.ndarray
+    kgroup: int
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        return dict(
+            k_scale=self.k_scale,
+            k_off=self.k_off,
+            v_scale=self.v_scale,
+            v_off=self.v_off,
+            kgroup=self.kgroup,
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +126,8 @@ def choose_kernel(
     stats : KernelStats are wanted (the decode kernel reports none).
     keys : KEYS_ARRAY (a caller's arrays), KEYS_CACHE (a KV cache read as one
         view: short chunks decode whatever Lk) or KEYS_RING (a wrapped ring:
-        always the decode kernel, which reads it in place).
+        always the decode kernel, which reads it in place) or KEYS_CODES (int8
+        codes: always the decode kernel, which dequantises them in registers).
     packed : varlen (cu_seqlens) sequences, which the tiled kernels read only.
     """
     fits = (
@@ -122,7 +149,7 @@ def choose_kernel(
                 f"got {got}"
             )
         return DECODE
-    if keys == KEYS_RING:
+    if keys in (KEYS_RING, KEYS_CODES):
         return DECODE
     short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lk >= DECODE_MIN_LK)
     return DECODE if fits and short else PREFILL
@@ -144,21 +171,27 @@ def attend(
     cu_q: np.ndarray | None = None,
     cu_k: np.ndarray | None = None,
     kv_start: np.ndarray | None = None,
+    quant: QuantArgs | None = None,
 ) -> tuple[int, int, int, int]:
     """Run the forward `kernel` (from ``choose_kernel``), writing o and lse.
 
     q (B, H, Lq, d), k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv), o (B, H, Lq, dv)
     and lse (B, H, Lq) or None, any strides (varlen: B = 1 with cu_q / cu_k;
-    a KV cache's ring: kv_start, DECODE only). Returns the tile counts
+    a KV cache's ring: kv_start, DECODE only; int8 k/v codes: quant, DECODE
+    only). Returns the tile counts
     (tiles_computed, tiles_skipped, block_q, block_k); zeros for DECODE.
     The GIL is released while the kernel runs.
     """
     kw = mask.kernel_kwargs()
     if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
+        if quant is not None:
+            kw.update(quant.kernel_kwargs())
         _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
         return (0, 0, 0, 0)
-    if kv_start is not None:
-        raise ValueError("kv_start (a ring of keys) is read by the decode kernel only")
+    if kv_start is not None or quant is not None:
+        raise ValueError(
+            "kv_start (a ring of keys) and int8 codes are read by the decode kernel only"
+        )
     if cu_q is not None:
         kw.update(cu_q=cu_q, cu_k=cu_k)
     if block_q or block_k:

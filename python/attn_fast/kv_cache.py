@@ -37,13 +37,36 @@ that dtype (bfloat16 as its uint16 bits, as the kernels read it: half the
 bytes of float32), chunks and queries must come in it, and ``attend`` returns
 it; the kernels widen K/V/q to float32 as they load them, accumulate and take
 the softmax in float32, and round O once. lse is float32.
+
+int8 storage (``dtype="int8"``): K and V are stored as 8-bit codes with
+float32 scales beside them, about 280 bytes per token and kv head at
+d = dv = 128 instead of 1024 (float32). Chunks, queries and results are
+float32. The codes are asymmetric, ``x = code * scale + offset`` over each
+slice's [min, max]: keys per channel over groups of ``KGROUP`` = 64
+consecutive positions (KIVI-style: key outliers live in a few channels;
+64 is the decode kernel's key block, so a block folds one group's scales into
+q), values per token. ``append`` quantises in C++ (``_core.kv_quant_append``,
+GIL released). A key group's channel ranges are known only once it is full,
+so the float32 keys of the group being filled are kept beside the codes (a
+staging tail of 64 x d floats per sequence and kv head) and the group is
+requantised from them at the end of every append. What a query sees: the
+dequantised keys and values of every stored position, its own chunk included
+(a chunk is quantised on append, before ``attend`` reads it), so an int8
+``attend`` equals exact attention over ``keys(b)`` / ``values(b)``, which
+return the dequantised float32 values. ``truncate`` back into a group that had
+already closed refills its staging rows from the dequantised codes (its kept
+keys are requantised from those, at most half a code step more error, when
+later keys widen its range). Capacity and ring are rounded up to multiples
+of 64; position p lives in slot p mod capacity. Decode and prefill (any
+chunk length) run the split-KV decode kernel, which reads the codes in place
+and dequantises in registers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _cyloops, _dispatch, _loops
+from . import _core, _cyloops, _dispatch, _loops
 from ._checks import (
     BF16,
     F16,
@@ -68,11 +91,16 @@ from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
+I8 = np.dtype(np.int8)
+KGROUP = 64  # positions per key quantisation group of an int8 cache (the decode key block)
+
 
 def _cache_dtype(dtype):
     """The storage dtype for KVCache(dtype=...): float32, float64, float16, or BF16 (uint16 bits)
     for bfloat16 (given as "bfloat16", ml_dtypes.bfloat16 or torch.bfloat16). TypeError otherwise."""
     name = str(dtype).replace("torch.", "")
+    if name == "int8":
+        return I8
     if name in ("bfloat16", "bf16"):
         return BF16
     if name in ("float16", "half", "fp16"):
@@ -83,10 +111,15 @@ def _cache_dtype(dtype):
         dt = None
     if dt is not None and dt.name == "bfloat16":  # ml_dtypes.bfloat16
         return BF16
+    if dt == I8:
+        return I8
     if dt == F16:
         return F16
     if dt is None or dt not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}")
+        raise TypeError(
+            "dtype must be float32, float64, float16 or bfloat16 (or int8, quantised), "
+            f"got {dtype!r}"
+        )
     return dt
 
 
@@ -151,7 +184,10 @@ class KVCache:
     dtype : storage dtype: float32 (default), float64, or 16-bit "float16" /
         "bfloat16" (np.float16, ml_dtypes.bfloat16, torch.float16 /
         torch.bfloat16 too), computed in float32; ``self.dtype`` is then
-        float16, or uint16 for bfloat16 (the bits).
+        float16, or uint16 for bfloat16 (the bits). Or "int8" (np.int8):
+        8-bit codes with scales (module docstring); chunks, queries and
+        results are float32 (``self.io_dtype``); capacity / ring are
+        rounded up to a multiple of ``KGROUP`` = 64.
     window : int or None. Sliding-window attention over the last ``window``
         positions, kept in a ring buffer (see the module docstring).
     growable : bool, default True.
@@ -164,7 +200,11 @@ class KVCache:
     positions : (B,) int64, absolute position of each sequence's next token.
     capacity : int, slots per sequence now allocated.
     nbytes : int, bytes of K and V storage allocated (half of float32's for
-        the 16-bit dtypes).
+        the 16-bit dtypes; for int8 the codes, scales, offsets and the
+        staging tail: capacity x (d + dv + 8 + 8 d / 64) + 256 d bytes per
+        sequence and kv head).
+    io_dtype : the dtype of chunks, queries and results (float32 for int8,
+        else ``dtype``).
     """
 
     def __init__(
@@ -187,6 +227,8 @@ class KVCache:
         )
         self.dtype = _cache_dtype(dtype)
         self._half = self.dtype in HALF_DTYPES
+        self._q8 = self.dtype == I8
+        self.io_dtype = np.dtype(np.float32) if self._q8 else self.dtype
         self.growable = bool(growable)
         self.window = None if window is None else check_int(window, "window", 1)
         if self.window is None:
@@ -197,14 +239,29 @@ class KVCache:
             cap = 2 * self.window if ring is None else check_int(ring, "ring", 1)
             if cap < self.window:
                 raise ValueError(f"ring ({cap}) must be >= window ({self.window})")
+        if self._q8:
+            cap = -(-cap // KGROUP) * KGROUP
         B, H = self.batch, self.num_kv_heads
-        self._k = np.empty((B, H, cap, self.head_dim), dtype=self.dtype)
-        self._v = np.empty((B, H, cap, self.v_head_dim), dtype=self.dtype)
+        self._alloc(cap)
+        if self._q8:  # the staging tail: float32 keys of the group being filled
+            self._stage = np.zeros((B, H, KGROUP, self.head_dim), dtype=np.float32)
+            self._stage_grp = np.full(B, -1, dtype=np.int64)
         self._start = np.zeros(B, dtype=np.int64)  # ring slot of the oldest stored key
         self._n = np.zeros(B, dtype=np.int64)  # stored keys
         self._pos = np.zeros(B, dtype=np.int64)  # absolute position of the next token
         self._last_new = np.zeros(B, dtype=np.int64)  # per-sequence length of the last append
         self._last_L = 0  # chunk length of the last append
+
+    def _alloc(self, cap):
+        """Fresh storage of cap slots per sequence (the arrays only; counters untouched)."""
+        B, H, d, dv = self.batch, self.num_kv_heads, self.head_dim, self.v_head_dim
+        self._k = np.empty((B, H, cap, d), dtype=self.dtype)
+        self._v = np.empty((B, H, cap, dv), dtype=self.dtype)
+        if self._q8:  # codes x = code * scale + off: keys per (group, channel), values per slot
+            self._ks = np.zeros((B, H, cap // KGROUP, d), dtype=np.float32)
+            self._ko = np.zeros((B, H, cap // KGROUP, d), dtype=np.float32)
+            self._vs = np.zeros((B, H, cap), dtype=np.float32)
+            self._vo = np.zeros((B, H, cap), dtype=np.float32)
 
     # ---- state -------------------------------------------------------------
     @property
@@ -221,7 +278,10 @@ class KVCache:
 
     @property
     def nbytes(self):
-        return self._k.nbytes + self._v.nbytes
+        n = self._k.nbytes + self._v.nbytes
+        if self._q8:
+            n += sum(a.nbytes for a in (self._ks, self._ko, self._vs, self._vo, self._stage))
+        return n
 
     def __len__(self):
         """Tokens appended so far (the longest sequence's, for ragged batches)."""
@@ -242,15 +302,31 @@ class KVCache:
         self._pos[:] = 0
         self._last_new[:] = 0
         self._last_L = 0
+        if self._q8:
+            self._stage_grp[:] = -1
 
     def keys(self, b):
-        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the ring wraps);
-        bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable, else its uint16 bits."""
+        """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the
+        ring wraps); bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable,
+        else its uint16 bits; int8: the dequantised float32 keys (what ``attend`` reads)."""
+        if self._q8:
+            slots = self._slots(b)
+            g = slots // KGROUP
+            return self._k[b][:, slots].astype(np.float32) * self._ks[b][:, g] + self._ko[b][:, g]
         return half_result(self._gather(self._k, b))
 
     def values(self, b):
-        """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as for keys)."""
+        """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as
+        for keys; int8: the dequantised float32 values)."""
+        if self._q8:
+            slots = self._slots(b)
+            vs, vo = self._vs[b][:, slots, None], self._vo[b][:, slots, None]
+            return self._v[b][:, slots].astype(np.float32) * vs + vo
         return half_result(self._gather(self._v, b))
+
+    def _slots(self, b):
+        """Slots of sequence b's stored keys in position order (int8: position p, slot p mod R)."""
+        return (int(self._start[b]) + np.arange(int(self._n[b]))) % self.capacity
 
     def _gather(self, buf, b):
         s, n, R = int(self._start[b]), int(self._n[b]), self.capacity
@@ -260,7 +336,10 @@ class KVCache:
 
     # ---- writing ---------------------------------------------------------------
     def _resize(self, new_cap):
-        """Reallocate to new_cap slots per sequence, keys in order from slot 0."""
+        """Reallocate to new_cap slots per sequence, keys in order from slot 0 (int8: position p
+        in slot p mod new_cap, new_cap rounded up to a multiple of KGROUP)."""
+        if self._q8:
+            return self._resize_q8(-(-new_cap // KGROUP) * KGROUP)
         B, H = self.batch, self.num_kv_heads
         k = np.empty((B, H, new_cap, self.head_dim), dtype=self.dtype)
         v = np.empty((B, H, new_cap, self.v_head_dim), dtype=self.dtype)
@@ -271,7 +350,27 @@ class KVCache:
         self._k, self._v = k, v
         self._start[:] = 0
 
+    def _resize_q8(self, new_cap):
+        old = {a: getattr(self, a) for a in ("_k", "_v", "_ks", "_ko", "_vs", "_vo")}
+        R = self.capacity
+        self._alloc(new_cap)
+        for b in range(self.batch):
+            n, pos = int(self._n[b]), int(self._pos[b])
+            p = np.arange(pos - n, pos)
+            so, sn = p % R, p % new_cap
+            for a in ("_k", "_v", "_vs", "_vo"):
+                getattr(self, a)[b][:, sn] = old[a][b][:, so]
+            g = np.unique(p // KGROUP) * KGROUP  # the groups' first positions
+            for a in ("_ks", "_ko"):
+                getattr(self, a)[b][:, (g % new_cap) // KGROUP] = old[a][b][:, (g % R) // KGROUP]
+        self._start = (self._pos - self._n) % new_cap
+
     def _dtype_error(self, name, x):
+        if self._q8:
+            return TypeError(
+                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
+                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
+            )
         return TypeError(
             f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
             f"cast it first ({_cast_hint(self.dtype)})"
@@ -285,7 +384,7 @@ class KVCache:
                 f"{name} has shape {shape_str(x)}, expected (batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
                 f" = ({B}, {H}, L_new, {dim})"
             )
-        if x.dtype != self.dtype:
+        if x.dtype != self.io_dtype:
             raise self._dtype_error(name, x)
         return x
 
@@ -300,7 +399,8 @@ class KVCache:
         rope : optional ``positional.RoPE`` with head_dim d: the keys are
             rotated on the way in, row t of sequence b at position
             ``positions[b] + t`` (k itself is not modified). 16-bit keys are
-            rotated in float32 and rounded once to the cache's dtype.
+            rotated in float32 and rounded once to the cache's dtype; int8
+            keys are rotated (float32) before they are quantised.
 
         Each row is copied once into the storage (``_cyloops.cache_write``,
         or the NumPy reference ``_write_numpy``). On error nothing changes.
@@ -344,6 +444,9 @@ class KVCache:
                 self._resize(self.window - 1 + big)
         R = self.capacity
         first = (self._start + self._n) % R  # first slot to write, per sequence
+        if self._q8:
+            self._append_q8(k, v, new, rope)
+            return
         try:
             if rope is not None and rope.rotary_dim and L and self._half:
                 pos = self._pos[:, None] + np.arange(L)
@@ -393,6 +496,35 @@ class KVCache:
         self._last_new = new
         self._last_L = L
 
+    def _append_q8(self, k, v, new, rope):
+        """append() for an int8 cache: quantise in C++ (positions p -> slot p mod R)."""
+        L = k.shape[2]
+        if rope is not None and rope.rotary_dim and L:
+            k = rope(k, positions=self._pos[:, None] + np.arange(L), seq_axis=-2)
+            k = np.asarray(k, dtype=np.float32)
+        n_new = np.minimum(self.capacity, self._n + new)
+        _core.kv_quant_append(
+            k,
+            v,
+            self._k,
+            self._v,
+            self._ks,
+            self._ko,
+            self._vs,
+            self._vo,
+            self._stage,
+            self._stage_grp,
+            pos0=self._pos.copy(),
+            count=new,
+            first_before=self._pos - self._n,
+            first_after=self._pos + new - n_new,
+        )
+        self._start = (self._pos + new - n_new) % self.capacity
+        self._n = n_new
+        self._pos = self._pos + new
+        self._last_new = new
+        self._last_L = L
+
     def truncate(self, n):
         """Roll back to n tokens (int, or (B,) ints): drop every position >= n.
 
@@ -421,7 +553,10 @@ class KVCache:
                 )
         self._n = keep
         self._pos = n.copy()
-        self._start = np.where(keep == 0, 0, self._start)
+        if self._q8:  # position p stays in slot p mod R
+            self._start = (n - keep) % self.capacity
+        else:
+            self._start = np.where(keep == 0, 0, self._start)
         self._last_new = np.zeros(self.batch, dtype=np.int64)
         self._last_L = 0
 
@@ -443,7 +578,7 @@ class KVCache:
             raise ValueError(
                 f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads"
             )
-        if q.dtype != self.dtype:
+        if q.dtype != self.io_dtype:
             raise self._dtype_error("q", q)
         return q
 
@@ -451,7 +586,8 @@ class KVCache:
         """Attention of new queries against every stored key.
 
         q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
-            head h // (H_q // H_kv)); the cache's dtype; any strides.
+            head h // (H_q // H_kv)); the cache's dtype (float32 for int8);
+            any strides.
         causal : bottom-right aligned per sequence: query row i of sequence b
             is at position positions[b] - q_lens[b] + i and sees the keys up to
             it, so after ``append`` of a chunk its own queries see the whole
@@ -497,14 +633,14 @@ class KVCache:
                     f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
                     f"(window {self.window}); attend right after appending the chunk, or use a larger ring"
                 )
-        scale = check_scale(scale, d, self.dtype)
+        scale = check_scale(scale, d, self.io_dtype)
         shape = (B, Hq, Lq, self.v_head_dim)
         target = None  # the caller's out when it shares memory with q or the storage
         if out is None:
-            o = np.empty(shape, dtype=self.dtype)
+            o = np.empty(shape, dtype=self.io_dtype)
         else:
-            o, target = alias_safe(check_out(out, shape, self.dtype), q, self._k, self._v)
-        lse = np.empty((B, Hq, Lq), dtype=compute_dtype(self.dtype)) if return_lse else None
+            o, target = alias_safe(check_out(out, shape, self.io_dtype), q, self._k, self._v)
+        lse = np.empty((B, Hq, Lq), dtype=compute_dtype(self.io_dtype)) if return_lse else None
         if o.size or (lse is not None and lse.size):
             self._run(q, o, lse, ql, scale, causal)
         if target is not None:
@@ -520,6 +656,24 @@ class KVCache:
             kv_lens=self._n.copy(),
             window_left=-1 if self.window is None else self.window - 1,
         )
+        if self._q8:  # every chunk length: the split-KV kernel reads the codes in place
+            quant = _dispatch.QuantArgs(self._ks, self._ko, self._vs, self._vo, KGROUP)
+            kernel = _dispatch.choose_kernel(
+                Lq=q.shape[2], Lk=int(self._n.max()), mask=mask, keys=_dispatch.KEYS_CODES
+            )
+            _dispatch.attend(
+                kernel,
+                q,
+                self._k,
+                self._v,
+                o,
+                lse,
+                scale=scale,
+                mask=mask,
+                kv_start=self._start.copy(),
+                quant=quant,
+            )
+            return
         start, n = self._start, self._n
         ring = (start + n > self.capacity).any() or (start != start[0]).any()
         kernel = _dispatch.choose_kernel(
@@ -548,15 +702,17 @@ class KVCache:
         q = self._check_q(q)
         k = self._check_chunk(k, "k", self.head_dim)
         v = self._check_chunk(v, "v", self.v_head_dim)
-        scale = check_scale(scale, self.head_dim, self.dtype)  # checked before anything is appended
+        scale = check_scale(
+            scale, self.head_dim, self.io_dtype
+        )  # checked before anything is appended
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
             raise ValueError(
                 f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
             )
         step = L if self.window is None else max(1, self.capacity - self.window + 1)
-        o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.dtype)
-        lse = np.empty(q.shape[:3], dtype=compute_dtype(self.dtype)) if return_lse else None
+        o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
+        lse = np.empty(q.shape[:3], dtype=compute_dtype(self.io_dtype)) if return_lse else None
         tag = (
             bf16_bits if self.dtype == BF16 else (lambda x: x)
         )  # checked arrays back in as bfloat16

@@ -206,7 +206,8 @@ class MultiHeadAttention(Module):
                 f"{type(cache).__name__}"
             )
         want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
-        got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
+        io = getattr(cache, "io_dtype", cache.dtype)  # an int8 cache takes float32 (issue #20)
+        got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, io)
         if got != want:
             raise ValueError(
                 "cache has (batch, num_kv_heads, head_dim, v_head_dim, dtype) = "

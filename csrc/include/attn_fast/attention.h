@@ -161,6 +161,21 @@ struct DecodeArgs {
   const int64_t* kv_start = nullptr;  // (B,) slots in [0, R), or null = 0
   int num_threads = 1;
   int64_t split = 0;  // keys per split (0 = kernel default); results depend on it only by rounding
+  // int8 K/V storage (KVCache(dtype="int8"); T = float only). When k8 is set,
+  // k and v are not read: key e of slot t is
+  //   k8[.., t, e] * k_scale[.., t / kgroup, e] + k_off[.., t / kgroup, e]
+  // (per channel over groups of kgroup slots; R a multiple of kgroup) and
+  // value e of slot t is v8[.., t, e] * v_scale[.., t] + v_off[.., t] (per
+  // token). sk / sv are the strides of k8 / v8 (element stride 1 along d);
+  // k_scale / k_off are contiguous (B, Hkv, R / kgroup, d), v_scale / v_off
+  // contiguous (B, Hkv, R).
+  const int8_t* k8 = nullptr;
+  const int8_t* v8 = nullptr;
+  const compute_t<T>* k_scale = nullptr;
+  const compute_t<T>* k_off = nullptr;
+  const compute_t<T>* v_scale = nullptr;
+  const compute_t<T>* v_off = nullptr;
+  int64_t kgroup = 0;
 };
 
 // avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16
@@ -254,5 +269,42 @@ struct BwdArgs {
 
 void flash_backward(const BwdArgs<float>& a);
 void flash_backward(const BwdArgs<double>& a);
+
+// ---------------------------------------------------------------- int8 KV cache
+// Quantise one appended chunk into an int8 KV cache (csrc/kv_quant.cpp, plain
+// loops, OpenMP over (sequence, kv head)); the layout DecodeArgs::k8 reads.
+// Position p of sequence b lives in slot p mod R (R a multiple of G = kgroup).
+// Asymmetric 8-bit codes q in [-128, 127], x = q * scale + off with
+// scale = (max - min) / 255, off = min + 128 * scale (scale 0: x = off):
+//   keys per channel over the valid slots of each group of G slots,
+//   values per token (over dv).
+// stage (B, Hkv, G, d) holds the float32 keys of the group being filled (row
+// p mod G); stage_grp[b] is the absolute group (position / G) it belongs to,
+// -1 for none. A group is requantised from stage when it closes and at the
+// end of each append. Rows of the group that stage does not hold (the
+// ring's older keys in the same slots, or a group reopened by truncate or a
+// resize) are first refilled from their dequantised codes.
+struct KvQuantArgs {
+  const float* k = nullptr;  // (B, Hkv, L, d) chunk, strides sk
+  const float* v = nullptr;  // (B, Hkv, L, dv) chunk, strides sv
+  Strides4 sk, sv;
+  int64_t B = 0, Hkv = 0, L = 0, d = 0, dv = 0, R = 0, G = 0;
+  int8_t* k8 = nullptr;      // (B, Hkv, R, d) contiguous
+  int8_t* v8 = nullptr;      // (B, Hkv, R, dv) contiguous
+  float* k_scale = nullptr;  // (B, Hkv, R / G, d)
+  float* k_off = nullptr;
+  float* v_scale = nullptr;  // (B, Hkv, R)
+  float* v_off = nullptr;
+  float* stage = nullptr;                 // (B, Hkv, G, d)
+  int64_t* stage_grp = nullptr;           // (B,), updated
+  const int64_t* pos0 = nullptr;          // (B,) position of each sequence's first new row
+  const int64_t* count = nullptr;         // (B,) rows of the chunk to store
+  const int64_t* first_before = nullptr;  // (B,) oldest stored position before the append
+  const int64_t* first_after = nullptr;   // (B,) and after it
+  int num_threads = 1;
+};
+// Throws std::invalid_argument (nothing written) if a row to store holds inf
+// or NaN.
+void kv_quant_append(const KvQuantArgs& a);
 
 }  // namespace attn_fast

@@ -83,3 +83,38 @@ inline void row_range(const AttnArgs<T>& a, const SeqInfo& si, int64_t i, int64_
 
 }  // namespace
 }  // namespace attn_fast
+
+// ---- decode (DecodeArgs, csrc/kernels/decode.cpp): the same geometry over a
+// KV cache's R slots per sequence. SeqInfo::k0 is then the ring slot of
+// logical key 0 (kv_start[b]); q0 is 0 and q_rows is Lq.
+namespace attn_fast {
+namespace {
+
+template <typename T>
+inline SeqInfo seq_info(const DecodeArgs<T>& a, int64_t b) {
+  SeqInfo si;
+  si.b = b;
+  si.q_rows = a.Lq;
+  si.q_len = a.q_lens ? imax(0, imin(a.Lq, a.q_lens[b])) : a.Lq;
+  si.k_len = a.kv_lens ? imax(0, imin(a.R, a.kv_lens[b])) : a.R;
+  si.k0 = a.kv_start ? a.kv_start[b] : 0;
+  si.off = a.top_left ? 0 : si.k_len - si.q_len;
+  return si;
+}
+
+// Visible logical keys [lo, hi) of query token i (as row_range for AttnArgs).
+template <typename T>
+inline void row_range(const DecodeArgs<T>& a, const SeqInfo& si, int64_t i, int64_t* lo,
+                      int64_t* hi) {
+  int64_t l = 0, h = si.k_len;
+  const int64_t diag = i + si.off;
+  if (a.causal) h = imin(h, diag + 1);
+  if (a.window_left >= 0) l = imax(l, diag - a.window_left);
+  if (a.window_right >= 0) h = imin(h, diag + a.window_right + 1);
+  if (i >= si.q_len) h = l;  // padding row: nothing visible
+  *lo = l;
+  *hi = h;
+}
+
+}  // namespace
+}  // namespace attn_fast
