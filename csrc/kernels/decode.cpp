@@ -134,6 +134,7 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // to fp32 in registers as they are loaded (ldv), Q once when its rows are
 // scaled, and O is rounded once when the merge writes it (put).
 #include "storage.h"  // ld / put
+#include "toolkit.h"  // NEG_INF, online_softmax_row
 // W consecutive elements of storage type S as one compute-type register.
 template <typename T>
 inline typename Vec<T>::R ldv(const T* p) {
@@ -503,57 +504,25 @@ bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   return false;
 }
 
-// The online-softmax update of one row over one key block (the lead joins it
-// to the fused kernel's after issue #17's toolkit lands): srow[0, cols) holds
-// the scores, keys outside [lo, hi) are masked; on return srow holds
+// The online-softmax update of one row over one key block: srow[0, cols)
+// holds the scores, keys outside [lo, hi) are masked; on return srow holds
 // P = exp(s - m_new) (0 where masked), *m and *l are updated and the row's
-// O_acc (dvp elements) is rescaled by exp(m_old - m_new). A row whose
-// visible scores are all NaN becomes a NaN row (max() drops NaN). Returns
+// O_acc (dvp elements) is rescaled by exp(m_old - m_new): the toolkit's
+// online_softmax_row (one chain), shared with the fused kernel. Returns
 // whether the mask cut through the block (then PV must skip zero weights).
 template <typename T>
 inline bool softmax_row(T* srow, int64_t cols, int64_t lo, int64_t hi, T* m, T* l, T* orow,
                         int64_t dvp) {
-  using V = Vec<T>;
-  constexpr int W = V::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
+  constexpr int W = Vec<T>::W;
   bool partial = false;
   if (lo > 0 || hi < cols) {
     partial = true;
     for (int64_t c = 0; c < cols; ++c)
-      if (c < lo || c >= hi) srow[c] = NEG_INF;
+      if (c < lo || c >= hi) srow[c] = NEG_INF<T>;
   }
-  for (int64_t c = cols; c < round_up(cols, W); ++c) srow[c] = NEG_INF;
-  typename V::R vm = V::set1(NEG_INF);
-  for (int64_t c = 0; c < cols; c += W) vm = V::max(vm, V::load(srow + c));
-  const T mx = V::hmax(vm);
-  const T m_old = *m;
-  const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
-  if (m_new == NEG_INF) {                   // nothing visible so far, or only NaN: max() drops NaN
-    bool nan = false;
-    for (int64_t c = 0; c < cols; ++c) nan = nan || srow[c] != srow[c];
-    if (nan) *m = *l = std::numeric_limits<T>::quiet_NaN();  // NaN row, as the fused kernel
-    for (int64_t c = 0; c < cols; ++c) srow[c] = T(0);
-    return partial;
-  }
-  const typename V::R vmn = V::set1(m_new);
-  const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
-  typename V::R vs = V::zero();
-  for (int64_t c = 0; c < cols; c += W) {
-    // 2^((s - m) log2 e): the argument is <= 0 (or NaN), see exp2_neg.
-    const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(srow + c), vmn), vl2e));
-    V::store(srow + c, p);
-    vs = V::add(vs, p);
-  }
-  const T rowsum = V::hsum(vs);
-  if (m_new != m_old) {
-    const T alpha = m_old == NEG_INF ? T(0) : std::exp(m_old - m_new);
-    *l = *l * alpha + rowsum;
-    const typename V::R va = V::set1(alpha);
-    for (int64_t e = 0; e < dvp; e += W) V::store(orow + e, V::mul(V::load(orow + e), va));
-  } else {
-    *l += rowsum;
-  }
-  *m = m_new;
+  const int64_t cols_p = round_up(cols, W);
+  for (int64_t c = cols; c < cols_p; ++c) srow[c] = NEG_INF<T>;
+  online_softmax_row<T, 1>(srow, cols, cols_p, *m, *l, orow, dvp);
   return partial;
 }
 
@@ -569,7 +538,6 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
                const DScratch<S>& sc, T* Op, T* mp, T* lp, CancelToken& tok) {
   using V = Vec<T>;
   constexpr int W = V::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
   const int64_t G = a.Hq / a.Hkv, d = a.d, dv = a.dv, hk = g.hk;
   const int64_t dp = round_up(d, W), dvp = round_up(dv, W);
   const SeqInfo s = seq_info(a, g.b);
@@ -584,7 +552,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     for (int64_t e = 0; e < d; ++e) dst[e] = ld(src + e * a.sq.d) * scale;
     for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
     row_range(a, s, i, &sc.lo[r], &sc.hi[r]);
-    mp[r] = NEG_INF;
+    mp[r] = NEG_INF<T>;
     lp[r] = T(0);
   }
   std::memset(Op, 0, sizeof(T) * kRB * dvp);
@@ -724,14 +692,13 @@ template <typename S, typename T = compute_t<S>>
 void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T* mpart,
                  const T* lpart, T* Ob) {
   constexpr int W = Vec<T>::W;
-  const T NEG_INF = -std::numeric_limits<T>::infinity();
   const T NaN = std::numeric_limits<T>::quiet_NaN();
   const int64_t G = a.Hq / a.Hkv, dvp = round_up(a.dv, W);
   for (int64_t r = 0; r < g.nr; ++r) {
     const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
     S* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
     T* lse = a.lse ? a.lse + (g.b * a.Hq + h) * a.Lq + i : nullptr;
-    T m = NEG_INF;
+    T m = NEG_INF<T>;
     bool nan = false;  // a NaN partial max (a NaN score) makes the row NaN
     for (int64_t sp = 0; sp < g.nsplit; ++sp) {
       const T ms = mpart[(g.item0 + sp) * kRB + r];
@@ -741,15 +708,15 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
     T l = T(0);
     if (nan) {
       l = NaN;
-    } else if (m != NEG_INF) {
+    } else if (m != NEG_INF<T>) {
       for (int64_t sp = 0; sp < g.nsplit; ++sp) {
         const int64_t it = (g.item0 + sp) * kRB + r;
-        if (mpart[it] != NEG_INF) l += lpart[it] * std::exp(mpart[it] - m);
+        if (mpart[it] != NEG_INF<T>) l += lpart[it] * std::exp(mpart[it] - m);
       }
     }
-    if (m == NEG_INF || !(l > T(0))) {  // empty row (0, -inf) or NaN row (NaN, NaN)
+    if (m == NEG_INF<T> || !(l > T(0))) {  // empty row (0, -inf) or NaN row (NaN, NaN)
       for (int64_t e = 0; e < a.dv; ++e) put(dst + e * a.so.d, l != l ? l : T(0));
-      if (lse) *lse = l != l ? l : NEG_INF;
+      if (lse) *lse = l != l ? l : NEG_INF<T>;
       continue;
     }
     const T inv = T(1) / l;
@@ -758,7 +725,7 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
     for (int64_t sp = 0; sp < g.nsplit; ++sp) {
       const int64_t it = g.item0 + sp;
       const T ms = mpart[it * kRB + r];
-      if (ms == NEG_INF) continue;
+      if (ms == NEG_INF<T>) continue;
       const T f = std::exp(ms - m) * inv;
       const T* src = Opart + (it * kRB + r) * dvp;
       if (first) {
