@@ -306,50 +306,46 @@ inline void pv_rows(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, 
 }
 
 // Keys (QK) and value vectors (PV) per pass for N rows: about 8 accumulators.
+// The row count nr (1..8, of a row block) as a compile-time pair (rows,
+// key/column unroll) for the qk_rows / pv_rows micro-loops: f(rows, unroll)
+// with std::integral_constant arguments.
+template <typename F>
+inline void by_rows(int nr, F&& f) {
+  using std::integral_constant;
+  switch (nr) {
+    case 1:
+      return f(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+    case 2:
+      return f(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    case 3:
+      return f(integral_constant<int, 3>{}, integral_constant<int, 2>{});
+    case 4:
+      return f(integral_constant<int, 4>{}, integral_constant<int, 3>{});
+    case 5:
+      return f(integral_constant<int, 5>{}, integral_constant<int, 1>{});
+    case 6:
+      return f(integral_constant<int, 6>{}, integral_constant<int, 1>{});
+    case 7:
+      return f(integral_constant<int, 7>{}, integral_constant<int, 1>{});
+    default:
+      return f(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  }
+}
+
 template <typename T, typename SK>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d,
                  T* S, int64_t lds, Pf* pf) {
-  switch (nr) {
-    case 1:
-      return qk_rows<T, SK, 1, 8>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 2:
-      return qk_rows<T, SK, 2, 4>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 3:
-      return qk_rows<T, SK, 3, 2>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 4:
-      return qk_rows<T, SK, 4, 3>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 5:
-      return qk_rows<T, SK, 5, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 6:
-      return qk_rows<T, SK, 6, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    case 7:
-      return qk_rows<T, SK, 7, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-    default:
-      return qk_rows<T, SK, 8, 1>(Qs, ldq, kp, cols, d, S, lds, pf);
-  }
+  by_rows(nr, [&](auto R, auto U) {
+    qk_rows<T, SK, decltype(R)::value, decltype(U)::value>(Qs, ldq, kp, cols, d, S, lds, pf);
+  });
 }
 
 template <typename T, typename SV>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv,
                  T* O, int64_t ldo, Pf* pf) {
-  switch (nr) {
-    case 1:
-      return pv_rows<T, SV, 1, 8>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 2:
-      return pv_rows<T, SV, 2, 4>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 3:
-      return pv_rows<T, SV, 3, 2>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 4:
-      return pv_rows<T, SV, 4, 3>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 5:
-      return pv_rows<T, SV, 5, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 6:
-      return pv_rows<T, SV, 6, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    case 7:
-      return pv_rows<T, SV, 7, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-    default:
-      return pv_rows<T, SV, 8, 1>(P, ldp, vp, cols, dv, O, ldo, pf);
-  }
+  by_rows(nr, [&](auto R, auto U) {
+    pv_rows<T, SV, decltype(R)::value, decltype(U)::value>(P, ldp, vp, cols, dv, O, ldo, pf);
+  });
 }
 
 // touch_lines (below) for int8 rows: one byte of every line.

@@ -67,10 +67,11 @@ inline SeqInfo seq_info(const AttnArgs<T>& a, int64_t s) {
 }
 
 // Half-open range [lo, hi) of keys that the structural masks (lengths, causal,
-// window) leave visible to local query row i. Empty when hi <= lo.
-template <typename T>
-inline void row_range(const AttnArgs<T>& a, const SeqInfo& si, int64_t i, int64_t* lo,
-                      int64_t* hi) {
+// window) leave visible to local query row i. Empty when hi <= lo. Args:
+// AttnArgs<T> (the fused kernels) or DecodeArgs<T> (decode: logical keys of
+// the cache), which name these fields alike.
+template <typename Args>
+inline void row_range(const Args& a, const SeqInfo& si, int64_t i, int64_t* lo, int64_t* hi) {
   int64_t l = 0, h = si.k_len;
   const int64_t diag = i + si.off;
   if (a.causal) h = imin(h, diag + 1);
@@ -102,19 +103,7 @@ inline SeqInfo seq_info(const DecodeArgs<T>& a, int64_t b) {
   return si;
 }
 
-// Visible logical keys [lo, hi) of query token i (as row_range for AttnArgs).
-template <typename T>
-inline void row_range(const DecodeArgs<T>& a, const SeqInfo& si, int64_t i, int64_t* lo,
-                      int64_t* hi) {
-  int64_t l = 0, h = si.k_len;
-  const int64_t diag = i + si.off;
-  if (a.causal) h = imin(h, diag + 1);
-  if (a.window_left >= 0) l = imax(l, diag - a.window_left);
-  if (a.window_right >= 0) h = imin(h, diag + a.window_right + 1);
-  if (i >= si.q_len) h = l;  // padding row: nothing visible
-  *lo = l;
-  *hi = h;
-}
+// row_range (above) serves DecodeArgs too.
 
 }  // namespace
 }  // namespace attn_fast
