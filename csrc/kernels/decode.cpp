@@ -147,19 +147,9 @@ inline Vec<float>::R ldv(const fp16_t* p) {
   return Vec<float>::load_f16(reinterpret_cast<const uint16_t*>(p));
 }
 // int8 K/V (KVCache(dtype="int8")): W codes sign-extended and converted to fp32
-// in registers; the scales are applied outside the dot products (run_split).
-// TODO(#17 merge): a Vec<float>::load_i8 primitive in the vector headers.
-inline Vec<float>::R ldv(const int8_t* p) {
-#if defined(ATTN_ISA_AVX512)
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(ATTN_ISA_AVX2)
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  return static_cast<float>(*p);
-#endif
-}
+// in registers (Vec<float>::load_i8); the scales are applied outside the dot
+// products (run_split).
+inline Vec<float>::R ldv(const int8_t* p) { return Vec<float>::load_i8(p); }
 inline float ld(const int8_t* p) { return static_cast<float>(*p); }
 
 // Row block geometry: rows r0 .. r0+nr-1 of the (Lq * G) rows of one kv head,
@@ -190,34 +180,6 @@ inline void pf_step(Pf* p) {
   if (p->i < p->n) __builtin_prefetch(p->addr[p->i++], 0, 3);
 }
 
-// Horizontal sums of four registers: out[i] = sum of the lanes of a[i].
-template <typename T>
-inline void reduce4(const typename Vec<T>::R* a, T* out) {
-  for (int i = 0; i < 4; ++i) out[i] = Vec<T>::hsum(a[i]);
-}
-#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
-inline void reduce4_256(const __m256* a, float* out) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
-  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(t0, t1);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
-}
-#endif
-#if defined(ATTN_ISA_AVX2)
-template <>
-inline void reduce4<float>(const __m256* a, float* out) {
-  reduce4_256(a, out);
-}
-#elif defined(ATTN_ISA_AVX512)
-template <>
-inline void reduce4<float>(const __m512* a, float* out) {
-  __m256 h[4];
-  for (int i = 0; i < 4; ++i)
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
-  reduce4_256(h, out);
-}
-#endif
-
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
 // the storage type SK; Qs and S in the compute type T).
 // KC keys per pass: N * KC independent accumulator chains (enough to cover
@@ -246,7 +208,7 @@ inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols,
     }
     T sums[NK];
     int i = 0;
-    for (; i + 4 <= NK; i += 4) reduce4<T>(acc + i, sums + i);
+    for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
     for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) {

@@ -70,6 +70,11 @@ struct Vec<float> : VecMath<float>, HalfScalar {
     const __m256 t2 = _mm256_hadd_ps(t0, t1);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
+  // W int8 codes, sign-extended and converted to fp32 (the int8 KV cache).
+  static R load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
   // narrows with round to nearest even (NaN kept NaN, quieted); fp16 by F16C.
   static R load_bf16(const uint16_t* p) {

@@ -50,6 +50,11 @@ struct Vec<float> : VecMath<float>, HalfScalar {
     const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
+  // W int8 codes, sign-extended and converted to fp32 (the int8 KV cache).
+  static R load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   // 16-bit storage <-> fp32, W elements: bf16 widens by a 16-bit shift and
   // narrows with round to nearest even (NaN kept NaN, quieted; denormals kept,
   // unlike vcvtneps2bf16); fp16 by vcvtph2ps / vcvtps2ph.

@@ -28,6 +28,8 @@ struct Vec {
   static void hsum4(const R* a, T* out) {
     for (int i = 0; i < 4; ++i) out[i] = a[i];
   }
+  // One int8 code as the compute type (the int8 KV cache).
+  static R load_i8(const int8_t* p) { return static_cast<R>(*p); }
   static R exp(R x) { return std::exp(x); }
   static R exp2_neg(R t) { return std::exp2(t); }  // t <= 0: softmax weights
   // 16-bit storage <-> fp32 (T = float only): W elements, and one element.
