@@ -1,7 +1,7 @@
 """KV cache for generation: prefill once, then decode token by token.
 
 Shape legend: B batch, H_kv key/value heads, H_q query heads (a multiple of
-H_kv), d query/key head dim, dv value head dim, L_new the length of a chunk.
+H_kv), d query/key head dim, dv value head dim, L_new the length of a chunk. ::
 
     cache = KVCache(B, H_kv, d, capacity=4096)
     cache.append(k, v)                 # prefill: k (B, H_kv, L, d), v (B, H_kv, L, dv)
@@ -604,19 +604,24 @@ class KVCache:
         q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
             head h // (H_q // H_kv)); the cache's dtype (float32 for int8);
             any strides.
+
         causal : bottom-right aligned per sequence: query row i of sequence b
             is at position positions[b] - q_lens[b] + i and sees the keys up to
             it, so after ``append`` of a chunk its own queries see the whole
             past and the chunk causally (chunked prefill, decode).
             With ``causal=False`` every stored key is visible (the window
             still bounds the left side).
+
         q_lens : int or (B,) ints: valid query rows per sequence (rows beyond
             get zeros and lse = -inf). Default: the per-sequence lengths of
             the last ``append`` if q has its chunk length (ragged batches),
             else L_new for every sequence.
+
         scale : default 1/sqrt(d).
+
         return_lse : also return lse (B, H_q, L_new), in the compute dtype
             (float32 for a 16-bit cache).
+
         out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of
             the cache's dtype, any strides; written in place and returned.
             One that shares memory with q or the storage is filled through a
@@ -797,9 +802,11 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
 
     o_a, o_b : (..., dv) outputs, each normalised over its own keys;
     lse_a, lse_b : (...) their log-sum-exp of scores (-inf for an empty part).
-    Returns (o, lse) for the union of the key sets:
+    Returns (o, lse) for the union of the key sets::
+
         lse = log(exp(lse_a) + exp(lse_b)),
         o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
+
     A part with lse = -inf contributes nothing (its o is not read, even if
     NaN); both empty gives o = 0, lse = -inf; a NaN lse gives NaN o and lse.
     All four inputs share one dtype (float32 or float64; mixed dtypes raise
