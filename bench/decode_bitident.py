@@ -9,6 +9,7 @@ not bit-for-bit identical. Used for refactors that must not change results (issu
 import sys
 
 import numpy as np
+
 from attn_fast import _core
 
 CASES = [  # B, Hq, Hkv, Lq, R, d, dv, causal, window_left, split, ring start

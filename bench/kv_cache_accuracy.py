@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import attn_fast as af
 import numpy as np
+
+import attn_fast as af
 from attn_fast import reference
 from attn_fast._checks import BF16, bf16_bits, from_float, to_float
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import sys
 
-import attn_fast as af
 import numpy as np
+
+import attn_fast as af
 from attn_fast import masks as M
 
 F32, F64 = np.float32, np.float64

@@ -14,7 +14,6 @@ from helpers import assert_close, poisoned, randn
 
 import attn_fast as af
 from attn_fast import _checks
-from attn_fast import functional as F
 from attn_fast import reference as ref
 
 

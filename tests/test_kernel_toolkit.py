@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 
-import attn_fast as af
 import numpy as np
 import pytest
-from attn_fast import _core, masks
 from conftest import poisoned, tol
 from oracle import causal_mask, sdpa
+
+import attn_fast as af
+from attn_fast import _core, masks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "bit_identity.py")

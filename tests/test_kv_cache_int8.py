@@ -8,13 +8,14 @@ code step per element; see ``quantise`` for the codes).
 
 from __future__ import annotations
 
-import attn_fast as af
 import numpy as np
 import pytest
+from conftest import poisoned, tol
+
+import attn_fast as af
 from attn_fast import reference as ref
 from attn_fast.kv_cache import KGROUP
 from attn_fast.positional import RoPE
-from conftest import poisoned, tol
 
 F32 = np.float32
 

@@ -10,15 +10,16 @@ import ast
 import dataclasses
 import pathlib
 
-import attn_fast as af
 import numpy as np
 import oracle as ref
 import pytest
+from conftest import poisoned, tol
+
+import attn_fast as af
 from attn_fast import _checks, _core, _dispatch
 from attn_fast import masks as M
 from attn_fast._dispatch import DECODE, PREFILL, REFERENCE, ScoreArgs
 from attn_fast.masks import MaskArgs
-from conftest import poisoned, tol
 
 B, H = 2, 3
 

@@ -15,8 +15,9 @@ import pathlib
 import re
 import types
 
-import attn_fast
 import pytest
+
+import attn_fast
 from attn_fast import _core, _cyloops
 
 PKG = pathlib.Path(attn_fast.__file__).parent

@@ -1,4 +1,5 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
 """The Python layer's small numeric loops, in Cython over NumPy buffers.
 
 Each function here replaces a NumPy formula that stays in the calling module
@@ -26,7 +27,6 @@ Shape legend: B batch, L positions, H heads, d head dim, r rotary dims
 """
 
 from cython.parallel cimport prange
-cimport cython
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int64_t
 import numpy as np
@@ -59,7 +59,10 @@ cdef inline void _rotate_row(const floating* src, floating* dst, Py_ssize_t ssd,
                              const floating* c, const floating* s, Py_ssize_t half,
                              Py_ssize_t sa, Py_ssize_t ob, Py_ssize_t r, Py_ssize_t d,
                              bint copy_tail) noexcept nogil:
-    """One head vector: pairs (i*sa, i*sa + ob) rotated by (c[i], s[i]); tail r..d-1 copied if asked."""
+    """One head vector: pairs (i*sa, i*sa + ob) rotated by (c[i], s[i]).
+
+    The tail r..d-1 is copied if asked.
+    """
     cdef Py_ssize_t i, ia, ib
     cdef floating xa, xb
     if ssd == 1 and dsd == 1:  # unit stride: loops the compiler vectorises
@@ -95,7 +98,8 @@ def _check_pos(const int64_t[:, :] pos, Py_ssize_t n, Py_ssize_t B, Py_ssize_t L
     cdef Py_ssize_t b, l
     cdef int64_t p
     if pos.shape[1] != L or (pos.shape[0] != 1 and pos.shape[0] != B):
-        raise ValueError(f"positions have shape ({pos.shape[0]}, {pos.shape[1]}), expected (1 or {B}, {L})")
+        raise ValueError(f"positions have shape ({pos.shape[0]}, {pos.shape[1]}), "
+                         f"expected (1 or {B}, {L})")
     for b in range(pos.shape[0]):
         for l in range(L):
             p = pos[b, l]
@@ -125,7 +129,8 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
         H2 = x2.shape[2]
         if x2.shape[0] != B or x2.shape[1] != L or x2.shape[3] != d:
             raise ValueError("rope: the second array's (B, L, d) differ from the first's")
-        if y2 is None or y2.shape[0] != B or y2.shape[1] != L or y2.shape[2] != H2 or y2.shape[3] != d:
+        if (y2 is None or y2.shape[0] != B or y2.shape[1] != L or y2.shape[2] != H2
+                or y2.shape[3] != d):
             raise ValueError("rope: x2 and y2 extents differ")
     if sin.shape[0] != cos.shape[0] or sin.shape[1] != half or r > d:
         raise ValueError(f"rope: tables ({cos.shape[0]}, {half}) do not fit head dim {d}")
@@ -145,16 +150,20 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
     if H:
         xp = &x[0, 0, 0, 0]
         yp = &y[0, 0, 0, 0]
-    cdef Py_ssize_t xs0 = x.strides[0] // isz, xs1 = x.strides[1] // isz, xs2 = x.strides[2] // isz, xs3 = x.strides[3] // isz
-    cdef Py_ssize_t ys0 = y.strides[0] // isz, ys1 = y.strides[1] // isz, ys2 = y.strides[2] // isz, ys3 = y.strides[3] // isz
+    cdef Py_ssize_t xs0 = x.strides[0] // isz, xs1 = x.strides[1] // isz
+    cdef Py_ssize_t xs2 = x.strides[2] // isz, xs3 = x.strides[3] // isz
+    cdef Py_ssize_t ys0 = y.strides[0] // isz, ys1 = y.strides[1] // isz
+    cdef Py_ssize_t ys2 = y.strides[2] // isz, ys3 = y.strides[3] // isz
     cdef Py_ssize_t zs0 = 0, zs1 = 0, zs2 = 0, zs3 = 0, ws0 = 0, ws1 = 0, ws2 = 0, ws3 = 0
     cdef bint tail = <const void*>xp != <const void*>yp and r < d
     cdef bint tail2 = False
     if two and H2:
         xp2 = &x2[0, 0, 0, 0]
         yp2 = &y2[0, 0, 0, 0]
-        zs0, zs1, zs2, zs3 = x2.strides[0] // isz, x2.strides[1] // isz, x2.strides[2] // isz, x2.strides[3] // isz
-        ws0, ws1, ws2, ws3 = y2.strides[0] // isz, y2.strides[1] // isz, y2.strides[2] // isz, y2.strides[3] // isz
+        zs0, zs1 = x2.strides[0] // isz, x2.strides[1] // isz
+        zs2, zs3 = x2.strides[2] // isz, x2.strides[3] // isz
+        ws0, ws1 = y2.strides[0] // isz, y2.strides[1] // isz
+        ws2, ws3 = y2.strides[2] // isz, y2.strides[3] // isz
         tail2 = <const void*>xp2 != <const void*>yp2 and r < d
     cdef const floating* cp = &cos[0, 0]
     cdef const floating* sp = &sin[0, 0]
@@ -165,16 +174,19 @@ def rope(const floating[:, :, :, :] x, floating[:, :, :, :] y,
     for c0 in range(0, B * L, step):
         c1 = min(B * L, c0 + step)
         with nogil:
-            for bl in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_WORK,
+            for bl in prange(c0, c1, schedule="static",
+                             use_threads_if=num_threads > 1 and work >= PAR_MIN_WORK,
                              num_threads=num_threads if num_threads > 1 else 1):
                 b = bl // L
                 l = bl % L
                 p = pp[b * pb * ps0 + l * ps1]
                 for h in range(H):
-                    _rotate_row(xp + b * xs0 + l * xs1 + h * xs2, yp + b * ys0 + l * ys1 + h * ys2, xs3, ys3,
+                    _rotate_row(xp + b * xs0 + l * xs1 + h * xs2,
+                                yp + b * ys0 + l * ys1 + h * ys2, xs3, ys3,
                                 cp + p * half, sp + p * half, half, sa, ob, r, d, tail)
                 for h in range(H2):
-                    _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2, yp2 + b * ws0 + l * ws1 + h * ws2, zs3, ws3,
+                    _rotate_row(xp2 + b * zs0 + l * zs1 + h * zs2,
+                                yp2 + b * ws0 + l * ws1 + h * ws2, zs3, ws3,
                                 cp + p * half, sp + p * half, half, sa, ob, r, d, tail2)
         if c1 < B * L:
             PyErr_CheckSignals()  # raises KeyboardInterrupt on Ctrl-C
@@ -195,32 +207,41 @@ def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
     cdef Py_ssize_t L = src.shape[2]
     cdef Py_ssize_t b, t, h, j, slot, bh
     if src.shape[0] != B or src.shape[1] != H or src.shape[3] != d:
-        raise ValueError(f"cache_write: chunk ({src.shape[0]}, {src.shape[1]}, {L}, {src.shape[3]}) "
+        raise ValueError("cache_write: chunk "
+                         f"({src.shape[0]}, {src.shape[1]}, {L}, {src.shape[3]}) "
                          f"does not match storage ({B}, {H}, {R}, {d})")
     if first_slot.shape[0] != B or count.shape[0] != B:
         raise ValueError(f"cache_write: first_slot and count must have shape ({B},)")
     for b in range(B):
-        if first_slot[b] < 0 or (first_slot[b] >= R and count[b] > 0) or count[b] < 0 or count[b] > L or count[b] > R:
-            raise ValueError(f"cache_write: sequence {b}: first slot {first_slot[b]}, count {count[b]} "
+        if (first_slot[b] < 0 or (first_slot[b] >= R and count[b] > 0) or count[b] < 0
+                or count[b] > L or count[b] > R):
+            raise ValueError(f"cache_write: sequence {b}: "
+                             f"first slot {first_slot[b]}, count {count[b]} "
                              f"do not fit {R} slots and a chunk of {L}")
     cdef bint rot = cos is not None
     cdef Py_ssize_t half = 0, n = 0
     if rot:
-        if sin is None or pos0 is None or sin.shape[0] != cos.shape[0] or sin.shape[1] != cos.shape[1]:
-            raise ValueError("cache_write: cos, sin and pos0 go together, with equal table shapes")
+        if (sin is None or pos0 is None or sin.shape[0] != cos.shape[0]
+                or sin.shape[1] != cos.shape[1]):
+            raise ValueError("cache_write: cos, sin and pos0 go together, "
+                             "with equal table shapes")
         half, n = cos.shape[1], cos.shape[0]
         if 2 * half > d or pos0.shape[0] != B:
-            raise ValueError(f"cache_write: tables of {half} frequencies or pos0 do not fit d={d}, B={B}")
+            raise ValueError(f"cache_write: tables of {half} frequencies or pos0 "
+                             f"do not fit d={d}, B={B}")
         for b in range(B):
             if count[b] > 0 and (pos0[b] < 0 or pos0[b] + count[b] > n):
-                raise ValueError(f"cache_write: positions {pos0[b]}..{pos0[b] + count[b] - 1} outside the table of {n} rows")
+                raise ValueError(f"cache_write: positions {pos0[b]}..{pos0[b] + count[b] - 1} "
+                                 f"outside the table of {n} rows")
     if B == 0 or H == 0 or d == 0 or L == 0 or R == 0:
         return
     cdef Py_ssize_t isz = sizeof(floating)
     cdef floating* dp = &dst[0, 0, 0, 0]
     cdef const floating* sp_ = &src[0, 0, 0, 0]
-    cdef Py_ssize_t ds0 = dst.strides[0] // isz, ds1 = dst.strides[1] // isz, ds2 = dst.strides[2] // isz, ds3 = dst.strides[3] // isz
-    cdef Py_ssize_t ss0 = src.strides[0] // isz, ss1 = src.strides[1] // isz, ss2 = src.strides[2] // isz, ss3 = src.strides[3] // isz
+    cdef Py_ssize_t ds0 = dst.strides[0] // isz, ds1 = dst.strides[1] // isz
+    cdef Py_ssize_t ds2 = dst.strides[2] // isz, ds3 = dst.strides[3] // isz
+    cdef Py_ssize_t ss0 = src.strides[0] // isz, ss1 = src.strides[1] // isz
+    cdef Py_ssize_t ss2 = src.strides[2] // isz, ss3 = src.strides[3] // isz
     cdef Py_ssize_t sa = 2 if interleaved else 1
     cdef Py_ssize_t ob = 1 if interleaved else half
     cdef Py_ssize_t i, ia, ib
@@ -243,7 +264,8 @@ def cache_write(floating[:, :, :, :] dst, const floating[:, :, :, :] src,
     for t0 in range(0, tmax, tstep):
         t1 = min(tmax, t0 + tstep)
         with nogil:
-            for bh in prange(B * H, schedule="static", use_threads_if=num_threads > 1 and work >= PAR_MIN_COPY,
+            for bh in prange(B * H, schedule="static",
+                             use_threads_if=num_threads > 1 and work >= PAR_MIN_COPY,
                              num_threads=num_threads if num_threads > 1 else 1):
                 b = bh // H
                 h = bh % H
@@ -287,7 +309,8 @@ def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block, int nu
         return out_arr
     cdef signed char[:, :, :, ::1] out = out_arr
     cdef const unsigned char* mp = &mask[0, 0, 0, 0]
-    cdef Py_ssize_t ms0 = mask.strides[0], ms1 = mask.strides[1], ms2 = mask.strides[2], ms3 = mask.strides[3]
+    cdef Py_ssize_t ms0 = mask.strides[0], ms1 = mask.strides[1]
+    cdef Py_ssize_t ms2 = mask.strides[2], ms3 = mask.strides[3]
     cdef Py_ssize_t task, b, h, bi, bj, i, j, i1, j1, vis, tot
     cdef const unsigned char* rowp
     cdef Py_ssize_t ntask = B * H * nq
@@ -295,8 +318,10 @@ def block_summary(const unsigned char[:, :, :, :] mask, Py_ssize_t block, int nu
     for c0 in range(0, ntask, step):
         c1 = min(ntask, c0 + step)
         with nogil:
-            for task in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and B * H * Lq * Lk >= 4 * PAR_MIN_WORK,
-                             num_threads=num_threads if num_threads > 1 else 1):
+            for task in prange(c0, c1, schedule="static",
+                               use_threads_if=(num_threads > 1
+                                               and B * H * Lq * Lk >= 4 * PAR_MIN_WORK),
+                               num_threads=num_threads if num_threads > 1 else 1):
                 bi = task % nq
                 h = (task // nq) % H
                 b = task // (nq * H)
@@ -338,8 +363,9 @@ def band_layout(Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t stride, b
     for c0 in range(0, n, step):
         c1 = min(n, c0 + step)
         with nogil:
-            for x in prange(c0, c1, schedule="static", use_threads_if=num_threads > 1 and n * n >= PAR_MIN_WORK,
-                             num_threads=num_threads if num_threads > 1 else 1):
+            for x in prange(c0, c1, schedule="static",
+                            use_threads_if=num_threads > 1 and n * n >= PAR_MIN_WORK,
+                            num_threads=num_threads if num_threads > 1 else 1):
                 for y in range(n):
                     dist = x - y
                     if lo <= dist <= hi:

@@ -115,13 +115,16 @@ def scaled_dot_product_attention_backward(
     dout : (…, Lq, dv), the gradient of the loss with respect to the output.
     q, k, v : as in ``scaled_dot_product_attention`` ((L, d), (H, L, d) or
         (B, H, L, d), one float dtype, any strides, GQA with enable_gqa).
+
     out : (…, Lq, dv) and lse : q.shape[:-1], what
         ``scaled_dot_product_attention(..., return_lse=True)`` returned for
         the same arguments, or a global out / lse (ring attention, see the
         module docstring). Same dtype as q.
-    attn_mask, is_causal (bottom-right), scale, enable_gqa, window_size,
-    softcap, alibi_slopes, sinks, block_q, block_k : exactly as in the
-        forward call. Masks and biases get no gradient.
+
+    attn_mask, is_causal (bottom-right), scale, enable_gqa, window_size
+        Exactly as in the forward call.
+    softcap, alibi_slopes, sinks, block_q, block_k
+        Exactly as in the forward call. Masks and biases get no gradient.
 
     Returns
     -------

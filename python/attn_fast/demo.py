@@ -5,7 +5,7 @@
 Four tokens (cat, chase, red, laser-dot) with hand-set 3-dimensional Q, K
 and V whose numbers encode "the verb looks for nouns" and "the noun looks for
 its modifier". The demo walks the chapter's three steps and its four guided
-observations:
+observations::
 
     ① S = Q Kᵀ / √d       the score table (guess first: which cells are deep?)
     ② P = softmax(S)      row by row; each row is non-negative and sums to 1
@@ -122,11 +122,13 @@ def explain(
     """Run the textbook's attention step by step and return every intermediate.
 
     X : (L, D) or (B, L, D); Wq, Wk : (d, D); Wv : (dv, D); float32/float64.
-    Computes, in float64 with the reference softmax (`attn_fast.reference`):
+    Computes, in float64 with the reference softmax (`attn_fast.reference`)::
+
         Q, K, V = X Wqᵀ, X Wkᵀ, X Wvᵀ
         S = Q Kᵀ / √d                 (masked entries -inf when causal)
         P = softmax(S) row by row     (masked entries exactly 0)
         O = P V
+
     Returns an `Explained` named tuple (Q, K, V, S, P, O); unpack it or read
     the fields. Every array is a new float64 array. Meant for small inputs:
     S and P are materialised.

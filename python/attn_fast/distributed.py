@@ -14,7 +14,7 @@ rank holds its shard of q, k and v, shape (B, H, L/P, d), as CPU torch tensors.
 Shape legend: B batch, H query heads, H_kv key/value heads (GQA), L the global
 sequence length, n = L/P the shard length, d and dv the head dims.
 
-Layouts (``layout``) say which global positions a rank's n rows hold:
+Layouts (``layout``) say which global positions a rank's n rows hold::
 
     "contiguous"  rank r holds [r·n, (r+1)·n)
     "zigzag"      the sequence is cut into 2P chunks of c = n/2 rows; rank r
@@ -34,7 +34,7 @@ without being sent to the kernel. A partly visible band is cut to the rows and
 keys it touches and handed to the kernel as a bottom-right window, so the
 kernel computes no tile the mask leaves empty.
 
-Gradients: both functions are ``torch.autograd.Function``s. The ring backward
+Gradients: both functions are ``torch.autograd.Function`` subclasses. The ring backward
 uses the global out and lse (saved by the forward) and passes K/V round the ring
 again, with dK/dV accumulators (float32 for float32 inputs, float64 for
 float64) travelling one step behind, so they end at the rank owning the block.
@@ -80,8 +80,10 @@ class RingStats(NamedTuple):
     """What one ring_attention forward did on this rank (``return_stats=True``).
 
     compute_s : seconds in the local attention calls and merges.
+
     wait_s : seconds spent waiting for K/V blocks after the compute of a step
         was done (communication that did not hide under compute).
+
     total_s : wall time of the whole forward on this rank.
     pairs : visible (query, key) pairs computed by this rank (the work, exact).
     blocks : (query chunk, key chunk) blocks sent to the kernel.
@@ -585,20 +587,26 @@ def ring_attention(
 
     q : (B, H, n, d) float32/float64 CPU torch tensor, this rank's n = L/P rows
         of the query sequence in `layout` (see ``shard_sequence``).
+
     k : (B, H_kv, n, d), v : (B, H_kv, n, dv): the same rows of keys/values.
         Every rank of `group` must pass the same shapes, dtype and options
         (checked with one small all_gather; a mismatch raises ValueError on
         every rank).
+
     is_causal : key position j visible to query position i iff j <= i (global).
     scale : default 1/sqrt(d).  enable_gqa : H_kv < H, H % H_kv == 0.
+
     group : a torch.distributed process group (default: the world); it must
         be initialised (RuntimeError otherwise). Any backend with isend/irecv
         for CPU tensors (gloo).
+
     layout : "zigzag" (default; rank r holds chunks r and 2P−1−r, balancing
         causal work; n even) or "contiguous" (rank r holds [r·n, (r+1)·n)).
+
     window_size : (left, right) or None: key j visible to query i iff
         i − left <= j <= i + right over global positions (None/-1 =
         unbounded); combines with is_causal (e.g. (255, 0)).
+
     return_lse : also return lse (B, H, n), log Σ exp(scores) over all keys.
     return_stats : also return a ``RingStats`` of this rank's forward.
 
@@ -748,6 +756,7 @@ def ulysses_attention(
     q : (B, H, n, d), k : (B, H_kv, n, d), v : (B, H_kv, n, dv): this rank's
         n = L/P rows of the sequence in `layout`, float32/float64 CPU torch
         tensors, the same shapes on every rank (checked).
+
     H % P must be 0 (ValueError otherwise). If H_kv % P != 0 (GQA with fewer
     kv heads than ranks), K/V heads are repeated to H before the exchange
     (more bytes sent; gradients are summed back over the repeats).

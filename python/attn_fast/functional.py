@@ -63,14 +63,17 @@ class KernelStats(NamedTuple):
     """What the fused kernel did, for FLOP accounting and tests.
 
     tiles_computed : (Br x Bc) query-by-key tiles whose scores were computed.
+
     tiles_skipped : tiles inside the structural key range that a block-sparse
         layout or a dense boolean mask left empty, skipped without computing.
+
     block_q, block_k : the tile (Br x Bc) the kernel actually used. ``block_q``
         is honoured as asked; ``block_k`` is rounded up to a multiple of the
         active instruction set's key-panel width (for float32: 4 on scalar, 16
         on AVX2, 64 on AVX-512; half that for float64), and both are capped by
         the problem size (and 4096). The defaults (0) pick the kernel's own
         sizes, reported here. Count tiles with these, never with the sizes asked.
+
     Tiles outside the causal / window / length range are never visited and are
     counted in neither. FLOPs ~= tiles_computed * Br * Bc * 2 * (d + dv).
     The reference backend, and calls with nothing to compute, report
@@ -299,7 +302,7 @@ def scaled_dot_product_attention(
         ``masks.SlidingWindow(left, right)``.
     softcap : float > 0 or None. Scores become softcap · tanh(score / softcap)
         (after scaling, before masks and biases), as Gemma 2 does.
-    alibi_slopes : (H,) array or None. Adds -slope_h · |i' - j| to the scores.
+    alibi_slopes : (H,) array or None. Adds -slope_h · ``|i' - j|`` to the scores.
     sinks : (H,) array or None. Per-head "attention sink" logits that join the
         softmax denominator only (gpt-oss style): rows are scaled by
         Σ exp(s) / (Σ exp(s) + exp(sink)). A row that sees no key then puts
@@ -636,10 +639,13 @@ def varlen_attention(
     q : (total_q, H, d) float32/float64/float16/bfloat16 (as in
         ``scaled_dot_product_attention``);  k : (total_k, H_kv, d);  v : (total_k, H_kv, dv).
         H % H_kv == 0 (grouped-query heads are always allowed here). Any strides.
+
     cu_seqlens_q, cu_seqlens_k : (num_seqs + 1,) integers, starting at 0,
         non-decreasing (empty sequences allowed), ending at total_q / total_k.
+
     max_seqlen_q, max_seqlen_k : accepted for FlashAttention compatibility;
         if given, must be >= the longest sequence.
+
     causal, window_size, scale, softcap, alibi_slopes, sinks, backend,
     block_q, block_k : as in ``scaled_dot_product_attention`` (per sequence).
 

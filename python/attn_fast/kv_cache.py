@@ -1,7 +1,7 @@
 """KV cache for generation: prefill once, then decode token by token.
 
 Shape legend: B batch, H_kv key/value heads, H_q query heads (a multiple of
-H_kv), d query/key head dim, dv value head dim, L_new the length of a chunk.
+H_kv), d query/key head dim, dv value head dim, L_new the length of a chunk. ::
 
     cache = KVCache(B, H_kv, d, capacity=4096)
     cache.append(k, v)                 # prefill: k (B, H_kv, L, d), v (B, H_kv, L, dv)
@@ -97,7 +97,10 @@ KGROUP = 64  # positions per key quantisation group of an int8 cache (the decode
 
 def _cache_dtype(dtype):
     """The storage dtype for KVCache(dtype=...): float32, float64, float16, or BF16 (uint16 bits)
-    for bfloat16 (given as "bfloat16", ml_dtypes.bfloat16 or torch.bfloat16). TypeError otherwise."""
+    for bfloat16 (given as "bfloat16", ml_dtypes.bfloat16 or torch.bfloat16).
+
+    TypeError otherwise.
+    """
     name = str(dtype).replace("torch.", "")
     if name == "int8":
         return I8
@@ -153,7 +156,9 @@ def _per_seq(x, B, name, upper=None):
 
 
 def _write_numpy(buf, x, first, count):
-    """The NumPy reference of ``_cyloops.cache_write``: buf[b, :, (first[b] + t) % R] = x[b, :, t], t < count[b].
+    """The NumPy reference of ``_cyloops.cache_write``.
+
+    buf[b, :, (first[b] + t) % R] = x[b, :, t], t < count[b].
 
     buf : (B, H, R, d) storage, x : (B, H, L, d) chunk; first, count : (B,).
     A chunk that runs past slot R - 1 wraps around to slot 0 (ring buffer).
@@ -290,8 +295,10 @@ class KVCache:
     def __repr__(self):
         w = f", window={self.window}" if self.window is not None else ""
         return (
-            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, dtype={dtype_name(self.dtype)}, "
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, capacity={self.capacity}{w}, "
+            f"dtype={dtype_name(self.dtype)}, "
             f"lengths={self._n.tolist()})"
         )
 
@@ -372,7 +379,8 @@ class KVCache:
                 "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
             )
         return TypeError(
-            f"{name} has dtype {dtype_name(x.dtype)} but the cache stores {dtype_name(self.dtype)}; "
+            f"{name} has dtype {dtype_name(x.dtype)} "
+            f"but the cache stores {dtype_name(self.dtype)}; "
             f"cast it first ({_cast_hint(self.dtype)})"
         )
 
@@ -381,7 +389,8 @@ class KVCache:
         B, H = self.batch, self.num_kv_heads
         if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
             raise ValueError(
-                f"{name} has shape {shape_str(x)}, expected (batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
+                f"{name} has shape {shape_str(x)}, expected "
+                f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
                 f" = ({B}, {H}, L_new, {dim})"
             )
         if x.dtype != self.io_dtype:
@@ -427,7 +436,8 @@ class KVCache:
             if need > R:
                 if not self.growable:
                     raise ValueError(
-                        f"appending {new.tolist()} tokens to lengths {self._n.tolist()} exceeds the fixed capacity {R}"
+                        f"appending {new.tolist()} tokens to lengths {self._n.tolist()} "
+                        f"exceeds the fixed capacity {R}"
                         " (growable=False)"
                     )
                 self._resize(max(2 * R, need))
@@ -437,8 +447,10 @@ class KVCache:
             if big > room:
                 if not self.growable:
                     raise ValueError(
-                        f"a chunk of {big} tokens does not fit the ring of {R} slots with window {self.window}"
-                        f" (at most ring - window + 1 = {room} per append; use forward() or smaller chunks,"
+                        f"a chunk of {big} tokens does not fit the ring of {R} slots "
+                        f"with window {self.window}"
+                        f" (at most ring - window + 1 = {room} per append; "
+                        "use forward() or smaller chunks,"
                         " or growable=True)"
                     )
                 self._resize(self.window - 1 + big)
@@ -548,8 +560,10 @@ class KVCache:
             need = np.minimum(n, self.window - 1)
             if (keep < need).any():
                 raise ValueError(
-                    f"cannot truncate to {n.tolist()}: the ring (stored {self._n.tolist()} of positions"
-                    f" {self._pos.tolist()}) would no longer hold the {self.window - 1} keys before it"
+                    f"cannot truncate to {n.tolist()}: "
+                    f"the ring (stored {self._n.tolist()} of positions"
+                    f" {self._pos.tolist()}) would no longer hold "
+                    f"the {self.window - 1} keys before it"
                 )
         self._n = keep
         self._pos = n.copy()
@@ -572,11 +586,13 @@ class KVCache:
             )
         if d != self.head_dim:
             raise ValueError(
-                f"q has shape {shape_str(q)}: head dim {d} but the cache stores keys of dim {self.head_dim}"
+                f"q has shape {shape_str(q)}: head dim {d} "
+                f"but the cache stores keys of dim {self.head_dim}"
             )
         if Hq % self.num_kv_heads != 0:
             raise ValueError(
-                f"q has shape {shape_str(q)}: {Hq} heads is not a multiple of the cache's {self.num_kv_heads} kv heads"
+                f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
+                f"of the cache's {self.num_kv_heads} kv heads"
             )
         if q.dtype != self.io_dtype:
             raise self._dtype_error("q", q)
@@ -588,19 +604,24 @@ class KVCache:
         q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
             head h // (H_q // H_kv)); the cache's dtype (float32 for int8);
             any strides.
+
         causal : bottom-right aligned per sequence: query row i of sequence b
             is at position positions[b] - q_lens[b] + i and sees the keys up to
             it, so after ``append`` of a chunk its own queries see the whole
             past and the chunk causally (chunked prefill, decode).
             With ``causal=False`` every stored key is visible (the window
             still bounds the left side).
+
         q_lens : int or (B,) ints: valid query rows per sequence (rows beyond
             get zeros and lse = -inf). Default: the per-sequence lengths of
             the last ``append`` if q has its chunk length (ragged batches),
             else L_new for every sequence.
+
         scale : default 1/sqrt(d).
+
         return_lse : also return lse (B, H_q, L_new), in the compute dtype
             (float32 for a 16-bit cache).
+
         out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of
             the cache's dtype, any strides; written in place and returned.
             One that shares memory with q or the storage is filled through a
@@ -619,7 +640,8 @@ class KVCache:
             ql = _per_seq(q_lens, B, "q_lens", Lq)
         if (ql > self._n).any() and causal:
             raise ValueError(
-                f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: append the chunk first"
+                f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: "
+                "append the chunk first"
             )
         if self.window is not None:
             # The first query row of sequence b sits at position pos - ql and sees
@@ -629,9 +651,12 @@ class KVCache:
             lost = (ql > 0) & (first_needed < self._pos - self._n)
             if lost.any():
                 raise ValueError(
-                    f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, but the ring of "
-                    f"{self.capacity} slots holds only positions from {(self._pos - self._n).tolist()} on "
-                    f"(window {self.window}); attend right after appending the chunk, or use a larger ring"
+                    f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, "
+                    "but the ring of "
+                    f"{self.capacity} slots holds only positions from "
+                    f"{(self._pos - self._n).tolist()} on "
+                    f"(window {self.window}); attend right after appending the chunk, "
+                    "or use a larger ring"
                 )
         scale = check_scale(scale, d, self.io_dtype)
         shape = (B, Hq, Lq, self.v_head_dim)
@@ -708,7 +733,8 @@ class KVCache:
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
             raise ValueError(
-                f"q, k, v must hold the same tokens: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
+                "q, k, v must hold the same tokens: "
+                f"q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
             )
         step = L if self.window is None else max(1, self.capacity - self.window + 1)
         o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
@@ -776,13 +802,15 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
 
     o_a, o_b : (..., dv) outputs, each normalised over its own keys;
     lse_a, lse_b : (...) their log-sum-exp of scores (-inf for an empty part).
-    Returns (o, lse) for the union of the key sets:
+    Returns (o, lse) for the union of the key sets::
+
         lse = log(exp(lse_a) + exp(lse_b)),
         o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
+
     A part with lse = -inf contributes nothing (its o is not read, even if
-    NaN); both empty gives o = 0, lse = -inf; a NaN lse gives NaN o and lse. All four inputs share one
-    dtype (float32 or float64; mixed dtypes raise TypeError), which the new
-    arrays have.
+    NaN); both empty gives o = 0, lse = -inf; a NaN lse gives NaN o and lse.
+    All four inputs share one dtype (float32 or float64; mixed dtypes raise
+    TypeError), which the new arrays have.
     """
     like = o_a
     o_a, o_b = as_float_array(o_a, "o_a"), as_float_array(o_b, "o_b")
@@ -794,7 +822,8 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
         raise ValueError(f"o_a has shape {shape_str(o_a)} but o_b has shape {shape_str(o_b)}")
     if lse_a.shape != o_a.shape[:-1] or lse_b.shape != o_a.shape[:-1]:
         raise ValueError(
-            f"lse_a {shape_str(lse_a)} and lse_b {shape_str(lse_b)} must have o's shape without the last axis, "
+            f"lse_a {shape_str(lse_a)} and lse_b {shape_str(lse_b)} "
+            "must have o's shape without the last axis, "
             f"{o_a.shape[:-1]}"
         )
     dt = np.result_type(o_a, o_b, lse_a, lse_b)

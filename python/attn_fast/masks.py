@@ -4,7 +4,7 @@ A mask says which keys each query may see. Passing one as ``attn_mask`` to
 ``scaled_dot_product_attention`` never builds the (Lq, Lk) matrix (except
 ``Dense``, which *is* a matrix): the kernel asks each object, for every tile of
 Br queries x Bc keys, "is anything visible here?" and skips the tile when the
-answer is no, so a masked-out block costs nothing.
+answer is no, so a masked-out block costs nothing. ::
 
     Causal(align="bottom_right")     query i sees keys j <= i + off
     SlidingWindow(left, right=0)     keys in [i + off - left, i + off + right]
@@ -251,12 +251,15 @@ class Padding(Mask):
 
     kv_lens : (B,) integers in [0, Lk] (or one integer for all): keys j >=
         kv_lens[b] are padding and never seen.
+
     q_lens : (B,) integers in [0, Lq], or None: query rows i >= q_lens[b]
         are padding and get zeros (lse = -inf). None means:
+
         - Lq == Lk (self-attention over a padded batch): the queries are the
           sequence's own tokens, so q_lens = kv_lens;
         - Lq != Lk (cross-attention, a chunk against a longer cache): all Lq
           rows are valid.
+
     Valid tokens are at the start of each row (right padding). With ``Causal``
     or ``SlidingWindow`` aligned bottom-right, sequence b's diagonal is
     off = kv_lens[b] - q_lens[b]. So for a right-padded batch with Lq == Lk,
@@ -367,7 +370,7 @@ class BlockSparse(Mask):
     def local(cls, seq_len: int, block: int, width: int, causal: bool = False) -> BlockSparse:
         """Band of blocks (self-attention, Lq = Lk = seq_len): (nb, nb) layout.
 
-        Query block x sees key blocks y with |x - y| < width, or
+        Query block x sees key blocks y with ``|x - y|`` < width, or
         0 <= x - y < width if causal. width >= 1 blocks.
         """
         block, x, y = cls._grid(seq_len, block)
@@ -388,7 +391,7 @@ class BlockSparse(Mask):
         Query block x sees the previous ``stride`` blocks (x - stride < y <= x)
         and every stride-th block before it ((x - y) % stride == 0), so any
         two positions are linked in two steps. Without causal the pattern is
-        mirrored (|x - y| instead of x - y). stride >= 1 blocks.
+        mirrored (``|x - y|`` instead of x - y). stride >= 1 blocks.
         """
         block, x, y = cls._grid(seq_len, block)
         stride = check_int(stride, "stride", 1)
@@ -416,9 +419,12 @@ class BlockSparse(Mask):
 
         global_blocks : int n (the first n blocks) or a list of block indices.
             A global block attends to every block and every block attends to it.
-        width : local band half-width in blocks (|x - y| < width; 0 for none).
+
+        width : local band half-width in blocks (``|x - y|`` < width; 0 for none).
+
         random_blocks : BigBird's r random key blocks per query block, drawn
             with ``np.random.default_rng(seed)``.
+
         causal : keep only blocks y <= x.
         Returns an (nb, nb) layout for self-attention with Lq = Lk = seq_len.
         """
@@ -500,6 +506,7 @@ class Dense(Mask):
     array : broadcastable to (B, H, Lq, Lk), of either dtype
         - bool: True = attend (torch's convention); False masks the pair;
         - float: an additive bias on the scores; -inf masks the pair.
+
     A float array of another precision than q is cast once at its own
     (broadcast) shape. Tiles where a boolean mask is all False are skipped:
     a 16 x 16 block summary of the mask ("anything visible here?") is built
@@ -546,13 +553,18 @@ class MaskArgs:
     shared, never copied (they are read-only views where they are broadcast).
 
     causal : query i sees keys j <= i + off (off: the alignment's diagonal).
+
     window_left, window_right : keys in [i + off - left, i + off + right];
         -1 leaves that side unbounded.
+
     q_lens, kv_lens : (B,) int64 valid lengths per batch entry, or None (all).
+
     layout : (B, H, nq, nk) uint8 block layout (nonzero = kept), or None;
         layout_bq, layout_bk its block sizes in tokens.
+
     mask : (B, H, Lq, Lk) uint8 view (nonzero = attend), or None.
     bias : (B, H, Lq, Lk) float view added to the scores (-inf = masked), or None.
+
     aligns : the alignments the parts asked for ("bottom_right", "top_left");
         empty when none depends on it. ``resolve`` leaves at most one.
     """

@@ -1,7 +1,7 @@
 """Multi-head attention (MHA, GQA, MQA; self- and cross-attention) in NumPy.
 
 The chapter's picture: cut D into H slices of d_h features, run attention in
-each slice independently, concatenate the H outputs and project with Wo.
+each slice independently, concatenate the H outputs and project with Wo. ::
 
     x (B, L, D) ─ x Wqᵀ ─> (B, L, H·d_h) ─ reshape ─> (B, L, H, d_h)
                                                        │ .transpose(0, 2, 1, 3): a strided view
@@ -14,7 +14,7 @@ each slice independently, concatenate the H outputs and project with Wo.
 Splitting and merging heads never copies: the projections are computed into
 (B, L, H, d_h) order and the kernel reads and writes them through strides.
 Weights follow torch's Linear convention, y = x Wᵀ + b, as the textbook's
-Q = X Wqᵀ:
+Q = X Wqᵀ::
 
     Wq (H·d_h, D)       Wk, Wv (H_kv·d_h, D_kv)       Wo (D, H·d_h)
     bq (H·d_h,)         bk, bv (H_kv·d_h,)            bo (D,)          (bias=True)

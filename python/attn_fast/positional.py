@@ -3,17 +3,23 @@
 Attention by itself is blind to order (permute the rows of X and the output
 rows permute the same way), so positions are injected as vector arithmetic:
 
-* additive (``sinusoidal``): a fixed table PE (L, D) added to the embeddings,
+* additive (``sinusoidal``): a fixed table PE (L, D) added to the embeddings, ::
+
       PE[p, 2i]   = sin(p / base^(2i/D))
       PE[p, 2i+1] = cos(p / base^(2i/D))
+
 * rotary (``RoPE``): each pair of query/key features is rotated by an angle
-  proportional to the token's position,
+  proportional to the token's position, ::
+
       θ_i = base^(-2i/r),  i = 0 … r/2-1      (r = rotary dims, r <= d)
       (x_a, x_b) -> (x_a cos pθ_i - x_b sin pθ_i,  x_b cos pθ_i + x_a sin pθ_i)
+
   so <R(m) q, R(n) k> depends on m - n only. Which two features form pair i
-  is a convention; both in use are supported:
+  is a convention; both in use are supported::
+
       rotate-half (GPT-NeoX, Llama):  a = i,    b = i + r/2
       interleaved (GPT-J, RoFormer):  a = 2i,   b = 2i + 1
+
   Features r … d-1 are left unrotated (partial rotary: GPT-NeoX's rotary_pct,
   GPT-J's rotary_dim).
 
@@ -92,9 +98,12 @@ class RoPE:
     base : θ base (10000 for the original RoPE and Llama 2, 500000 for Llama 3).
     rotary_dim : r, the number of leading features rotated (even, <= d);
         default d. The remaining d - r features pass through unchanged.
+
     interleaved : False for rotate-half (GPT-NeoX, Llama: pairs (i, i + r/2)),
         True for GPT-J / RoFormer (pairs (2i, 2i+1)).
 
+    Notes
+    -----
     The tables cos(pθ_i), sin(pθ_i) (positions p × r/2 frequencies) are
     computed in float64 (the angle p·θ_i too: at p = 10^6 float32 would be off
     by radians) and cached per dtype for positions below ``TABLE_MAX``; they

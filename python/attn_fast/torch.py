@@ -251,13 +251,16 @@ def scaled_dot_product_attention(
     query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU
     float32/float64 tensors of one dtype, 2-D to 4-D, any strides; GQA with
     ``enable_gqa=True`` (Hq % Hkv == 0, no repeat).
+
     attn_mask : None, a boolean tensor (True = attend) or an additive float
         tensor broadcastable to (…, Hq, Lq, Lk), no gradient; or an
         ``attn_fast.masks`` object, materialised here as a dense boolean
         mask (O(Lq·Lk) bytes per batch and head).
+
     dropout_p : must be 0 (ValueError otherwise).
     is_causal : top-left aligned, as torch (see the module docstring).
     scale : default 1/sqrt(d).
+
     attn_fast_options : ``window_size`` (left, right) (bottom-right aligned,
         as in attn_fast), ``softcap`` (float), ``alibi_slopes`` (Hq,) (no
         gradient), ``sinks`` (Hq,) logits (with gradient).

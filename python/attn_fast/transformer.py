@@ -273,10 +273,13 @@ class TinyTransformerLM(Module):
     norm, ffn : "rmsnorm"/"layernorm", "swiglu"/"gelu" (default Llama-like).
     positional : "rope" (default; ``rope_base``, ``rotary_dim``,
         ``rope_interleaved`` configure it) or "sinusoidal" (added to the embeddings).
+
     tie_embeddings : use the embedding matrix as the output projection.
     seed : initial random weights (normal, std 1/sqrt(fan_in); embedding std 1).
     dtype : float32 (default) or float64.
 
+    Notes
+    -----
     Weight names (``state_dict``, ``load_weights``; e.g. ``np.load("m.npz")``)::
 
         embed.weight                 (V, D)
@@ -454,8 +457,10 @@ class TinyTransformerLM(Module):
         """Continue the prompt by max_new_tokens tokens.
 
         prompt_tokens : (Lp,) or (B, Lp) ints, Lp >= 1.
+
         temperature : 0 -> greedy (argmax); > 0 -> sample from softmax(logits / T)
             with ``np.random.default_rng(seed)``.
+
         use_cache : True: prefill the prompt once into a KV cache, then run one
             token per step. False: re-run ``forward`` on the whole growing
             sequence each step (the slow baseline; same tokens).

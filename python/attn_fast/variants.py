@@ -84,8 +84,10 @@ def linformer_attention(
 
     q : (L, d), (H, L, d) or (B, H, L, d) float32/float64.
     k : (…, Lk, d), v : (…, Lk, dv), same leading dims and dtype as q.
+
     E, F : (kp, Lk) projection matrices (F=None shares E, Linformer's
         "shared key-value" variant). They are cast to q's dtype.
+
     scale : float, default 1/sqrt(d).
 
     Computes K' = E k (…, kp, d) and V' = F v (…, kp, dv) with one matrix
@@ -213,6 +215,7 @@ def feature_map(x: np.ndarray, fm: str | Callable[[np.ndarray], ArrayLike] = "el
         "relu" (max(x, 0); a row may be all zeros) or a callable mapping a
         (…, d) array to a (…, r) array of non-negative finite values (random
         features, say; r may differ from d). Returns an array of x's dtype.
+
     Raises ValueError for an unknown name, a wrong shape, or negative or
     non-finite features (the normaliser φ(q)ᵀΣφ(k) must stay non-negative).
     """
@@ -308,15 +311,20 @@ def linear_attention(
     q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
         same leading dims (no GQA). No softmax scale: the kernel φ(q)ᵀφ(k)
         replaces exp(qᵀk/√d).
+
     feature_map : "elu1" (default), "relu" or a callable, see
         :func:`attn_fast.variants.feature_map`.
+
     causal : row i uses keys t <= i only: a running prefix sum of φ(k_t)v_tᵀ
         and φ(k_t) (the C++ sweep, parallel over batch and heads).
+
     eps : added to the denominator (1e-6, as the authors' code); a row whose
         denominator is exactly 0 (eps = 0 and φ(q)ᵀΣφ(k) = 0) gets zeros.
+
     state : a :class:`LinearAttentionState` of positions already seen (not
         modified): the call continues from it (chunked prefill). With
         causal=False the state's keys are visible to every row too.
+
     return_state : also return the state after the last position.
 
     Cost O(L·r·dv) time and O(r·dv) extra memory per (batch, head); the L×L
@@ -374,8 +382,10 @@ def linear_attention_step(
     """One decode step of causal linear attention: O(r·dv), whatever the length.
 
     q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv).
+
     state : the :class:`LinearAttentionState` so far (None = empty); not
         modified.
+
     Returns (o, new_state): o (…, dv) in q's dtype, equal to row n of
     ``linear_attention(..., causal=True)`` over the n + 1 tokens so far.
     """

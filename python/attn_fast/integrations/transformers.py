@@ -12,11 +12,12 @@ grouped-query attention (K/V are never repeated), sliding-window layers,
 Gemma-2 style ``softcap`` and gpt-oss style sinks (``s_aux``).
 
 What ``register()`` installs, and why both halves are needed
------------------------------------------------------------
+------------------------------------------------------------
 1. ``AttentionInterface["attn_fast"] = attention_forward``: the function every
    attention module calls with query (B, H, Lq, d), key/value (B, H_kv, Lk, d),
    the layer's mask, ``scaling``, ``dropout`` and model-specific keywords; it
    returns the output in (B, Lq, H, dv) layout and ``None`` for the weights.
+
 2. ``AttentionMaskInterface["attn_fast"] = attention_mask``: the mask builder
    transformers' ``create_causal_mask`` & co. call. Without one, transformers
    builds *no mask at all* for an unknown implementation name (it assumes a
@@ -29,6 +30,7 @@ attention function receives means exactly what it means for ``"sdpa"``:
   alignment of the causal mask cannot matter (Lq == 1 or Lq == Lk, no padding,
   no effective window): the attention function then applies the module's
   ``is_causal`` flag.
+
 - Otherwise the dense boolean (B, 1, Lq, Lk) mask (True = attend), built by
   transformers' own ``sdpa_mask``. When that mask is *verified* (compared
   element by element, once per forward pass, not per layer) to equal a

@@ -110,8 +110,10 @@ class AttnFastLayer(CacheLayerMixin):
     """One decoder layer's cache: an ``attn_fast.KVCache`` created at the first ``update``.
 
     dtype : storage dtype for KVCache, or None for the dtype of the first keys.
+
     window : int or None, sliding window (a query sees itself and the
         window - 1 keys before it), as transformers' sliding-window layers.
+
     capacity : initial slots per sequence (the KVCache doubles when full).
     owner : the AttnFastCache (for the attention-implementation check).
 
@@ -292,11 +294,15 @@ class AttnFastCache(Cache):
     config : the model's config (``model.config``): number of layers, which
         are sliding-window layers, and the attention implementation (checked
         to be attn_fast at each ``update``).
+
     dtype : KVCache storage dtype (float32, "float16", "bfloat16", ... or a
         torch/NumPy dtype); None = the model's dtype.
+
     capacity : initial slots per sequence and layer (default 256; grows by
         doubling).
 
+    Notes
+    -----
     Use with ``attn_implementation="attn_fast"`` (after
     ``attn_fast.integrations.transformers.register()``) and pass it to
     ``model.generate(..., cache=cache)`` or ``model(..., cache=cache,
