@@ -364,12 +364,11 @@ void linear_attention(py::array q, py::array k, py::array v, py::array o, py::ob
   throw py::type_error("q must be float32 or float64");
 }
 
+// The decode kernel's geometry from q (B, Hq, Lq, d), k (B, Hkv, R, d),
+// v (B, Hkv, R, dv), o (B, Hq, Lq, dv): set in `a` and checked (ValueError).
 template <typename T>
-void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
-              bool causal, bool top_left, int64_t window_left, int64_t window_right,
-              py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
-  DecodeArgs<T> a;
-  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
+void bind_decode_shapes(DecodeArgs<T>& a, const py::array& q, const py::array& k,
+                        const py::array& v, const py::array& o) {
   a.B = q.shape(0);
   a.Hq = q.shape(1);
   a.Lq = q.shape(2);
@@ -382,6 +381,13 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
       o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+}
+
+// The rest of a decode call (lengths, ring starts, split, lse), then the
+// kernel with the GIL released.
+template <typename T>
+void run_decode(DecodeArgs<T>& a, py::object lse, py::object q_lens, py::object kv_lens,
+                py::object kv_start, int64_t split) {
   a.split = split > a.R
                 ? a.R
                 : split;  // a split longer than the keys is one split (no c0 + split overflow)
@@ -399,6 +405,16 @@ void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse
     decode_forward(a);
   }
   raise_if_interrupted();
+}
+
+template <typename T>
+void decode_t(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+              bool causal, bool top_left, int64_t window_left, int64_t window_right,
+              py::object q_lens, py::object kv_lens, py::object kv_start, int64_t split) {
+  DecodeArgs<T> a;
+  bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
+  bind_decode_shapes(a, q, k, v, o);
+  run_decode(a, lse, q_lens, kv_lens, kv_start, split);
 }
 
 // A C-contiguous writeable (or readable) array of `dtype` with this shape, or a ValueError naming
@@ -454,18 +470,7 @@ void decode_q8(py::array q, py::array k, py::array v, py::array o, py::object ls
   a.top_left = top_left;
   a.window_left = clamp_window(window_left);
   a.window_right = clamp_window(window_right);
-  a.B = q.shape(0);
-  a.Hq = q.shape(1);
-  a.Lq = q.shape(2);
-  a.d = q.shape(3);
-  a.Hkv = k.shape(1);
-  a.R = k.shape(2);
-  a.dv = v.shape(3);
-  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
-      v.shape(1) != a.Hkv || o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq ||
-      o.shape(3) != a.dv)
-    throw py::value_error("inconsistent q/k/v/o shapes");
-  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  bind_decode_shapes(a, q, k, v, o);
   if (kgroup < 1 || a.R % kgroup != 0)
     throw py::value_error("kgroup must be >= 1 and divide the slots R");
   a.kgroup = kgroup;
@@ -473,21 +478,7 @@ void decode_q8(py::array q, py::array k, py::array v, py::array o, py::object ls
   a.k_off = exact_array<float>(k_off, "k_off", {a.B, a.Hkv, a.R / kgroup, a.d}, false);
   a.v_scale = exact_array<float>(v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
   a.v_off = exact_array<float>(v_off, "v_off", {a.B, a.Hkv, a.R}, false);
-  a.split = split > a.R ? a.R : split;
-  a.num_threads = threads_for_call();
-  a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
-  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
-  a.kv_start = data_of<int64_t>(kv_start, "kv_start", a.B);
-  if (a.kv_start)
-    for (int64_t b = 0; b < a.B; ++b)
-      if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
-        throw py::value_error("kv_start entries must lie in [0, R)");
-  a.lse = lse_of<float>(lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
-  {
-    py::gil_scoped_release release;
-    decode_forward(a);
-  }
-  raise_if_interrupted();
+  run_decode(a, lse, q_lens, kv_lens, kv_start, split);
 }
 
 // Quantise a float32 chunk into an int8 cache (KvQuantArgs, csrc/kv_quant.cpp).
