@@ -64,7 +64,10 @@ and dequantises in registers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core, _cyloops, _dispatch, _loops
 from ._checks import (
@@ -214,16 +217,16 @@ class KVCache:
 
     def __init__(
         self,
-        batch,
-        num_kv_heads,
-        head_dim,
-        capacity=256,
-        v_head_dim=None,
-        dtype=np.float32,
-        window=None,
-        growable=True,
-        ring=None,
-    ):
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int = 256,
+        v_head_dim: int | None = None,
+        dtype: DTypeLike | str = np.float32,
+        window: int | None = None,
+        growable: bool = True,
+        ring: int | None = None,
+    ) -> None:
         self.batch = check_int(batch, "batch", 1)
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
@@ -302,7 +305,7 @@ class KVCache:
             f"lengths={self._n.tolist()})"
         )
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget every token (storage is kept)."""
         self._start[:] = 0
         self._n[:] = 0
@@ -312,7 +315,7 @@ class KVCache:
         if self._q8:
             self._stage_grp[:] = -1
 
-    def keys(self, b):
+    def keys(self, b: int) -> np.ndarray:
         """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the
         ring wraps); bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable,
         else its uint16 bits; int8: the dequantised float32 keys (what ``attend`` reads)."""
@@ -322,7 +325,7 @@ class KVCache:
             return self._k[b][:, slots].astype(np.float32) * self._ks[b][:, g] + self._ko[b][:, g]
         return half_result(self._gather(self._k, b))
 
-    def values(self, b):
+    def values(self, b: int) -> np.ndarray:
         """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as
         for keys; int8: the dequantised float32 values)."""
         if self._q8:
@@ -397,7 +400,13 @@ class KVCache:
             raise self._dtype_error(name, x)
         return x
 
-    def append(self, k, v, lengths=None, rope=None):
+    def append(
+        self,
+        k: ArrayLike,
+        v: ArrayLike,
+        lengths: ArrayLike | int | None = None,
+        rope: RoPE | None = None,
+    ) -> None:
         """Store a chunk of new keys and values after each sequence's last one.
 
         k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype
@@ -537,7 +546,7 @@ class KVCache:
         self._last_new = new
         self._last_L = L
 
-    def truncate(self, n):
+    def truncate(self, n: ArrayLike | int) -> None:
         """Roll back to n tokens (int, or (B,) ints): drop every position >= n.
 
         For rejected speculative tokens. n must be <= positions. With a window,
@@ -598,7 +607,15 @@ class KVCache:
             raise self._dtype_error("q", q)
         return q
 
-    def attend(self, q, scale=None, causal=True, q_lens=None, return_lse=False, out=None):
+    def attend(
+        self,
+        q: ArrayLike,
+        scale: float | None = None,
+        causal: bool = True,
+        q_lens: ArrayLike | None = None,
+        return_lse: bool = False,
+        out: Any = None,
+    ) -> Any:
         """Attention of new queries against every stored key.
 
         q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
@@ -716,7 +733,14 @@ class KVCache:
             k, v, start = self._k[:, :, s : s + maxn], self._v[:, :, s : s + maxn], None
         _dispatch.attend(kernel, q, k, v, o, lse, scale=scale, mask=mask, kv_start=start)
 
-    def forward(self, q, k, v, scale=None, return_lse=False):
+    def forward(
+        self,
+        q: ArrayLike,
+        k: ArrayLike,
+        v: ArrayLike,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> Any:
         """append(k, v) then attend(q), in pieces that fit a window ring.
 
         q (B, H_q, L, d), k (B, H_kv, L, d), v (B, H_kv, L, dv): the same L
@@ -758,7 +782,7 @@ class LayerCaches:
     sums all layers; ``reset()`` and ``truncate(n)`` apply to every layer.
     """
 
-    def __init__(self, num_layers, *args, **kwargs):
+    def __init__(self, num_layers: int, *args: Any, **kwargs: Any) -> None:
         num_layers = check_int(num_layers, "num_layers", 1)
         self._caches = [KVCache(*args, **kwargs) for _ in range(num_layers)]
 
@@ -779,11 +803,11 @@ class LayerCaches:
     def positions(self):
         return self._caches[0].positions
 
-    def reset(self):
+    def reset(self) -> None:
         for c in self._caches:
             c.reset()
 
-    def truncate(self, n):
+    def truncate(self, n: ArrayLike | int) -> None:
         """truncate(n) on every layer; if one raises, every layer is left unchanged."""
         names = ("_n", "_pos", "_start", "_last_new", "_last_L")
         states = [{a: getattr(c, a) for a in names} for c in self._caches]
@@ -797,7 +821,9 @@ class LayerCaches:
             raise
 
 
-def merge_attention_states(o_a, lse_a, o_b, lse_b):
+def merge_attention_states(
+    o_a: ArrayLike, lse_a: ArrayLike, o_b: ArrayLike, lse_b: ArrayLike
+) -> tuple[Any, Any]:
     """Exact merge of two partial attentions over disjoint key sets.
 
     o_a, o_b : (..., dv) outputs, each normalised over its own keys;
