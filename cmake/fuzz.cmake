@@ -5,8 +5,7 @@
 # run: fuzz/run.sh [seconds]. Included by attn_checks_after_kernels().
 if(ATTN_FAST_FUZZ)
   find_package(Threads REQUIRED)
-  add_executable(fuzz_forward fuzz/fuzz_forward.cpp csrc/dispatch.cpp csrc/reference.cpp
-                              csrc/interrupt.cpp ${ATTN_ISA_OBJECTS})
+  add_executable(fuzz_forward fuzz/fuzz_forward.cpp ${ATTN_BASELINE_SRC} ${ATTN_ISA_OBJECTS})
   target_include_directories(fuzz_forward PRIVATE csrc/include csrc/kernels)
   target_compile_definitions(fuzz_forward PRIVATE ${ATTN_ISA_DEFS})
   target_compile_options(fuzz_forward PRIVATE ${ATTN_WARNINGS} ${ATTN_BASELINE_FLAGS})
