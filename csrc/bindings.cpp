@@ -734,4 +734,43 @@ PYBIND11_MODULE(_core, m) {
         py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
         "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks).");
+  // AMX (issue 19): the status line of show_config(), the self-check and one
+  // tile product of the amx / amx_emu objects (tests).
+  m.def("amx_status", &amx_status, "Why amx is or is not the default ISA here (one line).");
+  m.def(
+      "amx_self_check",
+      [](const std::string& name) {
+        std::string why;
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = amx_self_check(parse_isa(name), &why);
+        }
+        return py::make_tuple(ok, why);
+      },
+      py::arg("isa"), "Run the tile path's self-check on ISA amx or amx_emu: (passed, line).");
+  m.def(
+      "tdpbf16ps_tile",
+      [](const std::string& name, const py::array& a, const py::array& b, py::array c) {
+        // Exact dtypes and C order (no converting copy: c is updated in place).
+        auto ok = [](const py::array& x, bool f32, int64_t n) {
+          const bool dt = f32 ? py::isinstance<py::array_t<float>>(x)
+                              : py::isinstance<py::array_t<uint16_t>>(x);
+          return dt && x.ndim() == 2 && x.shape(0) == 16 && x.shape(1) == n &&
+                 (x.flags() & py::array::c_style);
+        };
+        if (!ok(a, false, 32) || !ok(b, false, 32) || !ok(c, true, 16))
+          throw py::value_error(
+              "tdpbf16ps_tile: a and b must be (16, 32) uint16 (bf16 bits; b in VNNI pairs), "
+              "c (16, 16) float32, all C-contiguous");
+        if (!c.writeable()) throw py::value_error("tdpbf16ps_tile: c must be writeable");
+        const Isa isa = parse_isa(name);
+        const uint16_t* pa = static_cast<const uint16_t*>(a.data());
+        const uint16_t* pb = static_cast<const uint16_t*>(b.data());
+        float* pc = static_cast<float*>(c.mutable_data());
+        py::gil_scoped_release release;
+        tdpbf16ps_tile(isa, pa, pb, pc);
+      },
+      py::arg("isa"), py::arg("a"), py::arg("b"), py::arg("c"),
+      "c += a . b by one TDPBF16PS of the amx / amx_emu object (c updated in place).");
 }

@@ -22,9 +22,16 @@
 #endif
 #ifdef __linux__
 #include <dirent.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #endif
+#include <cmath>
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 #include "dispatch.h"
 
 namespace attn_fast {
@@ -34,7 +41,39 @@ namespace {
 struct CpuFeatures {
   bool avx2 = false, avx512 = false;
   bool avx512_bf16 = false;  // CPUID.(EAX=7, ECX=1):EAX bit 5, on top of avx512
+  // AMX (issue 19): CPUID.(7,0):EDX bits 24 (AMX-TILE) and 22 (AMX-BF16); XCR0
+  // bits 17/18 (XTILECFG / XTILEDATA enabled by the OS); Linux's per-process
+  // permission for XTILEDATA (arch_prctl, granted once, inherited by fork).
+  bool amx_cpu = false, amx_os = false, amx_perm = false;
+  bool amx = false;          // all of the above, on top of avx512_bf16
+  const char* amx_why = "";  // why amx is unavailable ("" when it is available)
+  int amx_errno = 0;         // arch_prctl's errno when the permission was refused
 };
+
+// Linux: ask once for the AMX tile-data state (XFEATURE_XTILEDATA = 18) with
+// arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023), then read it back with
+// ARCH_GET_XCOMP_PERM (0x1022). Without the permission the first tile
+// instruction faults (SIGILL); old kernels, or a sigaltstack too small for the
+// 8 KiB tile state, refuse it. The permission belongs to the process and is
+// inherited by fork()ed children.
+bool request_amx_permission(int* err) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0) {
+    *err = errno;
+    return false;
+  }
+  unsigned long bits = 0;
+  if (syscall(SYS_arch_prctl, kGetXcompPerm, &bits) != 0) {
+    *err = errno;
+    return false;
+  }
+  return (bits >> kXtiledata) & 1u;
+#else
+  *err = 0;
+  return false;
+#endif
+}
 
 #ifdef ATTN_X86
 uint64_t read_xcr0() {
@@ -60,8 +99,21 @@ CpuFeatures detect() {
   f.avx2 = os_ymm && avx2 && fma;
   f.avx512 = f.avx2 && os_zmm && f512 && dq && bw && vl;
   const unsigned max_subleaf7 = a;  // EAX of leaf 7, subleaf 0
+  const bool amx_tile = d & (1u << 24), amx_bf16 = d & (1u << 22);
   if (f.avx512 && max_subleaf7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d))
     f.avx512_bf16 = a & (1u << 5);
+  f.amx_cpu = f.avx512_bf16 && amx_tile && amx_bf16;
+  f.amx_os = (xcr0 & (3u << 17)) == (3u << 17);
+  if (!f.amx_cpu) {
+    f.amx_why = "the CPU has no AMX-TILE/AMX-BF16 (CPUID.(7,0):EDX bits 24/22) with AVX512-BF16";
+  } else if (!f.amx_os) {
+    f.amx_why = "the OS has not enabled the AMX tile state (XCR0 bits 17/18)";
+  } else if (!(f.amx_perm = request_amx_permission(&f.amx_errno))) {
+    f.amx_why = "Linux refused the tile-data permission (arch_prctl(ARCH_REQ_XCOMP_PERM))";
+  }
+  f.amx = f.amx_cpu && f.amx_os && f.amx_perm;
+#else
+  f.amx_why = "not an x86-64 CPU";
 #endif
   return f;
 }
@@ -80,6 +132,10 @@ bool supported(Isa isa) {
     case Isa::avx512:
       return features().avx512;
     case Isa::avx512_bf16:
+      return features().avx512_bf16;
+    case Isa::amx:
+      return features().amx;
+    case Isa::amx_emu:  // the emulated tile ops are vdpbf16ps
       return features().avx512_bf16;
   }
   return false;
@@ -101,15 +157,28 @@ bool compiled(Isa isa) {
     case Isa::avx512_bf16:
       return true;
 #endif
+#ifdef ATTN_HAVE_AMX
+    case Isa::amx:
+      return true;
+#endif
+#ifdef ATTN_HAVE_AMX_EMU
+    case Isa::amx_emu:
+      return true;
+#endif
     default:
       return false;
   }
 }
 
+bool amx_default_ok();  // the self-check, once (below)
+
 Isa best_isa() {
   Isa best = Isa::scalar;
   for (Isa i : {Isa::avx2, Isa::avx512})
     if (compiled(i) && supported(i)) best = i;
+  // amx where the CPU, the OS and the self-check allow it (amx_emu never).
+  if (best == Isa::avx512 && compiled(Isa::amx) && supported(Isa::amx) && amx_default_ok())
+    return Isa::amx;
   // avx512_bf16 only where its dot product measured faster (dispatch's end).
   if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) &&
       bf16_dot_preferred())
@@ -186,6 +255,10 @@ const char* isa_name(Isa isa) {
       return "avx512";
     case Isa::avx512_bf16:
       return "avx512_bf16";
+    case Isa::amx:
+      return "amx";
+    case Isa::amx_emu:
+      return "amx_emu";
   }
   return "?";
 }
@@ -195,13 +268,15 @@ Isa parse_isa(const std::string& name) {
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
   if (name == "avx512_bf16") return Isa::avx512_bf16;
+  if (name == "amx") return Isa::amx;
+  if (name == "amx_emu") return Isa::amx_emu;
   throw std::invalid_argument("unknown ISA '" + name +
-                              "' (expected scalar, avx2, avx512 or avx512_bf16)");
+                              "' (expected scalar, avx2, avx512, avx512_bf16, amx or amx_emu)");
 }
 
 std::vector<Isa> compiled_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx, Isa::amx_emu})
     if (compiled(i)) out.push_back(i);
   return out;
 }
@@ -228,7 +303,8 @@ void set_active_isa(Isa isa) {
                              "' is not compiled into this build of attn_fast");
   if (!supported(isa))
     throw std::runtime_error(std::string("ISA '") + isa_name(isa) +
-                             "' is not supported by this CPU/OS (CPUID/XCR0)");
+                             "' is not supported by this CPU/OS (CPUID/XCR0)" +
+                             (isa == Isa::amx ? std::string(": ") + amx_status() : ""));
   g_isa.store(static_cast<int>(isa));
 }
 
@@ -289,6 +365,18 @@ inline bool bf16_dot_forward(const AttnArgs<S>&, AttnStats*) {
   return false;
 }
 inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
+#ifdef ATTN_HAVE_AMX
+  if (active_isa() == Isa::amx) {
+    *st = isa_amx::flash_forward_bf16(a);
+    return true;
+  }
+#endif
+#ifdef ATTN_HAVE_AMX_EMU
+  if (active_isa() == Isa::amx_emu) {
+    *st = isa_amx_emu::flash_forward_bf16(a);
+    return true;
+  }
+#endif
 #ifdef ATTN_HAVE_AVX512_BF16
   if (active_isa() == Isa::avx512_bf16) {
     *st = isa_avx512_bf16::flash_forward_bf16(a);
@@ -313,5 +401,148 @@ inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
 ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
 ATTN_DECODE_TYPES(ATTN_DEFINE_DECODE)
 ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
+
+// --- AMX: the tile product for tests, the self-check, the status line ---
+
+void tdpbf16ps_tile(Isa isa, const uint16_t* a, const uint16_t* b, float* c) {
+  if (isa != Isa::amx && isa != Isa::amx_emu)
+    throw std::invalid_argument(std::string("tdpbf16ps_tile: '") + isa_name(isa) +
+                                "' is not a tile ISA (amx or amx_emu)");
+  if (!compiled(isa) || !supported(isa))
+    throw std::runtime_error(std::string("ISA '") + isa_name(isa) + "' is not available here: " +
+                             (isa == Isa::amx ? amx_status() : "no AVX512-BF16"));
+#ifdef ATTN_HAVE_AMX
+  if (isa == Isa::amx) return isa_amx::tdpbf16ps_tile(a, b, c);
+#endif
+#ifdef ATTN_HAVE_AMX_EMU
+  if (isa == Isa::amx_emu) return isa_amx_emu::tdpbf16ps_tile(a, b, c);
+#endif
+  (void)a;
+  (void)b;
+  (void)c;
+}
+
+// The self-check of a tile path, run once before amx becomes the default (a
+// path nobody could run where it was written must prove itself where it
+// runs): a small bf16 attention with every feature the tile code touches
+// (Lq = Lk = 37: row and key tails; d = 80: a padded pair tile; GQA 4 -> 2
+// heads; causal plus a dense mask: partial tiles and panel column ranges) on
+// the tile object and on the avx512 conversion path, compared within bf16
+// rounding (O is rounded to bf16 and the tile path rounds P to bf16: a layout
+// or packing error is O(1)). About 0.5 M multiply-adds: well under a
+// millisecond.
+bool amx_self_check(Isa isa, std::string* why) {
+  if ((isa != Isa::amx && isa != Isa::amx_emu) || !compiled(isa) || !supported(isa)) {
+    *why = std::string("self-check: '") + isa_name(isa) + "' is not an available tile ISA";
+    return false;
+  }
+#ifdef ATTN_HAVE_AVX512
+  constexpr int64_t Hq = 4, Hkv = 2, L = 37, D = 80;
+  try {
+    std::vector<bf16_t> q(Hq * L * D), k(Hkv * L * D), v(Hkv * L * D), o1(Hq * L * D),
+        o2(Hq * L * D);
+    std::vector<float> lse1(Hq * L), lse2(Hq * L);
+    std::vector<uint8_t> mask(L * L);
+    uint32_t state = 0x9E3779B9u;  // a fixed LCG: the same inputs in every process
+    auto next = [&state] {
+      state = state * 1664525u + 1013904223u;
+      return static_cast<float>(state >> 8) * (4.0f / 16777216.0f) - 2.0f;  // [-2, 2)
+    };
+    for (auto* x : {&q, &k, &v})
+      for (bf16_t& e : *x) e.bits = f32_to_bf16(next());
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < L; ++j) mask[i * L + j] = (i * 7 + j * 13) % 5 != 0;
+    AttnArgs<bf16_t> a;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.B = 1;
+    a.Hq = Hq;
+    a.Hkv = Hkv;
+    a.Lq = a.Lk = L;
+    a.d = a.dv = D;
+    a.sq = a.so = Strides4{Hq * L * D, L * D, D, 1};
+    a.sk = a.sv = Strides4{Hkv * L * D, L * D, D, 1};
+    a.scale = 1.0 / std::sqrt(static_cast<double>(D));
+    a.causal = true;
+    a.mask = mask.data();
+    a.smask = Strides4{0, 0, L, 1};
+    a.num_threads = 1;
+    a.o = o1.data();
+    a.lse = lse1.data();
+#ifdef ATTN_HAVE_AMX
+    if (isa == Isa::amx) isa_amx::flash_forward_bf16(a);
+#endif
+#ifdef ATTN_HAVE_AMX_EMU
+    if (isa == Isa::amx_emu) isa_amx_emu::flash_forward_bf16(a);
+#endif
+    a.o = o2.data();
+    a.lse = lse2.data();
+    isa_avx512::flash_forward_bf16(a);
+    double worst = 0;
+    bool ok = true;
+    for (size_t i = 0; i < o1.size(); ++i) {
+      const double x = bf16_to_f32(o1[i].bits), y = bf16_to_f32(o2[i].bits);
+      const double err = std::fabs(x - y);
+      if (!(err <= 0.03 + 0.02 * std::fabs(y))) ok = false;  // NaN fails too
+      if (err > worst || err != err) worst = err;
+    }
+    for (size_t i = 0; i < lse1.size(); ++i)
+      if (!(lse1[i] == lse2[i] || std::fabs(lse1[i] - lse2[i]) <= 1e-2f)) ok = false;
+    *why = std::string("self-check ") + (ok ? "passed" : "FAILED") +
+           " (bf16, L = 37, d = 80, GQA, causal + mask, against avx512: max |O error| " +
+           std::to_string(worst) + ")";
+    return ok;
+  } catch (const std::exception& e) {
+    *why = std::string("self-check FAILED: ") + e.what();
+    return false;
+  }
+#else
+  *why = "self-check: no avx512 object to compare with";
+  return false;
+#endif
+}
+
+namespace {
+
+struct AmxCheck {
+  bool ok = false;
+  std::string why;
+};
+AmxCheck& amx_check() {
+  static AmxCheck c;
+  return c;
+}
+
+bool amx_default_ok() {
+  static const bool ok = [] {
+    std::string why;
+    const bool pass = amx_self_check(Isa::amx, &why);
+    amx_check().why = why;
+    amx_check().ok = pass;
+    return pass;
+  }();
+  return ok;
+}
+
+}  // namespace
+
+std::string amx_status() {
+  if (!compiled(Isa::amx))
+    return "not compiled into this build (the compiler lacks -mamx-tile -mamx-bf16)";
+  const CpuFeatures& f = features();
+  if (!f.amx) {
+    std::string s = std::string("unavailable: ") + f.amx_why;
+#ifdef __linux__
+    if (f.amx_cpu && f.amx_os && f.amx_errno) s += std::string(": ") + std::strerror(f.amx_errno);
+#endif
+    return s + "; bf16 runs avx512_bf16 or avx512";
+  }
+  if (amx_check().why.empty())
+    return "available (CPUID, XCR0, permission); the self-check runs when amx is chosen by "
+           "default";
+  return std::string("available; ") + amx_check().why +
+         (amx_check().ok ? "" : "; fell back to avx512_bf16 / avx512");
+}
 
 }  // namespace attn_fast

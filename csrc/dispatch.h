@@ -26,6 +26,16 @@ namespace isa_avx512_bf16 {
 ATTN_BF16DOT_ENTRY_POINTS
 }  // namespace isa_avx512_bf16
 #endif
+#ifdef ATTN_HAVE_AMX_EMU
+namespace isa_amx_emu {
+ATTN_AMX_ENTRY_POINTS
+}  // namespace isa_amx_emu
+#endif
+#ifdef ATTN_HAVE_AMX
+namespace isa_amx {
+ATTN_AMX_ENTRY_POINTS
+}  // namespace isa_amx
+#endif
 
 // Records that a multi-threaded region is about to run outside the kernels'
 // own calls (the probes): the fork guard of dispatch.cpp must know.
@@ -33,8 +43,8 @@ void note_pool_used();
 
 }  // namespace attn_fast
 
-// `return isa_<active>::fn(args...)`; avx512_bf16 runs the avx512 object
-// (its own object holds only ATTN_BF16DOT_ENTRY_POINTS).
+// `return isa_<active>::fn(args...)`; avx512_bf16, amx and amx_emu run the
+// avx512 object (their own objects hold only the bf16 forward).
 #define ATTN_DISPATCH(fn, ...)            \
   switch (active_isa()) {                 \
     ATTN_AVX512_CASE(fn, __VA_ARGS__)     \
@@ -46,6 +56,8 @@ void note_pool_used();
 #define ATTN_AVX512_CASE(fn, ...) \
   case Isa::avx512:               \
   case Isa::avx512_bf16:          \
+  case Isa::amx:                  \
+  case Isa::amx_emu:              \
     return isa_avx512::fn(__VA_ARGS__);
 #else
 #define ATTN_AVX512_CASE(fn, ...)

@@ -1,7 +1,8 @@
 """The wheel runs on every x86-64 CPU: no AVX outside the AVX kernels.
 
-objdump disassembles the built extension. Only functions of the isa_avx2 and
-isa_avx512 namespaces may use VEX/EVEX instructions; everything else (the
+objdump disassembles the built extension. Only functions of the isa_avx2,
+isa_avx512, isa_avx512_bf16, isa_amx and isa_amx_emu namespaces may use
+VEX/EVEX instructions, and only isa_amx the AMX tile instructions; everything else (the
 scalar kernel, dispatch, bindings, the reference kernel, pybind11 and library
 code) must be plain x86-64. Global and weak (COMDAT) functions matter most:
 an inline function emitted by an AVX object as well as by a baseline one is
@@ -31,6 +32,14 @@ AVX_NAMESPACES = (
     "attn_fast::isa_avx2::",
     "attn_fast::isa_avx512::",
     "attn_fast::isa_avx512_bf16::",
+    "attn_fast::isa_amx::",
+    "attn_fast::isa_amx_emu::",
+)
+# AMX tile instructions (issue 19): only the amx object's code may hold them
+# (amx_emu emulates them with vdpbf16ps and must hold none).
+AMX_NAMESPACE = "attn_fast::isa_amx::"
+AMX_MNEMONICS = re.compile(
+    r"^(ldtilecfg|sttilecfg|tileloadd(t1)?|tilestored|tilezero|tilerelease|tdp\w+)$"
 )
 LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 
@@ -43,8 +52,10 @@ def is_avx(mnemonic, operands):
     return bool(re.search(r"%[yz]mm\d|%k[0-7]\b", operands))
 
 
-def avx_addresses(path):
-    """Addresses of all AVX instructions in the code of `path`."""
+def avx_addresses(path, test=None):
+    """Addresses of all AVX instructions (or those `test(mnemonic, operands)` picks) in the
+    code of `path`."""
+    test = test or is_avx
     out = subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", str(path)],
         capture_output=True,
@@ -54,9 +65,17 @@ def avx_addresses(path):
     addrs = []
     for line in out.splitlines():
         m = LINE.match(line)
-        if m and is_avx(m.group(2), m.group(3)):
+        if m and test(m.group(2), m.group(3)):
             addrs.append(int(m.group(1), 16))
     return addrs
+
+
+def is_amx(mnemonic, operands):
+    return bool(AMX_MNEMONICS.match(mnemonic)) or "%tmm" in operands
+
+
+def amx_addresses(path):
+    return avx_addresses(path, is_amx)
 
 
 def function_symbols(path, dynamic):
@@ -110,7 +129,7 @@ def build_trees():
 
 def objects(tree):
     objs = sorted(tree.glob("CMakeFiles/*.dir/**/*.o"))
-    avx = [o for o in objs if re.search(r"attn_k_avx", str(o))]
+    avx = [o for o in objs if re.search(r"attn_k_(avx|amx)", str(o))]
     return avx, [o for o in objs if o not in avx]
 
 
@@ -215,3 +234,30 @@ def test_runs_on_a_cpu_without_avx(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max error" in r.stdout
+
+
+def test_amx_instructions_only_in_the_amx_kernel():
+    # Tile instructions fault without the OS's permission: only isa_amx code may hold them,
+    # and (where the amx object is compiled) it does, so the check is not vacuous.
+    so = Path(af._core.__file__)
+    addrs = amx_addresses(so)
+    syms = function_symbols(so, dynamic=True)
+    bad = {
+        name: n
+        for start, end, name, _ in syms
+        if AMX_NAMESPACE not in name and (n := sum(start <= a < end for a in addrs))
+    }
+    assert not bad, f"AMX instructions outside isa_amx in {so.name}: {bad}"
+    if "amx" in af._core.compiled_isas():
+        assert any(
+            AMX_NAMESPACE in name and any(start <= a < end for a in addrs)
+            for start, end, name, _ in syms
+        ), "the amx kernel holds no tile instruction?"
+    trees = [t for t in build_trees() if any(objects(t))]
+    for tree in trees:
+        for obj in sorted(tree.glob("CMakeFiles/*.dir/**/*.o")):
+            n = len(amx_addresses(obj))
+            if "attn_k_amx.dir" in str(obj):
+                assert n, f"{obj}: the amx object without tile instructions?"
+            else:
+                assert n == 0, f"{obj}: {n} AMX instructions outside the amx object"

@@ -78,6 +78,18 @@
 //   applied to S in fp32) and O += P V (P rounded to bf16, as torch's bf16
 //   SDPA does); the tiling, masking and softmax are unchanged.
 //
+// AMX tiles (the amx and amx_emu objects, ATTN_AMX_TILES; bf16 only): the
+//   micro-panel is 16 query rows (kMR = 16, one tile's rows), S = Q K^T is
+//   amx_qk_panel per (16 rows, 64-key panel): 4 C tiles, Q as the A tile in
+//   chunks of 32 dims (d padded to 32 with zeros), K as B tiles in the
+//   vdpbf16ps path's pair layout; the scale multiplies S in fp32 after the
+//   store. O += P V is amx_pv_panel: P rounded to bf16 in place (p_to_bf16),
+//   A tiles of 32 keys over each panel's column range, V's strips as B tiles,
+//   O loaded into / stored from C tiles per 64-column strip. The tile plan,
+//   layouts and numerics are in kernels/amx_tiles.h; the tile registers are
+//   configured once per thread in forward_impl's parallel region (AmxTiles).
+//   Steps 1-7 of process_item are the same code on every path.
+//
 // Nothing here touches Python or the C++ standard containers (see seq.h for
 // why per-ISA objects keep to plain functions).
 
@@ -105,9 +117,10 @@ namespace attn_fast {
 namespace ATTN_NS {
 
 #include ATTN_VEC_HEADER
-constexpr int kMR = IsaTraits::kMR, kNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
 
 namespace {
+
+#include "amx_tiles.h"  // the AMX tile plan and ops (amx / amx_emu objects only)
 
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
@@ -115,6 +128,11 @@ namespace {
 #include "storage.h"  // Storage<S>, ld / put / bits_of
 #include "scores.h"   // add_alibi_bias
 #include "toolkit.h"  // NEG_INF, online_softmax_row, ThreadArena
+
+}  // namespace
+// The micro-tile (vec_*.h); the AMX objects use 16-row micro-panels (one tile's rows).
+constexpr int kMR = kAmxTiles ? 16 : IsaTraits::kMR, kNR = IsaTraits::kNR;
+namespace {
 
 // dst[0..n) = src[0..n) in the compute type (unit stride both sides):
 // copied for the native types, converted W at a time for the others.
@@ -291,6 +309,24 @@ template <typename S>
 constexpr bool dot_path() {
   return kDotBf16 && std::is_same<S, bf16_t>::value;
 }
+// The AMX tile path (amx / amx_emu objects, bf16): the vdpbf16ps path's K and
+// V layouts with the pair count of d padded to whole tiles (amx_tiles.h), Q
+// row-major, and tile micro-kernels for S = Q K^T and O += P V.
+template <typename S>
+constexpr bool amx_path() {
+  return kAmxTiles && dot_path<S>();
+}
+// Pairs per key (and per Q row) in the packed K / Q of the bf16 paths.
+template <typename S>
+inline int64_t packed_pairs(int64_t d) {
+  return amx_path<S>() ? round_up((d + 1) / 2, 16) : (d + 1) / 2;
+}
+// Elements of compute_t<S> per key in a K slot and per row of the Q block: d,
+// or more on the AMX path where the padded pairs need them (d < 16).
+template <typename S>
+inline int64_t k_elems(int64_t d) {
+  return amx_path<S>() ? imax(d, packed_pairs<S>(d)) : d;
+}
 
 // O[MR][NR*W] += P[MR][cols] * Vp[cols][ldv].
 template <typename T, int MR, int NR>
@@ -392,6 +428,9 @@ struct Scratch {
   uint8_t* nonfinite = nullptr;  // nslots: the slot's V block holds an inf/NaN
   int64_t nslots = 1;
   int64_t key_s = -1, key_hk = -1;  // owner of the cached blocks
+#if defined(ATTN_AMX_TILES)
+  AmxTiles* tiles = nullptr;  // the thread's tile registers (forward_impl)
+#endif
 };
 
 constexpr int64_t kCacheBytes = int64_t(24) << 20;
@@ -418,16 +457,17 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
   const int64_t cols = imin(Bc, si.k_len - j0), cols_p = round_up(cols, NRW);
   const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
   const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
-  T* Kt = sc.Kc + slot * Bc * d;
+  T* Kt = sc.Kc + slot * Bc * k_elems<S>(d);
   if constexpr (dot_path<S>()) {
     // bf16 pairs along d (see qk_micro_dot): the slot's Bc * d floats hold Bc * d2 words.
-    const int64_t d2 = (d + 1) / 2;
+    // The AMX path pads the pairs to d2p (zeros), amx_tiles.h.
+    const int64_t d2p = packed_pairs<S>(d);
     uint32_t* Kw = reinterpret_cast<uint32_t*>(Kt);
     for (int64_t c = 0; c < cols_p; ++c) {
-      uint32_t* dst = Kw + (c / NRW) * d2 * NRW + c % NRW;
+      uint32_t* dst = Kw + (c / NRW) * d2p * NRW + c % NRW;
       const S* src = kbase + c * a.sk.l;
-      for (int64_t k2 = 0; k2 < d2; ++k2)
-        dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+      for (int64_t k2 = 0; k2 < d2p; ++k2)
+        dst[k2 * NRW] = c < cols && 2 * k2 < d ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
     }
   } else {
     for (int64_t c = 0; c < cols_p; ++c) {
@@ -551,7 +591,16 @@ void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int6
             compute_t<S>* Qp) {
   using T = compute_t<S>;
   const int64_t d = a.d;
-  if constexpr (dot_path<S>()) {
+  if constexpr (amx_path<S>()) {
+    // Row-major unscaled bf16 pairs, padded to d2p (the A tiles of amx_qk_panel).
+    const int64_t d2p = packed_pairs<S>(d);
+    uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
+    for (int64_t r = 0; r < rows_p; ++r) {
+      const S* src = qbase + (i0 + r) * a.sq.l;
+      for (int64_t k2 = 0; k2 < d2p; ++k2)
+        Qw[r * d2p + k2] = r < rows && 2 * k2 < d ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+    }
+  } else if constexpr (dot_path<S>()) {
     // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
     const int64_t d2 = (d + 1) / 2;
     uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
@@ -635,6 +684,15 @@ void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>
     for (int64_t i = 0; i < rows_p; i += kMR) {
       const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
       if (jv < c_hi && jv + kNR * W > c_lo) {
+#if defined(ATTN_AMX_TILES)
+        if constexpr (amx_path<S>()) {
+          const int64_t d2p = packed_pairs<S>(d);
+          amx_qk_panel(*sc.tiles, reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2p, d2p,
+                       reinterpret_cast<const uint32_t*>(Kt) + jv * d2p,
+                       static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds);
+          continue;
+        }
+#endif
 #if defined(ATTN_ISA_AVX512_BF16)
         if constexpr (dot_path<S>()) {
           const int64_t d2 = (d + 1) / 2;
@@ -710,6 +768,24 @@ template <typename S>
 void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, int64_t rows_p,
              int64_t cols, int64_t cols_p, int64_t Bc, int64_t dvp, bool nonfinite) {
   using T = compute_t<S>;
+#if defined(ATTN_AMX_TILES)
+  if constexpr (amx_path<S>()) {
+    if (nonfinite) {  // AMX multiplies 0 x NaN = NaN too: the guarded product
+      pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
+      return;
+    }
+    p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+    const uint32_t* Pw = reinterpret_cast<const uint32_t*>(sc.S);
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      // Whole 32-key A tiles over the panel's columns (weights outside are exactly 0).
+      const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
+      if (c_hi <= c_lo) continue;
+      amx_pv_panel(*sc.tiles, Pw + i * sc.lds, sc.lds, c_lo / 32 * 16, (c_hi + 31) / 32 * 16,
+                   reinterpret_cast<const uint32_t*>(Vp), Bc, dvp, sc.O + i * dvp);
+    }
+    return;
+  }
+#endif
 #if defined(ATTN_ISA_AVX512_BF16)
   if constexpr (dot_path<S>()) {
     if (nonfinite) {
@@ -819,7 +895,7 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
 
     // The packed K and V blocks (cached per thread, kv_block).
     const int64_t slot = kv_block(a, si, s_idx, hk, j0 / Bc, Bc, sc);
-    const T* Kt = sc.Kc + slot * Bc * d;
+    const T* Kt = sc.Kc + slot * Bc * k_elems<S>(d);
     const T* Vp = sc.Vc + slot * Bc * dvp;
 
     panel_columns(sc, rows, rows_p, j0, cols, cols_p, partial);
@@ -898,8 +974,12 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
     // call then throws std::bad_alloc (MemoryError) instead of crashing.
     ThreadArena arena;
     Scratch<T> sc;
-    const bool ok = carve_scratch(arena, sc, Br, Bc, a.d, dvp, a.Lk);
+    const bool ok = carve_scratch(arena, sc, Br, Bc, k_elems<S>(a.d), dvp, a.Lk);
     failed += ok ? 0 : 1;
+#if defined(ATTN_AMX_TILES)
+    AmxTiles tiles;  // ldtilecfg here, tilerelease when the region ends (amx_tiles.h)
+    sc.tiles = &tiles;
+#endif
     AttnStats st;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
@@ -935,7 +1015,13 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 
 }  // namespace
 
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_AMX_TILES)
+// The amx / amx_emu objects hold only the tile bf16 kernel and one tile product
+// for the tests (kernel_entries.h).
+ATTN_AMX_ENTRY_POINTS
+AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
+void tdpbf16ps_tile(const uint16_t* a, const uint16_t* b, float* c) { amx_tile_product(a, b, c); }
+#elif defined(ATTN_ISA_AVX512_BF16)
 // The avx512_bf16 object holds only the vdpbf16ps bf16 kernel (and, in
 // probes.cpp, its probe loop).
 ATTN_BF16DOT_ENTRY_POINTS

@@ -20,7 +20,17 @@
 #endif
 #include "attn_fast/half.h"  // scalar bf16 / fp16 conversions used by the vector headers
 
-#if defined(ATTN_ISA_AVX512_BF16)  // defined together with ATTN_ISA_AVX512 (CMakeLists.txt)
+#if defined(ATTN_ISA_AMX) || defined(ATTN_ISA_AMX_EMU)
+// AMX-BF16 tiles (real or emulated, kernels/amx_tiles.h), defined together
+// with ATTN_ISA_AVX512 and ATTN_ISA_AVX512_BF16; flash_fwd.cpp only.
+#define ATTN_AMX_TILES 1
+#if defined(ATTN_ISA_AMX)
+#define ATTN_NS isa_amx
+#else
+#define ATTN_NS isa_amx_emu
+#endif
+#define ATTN_VEC_HEADER "vec_avx512.h"
+#elif defined(ATTN_ISA_AVX512_BF16)  // defined together with ATTN_ISA_AVX512 (CMakeLists.txt)
 #define ATTN_NS isa_avx512_bf16
 #define ATTN_VEC_HEADER "vec_avx512.h"
 #elif defined(ATTN_ISA_AVX512)

@@ -11,19 +11,29 @@ from . import _core
 __all__ = ["set_isa", "get_isa", "set_num_threads", "get_num_threads", "show_config", "config"]
 
 
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu")
+
+
 def set_isa(name: str) -> None:
-    """Force the kernel instruction set: "scalar", "avx2", "avx512" or
+    """Force the kernel instruction set: "scalar", "avx2", "avx512",
     "avx512_bf16" (avx512 plus vdpbf16ps micro-kernels for bfloat16 calls;
-    chosen by default only where a timing probe finds them faster).
+    chosen by default only where a timing probe finds them faster), "amx"
+    (AMX-BF16 tiles for bfloat16 forward calls; chosen by default where the CPU,
+    the OS and a one-time self-check allow it, see ``show_config()``) or
+    "amx_emu" (the amx kernel with its tile operations emulated by vdpbf16ps:
+    runs wherever avx512_bf16 does, slower; for tests, never the default).
+    On avx512_bf16, amx and amx_emu every call other than the bfloat16 forward
+    runs the avx512 kernels.
 
     Raises ValueError for an unknown name and RuntimeError when this CPU/OS
-    (CPUID and XCR0) or this build does not support it. Affects the whole
-    process; the environment variable ATTN_FAST_ISA does the same at import.
+    (CPUID and XCR0; for amx also Linux's tile-data permission) or this build
+    does not support it. Affects the whole process; the environment variable
+    ATTN_FAST_ISA does the same at import.
     """
     name = str(name).strip().lower()
-    if name not in ("scalar", "avx2", "avx512", "avx512_bf16"):
+    if name not in ISA_NAMES:
         raise ValueError(
-            f"ISA must be one of 'scalar', 'avx2', 'avx512', 'avx512_bf16', got {name!r}"
+            "ISA must be one of " + ", ".join(repr(n) for n in ISA_NAMES) + f", got {name!r}"
         )
     try:
         _core.set_isa(name)
@@ -80,6 +90,7 @@ def config() -> dict[str, Any]:
         "num_threads": _core.get_num_threads(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "amx": _core.amx_status(),
         "ATTN_FAST_ISA": os.environ.get("ATTN_FAST_ISA", ""),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
     }

@@ -180,7 +180,12 @@ struct DecodeArgs {
 
 // avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16
 // storage (CPUID.(7,1):EAX bit 5). Other dtypes run the avx512 kernels.
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
+// amx: AMX-BF16 tiles for the bf16 forward (CPUID.(7,0):EDX bits 22/24, XCR0
+// bits 17/18, Linux permission; chosen by default after a self-check);
+// amx_emu: the same kernel with the tile ops emulated by vdpbf16ps (runs where
+// avx512_bf16 does; never chosen by default: for tests). Every other call of
+// either runs the avx512 kernels.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4, amx_emu = 5 };
 
 const char* isa_name(Isa isa);
 // ISAs compiled into this build AND supported by this CPU/OS, in ascending order.
@@ -190,6 +195,15 @@ Isa active_isa();
 // Throws std::runtime_error if the ISA is not compiled in or not supported.
 void set_active_isa(Isa isa);
 Isa parse_isa(const std::string& name);  // throws std::invalid_argument
+// Why amx is or is not the default here (CPUID, XCR0, the kernel's permission,
+// the self-check): one line for show_config().
+std::string amx_status();
+// The one-time self-check of a tile ISA (amx or amx_emu) against the avx512
+// path on a small bf16 attention; true when it agrees, with a line in *why.
+bool amx_self_check(Isa isa, std::string* why);
+// One TDPBF16PS of the amx / amx_emu object on caller memory (tests):
+// c[16][16] += a[16][32 bf16] . b[16 pair-rows][16 pairs]; throws if unavailable.
+void tdpbf16ps_tile(Isa isa, const uint16_t* a, const uint16_t* b, float* c);
 
 void set_num_threads(int n);
 int get_num_threads();

@@ -45,3 +45,11 @@
 #define ATTN_BF16DOT_ENTRY_POINTS                          \
   AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
   double dpbf16_loop(int64_t iters);
+
+// What the amx and amx_emu objects define (flash_fwd.cpp only, kernels/amx_tiles.h):
+// the AMX-BF16 tile forward for bf16 storage and one tile product
+// c[16][16] += a[16][32 bf16] . b[16 pair-rows][16 bf16 pairs] (TDPBF16PS, for
+// the tests). Every other call of these ISAs runs the avx512 object.
+#define ATTN_AMX_ENTRY_POINTS                              \
+  AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
+  void tdpbf16ps_tile(const uint16_t* a, const uint16_t* b, float* c);

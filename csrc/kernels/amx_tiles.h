@@ -1,0 +1,280 @@
+// The AMX-BF16 tile layer of the bf16 forward (flash_fwd.cpp, issue 19): one
+// tile plan, the two micro-kernels written against it, and two implementations
+// of the tile operations that share every line above them.
+//
+//   amx      (ATTN_ISA_AMX, -mamx-tile -mamx-bf16): ldtilecfg / tileloadd /
+//            tdpbf16ps / tilestored / tilezero / tilerelease.
+//   amx_emu  (ATTN_ISA_AMX_EMU, AVX512-BF16 only): the same operations on an
+//            in-memory register file of 8 tiles x 16 rows x 64 bytes, held by
+//            the thread's AmxTiles object. It exists so that the packing,
+//            indexing and tails of the tile path are tested on CPUs without
+//            AMX (it is never chosen by default).
+//
+// Not `#pragma once`: included once, inside the ISA namespace of flash_fwd.cpp
+// (after vec_avx512.h, whose Vec<float> and DotBf16 it uses). Defines nothing
+// outside the two AMX objects except kAmxTiles = false.
+//
+// Tile plan (every tile configured 16 rows x 64 bytes, palette 1):
+//   tmm0-3  C: fp32 accumulators, 16 rows x 16 columns each, 4 side by side =
+//           one 64-key panel of S (Q K^T) or one 64-column strip of O (P V)
+//   tmm4    A: 16 rows x 32 bf16 (Q rows x 32 dims, or P rows x 32 keys)
+//   tmm5-6  B: 16 pair-rows x 16 columns of bf16 pairs (VNNI: one 32-bit word
+//           holds the two values of consecutive reduction indices), loaded
+//           alternately so a load can overlap the previous product
+//   tmm7    unused
+// Layouts (flash_fwd.cpp packs them):
+//   Q  row-major bf16 pairs, Qw[r * d2p + k2] = (q[r][2k2], q[r][2k2+1]);
+//      d2p = the pair count padded to a multiple of 16 (d to 32) with zeros
+//   K  the vdpbf16ps path's panels of 64 keys, pair-major: word (k2, c) of a
+//      panel at Kw[k2 * 64 + c] = (k[c][2k2], k[c][2k2+1]): the 32-bit-word
+//      transpose of K, which is TDPBF16PS's B layout as it stands
+//   P  the vdpbf16ps path's in-place bf16 rows of S: row r's word c2 =
+//      (p[r][2c2], p[r][2c2+1]), row stride lds words: the A layout
+//   V  the vdpbf16ps path's strips (64 columns, then 16-column tails), word
+//      (c2, e) = (v[2c2][e], v[2c2+1][e]): key pairs interleaved, the B layout
+//   O  the fp32 accumulator rows (stride dvp), loaded into C and stored back
+//
+// Numerics. TDPBF16PS computes, per C element, C += a0 b0 + a1 b1 over each
+// pair (products of bf16 values are exact in fp32), treats bf16 denormals as
+// zero and flushes fp32 denormal results, rounding to nearest even. The
+// emulation does each pair with vdpbf16ps, which has the same rules; the one
+// difference allowed by the two instructions' descriptions is the order in
+// which the pair's two products and the accumulator are added (one rounding
+// either way, but not necessarily the same bits). Tests therefore compare the
+// emulated and real products to a float64 loop within fp32 rounding, never
+// bit for bit across the two.
+
+#if defined(ATTN_ISA_AMX) || defined(ATTN_ISA_AMX_EMU)
+constexpr bool kAmxTiles = true;
+
+// The tile shapes, once (the kernels below and the pack routines use these).
+struct AmxPlan {
+  static constexpr int kRows = 16;   // rows of every tile: query rows per micro-panel
+  static constexpr int kPairs = 16;  // pair-rows of a B tile: 32 bf16 of reduction per product
+  static constexpr int kCols = 16;   // fp32 columns of a C tile
+  static constexpr int kPanel = 64;  // keys (QK^T) or output columns (PV) per 4 C tiles
+  static constexpr int kA = 4, kB0 = 5, kB1 = 6;
+};
+
+// The 64-byte LDTILECFG block (palette 1), every tile used 16 x 64 bytes.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  AmxConfig() {
+    for (int t = 0; t < 7; ++t) {
+      colsb[t] = 64;
+      rows[t] = AmxPlan::kRows;
+    }
+  }
+};
+
+#if defined(ATTN_ISA_AMX)
+// The real tile registers: configured by the constructor (once per thread, at
+// the start of the parallel region), released by the destructor. The tile
+// numbers must be literals in GCC's intrinsics: the templates pick them.
+#define ATTN_TILE_EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+class AmxTiles {
+ public:
+  AmxTiles() {
+    const AmxConfig cfg;  // on the stack: no static data in the ISA objects
+    _tile_loadconfig(&cfg);
+  }
+  ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+  template <int T>
+  void load(const void* p, int64_t stride_bytes) {
+#define ATTN_TILE_LOAD(n) \
+  if constexpr (T == n) _tile_loadd(n, p, stride_bytes);
+    ATTN_TILE_EACH(ATTN_TILE_LOAD)
+#undef ATTN_TILE_LOAD
+  }
+  template <int T>
+  void store(void* p, int64_t stride_bytes) {
+#define ATTN_TILE_STORE(n) \
+  if constexpr (T == n) _tile_stored(n, p, stride_bytes);
+    ATTN_TILE_EACH(ATTN_TILE_STORE)
+#undef ATTN_TILE_STORE
+  }
+  template <int T>
+  void zero() {
+#define ATTN_TILE_ZERO(n) \
+  if constexpr (T == n) _tile_zero(n);
+    ATTN_TILE_EACH(ATTN_TILE_ZERO)
+#undef ATTN_TILE_ZERO
+  }
+  // C += A . B (TDPBF16PS): A is tmm4, B is tmm5 or tmm6, C one of tmm0-3.
+  template <int C, int A, int B>
+  void dp() {
+    static_assert(A == AmxPlan::kA && (B == AmxPlan::kB0 || B == AmxPlan::kB1) && C >= 0 && C < 4,
+                  "the tile plan: C in tmm0-3, A = tmm4, B = tmm5 or tmm6");
+#define ATTN_TILE_DP(c)              \
+  if constexpr (C == c) {            \
+    if constexpr (B == AmxPlan::kB0) \
+      _tile_dpbf16ps(c, 4, 5);       \
+    else                             \
+      _tile_dpbf16ps(c, 4, 6);       \
+  }
+    ATTN_TILE_DP(0) ATTN_TILE_DP(1) ATTN_TILE_DP(2) ATTN_TILE_DP(3)
+#undef ATTN_TILE_DP
+  }
+};
+#undef ATTN_TILE_EACH
+#else
+// The emulated tile registers: 8 tiles x 16 rows x 64 bytes in memory, with
+// the configured rows / bytes per row of each tile (AmxConfig), the parts a
+// load does not write zeroed as on the hardware.
+class AmxTiles {
+ public:
+  AmxTiles() {
+    const AmxConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      rows_[t] = cfg.rows[t];
+      colsb_[t] = cfg.colsb[t];
+    }
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+  template <int T>
+  void load(const void* p, int64_t stride_bytes) {
+    const __mmask64 m = colsb_mask(T);
+    for (int r = 0; r < 16; ++r) {
+      const __m512i x =
+          r < rows_[T] ? _mm512_maskz_loadu_epi8(m, static_cast<const char*>(p) + r * stride_bytes)
+                       : _mm512_setzero_si512();
+      _mm512_store_si512(t_[T][r], x);
+    }
+  }
+  template <int T>
+  void store(void* p, int64_t stride_bytes) const {
+    const __mmask64 m = colsb_mask(T);
+    for (int r = 0; r < rows_[T]; ++r)
+      _mm512_mask_storeu_epi8(static_cast<char*>(p) + r * stride_bytes, m,
+                              _mm512_load_si512(t_[T][r]));
+  }
+  template <int T>
+  void zero() {
+    for (int r = 0; r < 16; ++r) _mm512_store_si512(t_[T][r], _mm512_setzero_si512());
+  }
+  // C[m][:] += sum over pair-rows k of A[m][pair k] . B[k][:] (TDPBF16PS),
+  // each pair with one vdpbf16ps: M = rows of C, K = bytes per row of A / 4.
+  template <int C, int A, int B>
+  void dp() {
+    static_assert(C != A && C != B, "TDPBF16PS needs three distinct tiles");
+    const int M = rows_[C], K = colsb_[A] / 4;
+    for (int m = 0; m < M; ++m) {
+      Vec<float>::R acc = _mm512_load_ps(reinterpret_cast<const float*>(t_[C][m]));
+      for (int k = 0; k < K; ++k)
+        acc = DotBf16::dot(acc, DotBf16::set1(t_[A][m][k]), DotBf16::load(t_[B][k]));
+      _mm512_store_ps(reinterpret_cast<float*>(t_[C][m]), acc);
+    }
+  }
+
+ private:
+  __mmask64 colsb_mask(int t) const {
+    return colsb_[t] >= 64 ? ~__mmask64(0) : (__mmask64(1) << colsb_[t]) - 1;
+  }
+  alignas(64) uint32_t t_[8][16][16];
+  int rows_[8] = {};
+  int colsb_[8] = {};
+};
+#endif
+
+// S[16][64] = scale * (Q rows . K panel^T): Qw 16 rows of d2p pairs
+// (row-major), Kw one 64-key panel (d2p pair-rows x 64 words); S row stride
+// lds floats. The scale multiplies S in fp32 after the product (scale * Q is
+// never rounded to bf16).
+inline void amx_qk_panel(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uint32_t* Kw,
+                         float scale, float* S, int64_t lds) {
+  constexpr int64_t kP = AmxPlan::kPanel;
+  t.zero<0>();
+  t.zero<1>();
+  t.zero<2>();
+  t.zero<3>();
+  for (int64_t k2 = 0; k2 < d2p; k2 += AmxPlan::kPairs) {
+    t.load<AmxPlan::kA>(Qw + k2, d2p * 4);
+    const uint32_t* kb = Kw + k2 * kP;
+    t.load<AmxPlan::kB0>(kb, kP * 4);
+    t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
+    t.load<AmxPlan::kB1>(kb + 16, kP * 4);
+    t.dp<1, AmxPlan::kA, AmxPlan::kB1>();
+    t.load<AmxPlan::kB0>(kb + 32, kP * 4);
+    t.dp<2, AmxPlan::kA, AmxPlan::kB0>();
+    t.load<AmxPlan::kB1>(kb + 48, kP * 4);
+    t.dp<3, AmxPlan::kA, AmxPlan::kB1>();
+  }
+  t.store<0>(S, lds * 4);
+  t.store<1>(S + 16, lds * 4);
+  t.store<2>(S + 32, lds * 4);
+  t.store<3>(S + 48, lds * 4);
+  using V = Vec<float>;
+  const V::R vs = V::set1(scale);
+  for (int r = 0; r < AmxPlan::kRows; ++r)
+    for (int n = 0; n < kP; n += V::W)
+      V::store(S + r * lds + n, V::mul(V::load(S + r * lds + n), vs));
+}
+
+// O[16][dvp] += P[16][2 c2lo .. 2 c2hi) . V over the strips of a packed V block
+// (64-column strips: four C tiles; 16-column tail strips: one). Pw: the panel's
+// bf16 P rows (row stride ldp words); c2lo, c2hi multiples of 16 pairs; Vw the
+// block's strips (strip at column c0 starts at word c0 * Bc / 2).
+inline void amx_pv_panel(AmxTiles& t, const uint32_t* Pw, int64_t ldp, int64_t c2lo, int64_t c2hi,
+                         const uint32_t* Vw, int64_t Bc, int64_t dvp, float* O) {
+  constexpr int64_t kP = AmxPlan::kPanel;
+  for (int64_t c0 = 0; c0 < dvp;) {
+    const int64_t width = c0 + kP <= dvp ? kP : AmxPlan::kCols;
+    const uint32_t* strip = Vw + c0 * Bc / 2;
+    float* Oc = O + c0;
+    if (width == kP) {
+      t.load<0>(Oc, dvp * 4);
+      t.load<1>(Oc + 16, dvp * 4);
+      t.load<2>(Oc + 32, dvp * 4);
+      t.load<3>(Oc + 48, dvp * 4);
+      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
+        t.load<AmxPlan::kA>(Pw + c2, ldp * 4);
+        const uint32_t* vb = strip + c2 * kP;
+        t.load<AmxPlan::kB0>(vb, kP * 4);
+        t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
+        t.load<AmxPlan::kB1>(vb + 16, kP * 4);
+        t.dp<1, AmxPlan::kA, AmxPlan::kB1>();
+        t.load<AmxPlan::kB0>(vb + 32, kP * 4);
+        t.dp<2, AmxPlan::kA, AmxPlan::kB0>();
+        t.load<AmxPlan::kB1>(vb + 48, kP * 4);
+        t.dp<3, AmxPlan::kA, AmxPlan::kB1>();
+      }
+      t.store<0>(Oc, dvp * 4);
+      t.store<1>(Oc + 16, dvp * 4);
+      t.store<2>(Oc + 32, dvp * 4);
+      t.store<3>(Oc + 48, dvp * 4);
+    } else {
+      t.load<0>(Oc, dvp * 4);
+      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
+        t.load<AmxPlan::kA>(Pw + c2, ldp * 4);
+        t.load<AmxPlan::kB0>(strip + c2 * AmxPlan::kCols, AmxPlan::kCols * 4);
+        t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
+      }
+      t.store<0>(Oc, dvp * 4);
+    }
+    c0 += width;
+  }
+}
+
+// One TDPBF16PS on caller memory, for the tests (and the real object's first
+// use): c[16][16] += a[16][32 bf16] . b[16 pair-rows][16 words], unit-stride
+// rows (64 bytes each).
+inline void amx_tile_product(const uint16_t* a, const uint16_t* b, float* c) {
+  AmxTiles t;
+  t.load<0>(c, 64);
+  t.load<AmxPlan::kA>(a, 64);
+  t.load<AmxPlan::kB0>(b, 64);
+  t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
+  t.store<0>(c, 64);
+}
+#else
+constexpr bool kAmxTiles = false;
+#endif
