@@ -172,13 +172,22 @@ bool compiled(Isa isa) {
 
 bool amx_default_ok();  // the self-check, once (below)
 
+// The tile ISA the default choice considers: amx, or amx_emu standing in for
+// it under ATTN_FAST_AMX_CANDIDATE=amx_emu (tests: the choice, the self-check
+// and the status line then run on CPUs without AMX).
+Isa amx_candidate() {
+  const char* e = std::getenv("ATTN_FAST_AMX_CANDIDATE");
+  return e && std::string(e) == "amx_emu" ? Isa::amx_emu : Isa::amx;
+}
+
 Isa best_isa() {
   Isa best = Isa::scalar;
   for (Isa i : {Isa::avx2, Isa::avx512})
     if (compiled(i) && supported(i)) best = i;
-  // amx where the CPU, the OS and the self-check allow it (amx_emu never).
-  if (best == Isa::avx512 && compiled(Isa::amx) && supported(Isa::amx) && amx_default_ok())
-    return Isa::amx;
+  // amx where the CPU, the OS and the self-check allow it (amx_emu never,
+  // unless a test makes it the candidate).
+  const Isa cand = amx_candidate();
+  if (best == Isa::avx512 && compiled(cand) && supported(cand) && amx_default_ok()) return cand;
   // avx512_bf16 only where its dot product measured faster (dispatch's end).
   if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) &&
       bf16_dot_preferred())
@@ -476,6 +485,13 @@ bool amx_self_check(Isa isa, std::string* why) {
 #ifdef ATTN_HAVE_AMX_EMU
     if (isa == Isa::amx_emu) isa_amx_emu::flash_forward_bf16(a);
 #endif
+    // ATTN_FAST_AMX_SELFCHECK=corrupt (tests): one output off by 1, as a wrong
+    // tile kernel would be, to show that the check and the fallback work.
+    if (const char* e = std::getenv("ATTN_FAST_AMX_SELFCHECK"))
+      if (std::string(e) == "corrupt") {
+        bf16_t& x = o1[o1.size() / 2];
+        x.bits = f32_to_bf16(bf16_to_f32(x.bits) + 1.0f);
+      }
     a.o = o2.data();
     a.lse = lse2.data();
     isa_avx512::flash_forward_bf16(a);
@@ -517,7 +533,7 @@ AmxCheck& amx_check() {
 bool amx_default_ok() {
   static const bool ok = [] {
     std::string why;
-    const bool pass = amx_self_check(Isa::amx, &why);
+    const bool pass = amx_self_check(amx_candidate(), &why);
     amx_check().why = why;
     amx_check().ok = pass;
     return pass;
@@ -528,6 +544,11 @@ bool amx_default_ok() {
 }  // namespace
 
 std::string amx_status() {
+  if (amx_candidate() == Isa::amx_emu) {
+    std::string s = "amx_emu stands in for amx (ATTN_FAST_AMX_CANDIDATE=amx_emu, tests only); ";
+    if (amx_check().why.empty()) return s + "the self-check runs when the default is chosen";
+    return s + amx_check().why + (amx_check().ok ? "" : "; fell back to avx512_bf16 / avx512");
+  }
   if (!compiled(Isa::amx))
     return "not compiled into this build (the compiler lacks -mamx-tile -mamx-bf16)";
   const CpuFeatures& f = features();

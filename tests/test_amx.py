@@ -365,6 +365,42 @@ def test_forcing_amx_without_it_is_a_clear_error():
         assert _core.amx_status().split(";")[0] in out.stderr  # the reason, from CPUID/XCR0/OS
 
 
+def _status_in_subprocess(**env):
+    code = "import attn_fast as af; print(af.get_isa()); print(af._core.amx_status())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "ATTN_FAST_ISA": "", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    isa, status = out.stdout.strip().split("\n", 1)
+    return isa, status
+
+
+def test_default_choice_takes_a_tile_isa_that_passes_its_self_check():
+    """The default-ISA choice with amx_emu standing in for amx (ATTN_FAST_AMX_CANDIDATE):
+    the self-check runs, passes, the tile ISA becomes the default and show_config says so."""
+    if "amx_emu" not in _core.available_isas():
+        pytest.skip("amx_emu cannot run here (no AVX512-BF16)")
+    isa, status = _status_in_subprocess(ATTN_FAST_AMX_CANDIDATE="amx_emu")
+    assert isa == "amx_emu", status
+    assert "stands in for amx" in status and "self-check passed" in status
+
+
+def test_default_choice_falls_back_when_the_self_check_fails():
+    """A tile kernel that gives a wrong answer (ATTN_FAST_AMX_SELFCHECK=corrupt puts one
+    output off by 1) is not chosen: the default falls back and show_config says why."""
+    if "amx_emu" not in _core.available_isas():
+        pytest.skip("amx_emu cannot run here (no AVX512-BF16)")
+    isa, status = _status_in_subprocess(
+        ATTN_FAST_AMX_CANDIDATE="amx_emu", ATTN_FAST_AMX_SELFCHECK="corrupt"
+    )
+    assert isa in ("avx512", "avx512_bf16"), status
+    assert "self-check FAILED" in status and "fell back" in status
+
+
 def test_amx_is_the_default_where_it_runs():
     """On an AMX machine the default is amx after the self-check (or the status says why
     not); everywhere else this is the skip."""
