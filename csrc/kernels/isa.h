@@ -2,7 +2,10 @@
 // flash_bwd.cpp, probes.cpp): the build compiles each once with
 // ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or ATTN_ISA_AVX512 defined (CMakeLists.txt);
 // flash_fwd.cpp and probes.cpp once more with ATTN_ISA_AVX512 and
-// ATTN_ISA_AVX512_BF16 (the vdpbf16ps bf16 kernel and its probe). What each
+// ATTN_ISA_AVX512_BF16 (the vdpbf16ps bf16 kernel and its probe).
+// flash_fwd.cpp alone twice more with ATTN_ISA_AVX512, ATTN_ISA_AVX512_BF16
+// and ATTN_ISA_AMX or ATTN_ISA_AMX_EMU (the AMX tile bf16 kernel, real or
+// emulated: kernels/amx_tiles.h). What each
 // object defines is listed once, in attn_fast/kernel_entries.h. This header
 // picks the namespace the source's code goes into and the vector header
 // (register type, primitives, IsaTraits; vec_math.h for the math over them)
