@@ -31,7 +31,7 @@ function(attn_checks_after_kernels)
   # header hundreds of times (GCC bug 105593, fixed in GCC 13). Silenced for the
   # AVX-512 objects on GCC < 13 only, so -Werror keeps its meaning everywhere else.
   if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
-    foreach(tgt attn_k_avx512 attn_k_avx512_bf16)
+    foreach(tgt attn_k_avx512 attn_k_avx512_bf16 attn_k_amx attn_k_amx_emu)
       if(TARGET ${tgt})
         target_compile_options(${tgt} PRIVATE -Wno-maybe-uninitialized -Wno-uninitialized)
       endif()

@@ -70,6 +70,9 @@ struct alignas(64) AmxConfig {
     }
   }
 };
+static_assert(sizeof(AmxConfig) == 64 && offsetof(AmxConfig, colsb) == 16 &&
+                  offsetof(AmxConfig, rows) == 48,
+              "the LDTILECFG layout: palette, start row, 14 reserved, colsb[16], rows[16]");
 
 #if defined(ATTN_ISA_AMX)
 // The real tile registers: configured by the constructor (once per thread, at

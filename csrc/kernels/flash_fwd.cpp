@@ -94,6 +94,7 @@
 // why per-ISA objects keep to plain functions).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
