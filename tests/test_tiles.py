@@ -121,3 +121,20 @@ def test_tall_query_blocks_for_long_kv(isa, rng):
     k, v = randn(rng, (1, 1, 4100, 128)), randn(rng, (1, 1, 4100, 128))
     sdpa_checked(q, k, v, np.float32)
     sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(200, 4100), is_causal=True)
+
+
+# Q panels: unit-stride rows are packed by registers on AVX-512 (6 rows x W
+# columns interleaved at once), strided rows element by element. Both compute
+# the same products, so the outputs must agree bit for bit, and the oracle.
+@pytest.mark.parametrize("d", [1, 5, 16, 80, 256])
+@pytest.mark.parametrize("L", [1, 7, 129])
+def test_q_panels_from_unit_and_strided_rows_agree(isa, rng, d, L):
+    q = randn(rng, (2, 3, L, d))
+    q_strided = np.zeros((2, 3, L, 2 * d), np.float32)[..., ::2]  # element stride 2
+    q_strided[...] = q
+    k, v = randn(rng, (2, 3, 140, d)), randn(rng, (2, 3, 140, 24))
+    for causal in (False, True):
+        mask = ref.causal_mask(L, 140) if causal else None
+        o = sdpa_checked(q, k, v, np.float32, mask=mask, is_causal=causal)
+        o_strided, _ = run_sdpa(q_strided, k, v, np.float32, is_causal=causal)
+        np.testing.assert_array_equal(o, o_strided)

@@ -543,6 +543,64 @@ void row_ranges(const AttnArgs<S>& a, const SeqInfo& si, int64_t i0, int64_t row
   *jhi = hi;
 }
 
+// pack_q's element loop: any strides, any storage type, one value at a time.
+template <typename S>
+void pack_q_strided(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+                    compute_t<S>* Qp) {
+  using T = compute_t<S>;
+  const int64_t d = a.d;
+  const T scale = static_cast<T>(a.scale);
+  for (int64_t r = 0; r < rows_p; ++r) {
+    T* dst = Qp + (r / kMR) * kMR * d + r % kMR;
+    if (r < rows) {
+      const S* src = qbase + (i0 + r) * a.sq.l;
+      for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
+    } else {
+      for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+    }
+  }
+}
+
+// Whether Vec<T> has store_interleaved6 (the AVX-512 float vector does).
+template <typename V, typename = void>
+struct HasInterleave6 : std::false_type {};
+template <typename V>
+struct HasInterleave6<
+    V, std::void_t<decltype(V::store_interleaved6(static_cast<float*>(nullptr),
+                                                  static_cast<const typename V::R*>(nullptr)))>>
+    : std::true_type {};
+template <typename T>
+constexpr bool kInterleave6 = HasInterleave6<Vec<T>>::value;
+
+// pack_q for unit-stride rows and 6-row panels: W columns of the panel's six
+// rows are loaded, scaled and interleaved in registers (six stores instead of
+// 6 W scalar ones); the same products as pack_q_strided, so the same bits.
+template <typename S>
+void pack_q_rows6(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+                  compute_t<S>* Qp) {
+  using T = compute_t<S>;
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const int64_t d = a.d;
+  const T scale = static_cast<T>(a.scale);
+  const typename V::R vs = V::set1(scale);
+  for (int64_t r0 = 0; r0 < rows_p; r0 += 6) {
+    T* dst = Qp + r0 * d;
+    const int64_t n = imax(0, imin(6, rows - r0));  // real rows of this panel
+    const S* src[6];
+    for (int r = 0; r < 6; ++r) src[r] = qbase + (i0 + r0 + (r < n ? r : 0)) * a.sq.l;
+    int64_t e = 0;
+    for (; e + W <= d; e += W) {
+      typename V::R x[6];
+      for (int r = 0; r < 6; ++r)
+        x[r] = r < n ? V::mul(Storage<S>::load(src[r] + e), vs) : V::zero();
+      V::store_interleaved6(dst + e * 6, x);
+    }
+    for (; e < d; ++e)
+      for (int r = 0; r < 6; ++r) dst[e * 6 + r] = r < n ? ld(src[r] + e) * scale : T(0);
+  }
+}
+
 // 1. Pack Q: rows i0 .. i0+rows-1 (scaled) as kMR-row panels, k-major
 // (Qp[(r / kMR) * kMR * d + k * kMR + r % kMR]); zero rows up to rows_p.
 // The vdpbf16ps path packs unscaled bf16 pairs instead (qk_micro_dot).
@@ -550,10 +608,9 @@ template <typename S>
 void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
             compute_t<S>* Qp) {
   using T = compute_t<S>;
-  const int64_t d = a.d;
   if constexpr (dot_path<S>()) {
     // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
-    const int64_t d2 = (d + 1) / 2;
+    const int64_t d = a.d, d2 = (d + 1) / 2;
     uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
     for (int64_t r = 0; r < rows_p; ++r) {
       uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
@@ -561,17 +618,11 @@ void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int6
       for (int64_t k2 = 0; k2 < d2; ++k2)
         dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
     }
+  } else if constexpr (kInterleave6<T>) {
+    if (kMR == 6 && a.sq.d == 1) return pack_q_rows6(a, qbase, i0, rows, rows_p, Qp);
+    pack_q_strided(a, qbase, i0, rows, rows_p, Qp);
   } else {
-    const T scale = static_cast<T>(a.scale);
-    for (int64_t r = 0; r < rows_p; ++r) {
-      T* dst = Qp + (r / kMR) * kMR * d + r % kMR;
-      if (r < rows) {
-        const S* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
-      }
-    }
+    pack_q_strided(a, qbase, i0, rows, rows_p, Qp);
   }
 }
 
