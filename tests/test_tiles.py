@@ -138,3 +138,33 @@ def test_q_panels_from_unit_and_strided_rows_agree(isa, rng, d, L):
         o = sdpa_checked(q, k, v, np.float32, mask=mask, is_causal=causal)
         o_strided, _ = run_sdpa(q_strided, k, v, np.float32, is_causal=causal)
         np.testing.assert_array_equal(o, o_strided)
+
+
+# The schedule hands whole (sequence, kv head) groups to a thread while there
+# are at least 2 per thread, then single query blocks for the last groups:
+# every row must still be computed exactly once, with the bits of one thread.
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, L", [(3, 8, 4, 100), (1, 12, 12, 150), (2, 4, 1, 130), (5, 2, 2, 97)]
+)
+def test_group_schedule_is_bit_identical_across_thread_counts(isa, rng, B, Hq, Hkv, L):
+    q = randn(rng, (B, Hq, L, 24))
+    k, v = randn(rng, (B, Hkv, L, 24)), randn(rng, (B, Hkv, L, 24))
+    old = af.get_num_threads()
+    try:
+        for causal in (False, True):
+            outs = []
+            for nt in (1, 2, 3):
+                af.set_num_threads(nt)
+                o, lse = run_sdpa(q, k, v, np.float32, is_causal=causal, enable_gqa=True)
+                outs.append((o, lse))
+            mask = ref.causal_mask(L, L) if causal else None
+            g = Hq // Hkv
+            O, LSE = ref.sdpa(
+                q, np.repeat(k, g, axis=1), np.repeat(v, g, axis=1), mask=mask, return_lse=True
+            )
+            assert_attention(*outs[0], O, LSE, np.float32)
+            for o, lse in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0][0])
+                np.testing.assert_array_equal(lse, outs[0][1])
+    finally:
+        af.set_num_threads(old)

@@ -57,9 +57,12 @@
 //   Why these sizes (the measurements behind them): bench/NOTES.md,
 //   "Tuning history moved out of the kernel essays".
 //
-// Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
-//   first. Each output row is computed by exactly one thread in a fixed order,
-//   so results are bit-for-bit identical for any thread count.
+// Threads: OpenMP over work units, dynamic schedule: whole (sequence, kv head)
+//   groups while there are at least 2 per thread (one thread packs a group's
+//   K/V), then single items (one query block of one head), heaviest causal
+//   blocks first, for the last nt groups. Each output row is computed by
+//   exactly one thread in a fixed order, so results are bit-for-bit identical
+//   for any thread count.
 //
 // Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
@@ -943,6 +946,18 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   const double work =
       static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
   if (work < kSerialWork) nt = 1;
+  // Work units. With several threads and at least 2 (sequence, kv head) groups
+  // per thread, a unit is first a whole group (its q heads, all their query
+  // blocks): one thread then packs that group's K/V blocks, where single items
+  // would have every thread pack every head's. The last nt groups are cut into
+  // single items (w >= w_tail, the order of the items below) so that the
+  // threads finish together. One thread, or few groups: single items only.
+  const int64_t n_groups = a.B * a.Hkv, group_q = a.Hq / a.Hkv;
+  const int64_t n_whole = nt > 1 && n_groups >= 2 * nt ? n_groups - nt : 0;
+  const int64_t s_tail = n_whole / a.Hkv, hk_tail = n_whole % a.Hkv;  // the first split group
+  const int64_t w_tail =
+      prefix[s_tail] * a.Hq + hk_tail * group_q * (prefix[s_tail + 1] - prefix[s_tail]);
+  const int64_t n_units = n_whole + (n_items - w_tail);
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
     // A thread whose scratch could not be allocated computes nothing; the
@@ -953,8 +968,20 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
     failed += ok ? 0 : 1;
     AttnStats st;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t w = 0; w < n_items; ++w) {
+    for (int64_t u = 0; u < n_units; ++u) {
       if (!ok || tok.poll()) continue;
+      if (u < n_whole) {  // group u: sequence u / Hkv, kv head u % Hkv
+        const int64_t s = u / a.Hkv, hk = u % a.Hkv;
+        const int64_t nblk = prefix[s + 1] - prefix[s];
+        const SeqInfo si = seq_info(a, s);
+        for (int64_t h = hk * group_q; h < (hk + 1) * group_q; ++h)
+          for (int64_t qb = nblk - 1; qb >= 0; --qb) {
+            if (tok.poll()) break;
+            process_item(a, si, s, h, qb, Br, Bc, sc, st, tok);
+          }
+        continue;
+      }
+      const int64_t w = w_tail + (u - n_whole);
       // Find the sequence: largest s with prefix[s] * Hq <= w.
       int64_t lo = 0, hi = a.B;
       while (hi - lo > 1) {
