@@ -399,6 +399,58 @@ struct Scratch {
 
 constexpr int64_t kCacheBytes = int64_t(24) << 20;
 
+// The K panels of kv_block (Kt[(c / NRW) * d * NRW + e * NRW + c % NRW] = key c,
+// dim e; keys [cols, cols_p) zero): any strides, one value at a time.
+template <typename S, typename T>
+void pack_k_strided(const S* kbase, int64_t ldk, int64_t sd, int64_t cols, int64_t cols_p,
+                    int64_t d, T* Kt) {
+  constexpr int NRW = kNR * Vec<T>::W;
+  for (int64_t c = 0; c < cols_p; ++c) {
+    T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
+    if (c < cols) {
+      const S* src = kbase + c * ldk;
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * sd);
+    } else {
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+    }
+  }
+}
+
+// Whether Vec<T> has store_transposed16 (the AVX-512 float vector does).
+template <typename V, typename = void>
+struct HasTranspose16 : std::false_type {};
+template <typename V>
+struct HasTranspose16<
+    V, std::void_t<decltype(V::store_transposed16(static_cast<float*>(nullptr), int64_t(0),
+                                                  static_cast<const typename V::R*>(nullptr)))>>
+    : std::true_type {};
+template <typename T>
+constexpr bool kTranspose16 = HasTranspose16<Vec<T>>::value;
+
+// The K panels from unit-stride key rows, 16 keys x 16 dims per register
+// transpose (16 loads and 16 stores where pack_k_strided does 256 of each);
+// the values are copied (or widened exactly), so the panels are the same.
+template <typename S, typename T>
+void pack_k_rows16(const S* kbase, int64_t ldk, int64_t cols, int64_t cols_p, int64_t d, T* Kt) {
+  using V = Vec<T>;
+  constexpr int NRW = kNR * V::W;
+  static_assert(V::W == 16 && NRW % 16 == 0, "16-key groups inside a panel");
+  for (int64_t c0 = 0; c0 < cols_p; c0 += 16) {  // cols_p is a multiple of NRW
+    T* panel = Kt + (c0 / NRW) * d * NRW + c0 % NRW;
+    const int64_t n = imax(0, imin(16, cols - c0));  // real keys of this group
+    int64_t e = 0;
+    for (; e + 16 <= d; e += 16) {
+      typename V::R x[16];
+      for (int r = 0; r < 16; ++r)
+        x[r] = r < n ? Storage<S>::load(kbase + (c0 + r) * ldk + e) : V::zero();
+      V::store_transposed16(panel + e * NRW, NRW, x);
+    }
+    for (; e < d; ++e)
+      for (int r = 0; r < 16; ++r)
+        panel[e * NRW + r] = r < n ? ld(kbase + (c0 + r) * ldk + e) : T(0);
+  }
+}
+
 // Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
 // packing it on a miss. Columns past the sequence end are zero up to the
 // panel width.
@@ -432,16 +484,13 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
       for (int64_t k2 = 0; k2 < d2; ++k2)
         dst[k2 * NRW] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
     }
+  } else if constexpr (kTranspose16<T>) {
+    if (a.sk.d == 1)
+      pack_k_rows16(kbase, a.sk.l, cols, cols_p, d, Kt);
+    else
+      pack_k_strided(kbase, a.sk.l, a.sk.d, cols, cols_p, d, Kt);
   } else {
-    for (int64_t c = 0; c < cols_p; ++c) {
-      T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
-      if (c < cols) {
-        const S* src = kbase + c * a.sk.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
-      }
-    }
+    pack_k_strided(kbase, a.sk.l, a.sk.d, cols, cols_p, d, Kt);
   }
   T* Vp = sc.Vc + slot * Bc * dvp;
   if constexpr (dot_path<S>()) {

@@ -83,6 +83,33 @@ struct Vec<float> : VecMath<float>, HalfScalar {
       _mm512_storeu_ps(out + 16 * (j + 3), _mm512_castpd_ps(b));
     }
   }
+  // A 16 x 16 transpose: out[i * ldo + j] = rows[j][i] (the k-major K panels
+  // of flash_fwd.cpp's kv_block, 16 keys x 16 dims at a time). Pairs of rows
+  // interleaved by 32 bits, then by 64 bits within 128-bit lanes, then the
+  // lanes exchanged twice; 64 shuffles and 16 stores for 256 elements.
+  static void store_transposed16(float* out, int64_t ldo, const R* rows) {
+    R t[16], r[16];
+    for (int k = 0; k < 16; k += 2) {
+      t[k] = _mm512_unpacklo_ps(rows[k], rows[k + 1]);
+      t[k + 1] = _mm512_unpackhi_ps(rows[k], rows[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) {
+      r[k] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+      t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
+      t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xdd);
+      t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
+      t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xdd);
+    }
+    for (int k = 0; k < 8; ++k) {
+      _mm512_storeu_ps(out + k * ldo, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+      _mm512_storeu_ps(out + (k + 8) * ldo, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd));
+    }
+  }
   // W int8 codes, sign-extended and converted to fp32 (the int8 KV cache).
   static R load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(
