@@ -516,7 +516,9 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     sc.tag[slot] = blk;
     return slot;
   }
-  typename V::R bad = V::zero();
+  // x * 0 summed over the block: NaN iff some x is inf or NaN. Four partial
+  // sums, so that the check is not one chain of dependent adds.
+  typename V::R bad[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
   for (int64_t col0 = 0; col0 < dvp;) {
     const int64_t width = col0 + NRW <= dvp ? NRW : W;
     T* panel = Vp + col0 * Bc;
@@ -524,18 +526,27 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
       T* dst = panel + c * width;
       const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
       const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
+      if (a.sv.d == 1 && n == width) {  // a whole unit-stride row: copy and check in one pass
+        for (int64_t e = 0, i = 0; e < width; e += W, i = (i + 1) & 3) {
+          const typename V::R x = Storage<S>::load(src + e);
+          V::store(dst + e, x);
+          bad[i] = V::add(bad[i], V::mul(x, V::zero()));
+        }
+        continue;
+      }
       if (a.sv.d == 1) {
         ld_row(src, dst, n);
       } else {
         for (int64_t e = 0; e < n; ++e) dst[e] = ld(src + e * a.sv.d);
       }
       for (int64_t e = n; e < width; ++e) dst[e] = T(0);
-      for (int64_t e = 0; e < width; e += W) bad = V::add(bad, V::mul(V::load(dst + e), V::zero()));
+      for (int64_t e = 0; e < width; e += W)
+        bad[0] = V::add(bad[0], V::mul(V::load(dst + e), V::zero()));
     }
     col0 += width;
   }
-  const T b = V::hsum(bad);
-  sc.nonfinite[slot] = b != T(0) || b != b;  // x * 0 is NaN iff x is inf or NaN
+  const T b = V::hsum(V::add(V::add(bad[0], bad[1]), V::add(bad[2], bad[3])));
+  sc.nonfinite[slot] = b != T(0) || b != b;
   sc.tag[slot] = blk;
   return slot;
 }
