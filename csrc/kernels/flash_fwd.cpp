@@ -41,7 +41,10 @@
 // Micro-kernels (the tile shape is IsaTraits in vec_*.h; AVX2: MR = 6,
 //   NR = 2, W = 8): 12 accumulators, 2 panel loads and 6 broadcasts per 12
 //   FMAs; the inner loops are pure loads and FMAs (checked in the
-//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4. Packing: unit-stride Q and
+//   K rows are transposed in registers where the vector type has
+//   store_interleaved6 / store_transposed16 (AVX-512 float), element by
+//   element otherwise; a V strip row is copied and checked in one pass.
 //
 // Code: process_item runs one work item as named steps (row_ranges, pack_q,
 //   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
