@@ -121,3 +121,66 @@ def test_tall_query_blocks_for_long_kv(isa, rng):
     k, v = randn(rng, (1, 1, 4100, 128)), randn(rng, (1, 1, 4100, 128))
     sdpa_checked(q, k, v, np.float32)
     sdpa_checked(q, k, v, np.float32, mask=ref.causal_mask(200, 4100), is_causal=True)
+
+
+# Q panels: unit-stride rows are packed by registers on AVX-512 (6 rows x W
+# columns interleaved at once), strided rows element by element. Both compute
+# the same products, so the outputs must agree bit for bit, and the oracle.
+@pytest.mark.parametrize("d", [1, 5, 16, 80, 256])
+@pytest.mark.parametrize("L", [1, 7, 129])
+def test_q_panels_from_unit_and_strided_rows_agree(isa, rng, d, L):
+    q = randn(rng, (2, 3, L, d))
+    q_strided = np.zeros((2, 3, L, 2 * d), np.float32)[..., ::2]  # element stride 2
+    q_strided[...] = q
+    k, v = randn(rng, (2, 3, 140, d)), randn(rng, (2, 3, 140, 24))
+    for causal in (False, True):
+        mask = ref.causal_mask(L, 140) if causal else None
+        o = sdpa_checked(q, k, v, np.float32, mask=mask, is_causal=causal)
+        o_strided, _ = run_sdpa(q_strided, k, v, np.float32, is_causal=causal)
+        np.testing.assert_array_equal(o, o_strided)
+
+
+# K panels: unit-stride key rows are transposed 16 keys x 16 dims at a time in
+# registers on AVX-512, strided ones copied element by element; the panels hold
+# the same values, so the outputs agree bit for bit (key tails: Lk % 16 != 0).
+@pytest.mark.parametrize("d", [1, 5, 16, 80, 256])
+@pytest.mark.parametrize("Lk", [1, 7, 129])
+def test_k_panels_from_unit_and_strided_rows_agree(isa, rng, d, Lk):
+    q, k, v = randn(rng, (2, 2, 33, d)), randn(rng, (2, 2, Lk, d)), randn(rng, (2, 2, Lk, 20))
+    k_strided = np.zeros((2, 2, Lk, 3 * d), np.float32)[..., ::3]  # element stride 3
+    k_strided[...] = k
+    for causal in (False, True):
+        mask = ref.causal_mask(33, Lk) if causal else None
+        o = sdpa_checked(q, k, v, np.float32, mask=mask, is_causal=causal)
+        o_strided, _ = run_sdpa(q, k_strided, v, np.float32, is_causal=causal)
+        np.testing.assert_array_equal(o, o_strided)
+
+
+# The schedule hands whole (sequence, kv head) groups to a thread while there
+# are at least 2 per thread, then single query blocks for the last groups:
+# every row must still be computed exactly once, with the bits of one thread.
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, L", [(3, 8, 4, 100), (1, 12, 12, 150), (2, 4, 1, 130), (5, 2, 2, 97)]
+)
+def test_group_schedule_is_bit_identical_across_thread_counts(isa, rng, B, Hq, Hkv, L):
+    q = randn(rng, (B, Hq, L, 24))
+    k, v = randn(rng, (B, Hkv, L, 24)), randn(rng, (B, Hkv, L, 24))
+    old = af.get_num_threads()
+    try:
+        for causal in (False, True):
+            outs = []
+            for nt in (1, 2, 3):
+                af.set_num_threads(nt)
+                o, lse = run_sdpa(q, k, v, np.float32, is_causal=causal, enable_gqa=True)
+                outs.append((o, lse))
+            mask = ref.causal_mask(L, L) if causal else None
+            g = Hq // Hkv
+            O, LSE = ref.sdpa(
+                q, np.repeat(k, g, axis=1), np.repeat(v, g, axis=1), mask=mask, return_lse=True
+            )
+            assert_attention(*outs[0], O, LSE, np.float32)
+            for o, lse in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0][0])
+                np.testing.assert_array_equal(lse, outs[0][1])
+    finally:
+        af.set_num_threads(old)

@@ -5,11 +5,19 @@
 //
 //   g++ -O3 -mavx2 -mfma -std=c++17 -Icsrc/include -Icsrc/kernels \
 //       bench/micro/kernels.cpp -o /tmp/mk && /tmp/mk
+//   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -std=c++17 \
+//       -DATTN_ISA_AVX512 -Icsrc/include -Icsrc/kernels \
+//       bench/micro/kernels.cpp -o /tmp/mk512 && /tmp/mk512
+//
+// The ISA is the kernel source's (ATTN_ISA_AVX2 unless ATTN_ISA_AVX512 is
+// defined), and so are the tile (kMR x kNR vectors, IsaTraits) and W.
 //
 // Prints, per (d, Br, Bc, S padding), the median and best of 15 interleaved
 // trials in GFLOP/s for one thread; compare with
 // `python -c "import attn_fast._core as c; print(c.fma_peak_gflops(1))"`.
+#if !defined(ATTN_ISA_AVX512) && !defined(ATTN_ISA_AVX2)
 #define ATTN_ISA_AVX2 1
+#endif
 #include "../../csrc/kernels/flash_fwd.cpp"
 
 #include <algorithm>
@@ -17,7 +25,8 @@
 #include <cstdio>
 #include <vector>
 
-using namespace attn_fast::isa_avx2;
+using namespace attn_fast::ATTN_NS;
+constexpr int kW = Vec<float>::W;
 
 struct Cfg {
   int d, Br, Bc, pad;
@@ -44,12 +53,12 @@ int main() {
       const double fl = 2.0 * Br * Bc * d * reps;
       auto t0 = std::chrono::steady_clock::now();
       for (int r = 0; r < reps; r++)
-        for (int jv = 0; jv < Bc; jv += 16)
-          for (int i = 0; i < Br; i += 6)
-            qk_micro<float, 6, 2>(Qp + i * d, d, Kp + jv * d, S + i * ldS + jv, ldS);
+        for (int jv = 0; jv < Bc; jv += kNR * kW)
+          for (int i = 0; i < Br; i += kMR)
+            qk_micro<float, kMR, kNR>(Qp + i * d, d, Kp + jv * d, S + i * ldS + jv, ldS);
       auto t1 = std::chrono::steady_clock::now();
       int64_t pc[2 * 16];
-      for (int p = 0; p < Br / 6; p++)
+      for (int p = 0; p < Br / kMR; p++)
         pc[2 * p] = 0, pc[2 * p + 1] = Bc;  // every panel sees the whole tile
       for (int r = 0; r < reps; r++) pv_block<float>(S, ldS, Br, pc, Vp, Bc, d, O);
       auto t2 = std::chrono::steady_clock::now();

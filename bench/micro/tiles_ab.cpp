@@ -9,7 +9,12 @@
 //   g++ -O3 -mavx2 -mfma -std=c++17 -Icsrc/include -Icsrc/kernels \
 //       bench/micro/tiles_ab.cpp -o /tmp/ab && /tmp/ab 2048 64 0 12 48 128 48 256
 //   args: L d causal pairs  bqA bkA  bqB bkB      (B = 1, H = 2, fp32)
+// For the AVX-512 kernel: -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma
+// -mf16c -DATTN_ISA_AVX512 instead of -mavx2 -mfma (the kernel's namespace, tile
+// and W follow the ISA). Two versions of the kernel: bench/micro/fwd_ab.cpp.
+#if !defined(ATTN_ISA_AVX512) && !defined(ATTN_ISA_AVX2)
 #define ATTN_ISA_AVX2 1
+#endif
 #include "../../csrc/kernels/flash_fwd.cpp"
 
 #include <algorithm>
@@ -62,7 +67,7 @@ int main(int argc, char** argv) {
       a.block_q = bq[c];
       a.block_k = bk[c];
       auto t0 = std::chrono::steady_clock::now();
-      isa_avx2::flash_forward_f32(a);
+      ATTN_NS::flash_forward_f32(a);
       tt[c] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       t[c].push_back(tt[c]);
     }

@@ -41,7 +41,10 @@
 // Micro-kernels (the tile shape is IsaTraits in vec_*.h; AVX2: MR = 6,
 //   NR = 2, W = 8): 12 accumulators, 2 panel loads and 6 broadcasts per 12
 //   FMAs; the inner loops are pure loads and FMAs (checked in the
-//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4.
+//   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4. Packing: unit-stride Q and
+//   K rows are transposed in registers where the vector type has
+//   store_interleaved6 / store_transposed16 (AVX-512 float), element by
+//   element otherwise; a V strip row is copied and checked in one pass.
 //
 // Code: process_item runs one work item as named steps (row_ranges, pack_q,
 //   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
@@ -57,9 +60,12 @@
 //   Why these sizes (the measurements behind them): bench/NOTES.md,
 //   "Tuning history moved out of the kernel essays".
 //
-// Threads: OpenMP over work items, dynamic schedule, heaviest causal blocks
-//   first. Each output row is computed by exactly one thread in a fixed order,
-//   so results are bit-for-bit identical for any thread count.
+// Threads: OpenMP over work units, dynamic schedule: whole (sequence, kv head)
+//   groups while there are at least 2 per thread (one thread packs a group's
+//   K/V), then single items (one query block of one head), heaviest causal
+//   blocks first, for the last nt groups. Each output row is computed by
+//   exactly one thread in a fixed order, so results are bit-for-bit identical
+//   for any thread count.
 //
 // Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
@@ -436,6 +442,58 @@ struct Scratch {
 
 constexpr int64_t kCacheBytes = int64_t(24) << 20;
 
+// The K panels of kv_block (Kt[(c / NRW) * d * NRW + e * NRW + c % NRW] = key c,
+// dim e; keys [cols, cols_p) zero): any strides, one value at a time.
+template <typename S, typename T>
+void pack_k_strided(const S* kbase, int64_t ldk, int64_t sd, int64_t cols, int64_t cols_p,
+                    int64_t d, T* Kt) {
+  constexpr int NRW = kNR * Vec<T>::W;
+  for (int64_t c = 0; c < cols_p; ++c) {
+    T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
+    if (c < cols) {
+      const S* src = kbase + c * ldk;
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * sd);
+    } else {
+      for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
+    }
+  }
+}
+
+// Whether Vec<T> has store_transposed16 (the AVX-512 float vector does).
+template <typename V, typename = void>
+struct HasTranspose16 : std::false_type {};
+template <typename V>
+struct HasTranspose16<
+    V, std::void_t<decltype(V::store_transposed16(static_cast<float*>(nullptr), int64_t(0),
+                                                  static_cast<const typename V::R*>(nullptr)))>>
+    : std::true_type {};
+template <typename T>
+constexpr bool kTranspose16 = HasTranspose16<Vec<T>>::value;
+
+// The K panels from unit-stride key rows, 16 keys x 16 dims per register
+// transpose (16 loads and 16 stores where pack_k_strided does 256 of each);
+// the values are copied (or widened exactly), so the panels are the same.
+template <typename S, typename T>
+void pack_k_rows16(const S* kbase, int64_t ldk, int64_t cols, int64_t cols_p, int64_t d, T* Kt) {
+  using V = Vec<T>;
+  constexpr int NRW = kNR * V::W;
+  static_assert(V::W == 16 && NRW % 16 == 0, "16-key groups inside a panel");
+  for (int64_t c0 = 0; c0 < cols_p; c0 += 16) {  // cols_p is a multiple of NRW
+    T* panel = Kt + (c0 / NRW) * d * NRW + c0 % NRW;
+    const int64_t n = imax(0, imin(16, cols - c0));  // real keys of this group
+    int64_t e = 0;
+    for (; e + 16 <= d; e += 16) {
+      typename V::R x[16];
+      for (int r = 0; r < 16; ++r)
+        x[r] = r < n ? Storage<S>::load(kbase + (c0 + r) * ldk + e) : V::zero();
+      V::store_transposed16(panel + e * NRW, NRW, x);
+    }
+    for (; e < d; ++e)
+      for (int r = 0; r < 16; ++r)
+        panel[e * NRW + r] = r < n ? ld(kbase + (c0 + r) * ldk + e) : T(0);
+  }
+}
+
 // Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
 // packing it on a miss. Columns past the sequence end are zero up to the
 // panel width.
@@ -470,16 +528,13 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
       for (int64_t k2 = 0; k2 < d2p; ++k2)
         dst[k2 * NRW] = c < cols && 2 * k2 < d ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
     }
+  } else if constexpr (kTranspose16<T>) {
+    if (a.sk.d == 1)
+      pack_k_rows16(kbase, a.sk.l, cols, cols_p, d, Kt);
+    else
+      pack_k_strided(kbase, a.sk.l, a.sk.d, cols, cols_p, d, Kt);
   } else {
-    for (int64_t c = 0; c < cols_p; ++c) {
-      T* dst = Kt + (c / NRW) * d * NRW + c % NRW;
-      if (c < cols) {
-        const S* src = kbase + c * a.sk.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = ld(src + e * a.sk.d);
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * NRW] = T(0);
-      }
-    }
+    pack_k_strided(kbase, a.sk.l, a.sk.d, cols, cols_p, d, Kt);
   }
   T* Vp = sc.Vc + slot * Bc * dvp;
   if constexpr (dot_path<S>()) {
@@ -505,7 +560,9 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     sc.tag[slot] = blk;
     return slot;
   }
-  typename V::R bad = V::zero();
+  // x * 0 summed over the block: NaN iff some x is inf or NaN. Four partial
+  // sums, so that the check is not one chain of dependent adds.
+  typename V::R bad[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
   for (int64_t col0 = 0; col0 < dvp;) {
     const int64_t width = col0 + NRW <= dvp ? NRW : W;
     T* panel = Vp + col0 * Bc;
@@ -513,18 +570,27 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
       T* dst = panel + c * width;
       const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
       const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
+      if (a.sv.d == 1 && n == width) {  // a whole unit-stride row: copy and check in one pass
+        for (int64_t e = 0, i = 0; e < width; e += W, i = (i + 1) & 3) {
+          const typename V::R x = Storage<S>::load(src + e);
+          V::store(dst + e, x);
+          bad[i] = V::add(bad[i], V::mul(x, V::zero()));
+        }
+        continue;
+      }
       if (a.sv.d == 1) {
         ld_row(src, dst, n);
       } else {
         for (int64_t e = 0; e < n; ++e) dst[e] = ld(src + e * a.sv.d);
       }
       for (int64_t e = n; e < width; ++e) dst[e] = T(0);
-      for (int64_t e = 0; e < width; e += W) bad = V::add(bad, V::mul(V::load(dst + e), V::zero()));
+      for (int64_t e = 0; e < width; e += W)
+        bad[0] = V::add(bad[0], V::mul(V::load(dst + e), V::zero()));
     }
     col0 += width;
   }
-  const T b = V::hsum(bad);
-  sc.nonfinite[slot] = b != T(0) || b != b;  // x * 0 is NaN iff x is inf or NaN
+  const T b = V::hsum(V::add(V::add(bad[0], bad[1]), V::add(bad[2], bad[3])));
+  sc.nonfinite[slot] = b != T(0) || b != b;
   sc.tag[slot] = blk;
   return slot;
 }
@@ -584,6 +650,64 @@ void row_ranges(const AttnArgs<S>& a, const SeqInfo& si, int64_t i0, int64_t row
   *jhi = hi;
 }
 
+// pack_q's element loop: any strides, any storage type, one value at a time.
+template <typename S>
+void pack_q_strided(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+                    compute_t<S>* Qp) {
+  using T = compute_t<S>;
+  const int64_t d = a.d;
+  const T scale = static_cast<T>(a.scale);
+  for (int64_t r = 0; r < rows_p; ++r) {
+    T* dst = Qp + (r / kMR) * kMR * d + r % kMR;
+    if (r < rows) {
+      const S* src = qbase + (i0 + r) * a.sq.l;
+      for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
+    } else {
+      for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
+    }
+  }
+}
+
+// Whether Vec<T> has store_interleaved6 (the AVX-512 float vector does).
+template <typename V, typename = void>
+struct HasInterleave6 : std::false_type {};
+template <typename V>
+struct HasInterleave6<
+    V, std::void_t<decltype(V::store_interleaved6(static_cast<float*>(nullptr),
+                                                  static_cast<const typename V::R*>(nullptr)))>>
+    : std::true_type {};
+template <typename T>
+constexpr bool kInterleave6 = HasInterleave6<Vec<T>>::value;
+
+// pack_q for unit-stride rows and 6-row panels: W columns of the panel's six
+// rows are loaded, scaled and interleaved in registers (six stores instead of
+// 6 W scalar ones); the same products as pack_q_strided, so the same bits.
+template <typename S>
+void pack_q_rows6(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+                  compute_t<S>* Qp) {
+  using T = compute_t<S>;
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  const int64_t d = a.d;
+  const T scale = static_cast<T>(a.scale);
+  const typename V::R vs = V::set1(scale);
+  for (int64_t r0 = 0; r0 < rows_p; r0 += 6) {
+    T* dst = Qp + r0 * d;
+    const int64_t n = imax(0, imin(6, rows - r0));  // real rows of this panel
+    const S* src[6];
+    for (int r = 0; r < 6; ++r) src[r] = qbase + (i0 + r0 + (r < n ? r : 0)) * a.sq.l;
+    int64_t e = 0;
+    for (; e + W <= d; e += W) {
+      typename V::R x[6];
+      for (int r = 0; r < 6; ++r)
+        x[r] = r < n ? V::mul(Storage<S>::load(src[r] + e), vs) : V::zero();
+      V::store_interleaved6(dst + e * 6, x);
+    }
+    for (; e < d; ++e)
+      for (int r = 0; r < 6; ++r) dst[e * 6 + r] = r < n ? ld(src[r] + e) * scale : T(0);
+  }
+}
+
 // 1. Pack Q: rows i0 .. i0+rows-1 (scaled) as kMR-row panels, k-major
 // (Qp[(r / kMR) * kMR * d + k * kMR + r % kMR]); zero rows up to rows_p.
 // The vdpbf16ps path packs unscaled bf16 pairs instead (qk_micro_dot).
@@ -611,17 +735,11 @@ void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int6
       for (int64_t k2 = 0; k2 < d2; ++k2)
         dst[k2 * kMR] = r < rows ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
     }
+  } else if constexpr (kInterleave6<T>) {
+    if (kMR == 6 && a.sq.d == 1) return pack_q_rows6(a, qbase, i0, rows, rows_p, Qp);
+    pack_q_strided(a, qbase, i0, rows, rows_p, Qp);
   } else {
-    const T scale = static_cast<T>(a.scale);
-    for (int64_t r = 0; r < rows_p; ++r) {
-      T* dst = Qp + (r / kMR) * kMR * d + r % kMR;
-      if (r < rows) {
-        const S* src = qbase + (i0 + r) * a.sq.l;
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = ld(src + e * a.sq.d) * scale;
-      } else {
-        for (int64_t e = 0; e < d; ++e) dst[e * kMR] = T(0);
-      }
-    }
+    pack_q_strided(a, qbase, i0, rows, rows_p, Qp);
   }
 }
 
@@ -969,6 +1087,18 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   const double work =
       static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv);
   if (work < kSerialWork) nt = 1;
+  // Work units. With several threads and at least 2 (sequence, kv head) groups
+  // per thread, a unit is first a whole group (its q heads, all their query
+  // blocks): one thread then packs that group's K/V blocks, where single items
+  // would have every thread pack every head's. The last nt groups are cut into
+  // single items (w >= w_tail, the order of the items below) so that the
+  // threads finish together. One thread, or few groups: single items only.
+  const int64_t n_groups = a.B * a.Hkv, group_q = a.Hq / a.Hkv;
+  const int64_t n_whole = nt > 1 && n_groups >= 2 * nt ? n_groups - nt : 0;
+  const int64_t s_tail = n_whole / a.Hkv, hk_tail = n_whole % a.Hkv;  // the first split group
+  const int64_t w_tail =
+      prefix[s_tail] * a.Hq + hk_tail * group_q * (prefix[s_tail + 1] - prefix[s_tail]);
+  const int64_t n_units = n_whole + (n_items - w_tail);
 #pragma omp parallel num_threads(nt) reduction(+ : computed, skipped, failed)
   {
     // A thread whose scratch could not be allocated computes nothing; the
@@ -983,8 +1113,20 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 #endif
     AttnStats st;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t w = 0; w < n_items; ++w) {
+    for (int64_t u = 0; u < n_units; ++u) {
       if (!ok || tok.poll()) continue;
+      if (u < n_whole) {  // group u: sequence u / Hkv, kv head u % Hkv
+        const int64_t s = u / a.Hkv, hk = u % a.Hkv;
+        const int64_t nblk = prefix[s + 1] - prefix[s];
+        const SeqInfo si = seq_info(a, s);
+        for (int64_t h = hk * group_q; h < (hk + 1) * group_q; ++h)
+          for (int64_t qb = nblk - 1; qb >= 0; --qb) {
+            if (tok.poll()) break;
+            process_item(a, si, s, h, qb, Br, Bc, sc, st, tok);
+          }
+        continue;
+      }
+      const int64_t w = w_tail + (u - n_whole);
       // Find the sequence: largest s with prefix[s] * Hq <= w.
       int64_t lo = 0, hi = a.B;
       while (hi - lo > 1) {

@@ -50,6 +50,66 @@ struct Vec<float> : VecMath<float>, HalfScalar {
     const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
+  // Six rows of W floats interleaved: out[6 i + r] = rows[r][i] (r < 6, i < W),
+  // the k-major layout of a 6-row Q panel (flash_fwd.cpp, pack_q), in 6 stores.
+  // Pairs of rows first become 64-bit units (rows[2p][i], rows[2p + 1][i]) of
+  // columns 0-7 (lo) and 8-15 (hi); out's 64-bit unit u is the pair u % 3 of
+  // column u / 3, so out's first three vectors come from the lo halves, the
+  // last three from the hi halves, by the same three index patterns.
+  static void store_interleaved6(float* out, const R* rows) {
+    const __m512i ilo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(8));
+    __m512d lo[3], hi[3];
+    for (int p = 0; p < 3; ++p) {
+      lo[p] = _mm512_castps_pd(_mm512_permutex2var_ps(rows[2 * p], ilo, rows[2 * p + 1]));
+      hi[p] = _mm512_castps_pd(_mm512_permutex2var_ps(rows[2 * p], ihi, rows[2 * p + 1]));
+    }
+    // Output vector j, unit t: u = 8 j + t, column u / 3 (minus 8 j / 3 rounded to
+    // the half), pair u % 3; pairs 0 and 1 by one two-source permute (pair 1 from
+    // the second source: index + 8), pair 2 merged in under a mask.
+    const __m512i i01[3] = {_mm512_set_epi64(10, 2, 0, 9, 1, 0, 8, 0),
+                            _mm512_set_epi64(5, 0, 12, 4, 0, 11, 3, 0),
+                            _mm512_set_epi64(0, 15, 7, 0, 14, 6, 0, 13)};
+    const __m512i i2[3] = {_mm512_set_epi64(2, 2, 1, 1, 1, 0, 0, 0),
+                           _mm512_set_epi64(5, 4, 4, 4, 3, 3, 3, 2),
+                           _mm512_set_epi64(7, 7, 7, 6, 6, 6, 5, 5)};
+    const __mmask8 m2[3] = {0x24, 0x49, 0x92};  // units t with (8 j + t) % 3 == 2
+    for (int j = 0; j < 3; ++j) {
+      const __m512d a = _mm512_mask_permutexvar_pd(_mm512_permutex2var_pd(lo[0], i01[j], lo[1]),
+                                                   m2[j], i2[j], lo[2]);
+      const __m512d b = _mm512_mask_permutexvar_pd(_mm512_permutex2var_pd(hi[0], i01[j], hi[1]),
+                                                   m2[j], i2[j], hi[2]);
+      _mm512_storeu_ps(out + 16 * j, _mm512_castpd_ps(a));
+      _mm512_storeu_ps(out + 16 * (j + 3), _mm512_castpd_ps(b));
+    }
+  }
+  // A 16 x 16 transpose: out[i * ldo + j] = rows[j][i] (the k-major K panels
+  // of flash_fwd.cpp's kv_block, 16 keys x 16 dims at a time). Pairs of rows
+  // interleaved by 32 bits, then by 64 bits within 128-bit lanes, then the
+  // lanes exchanged twice; 64 shuffles and 16 stores for 256 elements.
+  static void store_transposed16(float* out, int64_t ldo, const R* rows) {
+    R t[16], r[16];
+    for (int k = 0; k < 16; k += 2) {
+      t[k] = _mm512_unpacklo_ps(rows[k], rows[k + 1]);
+      t[k + 1] = _mm512_unpackhi_ps(rows[k], rows[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) {
+      r[k] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+      t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
+      t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xdd);
+      t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
+      t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xdd);
+    }
+    for (int k = 0; k < 8; ++k) {
+      _mm512_storeu_ps(out + k * ldo, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+      _mm512_storeu_ps(out + (k + 8) * ldo, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd));
+    }
+  }
   // W int8 codes, sign-extended and converted to fp32 (the int8 KV cache).
   static R load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(
