@@ -83,6 +83,16 @@
 //   weight and (P . vo) is added to every O column. Bytes read per key and kv
 //   head: d + dv codes + 8 + 8 d / kgroup scale bytes (280 at d = dv = 128,
 //   1024 for fp32).
+// Paged K/V (PagedKVCache, DecodeArgs::block_table): the keys of sequence b
+//   live in pages of block_size rows taken from a pool (a list of chunks, so
+//   the pool grows without moving its pages); a block table maps page j /
+//   block_size of b to its physical block. A key block never crosses a page
+//   (cols is cut at the page's end, as an int8 block is cut at its group's),
+//   so each block reads its rows from one base pointer exactly as the
+//   contiguous path does: no gather copy, one table lookup per 64 keys. With
+//   block_size a multiple of 64 and splits starting at multiples of 64 (no
+//   window) nothing is cut and the result is bit-identical to the contiguous
+//   cache's. The prefetch of the next block looks its page up the same way.
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
@@ -484,6 +494,17 @@ inline bool softmax_row(T* srow, int64_t cols, int64_t lo, int64_t hi, T* m, T* 
   return partial;
 }
 
+// Paged K/V (DecodeArgs::block_table): the first K and V rows (row 0 of kv
+// head hk) of the page that holds logical key j of sequence b.
+template <typename S>
+inline void page_base(const DecodeArgs<S>& a, int64_t b, int64_t hk, int64_t j, const S** kb,
+                      const S** vb) {
+  const int64_t g = a.block_table[b * a.max_blocks + j / a.block_size];
+  const int64_t c = g / a.chunk_blocks, i = g % a.chunk_blocks;
+  *kb = a.k_chunks[c] + i * a.sk.b + hk * a.sk.h;
+  *vb = a.v_chunks[c] + i * a.sv.b + hk * a.sv.h;
+}
+
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
 // call is cancelled. KV: the storage type of K and V, S or int8_t (then S is
@@ -527,10 +548,13 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     ko_base = a.k_off + bh * (a.R / a.kgroup) * d;
     vs_base = a.v_scale + bh * a.R;
     vo_base = a.v_off + bh * a.R;
-  } else {
+  } else if (!a.block_table) {
     kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
     vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
+  } else {  // paged: each block's rows come from its page (page_base)
+    kbase = vbase = nullptr;
   }
+  const bool paged = !Q8 && a.block_table;
   const KV** krow = krows_of<KV>(sc);
   const KV** vrow = vrows_of<KV>(sc);
   const bool kpack = !Q8 && a.sk.d != 1, vpack = !Q8 && a.sv.d != 1;
@@ -541,8 +565,18 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     if (blk % 16 == 15 && tok.poll()) return;
     cols = imin(kBc, c1 - j0);
     if constexpr (Q8) cols = imin(cols, a.kgroup - (s.k0 + j0) % a.kgroup);
-    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
+    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R;
+    // paged: row slot of the page holding key j0, the block cut at its end).
     int64_t slot = s.k0 + j0;
+    const KV* kb = kbase;
+    const KV* vb = vbase;
+    if constexpr (!Q8) {
+      if (paged) {
+        cols = imin(cols, a.block_size - j0 % a.block_size);
+        page_base(a, g.b, hk, j0, &kb, &vb);
+        slot = j0 % a.block_size;
+      }
+    }
     slot %= a.R;
     if constexpr (Q8) {
       // The block's key group: fold its scales into Q, its offsets into qb.
@@ -569,19 +603,19 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       } else {
         if (kpack) {
           S* dst = sc.Kpack + c * dp;
-          const S* src = kbase + slot * a.sk.l;
+          const S* src = kb + slot * a.sk.l;
           for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
           sc.krow[c] = dst;
         } else {
-          sc.krow[c] = kbase + slot * a.sk.l;
+          sc.krow[c] = kb + slot * a.sk.l;
         }
         if (vpack) {
           S* dst = sc.Vpack + c * dvp;
-          const S* src = vbase + slot * a.sv.l;
+          const S* src = vb + slot * a.sv.l;
           for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
           sc.vrow[c] = dst;
         } else {
-          sc.vrow[c] = vbase + slot * a.sv.l;
+          sc.vrow[c] = vb + slot * a.sv.l;
         }
       }
       if (++slot == a.R) slot = 0;
@@ -593,11 +627,21 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // The next block's lines, prefetched one per inner iteration of QK / PV.
     Pf pf{sc.pfa, 0, 0};
     if (!kpack && !vpack && j0 + cols < c1) {
-      int64_t ns = (s.k0 + j0 + cols) % a.R;
-      const int64_t ncols = imin(kBc, c1 - j0 - cols);
+      int64_t ns = s.k0 + j0 + cols;
+      int64_t ncols = imin(kBc, c1 - j0 - cols);
+      const KV* nkb = kbase;
+      const KV* nvb = vbase;
+      if constexpr (!Q8) {
+        if (paged) {  // the next block starts a page or continues this one
+          ncols = imin(ncols, a.block_size - ns % a.block_size);
+          page_base(a, g.b, hk, ns, &nkb, &nvb);
+          ns %= a.block_size;
+        }
+      }
+      ns %= a.R;
       for (int64_t c = 0; c < ncols; ++c) {
-        const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
-        const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
+        const char* kr = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
+        const char* vr = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
         for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = kr + off;
         for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(KV)); off += 64)
