@@ -134,6 +134,13 @@ constexpr int64_t kBc = 64;  // keys per block
 // keys, paired A/B), short ones otherwise. Depends on the shape only, never
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
+// Prefetches per inner-loop iteration for a paged cache's next block. The QK /
+// PV loops of a block have fewer iterations than its K and V rows have lines
+// (about 420 for 1024 lines at d = dv = 128, fp32), so one per iteration
+// covers less than half of the next block: in the contiguous layout the
+// hardware prefetcher streams the rest, but the next page of a paged cache is
+// elsewhere in the pool.
+constexpr int kPagedPrefetch = 3;
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
 // (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
@@ -182,12 +189,14 @@ inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int
 
 // A list of cache lines to prefetch, issued one per inner-loop iteration of
 // the compute loops (so the next block's misses overlap this block's math).
+// per: prefetches per iteration (1; kPagedPrefetch for a paged cache).
 struct Pf {
   const char** addr;
   int64_t n, i;
+  int per;
 };
 inline void pf_step(Pf* p) {
-  if (p->i < p->n) __builtin_prefetch(p->addr[p->i++], 0, 3);
+  for (int k = 0; k < p->per && p->i < p->n; ++k) __builtin_prefetch(p->addr[p->i++], 0, 3);
 }
 
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
@@ -625,7 +634,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // overlap, and QK / PV below then hit L1/L2.
     sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched one per inner iteration of QK / PV.
-    Pf pf{sc.pfa, 0, 0};
+    Pf pf{sc.pfa, 0, 0, paged ? kPagedPrefetch : 1};
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);
