@@ -483,3 +483,49 @@ def test_kernel_binding_refuses_what_it_would_read_out_of_bounds(rng):
         run([[0]], 1, v=[x.astype(np.float64) for x in kc])
     with pytest.raises(ValueError, match="block_table must be"):
         run([0, 1], 1)
+
+
+def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
+    """Random operations against a model (each sequence's token list): stored keys and values,
+    block accounting (every block free or held, reference counts = holders) and attention."""
+    H, d = 1, 3
+    cache = af.PagedKVCache(H, d, num_blocks=4)
+    model = {}  # seq_id -> (keys (H, n, d), values (H, n, d))
+    empty = np.zeros((H, 0, d), F32)
+    for _ in range(150):
+        op = rng.integers(4) if model else 0
+        if op == 0:
+            model[cache.add_sequence()] = (empty, empty)
+        elif op == 1:
+            src = int(rng.choice(list(model)))
+            model[cache.fork(src)] = model[src]
+        elif op == 2 and len(model) > 1:
+            i = int(rng.choice(list(model)))
+            cache.free(i)
+            del model[i]
+        else:
+            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
+            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
+            lens = rng.integers(0, L + 1, size=len(ids))
+            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
+            cache.append(ids, k, v, lengths=lens)
+            for j, i in enumerate(ids):
+                K, V = model[i]
+                model[i] = (
+                    np.concatenate([K, k[j, :, : lens[j]]], 1),
+                    np.concatenate([V, v[j, :, : lens[j]]], 1),
+                )
+        held = {}
+        for i, (K, V) in model.items():
+            np.testing.assert_array_equal(cache.keys(i), K)
+            np.testing.assert_array_equal(cache.values(i), V)
+            for g in cache.block_table(i)[0, : -(-K.shape[1] // 64)]:
+                held[int(g)] = held.get(int(g), 0) + 1
+        assert cache.free_blocks + len(held) == cache.num_blocks
+        assert all(cache._ref[g] == n for g, n in held.items())
+    ids = list(model)
+    ql = [min(1, model[i][0].shape[1]) for i in ids]  # a sequence with no keys: no query row
+    q = randn(rng, (len(ids), 2, 1, d))
+    o, lse = cache.attend(ids, q, q_lens=ql, out=poisoned((len(ids), 2, 1, d), F32),
+                          return_lse=True)  # fmt: skip
+    check_oracle(cache, ids, q, o, lse, ql)

@@ -364,6 +364,14 @@ class PagedKVCache:
                 f"block table overflow: appending {new.tolist()} tokens to sequences {ids} "
                 f"of lengths {n_old.tolist()} exceeds max_seq_len = {self.max_seq_len}"
             )
+        if rope is not None and rope.rotary_dim and L:  # before the pool changes
+            pos = n_old[:, None] + np.arange(L)
+            if self.dtype in (BF16, np.dtype(np.float16)):
+                k = from_float(
+                    rope(to_float(k, np.float32), positions=pos, seq_axis=-2), self.dtype
+                )
+            else:
+                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.dtype)
         bs = self.block_size
         need = 0  # blocks this append takes from the free list
         for s, c in zip(seqs, new.tolist()):
@@ -378,14 +386,6 @@ class PagedKVCache:
                     "(growable=False); free finished sequences or use a larger num_blocks"
                 )
             self._grow(-(-(need - len(self._free)) // self.chunk_blocks))
-        if rope is not None and rope.rotary_dim and L:
-            pos = n_old[:, None] + np.arange(L)
-            if self.dtype in (BF16, np.dtype(np.float16)):
-                k = from_float(
-                    rope(to_float(k, np.float32), positions=pos, seq_axis=-2), self.dtype
-                )
-            else:
-                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.dtype)
         for i, (s, c) in enumerate(zip(seqs, new.tolist())):
             s.last_new, s.last_L = c, L
             if c:
