@@ -10,6 +10,8 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "attn_fast/attention.h"
 #include "attn_fast/interrupt.h"
@@ -592,11 +594,30 @@ std::vector<const T*> pool_chunks(const py::list& chunks, const char* name, int6
   return out;
 }
 
-template <typename T>
+// The scale / offset chunks of a paged int8 pool: one C-contiguous float32 array per chunk of
+// this shape.
+std::vector<const float*> scale_chunks(const py::object& lst, const char* name, size_t n,
+                                       std::initializer_list<int64_t> shape) {
+  if (lst.is_none()) throw py::value_error(std::string(name) + " is required for an int8 pool");
+  auto l = py::cast<py::list>(lst);
+  if (l.size() != n)
+    throw py::value_error(std::string(name) + " must hold one array per pool chunk");
+  std::vector<const float*> out;
+  for (auto item : l)
+    out.push_back(exact_array<float>(py::reinterpret_borrow<py::object>(item), name, shape, false));
+  return out;
+}
+
+// KV: T, or int8_t for an int8 pool (T = float; the scales in k_scale .. v_off, lists of
+// chunks, see DecodeArgs::k8_chunks).
+template <typename T, typename KV = T>
 void decode_paged_t(py::array q, py::list k_chunks, py::list v_chunks, py::array o, py::object lse,
                     py::array block_table, py::object kv_lens, double scale, bool causal,
                     bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-                    int64_t split) {
+                    int64_t split, py::object k_scale = py::none(), py::object k_off = py::none(),
+                    py::object v_scale = py::none(), py::object v_off = py::none(),
+                    int64_t kgroup = 0) {
+  constexpr bool Q8 = std::is_same<KV, int8_t>::value;
   if (!has_dtype<T>(o)) throw py::type_error("q and o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
   if (q.ndim() != 4 || o.ndim() != 4) throw py::value_error("q and o must be 4-D");
@@ -613,10 +634,10 @@ void decode_paged_t(py::array q, py::list k_chunks, py::list v_chunks, py::array
   a.d = q.shape(3);
   const auto k0 = py::cast<py::array>(k_chunks[0]);
   const auto v0 = py::cast<py::array>(v_chunks[0]);
-  const std::vector<const T*> kc = pool_chunks<T>(k_chunks, "k", a.d, k0, &a.sk);
+  const std::vector<const KV*> kc = pool_chunks<KV>(k_chunks, "k", a.d, k0, &a.sk);
   if (v0.ndim() != 4) throw py::value_error("v chunks must be 4-D");
   a.dv = v0.shape(3);
-  const std::vector<const T*> vc = pool_chunks<T>(v_chunks, "v", a.dv, k0, &a.sv);
+  const std::vector<const KV*> vc = pool_chunks<KV>(v_chunks, "v", a.dv, k0, &a.sv);
   a.chunk_blocks = k0.shape(0);
   a.Hkv = k0.shape(1);
   a.block_size = k0.shape(2);
@@ -649,8 +670,28 @@ void decode_paged_t(py::array q, py::list k_chunks, py::list v_chunks, py::array
                               std::to_string(n_blocks));
     }
   }
-  a.k_chunks = kc.data();
-  a.v_chunks = vc.data();
+  std::vector<const float*> ks, ko, vs, vo;
+  if constexpr (Q8) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("int8 k and v chunks need element stride 1 along d");
+    if (kgroup < 1 || a.block_size % kgroup != 0)
+      throw py::value_error("kgroup must be >= 1 and divide the block size");
+    a.kgroup = kgroup;
+    const int64_t C = a.chunk_blocks, ng = a.block_size / kgroup;
+    ks = scale_chunks(k_scale, "k_scale", kc.size(), {C, a.Hkv, ng, a.d});
+    ko = scale_chunks(k_off, "k_off", kc.size(), {C, a.Hkv, ng, a.d});
+    vs = scale_chunks(v_scale, "v_scale", kc.size(), {C, a.Hkv, a.block_size});
+    vo = scale_chunks(v_off, "v_off", kc.size(), {C, a.Hkv, a.block_size});
+    a.k8_chunks = kc.data();
+    a.v8_chunks = vc.data();
+    a.ks_chunks = ks.data();
+    a.ko_chunks = ko.data();
+    a.vs_chunks = vs.data();
+    a.vo_chunks = vo.data();
+  } else {
+    a.k_chunks = kc.data();
+    a.v_chunks = vc.data();
+  }
   if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
     throw py::value_error("scale is out of the range of the inputs' dtype");
   a.scale = scale;
@@ -664,7 +705,15 @@ void decode_paged_t(py::array q, py::list k_chunks, py::list v_chunks, py::array
 void decode_paged(py::array q, py::list k_chunks, py::list v_chunks, py::array o, py::object lse,
                   py::array block_table, py::object kv_lens, double scale, bool causal,
                   bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-                  int64_t split) {
+                  int64_t split, py::object k_scale, py::object k_off, py::object v_scale,
+                  py::object v_off, int64_t kgroup) {
+  if (k_chunks.size() > 0 && py::isinstance<py::array_t<int8_t>>(k_chunks[0])) {
+    if (!py::isinstance<py::array_t<float>>(q))
+      throw py::type_error("an int8 pool takes float32 q and o");
+    return decode_paged_t<float, int8_t>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale,
+                                         causal, top_left, window_left, window_right, q_lens, split,
+                                         k_scale, k_off, v_scale, v_off, kgroup);
+  }
   if (py::isinstance<py::array_t<float>>(q))
     return decode_paged_t<float>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale, causal,
                                  top_left, window_left, window_right, q_lens, split);
@@ -827,9 +876,12 @@ PYBIND11_MODULE(_core, m) {
         py::arg("o"), py::arg("lse") = py::none(), py::kw_only(), py::arg("block_table"),
         py::arg("kv_lens"), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("q_lens") = py::none(), py::arg("split") = 0,
+        py::arg("q_lens") = py::none(), py::arg("split") = 0, py::arg("k_scale") = py::none(),
+        py::arg("k_off") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
         "Split-KV decode kernel over a paged KV cache: K/V rows read in place through "
-        "block_table (B, max_blocks) from the pool chunks (chunk_blocks, Hkv, block_size, d).");
+        "block_table (B, max_blocks) from the pool chunks (chunk_blocks, Hkv, block_size, d); "
+        "int8 chunks with lists of scale / offset chunks (k_scale .. v_off, kgroup).");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

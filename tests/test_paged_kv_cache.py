@@ -362,10 +362,10 @@ def test_nbytes_is_the_pool_and_used_nbytes_the_held_blocks(rng):
 
 
 def test_bad_constructor_arguments():
-    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16.*int8"):
-        af.PagedKVCache(1, 4, dtype="int8")
-    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
         af.PagedKVCache(1, 4, dtype=np.int32)
+    with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
+        af.PagedKVCache(1, 4, dtype="float8")
     with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
         af.PagedKVCache(1, 4, block_size=100)
     with pytest.raises(ValueError, match="num_blocks"):
@@ -529,3 +529,91 @@ def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
     o, lse = cache.attend(ids, q, q_lens=ql, out=poisoned((len(ids), 2, 1, d), F32),
                           return_lse=True)  # fmt: skip
     check_oracle(cache, ids, q, o, lse, ql)
+
+
+# ---------------------------------------------------------------- int8 pages
+
+
+@pytest.mark.parametrize("Hq, Hkv, d, dv, first, chunks", CONFIGS)
+def test_int8_attend_matches_oracle_on_dequantised(isa, rng, Hq, Hkv, d, dv, first, chunks):
+    """int8 pages: the kernel against the float64 oracle on the dequantised K/V (``keys`` /
+    ``values``), ragged lengths, decode steps and chunks, poisoned outputs."""
+    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3, dtype="int8")
+    assert cache.io_dtype == F32
+    ids = [cache.add_sequence() for _ in first]
+    B, L = len(ids), max(first)
+    cache.append(ids, randn(rng, (B, Hkv, L, d)), randn(rng, (B, Hkv, L, dv)), lengths=first)
+    q = randn(rng, (B, Hq, L, d))
+    o, lse = cache.attend(ids, q, out=poisoned((B, Hq, L, dv), F32), return_lse=True)
+    check_oracle(cache, ids, q, o, lse, first)
+    for c in chunks:
+        cache.append(ids, randn(rng, (B, Hkv, c, d)), randn(rng, (B, Hkv, c, dv)))
+        q = randn(rng, (B, Hq, c, d))
+        o, lse = cache.attend(ids, q, out=poisoned((B, Hq, c, dv), F32), return_lse=True)
+        check_oracle(cache, ids, q, o, lse, [c] * B)
+
+
+def test_int8_bit_identical_to_contiguous_int8_cache(isa, rng):
+    """The same tokens in KVCache(dtype="int8") and int8 pages: the same codes and scales
+    (a key group never crosses a block), so the same decode bits."""
+    B, H, Hq, d = 3, 2, 8, 32
+    lens = [1, 100, 300]
+    ref = af.KVCache(B, H, d, dtype="int8")
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=2)
+    ids = [cache.add_sequence() for _ in range(B)]
+    k, v = randn(rng, (B, H, 300, d)), randn(rng, (B, H, 300, d))
+    ref.append(k, v, lengths=lens)
+    cache.append(ids, k, v, lengths=lens)
+    for c in [1, 1, DECODE_MAX_LQ, 1, 70, 1]:
+        k, v, q = (randn(rng, (B, h, c, d)) for h in (H, H, Hq))
+        ref.append(k, v)
+        cache.append(ids, k, v)
+        for b, i in enumerate(ids):
+            np.testing.assert_array_equal(cache.keys(i), ref.keys(b))
+            np.testing.assert_array_equal(cache.values(i), ref.values(b))
+        if c <= DECODE_MAX_LQ:
+            o1, lse1 = ref.attend(q, return_lse=True)
+            o2, lse2 = cache.attend(ids, q, return_lse=True)
+            np.testing.assert_array_equal(o2, o1)
+            np.testing.assert_array_equal(lse2, lse1)
+
+
+def test_int8_fork_copy_on_write_and_free(isa, rng):
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=4)
+    p = cache.add_sequence()
+    k0, v0 = randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d))
+    cache.append(p, k0, v0)
+    keys_p, vals_p = cache.keys(p), cache.values(p)
+    c = cache.fork(p)
+    kc, vc = randn(rng, (1, H, 5, d)) * 10, randn(rng, (1, H, 5, d))  # widens the key ranges
+    cache.append(c, kc, vc)
+    np.testing.assert_array_equal(cache.keys(p), keys_p)  # the parent's codes and scales intact
+    np.testing.assert_array_equal(cache.values(p), vals_p)
+    ref = af.KVCache(1, H, d, dtype="int8")  # the child equals a cache of its own tokens
+    ref.append(np.concatenate([k0, kc], axis=2), np.concatenate([v0, vc], axis=2))
+    np.testing.assert_array_equal(cache.keys(c), ref.keys(0))
+    q = randn(rng, (2, 4, 1, d))
+    o, lse = cache.attend([p, c], q, q_lens=1, return_lse=True)
+    check_oracle(cache, [p, c], q, o, lse, [1, 1])
+    cache.free(p)
+    n = cache.add_sequence()
+    cache.append(n, k0[:, :, :70], v0[:, :, :70])  # reuses p's unshared block
+    np.testing.assert_array_equal(cache.keys(c), ref.keys(0))
+    o, lse = cache.attend([n, c], q, q_lens=1, return_lse=True)
+    check_oracle(cache, [n, c], q, o, lse, [1, 1])
+
+
+def test_int8_errors_and_bytes(rng):
+    H, d = 2, 128
+    cache = af.PagedKVCache(H, d, dtype=np.int8, num_blocks=4)
+    i = cache.add_sequence()
+    with pytest.raises(TypeError, match="an int8 cache takes float32 k, v and q"):
+        cache.append(i, randn(rng, (1, H, 2, d), np.float16), randn(rng, (1, H, 2, d)))
+    k = randn(rng, (1, H, 2, d))
+    k[0, 0, 1, 3] = np.nan
+    with pytest.raises(ValueError, match="inf or NaN"):
+        cache.append(i, k, randn(rng, (1, H, 2, d)))
+    per_block = H * (64 * (2 * d + 8) + 8 * d)  # codes, value scales / offsets, key groups
+    assert cache.nbytes == 4 * per_block + H * 64 * d * 4  # + one sequence's staging tail
+    assert cache.used_nbytes == 0

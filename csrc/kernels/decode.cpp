@@ -514,6 +514,22 @@ inline void page_base(const DecodeArgs<S>& a, int64_t b, int64_t hk, int64_t j, 
   *vb = a.v_chunks[c] + i * a.sv.b + hk * a.sv.h;
 }
 
+// The same for paged int8 K/V: the page's codes and its key scales / offsets
+// (block_size / kgroup groups) and value scales / offsets (block_size slots).
+inline void page_base_q8(const DecodeArgs<float>& a, int64_t b, int64_t hk, int64_t j,
+                         const int8_t** kb, const int8_t** vb, const float** ks, const float** ko,
+                         const float** vs, const float** vo) {
+  const int64_t g = a.block_table[b * a.max_blocks + j / a.block_size];
+  const int64_t c = g / a.chunk_blocks, i = g % a.chunk_blocks;
+  *kb = a.k8_chunks[c] + i * a.sk.b + hk * a.sk.h;
+  *vb = a.v8_chunks[c] + i * a.sv.b + hk * a.sv.h;
+  const int64_t bh = i * a.Hkv + hk, per = (a.block_size / a.kgroup) * a.d;
+  *ks = a.ks_chunks[c] + bh * per;
+  *ko = a.ko_chunks[c] + bh * per;
+  *vs = a.vs_chunks[c] + bh * a.block_size;
+  *vo = a.vo_chunks[c] + bh * a.block_size;
+}
+
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
 // call is cancelled. KV: the storage type of K and V, S or int8_t (then S is
@@ -549,7 +565,10 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
   const KV* kbase;
   const KV* vbase;
   const T *ks_base = nullptr, *ko_base = nullptr, *vs_base = nullptr, *vo_base = nullptr;
-  if constexpr (Q8) {
+  const bool paged = a.block_table != nullptr;
+  if (paged) {  // each block's rows (and int8 scales) come from its page (page_base)
+    kbase = vbase = nullptr;
+  } else if constexpr (Q8) {
     kbase = a.k8 + g.b * a.sk.b + hk * a.sk.h;
     vbase = a.v8 + g.b * a.sv.b + hk * a.sv.h;
     const int64_t bh = g.b * a.Hkv + hk;
@@ -557,13 +576,10 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     ko_base = a.k_off + bh * (a.R / a.kgroup) * d;
     vs_base = a.v_scale + bh * a.R;
     vo_base = a.v_off + bh * a.R;
-  } else if (!a.block_table) {
+  } else {
     kbase = a.k + g.b * a.sk.b + hk * a.sk.h;
     vbase = a.v + g.b * a.sv.b + hk * a.sv.h;
-  } else {  // paged: each block's rows come from its page (page_base)
-    kbase = vbase = nullptr;
   }
-  const bool paged = !Q8 && a.block_table;
   const KV** krow = krows_of<KV>(sc);
   const KV** vrow = vrows_of<KV>(sc);
   const bool kpack = !Q8 && a.sk.d != 1, vpack = !Q8 && a.sv.d != 1;
@@ -579,12 +595,13 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     int64_t slot = s.k0 + j0;
     const KV* kb = kbase;
     const KV* vb = vbase;
-    if constexpr (!Q8) {
-      if (paged) {
-        cols = imin(cols, a.block_size - j0 % a.block_size);
+    if (paged) {
+      cols = imin(cols, a.block_size - j0 % a.block_size);
+      if constexpr (Q8)
+        page_base_q8(a, g.b, hk, j0, &kb, &vb, &ks_base, &ko_base, &vs_base, &vo_base);
+      else
         page_base(a, g.b, hk, j0, &kb, &vb);
-        slot = j0 % a.block_size;
-      }
+      slot = j0 % a.block_size;
     }
     slot %= a.R;
     if constexpr (Q8) {
@@ -605,8 +622,8 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     }
     for (int64_t c = 0; c < cols; ++c) {
       if constexpr (Q8) {
-        krow[c] = kbase + slot * a.sk.l;
-        vrow[c] = vbase + slot * a.sv.l;
+        krow[c] = kb + slot * a.sk.l;
+        vrow[c] = vb + slot * a.sv.l;
         sc.pvs[c] = vs_base[slot];
         sc.pvo[c] = vo_base[slot];
       } else {
@@ -640,12 +657,15 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       int64_t ncols = imin(kBc, c1 - j0 - cols);
       const KV* nkb = kbase;
       const KV* nvb = vbase;
-      if constexpr (!Q8) {
-        if (paged) {  // the next block starts a page or continues this one
-          ncols = imin(ncols, a.block_size - ns % a.block_size);
+      if (paged) {  // the next block starts a page or continues this one
+        ncols = imin(ncols, a.block_size - ns % a.block_size);
+        if constexpr (Q8) {
+          const T *nks, *nko, *nvs, *nvo;  // not prefetched (as the contiguous path's)
+          page_base_q8(a, g.b, hk, ns, &nkb, &nvb, &nks, &nko, &nvs, &nvo);
+        } else {
           page_base(a, g.b, hk, ns, &nkb, &nvb);
-          ns %= a.block_size;
         }
+        ns %= a.block_size;
       }
       ns %= a.R;
       for (int64_t c = 0; c < ncols; ++c) {
@@ -896,7 +916,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
         const int64_t c0 = g.jlo + sp * split, c1 = imin(g.jhi, c0 + split);
         T* Ow = Opart + w * kRB * dvp;
         if constexpr (std::is_same<ST, float>::value) {
-          if (a.k8)
+          if (a.k8 || a.k8_chunks)
             run_split<ST, int8_t>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
           else
             run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);

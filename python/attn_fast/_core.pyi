@@ -86,6 +86,11 @@ def decode_paged(
     window_right: int = ...,
     q_lens: np.ndarray | None = ...,
     split: int = ...,
+    k_scale: list[np.ndarray] | None = ...,
+    k_off: list[np.ndarray] | None = ...,
+    v_scale: list[np.ndarray] | None = ...,
+    v_off: list[np.ndarray] | None = ...,
+    kgroup: int = ...,
 ) -> None: ...
 def kv_quant_append(
     k: np.ndarray,

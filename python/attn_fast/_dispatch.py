@@ -260,11 +260,19 @@ class PagedArgs:
         physical block g is block g % chunk_blocks of chunk g // chunk_blocks.
     block_table : (B, max_blocks) int64, C-contiguous: row b lists the blocks of sequence b
         in order (logical key j is row j % block_size of block_table[b, j // block_size]).
+    k_scale, k_off, v_scale, v_off, kgroup : an int8 pool's scale and offset chunks,
+        (chunk_blocks, H_kv, block_size / kgroup, d) and (chunk_blocks, H_kv, block_size)
+        float32 (QuantArgs per block); None / 0 for the float pools.
     """
 
     k_chunks: list[np.ndarray]
     v_chunks: list[np.ndarray]
     block_table: np.ndarray
+    k_scale: list[np.ndarray] | None = None
+    k_off: list[np.ndarray] | None = None
+    v_scale: list[np.ndarray] | None = None
+    v_off: list[np.ndarray] | None = None
+    kgroup: int = 0
 
 
 def attend_paged(
@@ -282,6 +290,15 @@ def attend_paged(
     causal / window and the per-sequence q_lens and kv_lens (kv_lens required). The keys
     are read in place through the block table (no gather); the GIL is released.
     """
+    kw = mask.kernel_kwargs()
+    if pages.kgroup:
+        kw.update(
+            k_scale=pages.k_scale,
+            k_off=pages.k_off,
+            v_scale=pages.v_scale,
+            v_off=pages.v_off,
+            kgroup=pages.kgroup,
+        )
     _core.decode_paged(
         q,
         pages.k_chunks,
@@ -290,5 +307,5 @@ def attend_paged(
         lse,
         block_table=pages.block_table,
         scale=scale,
-        **mask.kernel_kwargs(),
+        **kw,
     )

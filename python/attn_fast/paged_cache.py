@@ -46,7 +46,14 @@ never reused: a freed id raises ValueError wherever it is passed.
 
 Storage types: float32 (default), float64, float16 and bfloat16 (the uint16
 bits; chunks and queries in that dtype, computed in float32, as
-``KVCache(dtype=...)``). int8 is ``KVCache``'s only (TypeError here).
+``KVCache(dtype=...)``), and ``"int8"``: the codes of ``KVCache(dtype="int8")``
+(keys per channel over groups of 64 positions, values per token, asymmetric,
+scales and offsets beside them), a block laid out as a one-sequence int8 cache
+of block_size slots, so a key group never crosses a block. Chunks, queries and
+results are then float32 (``io_dtype``); ``append`` quantises in C++
+(``_core.kv_quant_append`` per block), keeping each sequence's open key group
+in float32 (a staging tail of 64 x d floats per kv head, copied by ``fork``);
+``keys`` / ``values`` return the dequantised values ``attend`` reads.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _dispatch
+from . import _core, _dispatch
 from ._checks import (
     BF16,
     alias_safe,
@@ -84,18 +91,21 @@ from .positional import RoPE
 
 __all__ = ["PagedKVCache"]
 
-_SUPPORTED = "float32, float64, float16 or bfloat16"
+_SUPPORTED = "float32, float64, float16, bfloat16 or int8"
 
 
 class _Seq:
     """One sequence: its block table (a growing int64 array), blocks in use, tokens stored."""
 
-    __slots__ = ("table", "nblk", "n", "last_new", "last_L")
+    __slots__ = ("table", "nblk", "n", "last_new", "last_L", "stage", "stage_grp")
 
-    def __init__(self, table, nblk=0, n=0):
+    def __init__(self, table, nblk=0, n=0, stage=None, stage_grp=None):
         self.table = table
         self.nblk = nblk
         self.n = n
+        # int8: the float32 keys of the key group being filled (1, H_kv, 64, d) and its group
+        self.stage = stage
+        self.stage_grp = stage_grp
         self.last_new = 0  # tokens of the last append
         self.last_L = -1  # chunk length of the last append (-1: none since add / fork)
 
@@ -115,7 +125,9 @@ class PagedKVCache:
     dtype : storage dtype: float32 (default), float64, or "float16" /
         "bfloat16" (np.float16, ml_dtypes.bfloat16, torch dtypes too),
         computed in float32; ``self.dtype`` is then float16, or uint16 for
-        bfloat16 (the bits). Chunks, queries and results have this dtype.
+        bfloat16 (the bits). Chunks, queries and results have this dtype
+        (``io_dtype``), except for "int8" (np.int8): 8-bit codes with
+        scales (module docstring), float32 chunks, queries and results.
     growable : bool, default True. False: the pool keeps ``num_blocks``
         blocks and an append that needs more raises ValueError.
     max_seq_len : int or None, the most tokens one sequence may hold (its
@@ -129,7 +141,9 @@ class PagedKVCache:
     num_blocks : int, blocks in the pool now (all chunks).
     free_blocks : int, blocks on the free list.
     nbytes : int, bytes of the pool's K and V storage allocated
-        (num_blocks x H_kv x bs x (d + dv) x itemsize).
+        (num_blocks x H_kv x bs x (d + dv) x itemsize; int8: the codes, scales
+        and offsets, bs x (d + dv + 8) + 8 d bs / 64 bytes per block and kv
+        head, plus 256 d bytes of staging per live sequence and kv head).
     used_nbytes : int, the bytes of the blocks that some sequence holds.
     """
 
@@ -160,16 +174,20 @@ class PagedKVCache:
             dt = _cache_dtype(dtype)
         except TypeError:
             dt = None
-        if dt is None or dt == I8:
-            raise TypeError(
-                f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}"
-                + (" (int8 storage is KVCache(dtype='int8') only)" if dt == I8 else "")
-            )
+        if dt is None:
+            raise TypeError(f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}")
         self.dtype = dt
+        self._q8 = dt == I8
+        self.io_dtype = np.dtype(np.float32) if self._q8 else dt
         self.growable = bool(growable)
         self.max_seq_len = None if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
         self._kc: list[np.ndarray] = []
         self._vc: list[np.ndarray] = []
+        # int8: the scale / offset chunks beside the code chunks (empty otherwise)
+        self._ksc: list[np.ndarray] = []
+        self._koc: list[np.ndarray] = []
+        self._vsc: list[np.ndarray] = []
+        self._voc: list[np.ndarray] = []
         self._ref = np.zeros(0, dtype=np.int64)  # references per block
         self._free: list[int] = []  # a stack: the lowest ids are taken first
         self._seqs: dict[int, _Seq] = {}
@@ -185,6 +203,11 @@ class PagedKVCache:
         for _ in range(n_chunks):
             self._kc.append(np.empty((C, H, bs, self.head_dim), dtype=self.dtype))
             self._vc.append(np.empty((C, H, bs, self.v_head_dim), dtype=self.dtype))
+            if self._q8:  # x = code * scale + off: keys per (group, channel), values per slot
+                for pool in (self._ksc, self._koc):
+                    pool.append(np.zeros((C, H, bs // KGROUP, self.head_dim), np.float32))
+                for pool in (self._vsc, self._voc):
+                    pool.append(np.zeros((C, H, bs), np.float32))
         last = self.num_blocks
         self._ref = np.concatenate([self._ref, np.zeros(last - first, dtype=np.int64)])
         self._free = list(range(last - 1, first - 1, -1)) + self._free
@@ -208,11 +231,14 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._kc) + sum(a.nbytes for a in self._vc)
+        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
+        n = sum(a.nbytes for pool in pools for a in pool)
+        return n + sum(s.stage.nbytes for s in self._seqs.values() if s.stage is not None)
 
     @property
     def used_nbytes(self) -> int:
-        per_block = self.nbytes // max(1, self.num_blocks)
+        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
+        per_block = sum(pool[0][0].nbytes for pool in pools if pool)
         return (self.num_blocks - self.free_blocks) * per_block
 
     # ---- sequences -----------------------------------------------------------
@@ -267,7 +293,11 @@ class PagedKVCache:
         """A new empty sequence; returns its id (ids are never reused)."""
         i = self._next_id
         self._next_id += 1
-        self._seqs[i] = _Seq(np.zeros(8, dtype=np.int64))
+        s = _Seq(np.zeros(8, dtype=np.int64))
+        if self._q8:
+            s.stage = np.zeros((1, self.num_kv_heads, KGROUP, self.head_dim), np.float32)
+            s.stage_grp = np.full(1, -1, dtype=np.int64)
+        self._seqs[i] = s
         return i
 
     def fork(self, seq_id: int) -> int:
@@ -281,7 +311,13 @@ class PagedKVCache:
         s = self._seq(seq_id)
         i = self._next_id
         self._next_id += 1
-        self._seqs[i] = _Seq(s.table.copy(), s.nblk, s.n)
+        self._seqs[i] = _Seq(
+            s.table.copy(),
+            s.nblk,
+            s.n,
+            None if s.stage is None else s.stage.copy(),
+            None if s.stage_grp is None else s.stage_grp.copy(),
+        )
         self._ref[s.table[: s.nblk]] += 1
         return i
 
@@ -302,20 +338,42 @@ class PagedKVCache:
 
     def keys(self, seq_id: int) -> np.ndarray:
         """Stored keys of one sequence in position order, (H_kv, length, d), a copy
-        (bfloat16 as ``ml_dtypes.bfloat16`` when importable, else its uint16 bits)."""
-        return half_result(self._gather(self._kc, self._seq(seq_id)))
+        (bfloat16 as ``ml_dtypes.bfloat16`` when importable, else its uint16 bits; int8:
+        the dequantised float32 keys, what ``attend`` reads)."""
+        s = self._seq(seq_id)
+        if self._q8:
+            return self._gather(s, self._dequant_keys, self.head_dim)
+        return half_result(self._gather(s, lambda g: self._block(self._kc, g), self.head_dim))
 
     def values(self, seq_id: int) -> np.ndarray:
-        """Stored values of one sequence in position order, (H_kv, length, dv), a copy."""
-        return half_result(self._gather(self._vc, self._seq(seq_id)))
+        """Stored values of one sequence in position order, (H_kv, length, dv), a copy
+        (int8: the dequantised float32 values)."""
+        s = self._seq(seq_id)
+        if self._q8:
+            return self._gather(s, self._dequant_values, self.v_head_dim)
+        return half_result(self._gather(s, lambda g: self._block(self._vc, g), self.v_head_dim))
 
-    def _gather(self, pool, s):
-        parts = [self._block(pool, int(g)) for g in s.table[: s.nblk]]
+    def _dequant_keys(self, g):
+        ks = np.repeat(self._block(self._ksc, g), KGROUP, axis=1)
+        ko = np.repeat(self._block(self._koc, g), KGROUP, axis=1)
+        return self._block(self._kc, g).astype(np.float32) * ks + ko
+
+    def _dequant_values(self, g):
+        vs, vo = self._block(self._vsc, g)[..., None], self._block(self._voc, g)[..., None]
+        return self._block(self._vc, g).astype(np.float32) * vs + vo
+
+    def _gather(self, s, block, dim):
+        parts = [block(int(g)) for g in s.table[: s.nblk]]
         if not parts:
-            return np.empty((self.num_kv_heads, 0, pool[0].shape[3]), dtype=self.dtype)
+            return np.empty((self.num_kv_heads, 0, dim), dtype=self.io_dtype)
         return np.concatenate(parts, axis=1)[:, : s.n]
 
     def _dtype_error(self, name, x):
+        if self._q8:
+            return TypeError(
+                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
+                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
+            )
         return _dtype_mismatch(name, x, self.dtype)
 
     # ---- writing -------------------------------------------------------------
@@ -346,8 +404,8 @@ class PagedKVCache:
         """
         ids, seqs = self._resolve(seq_ids, unique=True)
         B, H = len(ids), self.num_kv_heads
-        k = _check_chunk4(k, "k", B, H, self.head_dim, self.dtype, self._dtype_error)
-        v = _check_chunk4(v, "v", B, H, self.v_head_dim, self.dtype, self._dtype_error)
+        k = _check_chunk4(k, "k", B, H, self.head_dim, self.io_dtype, self._dtype_error)
+        v = _check_chunk4(v, "v", B, H, self.v_head_dim, self.io_dtype, self._dtype_error)
         L = k.shape[2]
         if v.shape[2] != L:
             raise ValueError(f"k has shape {k.shape} but v has shape {v.shape}: lengths differ")
@@ -359,6 +417,16 @@ class PagedKVCache:
         if rope is not None and rope.head_dim != self.head_dim:
             raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
         n_old = np.array([s.n for s in seqs], dtype=np.int64)
+        if self._q8:  # checked before anything changes (kv_quant_append checks only its block)
+            rows = np.arange(L) < new[:, None]  # (B, L): the rows to store
+            if (
+                not (np.isfinite(k).all(-1).all(1) | ~rows).all()
+                or not (np.isfinite(v).all(-1).all(1) | ~rows).all()
+            ):
+                raise ValueError(
+                    "k or v holds inf or NaN: an int8 cache stores finite values only "
+                    "(nothing was stored)"
+                )
         if self.max_seq_len is not None and (n_old + new > self.max_seq_len).any():
             raise ValueError(
                 f"block table overflow: appending {new.tolist()} tokens to sequences {ids} "
@@ -371,7 +439,7 @@ class PagedKVCache:
                     rope(to_float(k, np.float32), positions=pos, seq_axis=-2), self.dtype
                 )
             else:
-                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.dtype)
+                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.io_dtype)
         bs = self.block_size
         need = 0  # blocks this append takes from the free list
         for s, c in zip(seqs, new.tolist()):
@@ -402,6 +470,9 @@ class PagedKVCache:
             r = s.n % bs
             self._block(self._kc, g)[:, :r] = self._block(self._kc, old)[:, :r]
             self._block(self._vc, g)[:, :r] = self._block(self._vc, old)[:, :r]
+            if self._q8:  # the block's scales and offsets, all of them
+                for pool in (self._ksc, self._koc, self._vsc, self._voc):
+                    self._block(pool, g)[...] = self._block(pool, old)
             self._ref[old] -= 1
             s.table[s.nblk - 1] = g
         while s.nblk < total:
@@ -411,10 +482,33 @@ class PagedKVCache:
         while t < c:
             g, r = int(s.table[p // bs]), p % bs
             m = min(c - t, bs - r)
-            self._block(self._kc, g)[:, r : r + m] = k[:, t : t + m]
-            self._block(self._vc, g)[:, r : r + m] = v[:, t : t + m]
+            if self._q8:
+                self._quantise(s, g, p, k[None, :, t : t + m], v[None, :, t : t + m])
+            else:
+                self._block(self._kc, g)[:, r : r + m] = k[:, t : t + m]
+                self._block(self._vc, g)[:, r : r + m] = v[:, t : t + m]
             t, p = t + m, p + m
         s.n += c
+
+    def _quantise(self, s, g, p, k, v):
+        """int8: quantise k (1, H_kv, m, d), v (1, H_kv, m, dv) into rows p % bs .. of block g,
+        positions p .., in C++ (``_core.kv_quant_append`` on the block as a one-sequence
+        cache of block_size slots; the sequence's staging tail holds its open key group)."""
+        first = np.array([p - p % self.block_size], dtype=np.int64)  # the block's first position
+        m = k.shape[2]
+        _core.kv_quant_append(
+            k,
+            v,
+            *(self._block(pool, g)[None] for pool in (self._kc, self._vc)),
+            *(self._block(pool, g)[None] for pool in (self._ksc, self._koc)),
+            *(self._block(pool, g)[None] for pool in (self._vsc, self._voc)),
+            s.stage,
+            s.stage_grp,
+            pos0=np.array([p], dtype=np.int64),
+            count=np.array([m], dtype=np.int64),
+            first_before=first,
+            first_after=first,
+        )
 
     # ---- reading -------------------------------------------------------------
     def attend(
@@ -460,7 +554,7 @@ class PagedKVCache:
             B,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.io_dtype,
             self._dtype_error,
             holds="seq_ids names",
         )
@@ -478,14 +572,14 @@ class PagedKVCache:
                 f"q_lens {ql.tolist()} exceed the stored lengths {n.tolist()} of sequences "
                 f"{ids}: append the chunk first"
             )
-        scale = check_scale(scale, self.head_dim, self.dtype)
+        scale = check_scale(scale, self.head_dim, self.io_dtype)
         shape = (B, q.shape[1], Lq, self.v_head_dim)
         target = None
         if out is None:
-            o = np.empty(shape, dtype=self.dtype)
+            o = np.empty(shape, dtype=self.io_dtype)
         else:
-            o, target = alias_safe(check_out(out, shape, self.dtype), q, *self._kc, *self._vc)
-        lse = np.empty(shape[:3], dtype=compute_dtype(self.dtype)) if return_lse else None
+            o, target = alias_safe(check_out(out, shape, self.io_dtype), q, *self._kc, *self._vc)
+        lse = np.empty(shape[:3], dtype=compute_dtype(self.io_dtype)) if return_lse else None
         if o.size or (lse is not None and lse.size):
             self._run(q, o, lse, seqs, ql, n, scale, bool(causal))
         if target is not None:
@@ -513,4 +607,15 @@ class PagedKVCache:
         )
         assert kernel == _dispatch.DECODE
         pages = _dispatch.PagedArgs(self._kc, self._vc, self._table(seqs))
+        if self._q8:
+            pages = _dispatch.PagedArgs(
+                self._kc,
+                self._vc,
+                pages.block_table,
+                self._ksc,
+                self._koc,
+                self._vsc,
+                self._voc,
+                KGROUP,
+            )
         _dispatch.attend_paged(q, pages, o, lse, scale=scale, mask=mask)

@@ -192,6 +192,19 @@ struct DecodeArgs {
   int64_t max_blocks = 0, block_size = 0, chunk_blocks = 0;
   const T* const* k_chunks = nullptr;
   const T* const* v_chunks = nullptr;
+  // Paged int8 K/V (T = float only): block_table and the block geometry as
+  // above, k and v and k8 / v8 not read; chunk c holds codes k8_chunks[c]
+  // (chunk_blocks, Hkv, block_size, d) and v8_chunks[c] (.., dv) with the
+  // strides sk / sv (element stride 1), and contiguous scales and offsets
+  // ks_chunks[c] / ko_chunks[c] (chunk_blocks, Hkv, block_size / kgroup, d) and
+  // vs_chunks[c] / vo_chunks[c] (chunk_blocks, Hkv, block_size): a block is
+  // laid out as the contiguous int8 cache's (B = 1, R = block_size).
+  const int8_t* const* k8_chunks = nullptr;
+  const int8_t* const* v8_chunks = nullptr;
+  const compute_t<T>* const* ks_chunks = nullptr;
+  const compute_t<T>* const* ko_chunks = nullptr;
+  const compute_t<T>* const* vs_chunks = nullptr;
+  const compute_t<T>* const* vo_chunks = nullptr;
 };
 
 // avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16
