@@ -1,6 +1,6 @@
 """Paged vs contiguous KV cache decode: the same tokens, the same run, paired rounds.
 
-    python bench/bench_paged.py [--threads N] [--rounds 21] [--dtype float32|bfloat16|float16]
+    python bench/bench_paged.py [--threads N] [--rounds 21] [--dtype float32|bfloat16|float16|int8]
                                 [--shapes 1x32768 8x4096] [--ragged 64] [--no-shuffle]
                                 [--clock wall|cpu]
 
@@ -39,7 +39,18 @@ from attn_fast._config import config
 from attn_fast.bench import settle
 
 HQ, HKV, D = 32, 8, 128
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BF16, "float16": F16}
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": BF16,
+    "float16": F16,
+    "int8": np.dtype(np.int8),
+}
+
+
+def bytes_per_token(dt):
+    """K and V bytes read per token and kv head (int8: codes, value scales and offsets, and
+    the key groups' 2 x d floats per 64 tokens)."""
+    return 2 * D + 8 + 8 * D // 64 if dt == np.int8 else 2 * D * dt.itemsize
 
 
 CLOCK = time.perf_counter
@@ -88,15 +99,17 @@ def check(o, q, K, V, tol):
 def tokens(rng, shape, dt):
     """Random tokens as the cache takes them (bfloat16 as ml_dtypes.bfloat16 / tagged bits)."""
     x = rng.standard_normal(shape, dtype=np.float32)
-    return x if dt == np.float32 else bf16_bits(from_float(x, dt)) if dt == BF16 else x.astype(dt)
+    if dt in (np.float32, np.int8):  # an int8 cache takes float32 and quantises it
+        return x
+    return bf16_bits(from_float(x, dt)) if dt == BF16 else x.astype(dt)
 
 
-def paged_cache(dt, shuffle, rng, num_tokens, block_size):
+def paged_cache(dtype_name, shuffle, rng, num_tokens, block_size):
     cache = af.PagedKVCache(
         HKV,
         D,
         block_size=block_size,
-        dtype=dt if dt != BF16 else "bfloat16",
+        dtype=dtype_name,
         num_blocks=-(-num_tokens // block_size),
     )
     if shuffle:
@@ -145,14 +158,13 @@ def main(argv=None):
     print(hdr)
     print("-" * len(hdr))
     rng = np.random.default_rng(0)
-    tol = 1e-3 if dt == np.float32 else 2e-2
-    item = dt.itemsize
+    tol = 1e-3 if dt in (np.float32, np.int8) else 2e-2  # int8: on the dequantised K/V
     for shape in args.shapes:
         B, L = (int(x) for x in shape.split("x"))
         kv = tokens(rng, (B, HKV, L, D), dt)
         q = tokens(rng, (B, HQ, 1, D), dt)
-        contig = af.KVCache(B, HKV, D, capacity=L, dtype=dt if dt != BF16 else "bfloat16")
-        paged = paged_cache(dt, not args.no_shuffle, rng, B * L, args.block_size)
+        contig = af.KVCache(B, HKV, D, capacity=L, dtype=args.dtype)
+        paged = paged_cache(args.dtype, not args.no_shuffle, rng, B * L, args.block_size)
         ids = [paged.add_sequence() for _ in range(B)]
         kin, vin = kv, kv[:, :, ::-1]
         contig.append(kin, vin)
@@ -165,7 +177,7 @@ def main(argv=None):
         if not np.array_equal(np.asarray(oc).view(np.uint8), np.asarray(op).view(np.uint8)):
             raise RuntimeError("paged and contiguous results differ")
         check(op, q, paged.keys(ids[0]), paged.values(ids[0]), tol)
-        nbytes = B * HKV * L * 2 * D * item
+        nbytes = B * HKV * L * bytes_per_token(dt)
         reps = max(3, min(30, int(5e8 / nbytes)))
         tc, tp = paired(
             lambda c=contig, qq=qin: c.attend(qq),
@@ -186,7 +198,9 @@ def main(argv=None):
     if args.ragged:
         N = args.ragged
         lens = np.geomspace(16, 16384, N).astype(np.int64)
-        paged = paged_cache(dt, not args.no_shuffle, rng, int(lens.sum()) + 64 * N, args.block_size)
+        paged = paged_cache(
+            args.dtype, not args.no_shuffle, rng, int(lens.sum()) + 64 * N, args.block_size
+        )
         ids = [paged.add_sequence() for _ in range(N)]
         for i, n in zip(ids, lens):
             x = tokens(rng, (1, HKV, int(n), D), dt)
@@ -195,7 +209,7 @@ def main(argv=None):
         qin = q
         o = paged.attend(ids, qin)
         check(o[-1:], q[-1:], paged.keys(ids[-1]), paged.values(ids[-1]), tol)
-        nbytes = int(lens.sum()) * HKV * 2 * D * item
+        nbytes = int(lens.sum()) * HKV * bytes_per_token(dt)
         reps = max(3, min(30, int(5e8 / nbytes)))
         settle()
         ts = [best_time(lambda: paged.attend(ids, qin), reps) for _ in range(args.rounds)]

@@ -139,7 +139,8 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // (about 420 for 1024 lines at d = dv = 128, fp32), so one per iteration
 // covers less than half of the next block: in the contiguous layout the
 // hardware prefetcher streams the rest, but the next page of a paged cache is
-// elsewhere in the pool.
+// elsewhere in the pool. int8 rows are 2 lines each (256 per block): one per
+// iteration covers them, and 3 measured 4 % slower (bench/NOTES.md, paged20).
 constexpr int kPagedPrefetch = 3;
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
@@ -651,7 +652,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // overlap, and QK / PV below then hit L1/L2.
     sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched one per inner iteration of QK / PV.
-    Pf pf{sc.pfa, 0, 0, paged ? kPagedPrefetch : 1};
+    Pf pf{sc.pfa, 0, 0, paged && !Q8 ? kPagedPrefetch : 1};
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);
