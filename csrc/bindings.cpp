@@ -10,6 +10,8 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "attn_fast/attention.h"
 #include "attn_fast/interrupt.h"
@@ -559,6 +561,174 @@ void decode(py::array q, py::array k, py::array v, py::array o, py::object lse, 
   throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
+// Decode over a paged KV cache (DecodeArgs::block_table, PagedKVCache):
+// q (B, Hq, Lq, d) and o (B, Hq, Lq, dv) of storage type T; k_chunks /
+// v_chunks lists of pool chunks (chunk_blocks, Hkv, block_size, d / dv), one
+// shape and one set of strides each; block_table C-contiguous int64
+// (B, max_blocks); kv_lens (B,) required, each <= max_blocks * block_size, and
+// the first ceil(kv_lens[b] / block_size) entries of row b name blocks of the
+// pool. Everything the kernel would read out of bounds is checked here.
+template <typename T>
+std::vector<const T*> pool_chunks(const py::list& chunks, const char* name, int64_t dim,
+                                  const py::array& like, Strides4* st) {
+  std::vector<const T*> out;
+  for (py::ssize_t c = 0; c < static_cast<py::ssize_t>(chunks.size()); ++c) {
+    auto x = py::cast<py::array>(chunks[c]);
+    if (!has_dtype<T>(x)) throw py::type_error(std::string(name) + " chunks must have q's dtype");
+    if (x.ndim() != 4) throw py::value_error(std::string(name) + " chunks must be 4-D");
+    const Strides4 s = strides4(x, name);
+    if (c == 0) {
+      *st = s;
+    } else if (s.b != st->b || s.h != st->h || s.l != st->l || s.d != st->d) {
+      throw py::value_error(std::string(name) + " chunks must share one set of strides");
+    }
+    const py::array& ref = like;  // chunk 0 of k: (chunk_blocks, Hkv, block_size)
+    if (x.shape(0) != ref.shape(0) || x.shape(1) != ref.shape(1) || x.shape(2) != ref.shape(2) ||
+        x.shape(3) != dim)
+      throw py::value_error(std::string(name) + " chunk " + std::to_string(c) + " has shape " +
+                            shape_of(x) + ", expected (" + std::to_string(ref.shape(0)) + ", " +
+                            std::to_string(ref.shape(1)) + ", " + std::to_string(ref.shape(2)) +
+                            ", " + std::to_string(dim) + ")");
+    out.push_back(static_cast<const T*>(x.data()));
+  }
+  return out;
+}
+
+// The scale / offset chunks of a paged int8 pool: one C-contiguous float32 array per chunk of
+// this shape.
+std::vector<const float*> scale_chunks(const py::object& lst, const char* name, size_t n,
+                                       std::initializer_list<int64_t> shape) {
+  if (lst.is_none()) throw py::value_error(std::string(name) + " is required for an int8 pool");
+  auto l = py::cast<py::list>(lst);
+  if (l.size() != n)
+    throw py::value_error(std::string(name) + " must hold one array per pool chunk");
+  std::vector<const float*> out;
+  for (auto item : l)
+    out.push_back(exact_array<float>(py::reinterpret_borrow<py::object>(item), name, shape, false));
+  return out;
+}
+
+// KV: T, or int8_t for an int8 pool (T = float; the scales in k_scale .. v_off, lists of
+// chunks, see DecodeArgs::k8_chunks).
+template <typename T, typename KV = T>
+void decode_paged_t(py::array q, py::list k_chunks, py::list v_chunks, py::array o, py::object lse,
+                    py::array block_table, py::object kv_lens, double scale, bool causal,
+                    bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+                    int64_t split, py::object k_scale = py::none(), py::object k_off = py::none(),
+                    py::object v_scale = py::none(), py::object v_off = py::none(),
+                    int64_t kgroup = 0) {
+  constexpr bool Q8 = std::is_same<KV, int8_t>::value;
+  if (!has_dtype<T>(o)) throw py::type_error("q and o must share one dtype");
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  if (q.ndim() != 4 || o.ndim() != 4) throw py::value_error("q and o must be 4-D");
+  if (k_chunks.size() == 0 || k_chunks.size() != v_chunks.size())
+    throw py::value_error("k_chunks and v_chunks must be non-empty lists of one length");
+  DecodeArgs<T> a;
+  a.sq = strides4(q, "q");
+  a.so = strides4(o, "o");
+  a.q = static_cast<const T*>(q.data());
+  a.o = static_cast<T*>(o.mutable_data());
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Lq = q.shape(2);
+  a.d = q.shape(3);
+  const auto k0 = py::cast<py::array>(k_chunks[0]);
+  const auto v0 = py::cast<py::array>(v_chunks[0]);
+  const std::vector<const KV*> kc = pool_chunks<KV>(k_chunks, "k", a.d, k0, &a.sk);
+  if (v0.ndim() != 4) throw py::value_error("v chunks must be 4-D");
+  a.dv = v0.shape(3);
+  const std::vector<const KV*> vc = pool_chunks<KV>(v_chunks, "v", a.dv, k0, &a.sv);
+  a.chunk_blocks = k0.shape(0);
+  a.Hkv = k0.shape(1);
+  a.block_size = k0.shape(2);
+  if (a.chunk_blocks < 1 || a.block_size < 1) throw py::value_error("empty pool chunks");
+  if (o.shape(0) != a.B || o.shape(1) != a.Hq || o.shape(2) != a.Lq || o.shape(3) != a.dv)
+    throw py::value_error("o has shape " + shape_of(o) + ", expected (B, Hq, Lq, dv) of q " +
+                          shape_of(q) + " and the pool's dv");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  if (!py::isinstance<py::array_t<int64_t>>(block_table) ||
+      !(block_table.flags() & py::array::c_style) || block_table.ndim() != 2 ||
+      block_table.shape(0) != a.B)
+    throw py::value_error("block_table must be a C-contiguous int64 array (B, max_blocks), got " +
+                          shape_of(block_table));
+  a.max_blocks = block_table.shape(1);
+  a.R = a.max_blocks * a.block_size;
+  a.block_table = static_cast<const int64_t*>(block_table.data());
+  if (kv_lens.is_none()) throw py::value_error("kv_lens is required for a paged cache");
+  const int64_t* kl = data_of<int64_t>(kv_lens, "kv_lens", a.B);
+  const int64_t n_blocks = static_cast<int64_t>(kc.size()) * a.chunk_blocks;
+  for (int64_t b = 0; b < a.B; ++b) {
+    if (kl[b] < 0 || kl[b] > a.R)
+      throw py::value_error("kv_lens[" + std::to_string(b) + "] = " + std::to_string(kl[b]) +
+                            " is outside [0, max_blocks * block_size = " + std::to_string(a.R) +
+                            "]");
+    for (int64_t p = 0; p < (kl[b] + a.block_size - 1) / a.block_size; ++p) {
+      const int64_t g = a.block_table[b * a.max_blocks + p];
+      if (g < 0 || g >= n_blocks)
+        throw py::value_error("block_table[" + std::to_string(b) + ", " + std::to_string(p) +
+                              "] = " + std::to_string(g) + " is not a block of the pool of " +
+                              std::to_string(n_blocks));
+    }
+  }
+  std::vector<const float*> ks, ko, vs, vo;
+  if constexpr (Q8) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("int8 k and v chunks need element stride 1 along d");
+    if (kgroup < 1 || a.block_size % kgroup != 0)
+      throw py::value_error("kgroup must be >= 1 and divide the block size");
+    a.kgroup = kgroup;
+    const int64_t C = a.chunk_blocks, ng = a.block_size / kgroup;
+    ks = scale_chunks(k_scale, "k_scale", kc.size(), {C, a.Hkv, ng, a.d});
+    ko = scale_chunks(k_off, "k_off", kc.size(), {C, a.Hkv, ng, a.d});
+    vs = scale_chunks(v_scale, "v_scale", kc.size(), {C, a.Hkv, a.block_size});
+    vo = scale_chunks(v_off, "v_off", kc.size(), {C, a.Hkv, a.block_size});
+    a.k8_chunks = kc.data();
+    a.v8_chunks = vc.data();
+    a.ks_chunks = ks.data();
+    a.ko_chunks = ko.data();
+    a.vs_chunks = vs.data();
+    a.vo_chunks = vo.data();
+  } else {
+    a.k_chunks = kc.data();
+    a.v_chunks = vc.data();
+  }
+  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
+    throw py::value_error("scale is out of the range of the inputs' dtype");
+  a.scale = scale;
+  a.causal = causal;
+  a.top_left = top_left;
+  a.window_left = clamp_window(window_left);
+  a.window_right = clamp_window(window_right);
+  run_decode(a, lse, q_lens, kv_lens, py::none(), split);
+}
+
+void decode_paged(py::array q, py::list k_chunks, py::list v_chunks, py::array o, py::object lse,
+                  py::array block_table, py::object kv_lens, double scale, bool causal,
+                  bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+                  int64_t split, py::object k_scale, py::object k_off, py::object v_scale,
+                  py::object v_off, int64_t kgroup) {
+  if (k_chunks.size() > 0 && py::isinstance<py::array_t<int8_t>>(k_chunks[0])) {
+    if (!py::isinstance<py::array_t<float>>(q))
+      throw py::type_error("an int8 pool takes float32 q and o");
+    return decode_paged_t<float, int8_t>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale,
+                                         causal, top_left, window_left, window_right, q_lens, split,
+                                         k_scale, k_off, v_scale, v_off, kgroup);
+  }
+  if (py::isinstance<py::array_t<float>>(q))
+    return decode_paged_t<float>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale, causal,
+                                 top_left, window_left, window_right, q_lens, split);
+  if (py::isinstance<py::array_t<double>>(q))
+    return decode_paged_t<double>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale,
+                                  causal, top_left, window_left, window_right, q_lens, split);
+  if (has_dtype<fp16_t>(q))
+    return decode_paged_t<fp16_t>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale,
+                                  causal, top_left, window_left, window_right, q_lens, split);
+  if (has_dtype<bf16_t>(q))
+    return decode_paged_t<bf16_t>(q, k_chunks, v_chunks, o, lse, block_table, kv_lens, scale,
+                                  causal, top_left, window_left, window_right, q_lens, split);
+  throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
+}
+
 // The backward's gradient outputs: writeable arrays of T with the shape of
 // their input (4-D strided).
 template <typename T>
@@ -702,6 +872,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
         "Split-KV decode kernel on 4-D strided arrays; k/v may be a ring of R slots (kv_start); "
         "int8 k/v (with k_scale, k_off, v_scale, v_off, kgroup) read an int8 KV cache.");
+  m.def("decode_paged", &decode_paged, py::arg("q"), py::arg("k_chunks"), py::arg("v_chunks"),
+        py::arg("o"), py::arg("lse") = py::none(), py::kw_only(), py::arg("block_table"),
+        py::arg("kv_lens"), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("split") = 0, py::arg("k_scale") = py::none(),
+        py::arg("k_off") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
+        "Split-KV decode kernel over a paged KV cache: K/V rows read in place through "
+        "block_table (B, max_blocks) from the pool chunks (chunk_blocks, Hkv, block_size, d); "
+        "int8 chunks with lists of scale / offset chunks (k_scale .. v_off, kgroup).");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

@@ -83,6 +83,16 @@
 //   weight and (P . vo) is added to every O column. Bytes read per key and kv
 //   head: d + dv codes + 8 + 8 d / kgroup scale bytes (280 at d = dv = 128,
 //   1024 for fp32).
+// Paged K/V (PagedKVCache, DecodeArgs::block_table): the keys of sequence b
+//   live in pages of block_size rows taken from a pool (a list of chunks, so
+//   the pool grows without moving its pages); a block table maps page j /
+//   block_size of b to its physical block. A key block never crosses a page
+//   (cols is cut at the page's end, as an int8 block is cut at its group's),
+//   so each block reads its rows from one base pointer exactly as the
+//   contiguous path does: no gather copy, one table lookup per 64 keys. With
+//   block_size a multiple of 64 and splits starting at multiples of 64 (no
+//   window) nothing is cut and the result is bit-identical to the contiguous
+//   cache's. The prefetch of the next block looks its page up the same way.
 // Scratch: bounded whatever Lq and Lk (see kPartBytes); every allocation is
 //   checked (std::bad_alloc, thrown outside the parallel region).
 // Ctrl-C: a CancelToken (attn_fast/interrupt.h) polled between items and
@@ -124,6 +134,14 @@ constexpr int64_t kBc = 64;  // keys per block
 // keys, paired A/B), short ones otherwise. Depends on the shape only, never
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
+// Prefetches per inner-loop iteration for a paged cache's next block. The QK /
+// PV loops of a block have fewer iterations than its K and V rows have lines
+// (about 420 for 1024 lines at d = dv = 128, fp32), so one per iteration
+// covers less than half of the next block: in the contiguous layout the
+// hardware prefetcher streams the rest, but the next page of a paged cache is
+// elsewhere in the pool. int8 rows are 2 lines each (256 per block): one per
+// iteration covers them, and 3 measured 4 % slower (bench/NOTES.md, paged20).
+constexpr int kPagedPrefetch = 3;
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
 // (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
@@ -172,12 +190,14 @@ inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int
 
 // A list of cache lines to prefetch, issued one per inner-loop iteration of
 // the compute loops (so the next block's misses overlap this block's math).
+// per: prefetches per iteration (1; kPagedPrefetch for a paged cache).
 struct Pf {
   const char** addr;
   int64_t n, i;
+  int per;
 };
 inline void pf_step(Pf* p) {
-  if (p->i < p->n) __builtin_prefetch(p->addr[p->i++], 0, 3);
+  for (int k = 0; k < p->per && p->i < p->n; ++k) __builtin_prefetch(p->addr[p->i++], 0, 3);
 }
 
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
@@ -484,6 +504,33 @@ inline bool softmax_row(T* srow, int64_t cols, int64_t lo, int64_t hi, T* m, T* 
   return partial;
 }
 
+// Paged K/V (DecodeArgs::block_table): the first K and V rows (row 0 of kv
+// head hk) of the page that holds logical key j of sequence b.
+template <typename S>
+inline void page_base(const DecodeArgs<S>& a, int64_t b, int64_t hk, int64_t j, const S** kb,
+                      const S** vb) {
+  const int64_t g = a.block_table[b * a.max_blocks + j / a.block_size];
+  const int64_t c = g / a.chunk_blocks, i = g % a.chunk_blocks;
+  *kb = a.k_chunks[c] + i * a.sk.b + hk * a.sk.h;
+  *vb = a.v_chunks[c] + i * a.sv.b + hk * a.sv.h;
+}
+
+// The same for paged int8 K/V: the page's codes and its key scales / offsets
+// (block_size / kgroup groups) and value scales / offsets (block_size slots).
+inline void page_base_q8(const DecodeArgs<float>& a, int64_t b, int64_t hk, int64_t j,
+                         const int8_t** kb, const int8_t** vb, const float** ks, const float** ko,
+                         const float** vs, const float** vo) {
+  const int64_t g = a.block_table[b * a.max_blocks + j / a.block_size];
+  const int64_t c = g / a.chunk_blocks, i = g % a.chunk_blocks;
+  *kb = a.k8_chunks[c] + i * a.sk.b + hk * a.sk.h;
+  *vb = a.v8_chunks[c] + i * a.sv.b + hk * a.sv.h;
+  const int64_t bh = i * a.Hkv + hk, per = (a.block_size / a.kgroup) * a.d;
+  *ks = a.ks_chunks[c] + bh * per;
+  *ko = a.ko_chunks[c] + bh * per;
+  *vs = a.vs_chunks[c] + bh * a.block_size;
+  *vo = a.vo_chunks[c] + bh * a.block_size;
+}
+
 // Process keys [c0, c1) of group g; write the unnormalised partial (O_acc
 // rows into Op[kRB][dvp], m, l). Returns early (partial garbage) when the
 // call is cancelled. KV: the storage type of K and V, S or int8_t (then S is
@@ -519,7 +566,10 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
   const KV* kbase;
   const KV* vbase;
   const T *ks_base = nullptr, *ko_base = nullptr, *vs_base = nullptr, *vo_base = nullptr;
-  if constexpr (Q8) {
+  const bool paged = a.block_table != nullptr;
+  if (paged) {  // each block's rows (and int8 scales) come from its page (page_base)
+    kbase = vbase = nullptr;
+  } else if constexpr (Q8) {
     kbase = a.k8 + g.b * a.sk.b + hk * a.sk.h;
     vbase = a.v8 + g.b * a.sv.b + hk * a.sv.h;
     const int64_t bh = g.b * a.Hkv + hk;
@@ -541,8 +591,19 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     if (blk % 16 == 15 && tok.poll()) return;
     cols = imin(kBc, c1 - j0);
     if constexpr (Q8) cols = imin(cols, a.kgroup - (s.k0 + j0) % a.kgroup);
-    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R).
+    // Addresses of the block's K and V rows (ring: slot = (start + j) mod R;
+    // paged: row slot of the page holding key j0, the block cut at its end).
     int64_t slot = s.k0 + j0;
+    const KV* kb = kbase;
+    const KV* vb = vbase;
+    if (paged) {
+      cols = imin(cols, a.block_size - j0 % a.block_size);
+      if constexpr (Q8)
+        page_base_q8(a, g.b, hk, j0, &kb, &vb, &ks_base, &ko_base, &vs_base, &vo_base);
+      else
+        page_base(a, g.b, hk, j0, &kb, &vb);
+      slot = j0 % a.block_size;
+    }
     slot %= a.R;
     if constexpr (Q8) {
       // The block's key group: fold its scales into Q, its offsets into qb.
@@ -562,26 +623,26 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     }
     for (int64_t c = 0; c < cols; ++c) {
       if constexpr (Q8) {
-        krow[c] = kbase + slot * a.sk.l;
-        vrow[c] = vbase + slot * a.sv.l;
+        krow[c] = kb + slot * a.sk.l;
+        vrow[c] = vb + slot * a.sv.l;
         sc.pvs[c] = vs_base[slot];
         sc.pvo[c] = vo_base[slot];
       } else {
         if (kpack) {
           S* dst = sc.Kpack + c * dp;
-          const S* src = kbase + slot * a.sk.l;
+          const S* src = kb + slot * a.sk.l;
           for (int64_t e = 0; e < d; ++e) dst[e] = src[e * a.sk.d];
           sc.krow[c] = dst;
         } else {
-          sc.krow[c] = kbase + slot * a.sk.l;
+          sc.krow[c] = kb + slot * a.sk.l;
         }
         if (vpack) {
           S* dst = sc.Vpack + c * dvp;
-          const S* src = vbase + slot * a.sv.l;
+          const S* src = vb + slot * a.sv.l;
           for (int64_t e = 0; e < dv; ++e) dst[e] = src[e * a.sv.d];
           sc.vrow[c] = dst;
         } else {
-          sc.vrow[c] = vbase + slot * a.sv.l;
+          sc.vrow[c] = vb + slot * a.sv.l;
         }
       }
       if (++slot == a.R) slot = 0;
@@ -591,13 +652,26 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // overlap, and QK / PV below then hit L1/L2.
     sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched one per inner iteration of QK / PV.
-    Pf pf{sc.pfa, 0, 0};
+    Pf pf{sc.pfa, 0, 0, paged && !Q8 ? kPagedPrefetch : 1};
     if (!kpack && !vpack && j0 + cols < c1) {
-      int64_t ns = (s.k0 + j0 + cols) % a.R;
-      const int64_t ncols = imin(kBc, c1 - j0 - cols);
+      int64_t ns = s.k0 + j0 + cols;
+      int64_t ncols = imin(kBc, c1 - j0 - cols);
+      const KV* nkb = kbase;
+      const KV* nvb = vbase;
+      if (paged) {  // the next block starts a page or continues this one
+        ncols = imin(ncols, a.block_size - ns % a.block_size);
+        if constexpr (Q8) {
+          const T *nks, *nko, *nvs, *nvo;  // not prefetched (as the contiguous path's)
+          page_base_q8(a, g.b, hk, ns, &nkb, &nvb, &nks, &nko, &nvs, &nvo);
+        } else {
+          page_base(a, g.b, hk, ns, &nkb, &nvb);
+        }
+        ns %= a.block_size;
+      }
+      ns %= a.R;
       for (int64_t c = 0; c < ncols; ++c) {
-        const char* kr = reinterpret_cast<const char*>(kbase + ns * a.sk.l);
-        const char* vr = reinterpret_cast<const char*>(vbase + ns * a.sv.l);
+        const char* kr = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
+        const char* vr = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
         for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64)
           sc.pfa[pf.n++] = kr + off;
         for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(KV)); off += 64)
@@ -843,7 +917,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
         const int64_t c0 = g.jlo + sp * split, c1 = imin(g.jhi, c0 + split);
         T* Ow = Opart + w * kRB * dvp;
         if constexpr (std::is_same<ST, float>::value) {
-          if (a.k8)
+          if (a.k8 || a.k8_chunks)
             run_split<ST, int8_t>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);
           else
             run_split<ST>(a, g, c0, c1, sc, Ow, mpart + w * kRB, lpart + w * kRB, tok);

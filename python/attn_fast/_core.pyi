@@ -73,6 +73,28 @@ def decode(
     v_off: np.ndarray | None = ...,
     kgroup: int = ...,
 ) -> None: ...
+def decode_paged(
+    q: np.ndarray,
+    k_chunks: list[np.ndarray],
+    v_chunks: list[np.ndarray],
+    o: np.ndarray,
+    lse: np.ndarray | None = ...,
+    *,
+    block_table: np.ndarray,
+    kv_lens: np.ndarray,
+    scale: float,
+    causal: bool = ...,
+    top_left: bool = ...,
+    window_left: int = ...,
+    window_right: int = ...,
+    q_lens: np.ndarray | None = ...,
+    split: int = ...,
+    k_scale: list[np.ndarray] | None = ...,
+    k_off: list[np.ndarray] | None = ...,
+    v_scale: list[np.ndarray] | None = ...,
+    v_off: list[np.ndarray] | None = ...,
+    kgroup: int = ...,
+) -> None: ...
 def kv_quant_append(
     k: np.ndarray,
     v: np.ndarray,

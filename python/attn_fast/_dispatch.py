@@ -1,6 +1,6 @@
 """The one seam between the Python layer and the C++ attention kernels.
 
-Every call of ``_core.forward``, ``_core.decode`` and ``_core.backward``
+Every call of ``_core.forward``, ``_core.decode`` (``decode_paged``) and ``_core.backward``
 goes through this module, with typed arguments: a ``masks.MaskArgs`` record
 (the visibility rule) and a ``ScoreArgs`` record (softcap, ALiBi slopes,
 sinks) instead of a keyword dict. The kernel is chosen here once, by
@@ -41,6 +41,8 @@ DECODE_MIN_LK = 64
 # different slot per sequence), which only the decode kernel reads, or int8
 # codes with their scales (a quantised cache), which only the decode kernel reads.
 KEYS_ARRAY, KEYS_CACHE, KEYS_RING, KEYS_CODES = "array", "cache", "ring", "codes"
+# A paged cache's blocks (PagedKVCache), read through a block table by the decode kernel only.
+KEYS_PAGED = "paged"
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,7 +129,8 @@ def choose_kernel(
     keys : KEYS_ARRAY (a caller's arrays), KEYS_CACHE (a KV cache read as one
         view: short chunks decode whatever Lk) or KEYS_RING (a wrapped ring:
         always the decode kernel, which reads it in place) or KEYS_CODES (int8
-        codes: always the decode kernel, which dequantises them in registers).
+        codes: always the decode kernel, which dequantises them in registers) or
+        KEYS_PAGED (a paged cache's blocks: always the decode kernel).
     packed : varlen (cu_seqlens) sequences, which the tiled kernels read only.
     """
     fits = (
@@ -149,7 +152,7 @@ def choose_kernel(
                 f"got {got}"
             )
         return DECODE
-    if keys in (KEYS_RING, KEYS_CODES):
+    if keys in (KEYS_RING, KEYS_CODES, KEYS_PAGED):
         return DECODE
     short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lk >= DECODE_MIN_LK)
     return DECODE if fits and short else PREFILL
@@ -245,4 +248,64 @@ def backward(
         block_k=block_k,
         **mask.kernel_kwargs(),
         **score.kernel_kwargs(),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class PagedArgs:
+    """A paged KV cache's pool and block table (attention.h's DecodeArgs::block_table), one record.
+
+    k_chunks, v_chunks : lists of the pool's chunks, (chunk_blocks, H_kv, block_size, d) and
+        (chunk_blocks, H_kv, block_size, dv), one dtype, shape and set of strides each;
+        physical block g is block g % chunk_blocks of chunk g // chunk_blocks.
+    block_table : (B, max_blocks) int64, C-contiguous: row b lists the blocks of sequence b
+        in order (logical key j is row j % block_size of block_table[b, j // block_size]).
+    k_scale, k_off, v_scale, v_off, kgroup : an int8 pool's scale and offset chunks,
+        (chunk_blocks, H_kv, block_size / kgroup, d) and (chunk_blocks, H_kv, block_size)
+        float32 (QuantArgs per block); None / 0 for the float pools.
+    """
+
+    k_chunks: list[np.ndarray]
+    v_chunks: list[np.ndarray]
+    block_table: np.ndarray
+    k_scale: list[np.ndarray] | None = None
+    k_off: list[np.ndarray] | None = None
+    v_scale: list[np.ndarray] | None = None
+    v_off: list[np.ndarray] | None = None
+    kgroup: int = 0
+
+
+def attend_paged(
+    q: np.ndarray,
+    pages: PagedArgs,
+    o: np.ndarray,
+    lse: np.ndarray | None,
+    *,
+    scale: float,
+    mask: MaskArgs,
+) -> None:
+    """The split-KV decode kernel over a paged cache (``choose_kernel(keys=KEYS_PAGED)``).
+
+    q (B, H, Lq, d), o (B, H, Lq, dv), lse (B, H, Lq) or None; the mask record carries
+    causal / window and the per-sequence q_lens and kv_lens (kv_lens required). The keys
+    are read in place through the block table (no gather); the GIL is released.
+    """
+    kw = mask.kernel_kwargs()
+    if pages.kgroup:
+        kw.update(
+            k_scale=pages.k_scale,
+            k_off=pages.k_off,
+            v_scale=pages.v_scale,
+            v_off=pages.v_off,
+            kgroup=pages.kgroup,
+        )
+    _core.decode_paged(
+        q,
+        pages.k_chunks,
+        pages.v_chunks,
+        o,
+        lse,
+        block_table=pages.block_table,
+        scale=scale,
+        **kw,
     )

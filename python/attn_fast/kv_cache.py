@@ -135,6 +135,55 @@ def _cast_hint(dt):
     return f"x.to(torch.{dt.name}) / x.astype(np.{dt.name})"
 
 
+def _dtype_mismatch(name, x, dtype):
+    """The TypeError for a chunk or query `x` whose dtype is not the cache's `dtype`."""
+    return TypeError(
+        f"{name} has dtype {dtype_name(x.dtype)} "
+        f"but the cache stores {dtype_name(dtype)}; "
+        f"cast it first ({_cast_hint(dtype)})"
+    )
+
+
+def _check_chunk4(x, name, B, H, dim, io_dtype, dtype_error):
+    """A k / v chunk (B, H, L_new, dim) of io_dtype, read as an array (16-bit accepted).
+
+    dtype_error(name, x) makes the TypeError for another dtype."""
+    x = as_float_array(x, name, half=True)
+    if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
+        raise ValueError(
+            f"{name} has shape {shape_str(x)}, expected "
+            f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
+            f" = ({B}, {H}, L_new, {dim})"
+        )
+    if x.dtype != io_dtype:
+        raise dtype_error(name, x)
+    return x
+
+
+def _check_query(q, B, H_kv, d, io_dtype, dtype_error, holds="the cache holds"):
+    """q (B, H_q, L_new, d) of io_dtype with H_q a multiple of H_kv, read as an array.
+
+    holds: how the message names where the B sequences come from."""
+    q = as_float_array(q, "q", half=True)
+    if q.ndim != 4:
+        raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
+    Bq, Hq, Lq, dq = q.shape
+    if Bq != B:
+        raise ValueError(f"q has shape {shape_str(q)}: batch {Bq} but {holds} {B} sequences")
+    if dq != d:
+        raise ValueError(
+            f"q has shape {shape_str(q)}: head dim {dq} but the cache stores keys of dim {d}"
+        )
+    if Hq % H_kv != 0:
+        raise ValueError(
+            f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
+            f"of the cache's {H_kv} kv heads"
+        )
+    if q.dtype != io_dtype:
+        raise dtype_error("q", q)
+    return q
+
+
 def _per_seq(x, B, name, upper=None):
     """An int or (B,) int array -> (B,) int64 array, checked to lie in [0, upper]."""
     arr = np.asarray(x)
@@ -381,24 +430,12 @@ class KVCache:
                 f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
                 "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
             )
-        return TypeError(
-            f"{name} has dtype {dtype_name(x.dtype)} "
-            f"but the cache stores {dtype_name(self.dtype)}; "
-            f"cast it first ({_cast_hint(self.dtype)})"
-        )
+        return _dtype_mismatch(name, x, self.dtype)
 
     def _check_chunk(self, x, name, dim):
-        x = as_float_array(x, name, half=True)
-        B, H = self.batch, self.num_kv_heads
-        if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
-            raise ValueError(
-                f"{name} has shape {shape_str(x)}, expected "
-                f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
-                f" = ({B}, {H}, L_new, {dim})"
-            )
-        if x.dtype != self.io_dtype:
-            raise self._dtype_error(name, x)
-        return x
+        return _check_chunk4(
+            x, name, self.batch, self.num_kv_heads, dim, self.io_dtype, self._dtype_error
+        )
 
     def append(
         self,
@@ -585,27 +622,9 @@ class KVCache:
 
     # ---- reading ---------------------------------------------------------------
     def _check_q(self, q):
-        q = as_float_array(q, "q", half=True)
-        if q.ndim != 4:
-            raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
-        B, Hq, Lq, d = q.shape
-        if B != self.batch:
-            raise ValueError(
-                f"q has shape {shape_str(q)}: batch {B} but the cache holds {self.batch} sequences"
-            )
-        if d != self.head_dim:
-            raise ValueError(
-                f"q has shape {shape_str(q)}: head dim {d} "
-                f"but the cache stores keys of dim {self.head_dim}"
-            )
-        if Hq % self.num_kv_heads != 0:
-            raise ValueError(
-                f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
-                f"of the cache's {self.num_kv_heads} kv heads"
-            )
-        if q.dtype != self.io_dtype:
-            raise self._dtype_error("q", q)
-        return q
+        return _check_query(
+            q, self.batch, self.num_kv_heads, self.head_dim, self.io_dtype, self._dtype_error
+        )
 
     def attend(
         self,

@@ -176,6 +176,35 @@ struct DecodeArgs {
   const compute_t<T>* v_scale = nullptr;
   const compute_t<T>* v_off = nullptr;
   int64_t kgroup = 0;
+  // Paged K/V (PagedKVCache; not with k8 or kv_start). When block_table is
+  // set, k and v are not read: the pool is a list of chunks of chunk_blocks
+  // blocks, k_chunks[c] (chunk_blocks, Hkv, block_size, d) and v_chunks[c]
+  // (chunk_blocks, Hkv, block_size, dv), all with the strides sk / sv (sk.b,
+  // sv.b: from one block to the next). Logical key j of sequence b is row
+  // j % block_size of block
+  //   g = block_table[b * max_blocks + j / block_size],
+  // which lives in chunk g / chunk_blocks at block g % chunk_blocks. R is
+  // max_blocks * block_size (kv_lens[b] <= R). The kernel's key blocks are
+  // cut at block_size boundaries (none are cut when block_size is a multiple
+  // of 64 and the key ranges start at one: then the result is bit-identical
+  // to the contiguous layout's).
+  const int64_t* block_table = nullptr;
+  int64_t max_blocks = 0, block_size = 0, chunk_blocks = 0;
+  const T* const* k_chunks = nullptr;
+  const T* const* v_chunks = nullptr;
+  // Paged int8 K/V (T = float only): block_table and the block geometry as
+  // above, k and v and k8 / v8 not read; chunk c holds codes k8_chunks[c]
+  // (chunk_blocks, Hkv, block_size, d) and v8_chunks[c] (.., dv) with the
+  // strides sk / sv (element stride 1), and contiguous scales and offsets
+  // ks_chunks[c] / ko_chunks[c] (chunk_blocks, Hkv, block_size / kgroup, d) and
+  // vs_chunks[c] / vo_chunks[c] (chunk_blocks, Hkv, block_size): a block is
+  // laid out as the contiguous int8 cache's (B = 1, R = block_size).
+  const int8_t* const* k8_chunks = nullptr;
+  const int8_t* const* v8_chunks = nullptr;
+  const compute_t<T>* const* ks_chunks = nullptr;
+  const compute_t<T>* const* ko_chunks = nullptr;
+  const compute_t<T>* const* vs_chunks = nullptr;
+  const compute_t<T>* const* vo_chunks = nullptr;
 };
 
 // avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16

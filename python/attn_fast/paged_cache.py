@@ -1,0 +1,621 @@
+"""Paged KV cache: many sequences of very different lengths share one pool of blocks.
+
+Shape legend: B the number of sequences of a call (``len(seq_ids)``), H_kv
+key/value heads, H_q query heads (a multiple of H_kv), d query/key head dim,
+dv value head dim, L_new the length of a chunk, bs the block size. ::
+
+    cache = PagedKVCache(num_kv_heads=8, head_dim=128)      # one layer
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a, b], k, v, lengths=[7, 300])   # k (2, H_kv, 300, d): ragged prefill
+    o = cache.attend([a, b], q)                    # q (2, H_q, 300, d) -> (2, H_q, 300, dv)
+    c = cache.fork(a)                              # c shares a's blocks (copy-on-write)
+    cache.append([a, c], k1, v1)                   # (2, H_kv, 1, d): one token each, diverging
+    o1 = cache.attend([a, c], q1)                  # (2, H_q, 1, dv)
+    cache.free(a)
+
+Storage. The pool holds blocks of ``block_size`` token rows for every kv head:
+block g is ``k_pool[g // C][g % C]`` of shape (H_kv, bs, d) (and the same for
+V, dv), where the pool is a list of chunks of C = ``num_blocks`` blocks each,
+(C, H_kv, bs, d) arrays. Each sequence has a block table (its blocks in
+order): token t of a sequence is row t % bs of its block t // bs. ``append``
+copies each new key and value exactly once into its block; ``attend`` runs the
+split-KV decode kernel, which reads the rows in place through the block
+tables of the call (``_core.decode_paged``: no gather, no copy of the cache).
+
+Why a list of chunks: when the free blocks run out the pool grows by one more
+chunk (``growable=True``), and the blocks already written never move (a
+single array would have to be copied to grow, and every sequence's data with
+it); the kernel takes the chunks' base pointers with the block table. With
+``growable=False`` the pool is fixed and an append that needs more blocks
+than are free raises ValueError (nothing is changed).
+
+Block size: a multiple of 64, the decode kernel's key block, so that no
+kernel block straddles two pool blocks. Then decode results are bit-identical
+to a contiguous ``KVCache`` holding the same tokens (the kernel cuts its key
+range at the same places); chunks longer than ``DECODE_MAX_LQ`` = 4 tokens
+also run the decode kernel here (the contiguous cache switches to the tiled
+prefill kernel), so those agree to float32 rounding.
+
+Sharing (``fork``): a forked sequence shares all of its parent's blocks; a
+block's reference count says how many sequences hold it. Full blocks are
+never written again, so they stay shared; the partly filled last block is
+copied on the first write of either sequence that still shares it
+(copy-on-write). ``free`` drops a sequence's references; blocks nobody holds
+return to the free list and are reused by later appends. Sequence ids are
+never reused: a freed id raises ValueError wherever it is passed.
+
+Storage types: float32 (default), float64, float16 and bfloat16 (the uint16
+bits; chunks and queries in that dtype, computed in float32, as
+``KVCache(dtype=...)``), and ``"int8"``: the codes of ``KVCache(dtype="int8")``
+(keys per channel over groups of 64 positions, values per token, asymmetric,
+scales and offsets beside them), a block laid out as a one-sequence int8 cache
+of block_size slots, so a key group never crosses a block. Chunks, queries and
+results are then float32 (``io_dtype``); ``append`` quantises in C++
+(``_core.kv_quant_append`` per block), keeping each sequence's open key group
+in float32 (a staging tail of 64 x d floats per kv head, copied by ``fork``);
+``keys`` / ``values`` return the dequantised values ``attend`` reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
+
+from . import _core, _dispatch
+from ._checks import (
+    BF16,
+    alias_safe,
+    check_int,
+    check_out,
+    check_scale,
+    compute_dtype,
+    dtype_name,
+    from_float,
+    half_result,
+    to_float,
+    to_input_kind,
+)
+from .kv_cache import (
+    I8,
+    KGROUP,
+    _cache_dtype,
+    _check_chunk4,
+    _check_query,
+    _dtype_mismatch,
+    _per_seq,
+)
+from .masks import MaskArgs
+from .positional import RoPE
+
+__all__ = ["PagedKVCache"]
+
+_SUPPORTED = "float32, float64, float16, bfloat16 or int8"
+
+
+class _Seq:
+    """One sequence: its block table (a growing int64 array), blocks in use, tokens stored."""
+
+    __slots__ = ("table", "nblk", "n", "last_new", "last_L", "stage", "stage_grp")
+
+    def __init__(self, table, nblk=0, n=0, stage=None, stage_grp=None):
+        self.table = table
+        self.nblk = nblk
+        self.n = n
+        # int8: the float32 keys of the key group being filled (1, H_kv, 64, d) and its group
+        self.stage = stage
+        self.stage_grp = stage_grp
+        self.last_new = 0  # tokens of the last append
+        self.last_L = -1  # chunk length of the last append (-1: none since add / fork)
+
+
+class PagedKVCache:
+    """Paged key/value storage for one attention layer, shared by many sequences.
+
+    Parameters
+    ----------
+    num_kv_heads : int, H_kv.
+    head_dim : int, d (keys and queries).
+    block_size : int, token rows per block (default 64); a multiple of 64,
+        the decode kernel's key block.
+    num_blocks : int, blocks per pool chunk (default 256): the pool starts
+        with one chunk and grows by one chunk at a time.
+    v_head_dim : int, dv (default: head_dim).
+    dtype : storage dtype: float32 (default), float64, or "float16" /
+        "bfloat16" (np.float16, ml_dtypes.bfloat16, torch dtypes too),
+        computed in float32; ``self.dtype`` is then float16, or uint16 for
+        bfloat16 (the bits). Chunks, queries and results have this dtype
+        (``io_dtype``), except for "int8" (np.int8): 8-bit codes with
+        scales (module docstring), float32 chunks, queries and results.
+    growable : bool, default True. False: the pool keeps ``num_blocks``
+        blocks and an append that needs more raises ValueError.
+    max_seq_len : int or None, the most tokens one sequence may hold (its
+        block table's length times block_size; default unbounded). An append
+        beyond it raises ValueError.
+
+    Attributes
+    ----------
+    seq_ids : list of the live sequences' ids, in creation order.
+    lengths : dict seq_id -> tokens stored (a copy).
+    num_blocks : int, blocks in the pool now (all chunks).
+    free_blocks : int, blocks on the free list.
+    nbytes : int, bytes of the pool's K and V storage allocated
+        (num_blocks x H_kv x bs x (d + dv) x itemsize; int8: the codes, scales
+        and offsets, bs x (d + dv + 8) + 8 d bs / 64 bytes per block and kv
+        head, plus 256 d bytes of staging per live sequence and kv head).
+    used_nbytes : int, the bytes of the blocks that some sequence holds.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 64,
+        num_blocks: int = 256,
+        v_head_dim: int | None = None,
+        dtype: DTypeLike | str = np.float32,
+        growable: bool = True,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        self.v_head_dim = (
+            self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
+        )
+        self.block_size = check_int(block_size, "block_size", 1)
+        if self.block_size % KGROUP:
+            raise ValueError(
+                f"block_size must be a multiple of {KGROUP} (the decode kernel's key block), "
+                f"got {self.block_size}"
+            )
+        self.chunk_blocks = check_int(num_blocks, "num_blocks", 1)
+        try:
+            dt = _cache_dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt is None:
+            raise TypeError(f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}")
+        self.dtype = dt
+        self._q8 = dt == I8
+        self.io_dtype = np.dtype(np.float32) if self._q8 else dt
+        self.growable = bool(growable)
+        self.max_seq_len = None if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
+        self._kc: list[np.ndarray] = []
+        self._vc: list[np.ndarray] = []
+        # int8: the scale / offset chunks beside the code chunks (empty otherwise)
+        self._ksc: list[np.ndarray] = []
+        self._koc: list[np.ndarray] = []
+        self._vsc: list[np.ndarray] = []
+        self._voc: list[np.ndarray] = []
+        self._ref = np.zeros(0, dtype=np.int64)  # references per block
+        self._free: list[int] = []  # a stack: the lowest ids are taken first
+        self._seqs: dict[int, _Seq] = {}
+        self._freed: set[int] = set()
+        self._next_id = 0
+        self._grow(1)
+
+    # ---- pool ----------------------------------------------------------------
+    def _grow(self, n_chunks):
+        """Add n_chunks chunks of chunk_blocks blocks (the existing ones do not move)."""
+        C, H, bs = self.chunk_blocks, self.num_kv_heads, self.block_size
+        first = self.num_blocks
+        for _ in range(n_chunks):
+            self._kc.append(np.empty((C, H, bs, self.head_dim), dtype=self.dtype))
+            self._vc.append(np.empty((C, H, bs, self.v_head_dim), dtype=self.dtype))
+            if self._q8:  # x = code * scale + off: keys per (group, channel), values per slot
+                for pool in (self._ksc, self._koc):
+                    pool.append(np.zeros((C, H, bs // KGROUP, self.head_dim), np.float32))
+                for pool in (self._vsc, self._voc):
+                    pool.append(np.zeros((C, H, bs), np.float32))
+        last = self.num_blocks
+        self._ref = np.concatenate([self._ref, np.zeros(last - first, dtype=np.int64)])
+        self._free = list(range(last - 1, first - 1, -1)) + self._free
+
+    def _take(self):
+        g = self._free.pop()
+        self._ref[g] = 1
+        return g
+
+    def _block(self, pool, g):
+        """Block g of a pool (a view (H_kv, bs, dim))."""
+        return pool[g // self.chunk_blocks][g % self.chunk_blocks]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._kc) * self.chunk_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
+        n = sum(a.nbytes for pool in pools for a in pool)
+        return n + sum(s.stage.nbytes for s in self._seqs.values() if s.stage is not None)
+
+    @property
+    def used_nbytes(self) -> int:
+        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
+        per_block = sum(pool[0][0].nbytes for pool in pools if pool)
+        return (self.num_blocks - self.free_blocks) * per_block
+
+    # ---- sequences -----------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    @property
+    def lengths(self) -> dict[int, int]:
+        return {i: s.n for i, s in self._seqs.items()}
+
+    def __len__(self) -> int:
+        """The number of live sequences."""
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, block_size={self.block_size}, "
+            f"dtype={dtype_name(self.dtype)}, blocks={self.num_blocks} "
+            f"({self.free_blocks} free), lengths={self.lengths})"
+        )
+
+    def _seq(self, seq_id, name="seq_id"):
+        if isinstance(seq_id, (bool, np.bool_)) or not isinstance(seq_id, (int, np.integer)):
+            raise TypeError(f"{name} must be an int (from add_sequence), got {seq_id!r}")
+        i = int(seq_id)
+        s = self._seqs.get(i)
+        if s is None:
+            if i in self._freed:
+                raise ValueError(f"sequence {i} was freed")
+            raise ValueError(f"unknown sequence {i} (live: {self.seq_ids})")
+        return s
+
+    def _resolve(self, seq_ids, unique=False):
+        """seq_ids (an int or a sequence of ints) -> (list of ids, list of _Seq)."""
+        if isinstance(seq_ids, (int, np.integer)) and not isinstance(seq_ids, (bool, np.bool_)):
+            seq_ids = [seq_ids]
+        ids = np.asarray(seq_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(f"seq_ids must be an int or a 1-D sequence of ints, got {seq_ids!r}")
+        ids = [int(i) for i in ids]
+        seqs = [self._seq(i, "seq_ids") for i in ids]
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids must not repeat a sequence in one append, got {ids}")
+        return ids, seqs
+
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id (ids are never reused)."""
+        i = self._next_id
+        self._next_id += 1
+        s = _Seq(np.zeros(8, dtype=np.int64))
+        if self._q8:
+            s.stage = np.zeros((1, self.num_kv_heads, KGROUP, self.head_dim), np.float32)
+            s.stage_grp = np.full(1, -1, dtype=np.int64)
+        self._seqs[i] = s
+        return i
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence holding seq_id's tokens (prefix sharing for beam search or sampling).
+
+        No data is copied: the new sequence shares every block of seq_id (their
+        reference counts go up). Either sequence's next append copies the shared
+        partly filled last block first (copy-on-write), so the other one is
+        unchanged. Returns the new id.
+        """
+        s = self._seq(seq_id)
+        i = self._next_id
+        self._next_id += 1
+        self._seqs[i] = _Seq(
+            s.table.copy(),
+            s.nblk,
+            s.n,
+            None if s.stage is None else s.stage.copy(),
+            None if s.stage_grp is None else s.stage_grp.copy(),
+        )
+        self._ref[s.table[: s.nblk]] += 1
+        return i
+
+    def free(self, seq_id: int) -> None:
+        """Drop sequence seq_id; its blocks that no other sequence shares return to the pool.
+
+        ValueError for an unknown or already freed id."""
+        s = self._seq(seq_id)
+        blocks = s.table[: s.nblk]
+        self._ref[blocks] -= 1
+        self._free.extend(int(g) for g in blocks[self._ref[blocks] == 0][::-1])
+        del self._seqs[int(seq_id)]
+        self._freed.add(int(seq_id))
+
+    def lengths_of(self, seq_ids: ArrayLike | int) -> np.ndarray:
+        """The (B,) int64 lengths of the sequences seq_ids."""
+        return np.array([s.n for s in self._resolve(seq_ids)[1]], dtype=np.int64)
+
+    def keys(self, seq_id: int) -> np.ndarray:
+        """Stored keys of one sequence in position order, (H_kv, length, d), a copy
+        (bfloat16 as ``ml_dtypes.bfloat16`` when importable, else its uint16 bits; int8:
+        the dequantised float32 keys, what ``attend`` reads)."""
+        s = self._seq(seq_id)
+        if self._q8:
+            return self._gather(s, self._dequant_keys, self.head_dim)
+        return half_result(self._gather(s, lambda g: self._block(self._kc, g), self.head_dim))
+
+    def values(self, seq_id: int) -> np.ndarray:
+        """Stored values of one sequence in position order, (H_kv, length, dv), a copy
+        (int8: the dequantised float32 values)."""
+        s = self._seq(seq_id)
+        if self._q8:
+            return self._gather(s, self._dequant_values, self.v_head_dim)
+        return half_result(self._gather(s, lambda g: self._block(self._vc, g), self.v_head_dim))
+
+    def _dequant_keys(self, g):
+        ks = np.repeat(self._block(self._ksc, g), KGROUP, axis=1)
+        ko = np.repeat(self._block(self._koc, g), KGROUP, axis=1)
+        return self._block(self._kc, g).astype(np.float32) * ks + ko
+
+    def _dequant_values(self, g):
+        vs, vo = self._block(self._vsc, g)[..., None], self._block(self._voc, g)[..., None]
+        return self._block(self._vc, g).astype(np.float32) * vs + vo
+
+    def _gather(self, s, block, dim):
+        parts = [block(int(g)) for g in s.table[: s.nblk]]
+        if not parts:
+            return np.empty((self.num_kv_heads, 0, dim), dtype=self.io_dtype)
+        return np.concatenate(parts, axis=1)[:, : s.n]
+
+    def _dtype_error(self, name, x):
+        if self._q8:
+            return TypeError(
+                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
+                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
+            )
+        return _dtype_mismatch(name, x, self.dtype)
+
+    # ---- writing -------------------------------------------------------------
+    def append(
+        self,
+        seq_ids: ArrayLike | int,
+        k: ArrayLike,
+        v: ArrayLike,
+        lengths: ArrayLike | int | None = None,
+        rope: RoPE | None = None,
+    ) -> None:
+        """Store a chunk of new keys and values after each named sequence's last token.
+
+        seq_ids : an int or B distinct ids (from add_sequence / fork).
+        k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype
+            (TypeError with a cast hint otherwise), any strides; L_new may be 0.
+        lengths : optional int or (B,) ints <= L_new: sequence i appends only
+            rows ``[:lengths[i]]`` (ragged: each sequence its own number of
+            new tokens); the rest is ignored.
+        rope : optional ``positional.RoPE`` with head_dim d: keys are rotated on
+            the way in, row t of sequence i at position ``length + t`` (16-bit
+            keys rotated in float32 and rounded once).
+
+        New blocks come from the free list (the pool grows by a chunk when it is
+        empty, or ValueError with ``growable=False``); a shared partly filled
+        last block is copied first (copy-on-write). Each row is copied once.
+        On error nothing changes.
+        """
+        ids, seqs = self._resolve(seq_ids, unique=True)
+        B, H = len(ids), self.num_kv_heads
+        k = _check_chunk4(k, "k", B, H, self.head_dim, self.io_dtype, self._dtype_error)
+        v = _check_chunk4(v, "v", B, H, self.v_head_dim, self.io_dtype, self._dtype_error)
+        L = k.shape[2]
+        if v.shape[2] != L:
+            raise ValueError(f"k has shape {k.shape} but v has shape {v.shape}: lengths differ")
+        new = (
+            np.full(B, L, dtype=np.int64) if lengths is None else _per_seq(lengths, B, "lengths", L)
+        )
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
+            raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
+        n_old = np.array([s.n for s in seqs], dtype=np.int64)
+        if self._q8:  # checked before anything changes (kv_quant_append checks only its block)
+            rows = np.arange(L) < new[:, None]  # (B, L): the rows to store
+            if (
+                not (np.isfinite(k).all(-1).all(1) | ~rows).all()
+                or not (np.isfinite(v).all(-1).all(1) | ~rows).all()
+            ):
+                raise ValueError(
+                    "k or v holds inf or NaN: an int8 cache stores finite values only "
+                    "(nothing was stored)"
+                )
+        if self.max_seq_len is not None and (n_old + new > self.max_seq_len).any():
+            raise ValueError(
+                f"block table overflow: appending {new.tolist()} tokens to sequences {ids} "
+                f"of lengths {n_old.tolist()} exceeds max_seq_len = {self.max_seq_len}"
+            )
+        if rope is not None and rope.rotary_dim and L:  # before the pool changes
+            pos = n_old[:, None] + np.arange(L)
+            if self.dtype in (BF16, np.dtype(np.float16)):
+                k = from_float(
+                    rope(to_float(k, np.float32), positions=pos, seq_axis=-2), self.dtype
+                )
+            else:
+                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.io_dtype)
+        bs = self.block_size
+        need = 0  # blocks this append takes from the free list
+        for s, c in zip(seqs, new.tolist()):
+            if c:
+                need += -(-(s.n + c) // bs) - s.nblk
+                need += bool(s.n % bs and self._ref[s.table[s.nblk - 1]] > 1)  # copy-on-write
+        if need > len(self._free):
+            if not self.growable:
+                raise ValueError(
+                    f"pool exhausted: appending {new.tolist()} tokens to sequences {ids} needs "
+                    f"{need} free blocks, {len(self._free)} of {self.num_blocks} are free "
+                    "(growable=False); free finished sequences or use a larger num_blocks"
+                )
+            self._grow(-(-(need - len(self._free)) // self.chunk_blocks))
+        for i, (s, c) in enumerate(zip(seqs, new.tolist())):
+            s.last_new, s.last_L = c, L
+            if c:
+                self._write(s, k[i], v[i], c)
+
+    def _write(self, s, k, v, c):
+        """Rows [0, c) of k (H_kv, L, d) and v (H_kv, L, dv) after s's last token."""
+        bs = self.block_size
+        total = -(-(s.n + c) // bs)
+        if total > len(s.table):
+            s.table = np.concatenate([s.table, np.zeros(max(total, 2 * len(s.table)), np.int64)])
+        if s.n % bs and self._ref[s.table[s.nblk - 1]] > 1:  # copy-on-write of the shared tail
+            old, g = int(s.table[s.nblk - 1]), self._take()
+            r = s.n % bs
+            self._block(self._kc, g)[:, :r] = self._block(self._kc, old)[:, :r]
+            self._block(self._vc, g)[:, :r] = self._block(self._vc, old)[:, :r]
+            if self._q8:  # the block's scales and offsets, all of them
+                for pool in (self._ksc, self._koc, self._vsc, self._voc):
+                    self._block(pool, g)[...] = self._block(pool, old)
+            self._ref[old] -= 1
+            s.table[s.nblk - 1] = g
+        while s.nblk < total:
+            s.table[s.nblk] = self._take()
+            s.nblk += 1
+        t, p = 0, s.n
+        while t < c:
+            g, r = int(s.table[p // bs]), p % bs
+            m = min(c - t, bs - r)
+            if self._q8:
+                self._quantise(s, g, p, k[None, :, t : t + m], v[None, :, t : t + m])
+            else:
+                self._block(self._kc, g)[:, r : r + m] = k[:, t : t + m]
+                self._block(self._vc, g)[:, r : r + m] = v[:, t : t + m]
+            t, p = t + m, p + m
+        s.n += c
+
+    def _quantise(self, s, g, p, k, v):
+        """int8: quantise k (1, H_kv, m, d), v (1, H_kv, m, dv) into rows p % bs .. of block g,
+        positions p .., in C++ (``_core.kv_quant_append`` on the block as a one-sequence
+        cache of block_size slots; the sequence's staging tail holds its open key group)."""
+        first = np.array([p - p % self.block_size], dtype=np.int64)  # the block's first position
+        m = k.shape[2]
+        _core.kv_quant_append(
+            k,
+            v,
+            *(self._block(pool, g)[None] for pool in (self._kc, self._vc)),
+            *(self._block(pool, g)[None] for pool in (self._ksc, self._koc)),
+            *(self._block(pool, g)[None] for pool in (self._vsc, self._voc)),
+            s.stage,
+            s.stage_grp,
+            pos0=np.array([p], dtype=np.int64),
+            count=np.array([m], dtype=np.int64),
+            first_before=first,
+            first_after=first,
+        )
+
+    # ---- reading -------------------------------------------------------------
+    def attend(
+        self,
+        seq_ids: ArrayLike | int,
+        q: ArrayLike,
+        scale: float | None = None,
+        causal: bool = True,
+        q_lens: ArrayLike | None = None,
+        return_lse: bool = False,
+        out: Any = None,
+    ) -> Any:
+        """Attention of new queries of the named sequences against their stored keys.
+
+        seq_ids : an int or B ids (repeats allowed), one per batch row of q.
+        q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
+            head h // (H_q // H_kv)); the cache's dtype; any strides.
+        causal : bottom-right aligned per sequence, as ``KVCache.attend``: query
+            row i of sequence b is at position length[b] - q_lens[b] + i and sees
+            the keys up to it (chunked prefill, decode). ``causal=False``: every
+            stored key is visible.
+        q_lens : int or (B,) ints: valid query rows per sequence (rows beyond get
+            zeros and lse = -inf). Default: each sequence's last append length
+            when every sequence's last append had q's chunk length L_new (ragged
+            batches), else L_new for every sequence.
+        scale : default 1/sqrt(d).
+        return_lse : also return lse (B, H_q, L_new) in the compute dtype
+            (float32 for a 16-bit cache).
+        out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of the
+            cache's dtype, any strides; one that shares memory with q or the pool
+            is filled through a temporary.
+
+        Returns (B, H_q, L_new, dv) in the cache's dtype (torch in, torch out;
+        bfloat16 NumPy results as ``ml_dtypes.bfloat16`` when importable), or
+        (out, lse). Rows that see no key get zeros and lse = -inf. Every chunk
+        length runs the split-KV decode kernel, which reads the blocks in place.
+        """
+        like = q
+        ids, seqs = self._resolve(seq_ids)
+        B = len(ids)
+        q = _check_query(
+            q,
+            B,
+            self.num_kv_heads,
+            self.head_dim,
+            self.io_dtype,
+            self._dtype_error,
+            holds="seq_ids names",
+        )
+        Lq = q.shape[2]
+        n = np.array([s.n for s in seqs], dtype=np.int64)
+        if q_lens is None:
+            if seqs and all(s.last_L == Lq for s in seqs):
+                ql = np.array([s.last_new for s in seqs], dtype=np.int64)
+            else:
+                ql = np.full(B, Lq, dtype=np.int64)
+        else:
+            ql = _per_seq(q_lens, B, "q_lens", Lq)
+        if causal and (ql > n).any():
+            raise ValueError(
+                f"q_lens {ql.tolist()} exceed the stored lengths {n.tolist()} of sequences "
+                f"{ids}: append the chunk first"
+            )
+        scale = check_scale(scale, self.head_dim, self.io_dtype)
+        shape = (B, q.shape[1], Lq, self.v_head_dim)
+        target = None
+        if out is None:
+            o = np.empty(shape, dtype=self.io_dtype)
+        else:
+            o, target = alias_safe(check_out(out, shape, self.io_dtype), q, *self._kc, *self._vc)
+        lse = np.empty(shape[:3], dtype=compute_dtype(self.io_dtype)) if return_lse else None
+        if o.size or (lse is not None and lse.size):
+            self._run(q, o, lse, seqs, ql, n, scale, bool(causal))
+        if target is not None:
+            target[...] = o
+        if out is not None:
+            return (out, to_input_kind(lse, like)) if return_lse else out
+        return to_input_kind((o, lse) if return_lse else o, like)
+
+    def block_table(self, seq_ids: ArrayLike | int) -> np.ndarray:
+        """The (B, max_blocks) int64 block table of the sequences seq_ids (row b: the
+        blocks of sequence b in order, zero-padded), as the kernel reads it."""
+        return self._table(self._resolve(seq_ids)[1])
+
+    def _table(self, seqs):
+        mb = max([s.nblk for s in seqs], default=0)
+        tab = np.zeros((len(seqs), max(1, mb)), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tab[i, : s.nblk] = s.table[: s.nblk]
+        return tab
+
+    def _run(self, q, o, lse, seqs, ql, n, scale, causal):
+        mask = MaskArgs(causal=causal, q_lens=ql, kv_lens=n)
+        kernel = _dispatch.choose_kernel(
+            Lq=q.shape[2], Lk=int(n.max(initial=0)), mask=mask, keys=_dispatch.KEYS_PAGED
+        )
+        assert kernel == _dispatch.DECODE
+        pages = _dispatch.PagedArgs(self._kc, self._vc, self._table(seqs))
+        if self._q8:
+            pages = _dispatch.PagedArgs(
+                self._kc,
+                self._vc,
+                pages.block_table,
+                self._ksc,
+                self._koc,
+                self._vsc,
+                self._voc,
+                KGROUP,
+            )
+        _dispatch.attend_paged(q, pages, o, lse, scale=scale, mask=mask)

@@ -1,0 +1,619 @@
+"""PagedKVCache: a pool of blocks, per-sequence block tables, read in place by the decode kernel.
+
+Oracles: the float64 attention (tests/oracle.py) over each sequence's stored keys and values
+(``keys(i)`` / ``values(i)``), and the contiguous ``KVCache`` holding the same tokens, which
+decode (chunks of up to ``DECODE_MAX_LQ`` rows) must match bit for bit: with block sizes that
+are multiples of 64 the kernel cuts the keys at the same places in both layouts.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import poisoned, tol
+from oracle import causal_mask, sdpa
+
+import attn_fast as af
+from attn_fast import _core
+from attn_fast._dispatch import DECODE_MAX_LQ
+from attn_fast.positional import RoPE
+
+F32 = np.float32
+DTYPES = {
+    "float32": F32,
+    "float64": np.float64,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+}
+# Against the float64 oracle: float32 rounding, or one rounding of O to 16 bits.
+TOL16 = {"float16": dict(rtol=4e-3, atol=2e-3), "bfloat16": dict(rtol=2e-2, atol=1e-2)}
+
+
+def randn(rng, shape, dtype=F32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def tolerance(name):
+    return TOL16.get(name) or tol(DTYPES[name])
+
+
+def oracle_seq(q, K, V, q_len, causal=True, scale=None):
+    """Attention of q (Hq, Lq, d)'s first q_len rows over K, V (H_kv, n, d), float64, the
+    queries bottom-right aligned (the last q_len positions)."""
+    q, K, V = (np.asarray(x, np.float64) for x in (q[:, :q_len], K, V))
+    mask = causal_mask(q_len, K.shape[1]) if causal else None
+    return sdpa(q, K, V, mask=mask, scale=scale, return_lse=True)
+
+
+def check_oracle(cache, ids, q, o, lse, q_lens, name="float32", causal=True):
+    for b, i in enumerate(ids):
+        ql = int(q_lens[b])
+        O, LSE = oracle_seq(q[b], cache.keys(i), cache.values(i), ql, causal)
+        got = np.asarray(o[b, :, :ql], np.float64)
+        np.testing.assert_allclose(got, O, **tolerance(name), err_msg=f"sequence {i}")
+        np.testing.assert_allclose(lse[b, :, :ql], LSE, **tol(F32), err_msg=f"lse of {i}")
+        np.testing.assert_array_equal(np.asarray(o[b, :, ql:], np.float64), 0)  # padding rows
+        assert np.isneginf(lse[b, :, ql:]).all()
+
+
+# ---------------------------------------------------------------- the oracle
+
+CONFIGS = [  # Hq, Hkv, d, dv, per-sequence lengths of the first append, then chunk lengths
+    (1, 1, 1, 1, [1, 7], [1, 1]),
+    (4, 2, 5, 7, [1, 63, 64, 65, 129], [1, 3]),
+    (8, 2, 80, 80, [200, 7], [1, 7]),
+    (2, 2, 256, 256, [257, 1], [1]),
+    (4, 1, 16, 16, [129, 300, 64], [4, 1]),
+]
+
+
+@pytest.mark.parametrize("Hq, Hkv, d, dv, first, chunks", CONFIGS)
+def test_attend_matches_oracle(isa, rng, Hq, Hkv, d, dv, first, chunks):
+    """Ragged lengths from 1 to over three blocks (not multiples of the block size), GQA,
+    d in {1, 5, 80, 256}, poisoned outputs; decode steps and short chunks, lse."""
+    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3)
+    ids = [cache.add_sequence() for _ in first]
+    B, L = len(ids), max(first)
+    cache.append(ids, randn(rng, (B, Hkv, L, d)), randn(rng, (B, Hkv, L, dv)), lengths=first)
+    q = randn(rng, (B, Hq, L, d))
+    out = poisoned((B, Hq, L, dv), F32)
+    o, lse = cache.attend(ids, q, out=out, return_lse=True)
+    assert o is out
+    check_oracle(cache, ids, q, o, lse, first)
+    for c in chunks:
+        cache.append(ids, randn(rng, (B, Hkv, c, d)), randn(rng, (B, Hkv, c, dv)))
+        q = randn(rng, (B, Hq, c, d))
+        o, lse = cache.attend(ids, q, out=poisoned((B, Hq, c, dv), F32), return_lse=True)
+        check_oracle(cache, ids, q, o, lse, [c] * B)
+    assert cache.lengths == {i: n + sum(chunks) for i, n in zip(ids, first)}
+
+
+def test_stored_tokens_are_the_appended_ones(rng):
+    H, d, dv = 3, 6, 5
+    cache = af.PagedKVCache(H, d, v_head_dim=dv, num_blocks=2)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    ks, vs = {a: [], b: []}, {a: [], b: []}
+    for L, lens in [(70, [70, 3]), (1, [1, 1]), (130, [0, 130]), (64, [64, 64])]:
+        k, v = randn(rng, (2, H, L, d)), randn(rng, (2, H, L, dv))
+        cache.append([a, b], k, v, lengths=lens)
+        for j, i in enumerate((a, b)):
+            ks[i].append(k[j, :, : lens[j]])
+            vs[i].append(v[j, :, : lens[j]])
+    for i in (a, b):
+        np.testing.assert_array_equal(cache.keys(i), np.concatenate(ks[i], axis=1))
+        np.testing.assert_array_equal(cache.values(i), np.concatenate(vs[i], axis=1))
+
+
+def test_prefill_chunk_and_non_causal(isa, rng):
+    """A long chunk (129 rows, above DECODE_MAX_LQ) runs the decode kernel too; causal=False
+    sees every stored key."""
+    H, Hq, d = 2, 4, 16
+    cache = af.PagedKVCache(H, d)
+    ids = [cache.add_sequence() for _ in range(2)]
+    cache.append(ids, randn(rng, (2, H, 40, d)), randn(rng, (2, H, 40, d)), lengths=[40, 5])
+    k, v = randn(rng, (2, H, 129, d)), randn(rng, (2, H, 129, d))
+    cache.append(ids, k, v, lengths=[129, 100])
+    q = randn(rng, (2, Hq, 129, d))
+    o, lse = cache.attend(ids, q, return_lse=True)  # q_lens: the last append's, [129, 100]
+    check_oracle(cache, ids, q, o, lse, [129, 100])
+    o, lse = cache.attend(ids, q, causal=False, q_lens=[3, 129], return_lse=True)
+    check_oracle(cache, ids, q, o, lse, [3, 129], causal=False)
+
+
+def test_non_contiguous_inputs(isa, rng):
+    H, Hq, d, L = 2, 4, 8, 70
+    cache = af.PagedKVCache(H, d)
+    ids = [cache.add_sequence() for _ in range(2)]
+    k = randn(rng, (2, L, H, d)).transpose(0, 2, 1, 3)  # (B, H, L, d) view of (B, L, H, d)
+    v = randn(rng, (2, H, d, 2 * L))[..., ::2].transpose(0, 1, 3, 2)[:, :, :L]
+    cache.append(ids, k, v)
+    np.testing.assert_array_equal(cache.keys(ids[1]), k[1])
+    q = randn(rng, (2, 1, Hq, d)).transpose(0, 2, 1, 3)
+    o, lse = cache.attend(ids, q, return_lse=True)
+    check_oracle(cache, ids, q, o, lse, [1, 1], causal=True)
+    out = poisoned((2, 1, Hq, d), F32).transpose(0, 2, 1, 3)  # a strided out
+    assert cache.attend(ids, q, out=out) is out
+    np.testing.assert_array_equal(out, o)
+
+
+def test_empty_sequence_and_padding_rows(isa, rng):
+    """A sequence with no keys gets zero rows and lse = -inf; so do rows past q_lens."""
+    H, d = 1, 4
+    cache = af.PagedKVCache(H, d)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a], randn(rng, (1, H, 10, d)), randn(rng, (1, H, 10, d)))
+    q = randn(rng, (2, 2, 3, d))
+    o, lse = cache.attend(
+        [a, b], q, q_lens=[2, 0], out=poisoned((2, 2, 3, d), F32), return_lse=True
+    )
+    check_oracle(cache, [a, b], q, o, lse, [2, 0])
+    o, lse = cache.attend([b], q[1:], causal=False, return_lse=True)
+    np.testing.assert_array_equal(o, 0)
+    assert np.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------- against the contiguous cache
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_bit_identical_to_contiguous_cache(isa, rng, name):
+    """Same tokens in a KVCache and a PagedKVCache: decode and short chunks give the same bits
+    (each dtype; both run the split-KV decode kernel over the same key blocks)."""
+    dt = DTYPES[name]
+    B, H, Hq, d = 3, 2, 8, 32
+    lens = [1, 100, 300]
+    ref = af.KVCache(B, H, d, dtype=dt)
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=4)
+    ids = [cache.add_sequence() for _ in range(B)]
+    k, v = randn(rng, (B, H, 300, d), dt), randn(rng, (B, H, 300, d), dt)
+    ref.append(k, v, lengths=lens)
+    cache.append(ids, k, v, lengths=lens)
+    for c in [1, 1, DECODE_MAX_LQ, 1]:
+        k, v, q = (randn(rng, (B, h, c, d), dt) for h in (H, H, Hq))
+        ref.append(k, v)
+        cache.append(ids, k, v)
+        o1, lse1 = ref.attend(q, return_lse=True)
+        o2, lse2 = cache.attend(ids, q, return_lse=True)
+        assert o2.dtype == o1.dtype
+        np.testing.assert_array_equal(o2.view(np.uint8), o1.view(np.uint8))
+        np.testing.assert_array_equal(lse2, lse1)
+    for i, b in zip(ids, range(B)):
+        np.testing.assert_array_equal(cache.keys(i).view(np.uint8), ref.keys(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_half_dtypes_against_oracle(isa, rng, name):
+    dt = DTYPES[name]
+    H, Hq, d = 2, 4, 80
+    cache = af.PagedKVCache(H, d, dtype=name)
+    assert cache.dtype == (np.uint16 if name == "bfloat16" else np.float16)
+    ids = [cache.add_sequence() for _ in range(2)]
+    cache.append(
+        ids, randn(rng, (2, H, 150, d), dt), randn(rng, (2, H, 150, d), dt), lengths=[150, 9]
+    )
+    q = randn(rng, (2, Hq, 1, d), dt)
+    o, lse = cache.attend(ids, q, return_lse=True)
+    assert o.dtype == dt and lse.dtype == F32
+    check_oracle(cache, ids, q, o, lse, [1, 1], name=name)
+
+
+@pytest.mark.parametrize("block_size", [128, 192])
+def test_result_does_not_depend_on_block_size(isa, rng, block_size):
+    H, d, lens = 2, 16, [1, 64, 500, 129]
+    k, v = randn(rng, (4, H, 500, d)), randn(rng, (4, H, 500, d))
+    q = randn(rng, (4, 2 * H, 2, d))
+    outs = []
+    for bs in (64, block_size):
+        cache = af.PagedKVCache(H, d, block_size=bs, num_blocks=2)
+        ids = [cache.add_sequence() for _ in lens]
+        cache.append(ids, k, v, lengths=lens)
+        cache.append(ids, k[:, :, :2], v[:, :, :2])
+        outs.append(cache.attend(ids, q))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_rope_on_append_matches_contiguous_cache(rng):
+    H, d = 2, 16
+    rope = RoPE(d)
+    ref = af.KVCache(2, H, d)
+    cache = af.PagedKVCache(H, d)
+    ids = [cache.add_sequence() for _ in range(2)]
+    for L, lens in [(70, [70, 5]), (1, [1, 1]), (3, [3, 3])]:
+        k, v = randn(rng, (2, H, L, d)), randn(rng, (2, H, L, d))
+        ref.append(k, v, lengths=lens, rope=rope)
+        cache.append(ids, k, v, lengths=lens, rope=rope)
+    for b, i in enumerate(ids):
+        np.testing.assert_allclose(cache.keys(i), ref.keys(b), rtol=1e-6, atol=1e-6)
+
+
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, dtype=torch.bfloat16)
+    i = cache.add_sequence()
+    k = torch.from_numpy(randn(rng, (1, H, 9, d))).to(torch.bfloat16)
+    cache.append(i, k, k)
+    q = torch.from_numpy(randn(rng, (1, 4, 1, d))).to(torch.bfloat16)
+    o = cache.attend(i, q)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape == (1, 4, 1, d)
+
+
+# ---------------------------------------------------------------- many sequences in one call
+
+
+def test_batch_of_64_ragged_sequences_in_one_call(isa, rng):
+    """64 sequences of lengths 16 .. 16384 decode in one attend call."""
+    H, d = 1, 4
+    lens = np.unique(np.geomspace(16, 16384, 64).astype(int))
+    lens = np.concatenate([lens, 16 + np.arange(64 - len(lens))])[:64]
+    assert len(lens) == 64 and lens.min() == 16 and lens.max() == 16384
+    cache = af.PagedKVCache(H, d, num_blocks=512)
+    ids = [cache.add_sequence() for _ in lens]
+    for i, n in zip(ids, lens):
+        cache.append(i, randn(rng, (1, H, n, d)), randn(rng, (1, H, n, d)))
+    step = randn(rng, (64, H, 1, d))
+    cache.append(ids, step, step)
+    q = randn(rng, (64, 2, 1, d))
+    o, lse = cache.attend(ids, q, out=poisoned((64, 2, 1, d), F32), return_lse=True)
+    check_oracle(cache, ids, q, o, lse, [1] * 64)
+    used = sum(-(-(int(n) + 1) // 64) for n in lens)
+    assert cache.num_blocks - cache.free_blocks == used
+
+
+# ---------------------------------------------------------------- fork, free, growth
+
+
+def test_fork_and_diverging_appends_leave_the_parent_unchanged(isa, rng):
+    H, Hq, d = 2, 4, 8
+    cache = af.PagedKVCache(H, d, num_blocks=8)
+    p = cache.add_sequence()
+    k0, v0 = randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d))  # one full block + 36 rows
+    cache.append(p, k0, v0)
+    before = cache.free_blocks
+    c = cache.fork(p)
+    assert cache.free_blocks == before  # nothing copied by fork
+    np.testing.assert_array_equal(cache.block_table(c), cache.block_table(p))
+    kc, vc = randn(rng, (1, H, 3, d)), randn(rng, (1, H, 3, d))
+    cache.append(c, kc, vc)  # copy-on-write of the shared partial block
+    assert cache.free_blocks == before - 1
+    tp, tc = cache.block_table(p)[0], cache.block_table(c)[0]
+    assert tp[0] == tc[0] and tp[1] != tc[1]  # the full block stays shared
+    np.testing.assert_array_equal(cache.keys(p), k0[0])
+    kp, vp = randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d))
+    cache.append(p, kp, vp)  # the parent now owns its partial block alone: written in place
+    assert cache.free_blocks == before - 1
+    np.testing.assert_array_equal(cache.keys(p), np.concatenate([k0, kp], axis=2)[0])
+    np.testing.assert_array_equal(cache.keys(c), np.concatenate([k0, kc], axis=2)[0])
+    np.testing.assert_array_equal(cache.values(c), np.concatenate([v0, vc], axis=2)[0])
+    q = randn(rng, (2, Hq, 1, d))
+    o, lse = cache.attend([p, c], q, return_lse=True)
+    check_oracle(cache, [p, c], q, o, lse, [1, 1])
+    for seq, ks, vs in [(p, kp, vp), (c, kc, vc)]:  # each equals a cache of its own tokens
+        ref = af.KVCache(1, H, d)
+        ref.append(np.concatenate([k0, ks], axis=2), np.concatenate([v0, vs], axis=2))
+        np.testing.assert_array_equal(
+            cache.attend(seq, q[:1], q_lens=1), ref.attend(q[:1], q_lens=1)
+        )
+
+
+def test_fork_at_a_block_boundary_copies_nothing(rng):
+    H, d = 1, 4
+    cache = af.PagedKVCache(H, d, num_blocks=8)
+    p = cache.add_sequence()
+    cache.append(p, randn(rng, (1, H, 128, d)), randn(rng, (1, H, 128, d)))
+    c = cache.fork(p)
+    free = cache.free_blocks
+    cache.append([p, c], randn(rng, (2, H, 1, d)), randn(rng, (2, H, 1, d)))
+    assert cache.free_blocks == free - 2  # one fresh block each, no copy
+    assert cache.lengths == {p: 129, c: 129}
+
+
+def test_free_then_reuse_blocks(isa, rng):
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, num_blocks=6, growable=False)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a, b], randn(rng, (2, H, 192, d)), randn(rng, (2, H, 192, d)))
+    assert cache.free_blocks == 0
+    f = cache.fork(b)
+    cache.free(b)  # f still holds b's blocks
+    assert cache.free_blocks == 0
+    cache.free(a)
+    assert cache.free_blocks == 3 and a not in cache and len(cache) == 1
+    c = cache.add_sequence()
+    k, v = randn(rng, (1, H, 150, d)), randn(rng, (1, H, 150, d))
+    cache.append(c, k, v)  # reuses a's blocks (their old rows must not show)
+    assert cache.free_blocks == 0 and cache.num_blocks == 6
+    np.testing.assert_array_equal(cache.keys(c), k[0])
+    q = randn(rng, (2, 4, 1, d))
+    o, lse = cache.attend([c, f], q, q_lens=1, return_lse=True)
+    check_oracle(cache, [c, f], q, o, lse, [1, 1])
+
+
+def test_pool_grows_by_chunks_without_moving_blocks(rng):
+    H, d = 1, 4
+    cache = af.PagedKVCache(H, d, num_blocks=2)
+    i = cache.add_sequence()
+    k, v = randn(rng, (1, H, 1000, d)), randn(rng, (1, H, 1000, d))
+    cache.append(i, k[:, :, :100], v[:, :, :100])
+    first = cache._kc[0]
+    cache.append(i, k[:, :, 100:], v[:, :, 100:])
+    assert cache.num_blocks == 16 and cache._kc[0] is first  # 16 blocks: 8 chunks of 2
+    np.testing.assert_array_equal(cache.keys(i), k[0])
+    assert cache.nbytes == 16 * H * 64 * (d + d) * 4
+    q = randn(rng, (1, 1, 1, d))
+    o, lse = cache.attend(i, q, q_lens=1, return_lse=True)
+    check_oracle(cache, [i], q, o, lse, [1])
+
+
+def test_nbytes_is_the_pool_and_used_nbytes_the_held_blocks(rng):
+    H, d, dv = 8, 128, 64
+    cache = af.PagedKVCache(H, d, v_head_dim=dv, dtype="bfloat16", num_blocks=64)
+    assert cache.nbytes == 64 * H * 64 * (d + dv) * 2
+    ids = [cache.add_sequence() for _ in range(3)]
+    lens = [1000, 65, 7]
+    x = randn(rng, (3, H, 1000, d), ml_dtypes.bfloat16)
+    cache.append(ids, x, x[..., :dv], lengths=lens)
+    token = H * (d + dv) * 2
+    assert sum(lens) * token <= cache.used_nbytes < (sum(lens) + 3 * 64) * token
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
+        af.PagedKVCache(1, 4, dtype=np.int32)
+    with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
+        af.PagedKVCache(1, 4, dtype="float8")
+    with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
+        af.PagedKVCache(1, 4, block_size=100)
+    with pytest.raises(ValueError, match="num_blocks"):
+        af.PagedKVCache(1, 4, num_blocks=0)
+    with pytest.raises(ValueError, match="head_dim"):
+        af.PagedKVCache(1, 0)
+
+
+def test_pool_exhausted_with_a_fixed_pool_changes_nothing(rng):
+    H, d = 1, 4
+    cache = af.PagedKVCache(H, d, num_blocks=2, growable=False)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append(a, randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d)))
+    keys = cache.keys(a)
+    with pytest.raises(ValueError, match=r"pool exhausted.*needs 2 free blocks, 0 of 2"):
+        cache.append([a, b], randn(rng, (2, H, 30, d)), randn(rng, (2, H, 30, d)))
+    assert cache.lengths == {a: 100, b: 0} and cache.free_blocks == 0
+    np.testing.assert_array_equal(cache.keys(a), keys)
+    cache.append(a, randn(rng, (1, H, 28, d)), randn(rng, (1, H, 28, d)))  # fits its block
+    assert cache.lengths[a] == 128
+
+
+def test_block_table_overflow(rng):
+    cache = af.PagedKVCache(1, 4, max_seq_len=128)
+    i = cache.add_sequence()
+    cache.append(i, randn(rng, (1, 1, 120, 4)), randn(rng, (1, 1, 120, 4)))
+    with pytest.raises(ValueError, match="block table overflow.*max_seq_len = 128"):
+        cache.append(i, randn(rng, (1, 1, 9, 4)), randn(rng, (1, 1, 9, 4)))
+    assert cache.lengths == {i: 120}
+
+
+def test_unknown_and_freed_sequences(rng):
+    cache = af.PagedKVCache(1, 4)
+    a = cache.add_sequence()
+    x = randn(rng, (1, 1, 2, 4))
+    with pytest.raises(ValueError, match="unknown sequence 5"):
+        cache.free(5)
+    cache.free(a)
+    with pytest.raises(ValueError, match="sequence 0 was freed"):
+        cache.free(a)
+    with pytest.raises(ValueError, match="sequence 0 was freed"):
+        cache.append(a, x, x)
+    with pytest.raises(ValueError, match="sequence 0 was freed"):
+        cache.attend([a], x)
+    with pytest.raises(ValueError, match="sequence 0 was freed"):
+        cache.fork(a)
+    with pytest.raises(TypeError, match="seq_id must be an int"):
+        cache.free("0")
+    with pytest.raises(TypeError, match="seq_ids must be an int or a 1-D sequence of ints"):
+        cache.attend([[0]], x)
+    b = cache.add_sequence()
+    assert b == 1  # ids are not reused
+    with pytest.raises(ValueError, match="must not repeat"):
+        cache.append([b, b], np.concatenate([x, x]), np.concatenate([x, x]))
+
+
+def test_mismatched_shapes_and_dtypes(rng):
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, v_head_dim=6)
+    ids = [cache.add_sequence() for _ in range(2)]
+    k, v = randn(rng, (2, H, 3, d)), randn(rng, (2, H, 3, 6))
+    with pytest.raises(ValueError, match=r"k has shape \(1, 2, 3, 8\), expected"):
+        cache.append(ids, k[:1], v)
+    with pytest.raises(ValueError, match=r"v has shape \(2, 2, 3, 8\)"):
+        cache.append(ids, k, randn(rng, (2, H, 3, d)))
+    with pytest.raises(ValueError, match="lengths differ"):
+        cache.append(ids, k, v[:, :, :2])
+    with pytest.raises(TypeError, match="has dtype float64 but the cache stores float32"):
+        cache.append(ids, k.astype(np.float64), v)
+    with pytest.raises(ValueError, match="lengths must be <= 3"):
+        cache.append(ids, k, v, lengths=[4, 1])
+    cache.append(ids, k, v)
+    with pytest.raises(ValueError, match="batch 1 but seq_ids names 2 sequences"):
+        cache.attend(ids, randn(rng, (1, 4, 1, d)))
+    with pytest.raises(ValueError, match="head dim 5 but the cache stores keys of dim 8"):
+        cache.attend(ids, randn(rng, (2, 4, 1, 5)))
+    with pytest.raises(ValueError, match="3 heads is not a multiple of the cache's 2 kv heads"):
+        cache.attend(ids, randn(rng, (2, 3, 1, d)))
+    with pytest.raises(TypeError, match="q has dtype float16"):
+        cache.attend(ids, randn(rng, (2, 4, 1, d), np.float16))
+    with pytest.raises(ValueError, match="exceed the stored lengths"):
+        cache.attend(ids, randn(rng, (2, 4, 4, d)))
+    with pytest.raises(ValueError, match="out has shape"):
+        cache.attend(ids, randn(rng, (2, 4, 1, d)), out=np.empty((2, 4, 1, d), F32))
+    with pytest.raises(ValueError, match="scale"):
+        cache.attend(ids, randn(rng, (2, 4, 1, d)), scale=float("nan"))
+
+
+def test_kernel_binding_refuses_what_it_would_read_out_of_bounds(rng):
+    """_core.decode_paged checks the block table, the lengths and the chunks' shapes itself."""
+    H, d, bs = 1, 4, 64
+    kc = [np.zeros((2, H, bs, d), F32), np.zeros((2, H, bs, d), F32)]
+    q, o = randn(rng, (1, 1, 1, d)), np.empty((1, 1, 1, d), F32)
+    run = lambda table, n, k=kc, v=kc: _core.decode_paged(  # noqa: E731
+        q,
+        k,
+        v,
+        o,
+        block_table=np.asarray(table, np.int64),
+        kv_lens=np.asarray([n], np.int64),
+        scale=1.0,
+    )
+    run([[3, 0]], 65)  # in bounds: the four blocks of two chunks
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 4 is not a block"):
+        run([[3, 4]], 65)
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = -1"):
+        run([[-1, 0]], 1)
+    with pytest.raises(ValueError, match="kv_lens.*outside"):
+        run([[0, 1]], 129)
+    with pytest.raises(ValueError, match="share one set of strides"):
+        run([[0]], 1, k=[kc[0], np.asfortranarray(kc[1])])
+    with pytest.raises(ValueError, match="chunk 1 has shape"):
+        run([[0]], 1, k=[kc[0], np.zeros((3, H, bs, d), F32)])
+    with pytest.raises(TypeError, match="dtype"):
+        run([[0]], 1, v=[x.astype(np.float64) for x in kc])
+    with pytest.raises(ValueError, match="block_table must be"):
+        run([0, 1], 1)
+
+
+def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
+    """Random operations against a model (each sequence's token list): stored keys and values,
+    block accounting (every block free or held, reference counts = holders) and attention."""
+    H, d = 1, 3
+    cache = af.PagedKVCache(H, d, num_blocks=4)
+    model = {}  # seq_id -> (keys (H, n, d), values (H, n, d))
+    empty = np.zeros((H, 0, d), F32)
+    for _ in range(150):
+        op = rng.integers(4) if model else 0
+        if op == 0:
+            model[cache.add_sequence()] = (empty, empty)
+        elif op == 1:
+            src = int(rng.choice(list(model)))
+            model[cache.fork(src)] = model[src]
+        elif op == 2 and len(model) > 1:
+            i = int(rng.choice(list(model)))
+            cache.free(i)
+            del model[i]
+        else:
+            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
+            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
+            lens = rng.integers(0, L + 1, size=len(ids))
+            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
+            cache.append(ids, k, v, lengths=lens)
+            for j, i in enumerate(ids):
+                K, V = model[i]
+                model[i] = (
+                    np.concatenate([K, k[j, :, : lens[j]]], 1),
+                    np.concatenate([V, v[j, :, : lens[j]]], 1),
+                )
+        held = {}
+        for i, (K, V) in model.items():
+            np.testing.assert_array_equal(cache.keys(i), K)
+            np.testing.assert_array_equal(cache.values(i), V)
+            for g in cache.block_table(i)[0, : -(-K.shape[1] // 64)]:
+                held[int(g)] = held.get(int(g), 0) + 1
+        assert cache.free_blocks + len(held) == cache.num_blocks
+        assert all(cache._ref[g] == n for g, n in held.items())
+    ids = list(model)
+    ql = [min(1, model[i][0].shape[1]) for i in ids]  # a sequence with no keys: no query row
+    q = randn(rng, (len(ids), 2, 1, d))
+    o, lse = cache.attend(ids, q, q_lens=ql, out=poisoned((len(ids), 2, 1, d), F32),
+                          return_lse=True)  # fmt: skip
+    check_oracle(cache, ids, q, o, lse, ql)
+
+
+# ---------------------------------------------------------------- int8 pages
+
+
+@pytest.mark.parametrize("Hq, Hkv, d, dv, first, chunks", CONFIGS)
+def test_int8_attend_matches_oracle_on_dequantised(isa, rng, Hq, Hkv, d, dv, first, chunks):
+    """int8 pages: the kernel against the float64 oracle on the dequantised K/V (``keys`` /
+    ``values``), ragged lengths, decode steps and chunks, poisoned outputs."""
+    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3, dtype="int8")
+    assert cache.io_dtype == F32
+    ids = [cache.add_sequence() for _ in first]
+    B, L = len(ids), max(first)
+    cache.append(ids, randn(rng, (B, Hkv, L, d)), randn(rng, (B, Hkv, L, dv)), lengths=first)
+    q = randn(rng, (B, Hq, L, d))
+    o, lse = cache.attend(ids, q, out=poisoned((B, Hq, L, dv), F32), return_lse=True)
+    check_oracle(cache, ids, q, o, lse, first)
+    for c in chunks:
+        cache.append(ids, randn(rng, (B, Hkv, c, d)), randn(rng, (B, Hkv, c, dv)))
+        q = randn(rng, (B, Hq, c, d))
+        o, lse = cache.attend(ids, q, out=poisoned((B, Hq, c, dv), F32), return_lse=True)
+        check_oracle(cache, ids, q, o, lse, [c] * B)
+
+
+def test_int8_bit_identical_to_contiguous_int8_cache(isa, rng):
+    """The same tokens in KVCache(dtype="int8") and int8 pages: the same codes and scales
+    (a key group never crosses a block), so the same decode bits."""
+    B, H, Hq, d = 3, 2, 8, 32
+    lens = [1, 100, 300]
+    ref = af.KVCache(B, H, d, dtype="int8")
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=2)
+    ids = [cache.add_sequence() for _ in range(B)]
+    k, v = randn(rng, (B, H, 300, d)), randn(rng, (B, H, 300, d))
+    ref.append(k, v, lengths=lens)
+    cache.append(ids, k, v, lengths=lens)
+    for c in [1, 1, DECODE_MAX_LQ, 1, 70, 1]:
+        k, v, q = (randn(rng, (B, h, c, d)) for h in (H, H, Hq))
+        ref.append(k, v)
+        cache.append(ids, k, v)
+        for b, i in enumerate(ids):
+            np.testing.assert_array_equal(cache.keys(i), ref.keys(b))
+            np.testing.assert_array_equal(cache.values(i), ref.values(b))
+        if c <= DECODE_MAX_LQ:
+            o1, lse1 = ref.attend(q, return_lse=True)
+            o2, lse2 = cache.attend(ids, q, return_lse=True)
+            np.testing.assert_array_equal(o2, o1)
+            np.testing.assert_array_equal(lse2, lse1)
+
+
+def test_int8_fork_copy_on_write_and_free(isa, rng):
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=4)
+    p = cache.add_sequence()
+    k0, v0 = randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d))
+    cache.append(p, k0, v0)
+    keys_p, vals_p = cache.keys(p), cache.values(p)
+    c = cache.fork(p)
+    kc, vc = randn(rng, (1, H, 5, d)) * 10, randn(rng, (1, H, 5, d))  # widens the key ranges
+    cache.append(c, kc, vc)
+    np.testing.assert_array_equal(cache.keys(p), keys_p)  # the parent's codes and scales intact
+    np.testing.assert_array_equal(cache.values(p), vals_p)
+    ref = af.KVCache(1, H, d, dtype="int8")  # the child equals a cache of its own tokens
+    ref.append(np.concatenate([k0, kc], axis=2), np.concatenate([v0, vc], axis=2))
+    np.testing.assert_array_equal(cache.keys(c), ref.keys(0))
+    q = randn(rng, (2, 4, 1, d))
+    o, lse = cache.attend([p, c], q, q_lens=1, return_lse=True)
+    check_oracle(cache, [p, c], q, o, lse, [1, 1])
+    cache.free(p)
+    n = cache.add_sequence()
+    cache.append(n, k0[:, :, :70], v0[:, :, :70])  # reuses p's unshared block
+    np.testing.assert_array_equal(cache.keys(c), ref.keys(0))
+    o, lse = cache.attend([n, c], q, q_lens=1, return_lse=True)
+    check_oracle(cache, [n, c], q, o, lse, [1, 1])
+
+
+def test_int8_errors_and_bytes(rng):
+    H, d = 2, 128
+    cache = af.PagedKVCache(H, d, dtype=np.int8, num_blocks=4)
+    i = cache.add_sequence()
+    with pytest.raises(TypeError, match="an int8 cache takes float32 k, v and q"):
+        cache.append(i, randn(rng, (1, H, 2, d), np.float16), randn(rng, (1, H, 2, d)))
+    k = randn(rng, (1, H, 2, d))
+    k[0, 0, 1, 3] = np.nan
+    with pytest.raises(ValueError, match="inf or NaN"):
+        cache.append(i, k, randn(rng, (1, H, 2, d)))
+    per_block = H * (64 * (2 * d + 8) + 8 * d)  # codes, value scales / offsets, key groups
+    assert cache.nbytes == 4 * per_block + H * 64 * d * 4  # + one sequence's staging tail
+    assert cache.used_nbytes == 0
