@@ -423,3 +423,45 @@ def test_error_within_1p5x_of_torch(isa, rng, dt, causal, shape):
         e_ours, e_torch = np.abs(f64(h) - given[name]), np.abs(f64(t) - given[name])
         assert rms(e_ours) <= 1.5 * rms(e_torch), (name, rms(e_ours), rms(e_torch))
         assert e_ours.max() <= 1.5 * e_torch.max(), (name, e_ours.max(), e_torch.max())
+
+
+@pytest.mark.parametrize("src", ["ml_bf16", "numpy_f16"])
+@pytest.mark.parametrize("Lq, Lk, d, dv", [(0, 5, 4, 4), (5, 0, 4, 4), (5, 6, 4, 0), (0, 0, 3, 3)])
+def test_empty_shapes_give_zero_gradients(rng, src, Lq, Lk, d, dv):
+    q, k, v, do = gen(rng, src, (1, 2, Lq, d), (1, 2, Lk, d), (1, 2, Lk, dv), (1, 2, Lq, dv))
+    got, _ = run(q, k, v, do, is_causal=True)
+    for g, x in zip(got, (q, k, v)):
+        dtype_ok(g, x, src)
+        assert np.all(f64(g) == 0)
+
+
+ALLOC_FAIL_BWD16 = """
+import resource, numpy as np, attn_fast as af
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+one = np.float16(0.5)
+# d = 2^28: dq and dk take 1 GiB, dq's fp32 accumulator 1 GiB more; the kernel's per-thread
+# scratch (at least five d-sized fp32 rows of a key block) cannot fit in what is left.
+q = np.broadcast_to(one, (1, 1, 1, 2**28))
+v = np.ones((1, 1, 1, 4), np.float16)
+o, lse = np.zeros((1, 1, 1, 4), np.float16), np.zeros((1, 1, 1), np.float32)
+try:
+    af.scaled_dot_product_attention_backward(o, q, q, v, o, lse)
+    print("no error")
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+@pytest.mark.skipif(
+    "libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
+    reason="ASan reserves more address space than the limit",
+)
+def test_allocation_failure_is_memory_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", ALLOC_FAIL_BWD16], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["MemoryError"], r.stdout
