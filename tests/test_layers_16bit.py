@@ -261,3 +261,36 @@ def test_tiny_lm_logits_cache_and_generate(isa, rng, dt, positional):
     assert ((0 <= out) & (out < 40)).all()
     slow = lm.generate(t[:, :4], 5, use_cache=False)  # forward on the whole prefix each step
     np.testing.assert_array_equal(slow[:, 4], np.argmax(f64(lm(t[:, :4])[:, -1]), axis=-1))
+
+
+# ---------------------------------------------------------------- Linformer
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=ids)
+def test_linformer_attention_and_layer(isa, rng, dt):
+    from attn_fast import variants
+
+    q, k, v = (rng.standard_normal((2, 3, 20, 8)).astype(dt) for _ in range(3))
+    E = rng.standard_normal((6, 20)).astype(np.float32)
+    o = variants.linformer_attention(q, k, v, E)
+    assert o.dtype == dt and o.shape == (2, 3, 20, 8)
+    # the oracle: the projections in float64, rounded to the dtype as the layer does (one
+    # rounding each), then exact attention
+    Kp, Vp = (np.matmul(E.astype(np.float64), f64(x)).astype(np.float32).astype(dt) for x in (k, v))
+    want = af.reference.sdpa(f64(q), f64(Kp), f64(Vp))
+    close(o, want, dt, 2)
+
+    def make(dtype):
+        return variants.Linformer(16, 2, seq_len=24, k=5, dtype=dtype, seed=7)
+
+    layer = make(dt)
+    assert all(getattr(layer, n).dtype == dt for n in ("Wq", "Wk", "Wv", "Wo", "E", "F"))
+    twin = make(np.float64)
+    for n in ("Wq", "Wk", "Wv", "Wo", "E", "F"):
+        setattr(twin, n, f64(getattr(layer, n)))
+    X = rng.standard_normal((2, 19, 16)).astype(dt)
+    y = layer(X)
+    assert y.dtype == dt and y.shape == X.shape
+    close(y, twin(f64(X)), dt, 6)
+    with pytest.raises(TypeError, match="X has dtype float32 but the Linformer's weights"):
+        layer(X.astype(np.float32))
