@@ -218,3 +218,11 @@ def test_training_loop_in_bf16_decreases_the_loss():
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
     assert min(losses[-5:]) < min(losses[:5]), losses
+
+
+def test_torch_func_grad_bf16():
+    q, k, v = _qkv(13, 1, 2, 2, 6, 8, 4, 4, torch.bfloat16)
+    g = torch.func.grad(lambda q: aft.scaled_dot_product_attention(q, k, v).float().sum())(q)
+    want = torch.autograd.grad(aft.scaled_dot_product_attention(q, k, v).float().sum(), q)[0]
+    assert g.dtype == torch.bfloat16
+    torch.testing.assert_close(g, want, rtol=0, atol=0)
