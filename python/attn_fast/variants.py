@@ -90,6 +90,7 @@ def linformer_attention(
 
     q : (L, d), (H, L, d) or (B, H, L, d): float32, float64, float16 or
         bfloat16 (torch / ml_dtypes).
+
     k : (…, Lk, d), v : (…, Lk, dv), same leading dims and dtype as q.
 
     E, F : (kp, Lk) projection matrices (F=None shares E, Linformer's
