@@ -3,6 +3,7 @@
     python bench/bench_backward.py              # quick: 2 prefill shapes x causal, ~1 min
     python bench/bench_backward.py --full       # every prefill shape of the suite
     python bench/bench_backward.py --threads 2 --repeats 5 --no-memory
+    python bench/bench_backward.py --dtype bfloat16   # 16-bit rows (float16 too)
 
 For each prefill case of the benchmark suite (attn_fast.bench_suite,
 float32): first checks that both give the same gradients (relative error
@@ -18,6 +19,13 @@ training step (forward, loss, backward, AdamW step) of a small torch
 Transformer whose attention is torch's SDPA or attn_fast.torch's op.
 Each line carries the ISA, thread count and CPU; on a shared machine quote
 medians and the same-run ratio only.
+
+``--dtype bfloat16`` / ``float16``: for the same cases, the backward alone
+in that dtype, interleaved in one run: attn_fast 16-bit, attn_fast float32
+(the same values), torch 16-bit and torch float32 (autograd on a retained
+graph), with the 16-bit same-run ratios; and the accuracy of both 16-bit
+backwards: the RMS error of dq, dk, dv (worst of the three, relative to the
+gradient's RMS) against torch's float64 backward on the same rounded inputs.
 """
 
 from __future__ import annotations
@@ -190,6 +198,71 @@ def training_step_bench(threads, repeats, B=4, L=256, D=256, H=8, layers=4, voca
     return {n: statistics.median(t) for n, t in ts.items()}, losses
 
 
+def half_fns(case, threads, dtype):
+    """The backward alone in 16-bit and in float32, for attn_fast and torch, on the same
+    16-bit-rounded inputs (attn_fast reads the torch tensors zero-copy); and the worst
+    relative RMS error of (attn_fast, torch) 16-bit gradients against float64."""
+    import torch
+
+    torch.set_num_threads(threads)
+    af.set_num_threads(threads)
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    q, k, v = bs.make_inputs(case)  # float32, rounded below
+    do = np.random.default_rng(1).standard_normal(q.shape[:-1] + (v.shape[-1],), dtype=np.float32)
+    half = [torch.from_numpy(x).to(tdt) for x in (q, k, v, do)]
+    f32 = [x.float() for x in half]  # the same values in float32
+    fns, grads = {}, {}
+    for tag, (tq, tk, tv, tdo) in (("16", half), ("32", f32)):
+        o, lse = af.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal, return_lse=True)
+        fns[f"af{tag}"] = lambda tq=tq, tk=tk, tv=tv, tdo=tdo, o=o, lse=lse: (
+            af.scaled_dot_product_attention_backward(tdo, tq, tk, tv, o, lse, is_causal=case.causal)
+        )
+        lq, lk, lv = (x.clone().requires_grad_() for x in (tq, tk, tv))
+        to = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=case.causal)
+        fns[f"torch{tag}"] = lambda to=to, g=(lq, lk, lv), tdo=tdo: torch.autograd.grad(
+            to, g, tdo, retain_graph=True
+        )
+    l64 = [x.double().requires_grad_() for x in half[:3]]
+    o64 = torch.nn.functional.scaled_dot_product_attention(*l64, is_causal=case.causal)
+    want = torch.autograd.grad(o64, l64, half[3].double())
+
+    def err(gs):
+        return max(
+            float(((g.double() - w).square().mean() / w.square().mean()).sqrt())
+            for g, w in zip(gs, want)
+        )
+
+    grads = {"af": err(fns["af16"]()), "torch": err(fns["torch16"]())}
+    return fns, grads
+
+
+def half_main(a, cases):
+    peak, _ = bs.machine_limits(a.threads)
+    print(
+        f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | "
+        f"{af._config.cpu_model()} | backward in {a.dtype} vs float32 | medians of {a.repeats} "
+        "interleaved runs (shared machine: compare ratios) | FP32 FMA peak "
+        f"{peak:.0f} GFLOP/s"
+    )
+    print(
+        f"{'case':34s} {'rms err af':>10s} {'torch':>8s} {'x':>5s} | {'af16 ms':>8s} "
+        f"{'af32 ms':>8s} {'t16 ms':>8s} {'t32 ms':>8s} | {'af16 GF/s':>9s} {'af32/af16':>9s} "
+        f"{'t16/af16':>8s}"
+    )
+    for case in cases:
+        fns, e = half_fns(case, a.threads, a.dtype)
+        ts = bs.time_interleaved(fns, a.repeats, warmup=1, cooldown=False)
+        m = {n: statistics.median(t) for n, t in ts.items()}
+        gf = backward_flops(case) / m["af16"] / 1e9
+        print(
+            f"{case.name:34s} {e['af']:10.2e} {e['torch']:8.2e} {e['af'] / e['torch']:5.2f} | "
+            f"{m['af16'] * 1e3:8.1f} {m['af32'] * 1e3:8.1f} {m['torch16'] * 1e3:8.1f} "
+            f"{m['torch32'] * 1e3:8.1f} | {gf:9.1f} {m['af32'] / m['af16']:8.2f}x "
+            f"{m['torch16'] / m['af16']:7.2f}x"
+        )
+        sys.stdout.flush()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,11 +272,19 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-train", action="store_true")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="float32: the table above; 16-bit: the backward in that dtype vs float32",
+    )
     a = p.parse_args(argv)
     shapes = bs.PREFILL_SHAPES if a.full else bs.PREFILL_SHAPES[:2]
     cases = [
         bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)
     ]
+    if a.dtype != "float32":
+        return half_main(a, cases)
     peak, _ = bs.machine_limits(a.threads)
     print(
         f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | "

@@ -733,8 +733,7 @@ void decode_paged(py::array q, py::list k_chunks, py::list v_chunks, py::array o
 // their input (4-D strided).
 template <typename T>
 Strides4 grad_out(py::array& x, const py::array& like, const char* name) {
-  if (!py::isinstance<py::array_t<T>>(x))
-    throw py::type_error(std::string(name) + " must have q's dtype");
+  if (!has_dtype<T>(x)) throw py::type_error(std::string(name) + " must have q's dtype");
   if (!x.writeable()) throw py::value_error(std::string(name) + " is read-only");
   if (x.ndim() != 4 || like.ndim() != 4 || x.shape(0) != like.shape(0) ||
       x.shape(1) != like.shape(1) || x.shape(2) != like.shape(2) || x.shape(3) != like.shape(3))
@@ -755,7 +754,7 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
   AttnArgs<T>& a = g.f;
   bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
   bind_shapes(a, q, k, v, o);
-  if (!py::isinstance<py::array_t<T>>(dout)) throw py::type_error("dout must have q's dtype");
+  if (!has_dtype<T>(dout)) throw py::type_error("dout must have q's dtype");
   g.sdo = strides4(dout, "dout");
   if (dout.shape(0) != a.B || dout.shape(1) != a.Hq || dout.shape(2) != a.Lq ||
       dout.shape(3) != a.dv)
@@ -770,15 +769,17 @@ void backward_t(py::array dout, py::array q, py::array k, py::array v, py::array
   g.dv = static_cast<T*>(dv.mutable_data());
   bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask, bias,
                     alibi, softcap, sinks, block_q, block_k);
+  using C = compute_t<T>;  // lse, dsinks: fp32 for 16-bit storage
   const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
-  a.lse = const_cast<T*>(data_of<T>(lse, "lse", a.Hq * lse_rows));  // read only
+  a.lse = const_cast<C*>(data_of<C>(lse, "lse", a.Hq * lse_rows));  // read only
   if (!dsinks.is_none()) {
     auto ds = py::cast<py::array>(dsinks);
-    if (!py::isinstance<py::array_t<T>>(ds) || !(ds.flags() & py::array::c_style) ||
+    if (!py::isinstance<py::array_t<C>>(ds) || !(ds.flags() & py::array::c_style) ||
         !ds.writeable() || ds.size() != a.Hq)
       throw py::value_error(
-          "dsinks must be a writeable C-contiguous array of Hq elements of q's dtype");
-    g.dsinks = static_cast<T*>(ds.mutable_data());
+          "dsinks must be a writeable C-contiguous array of Hq elements of q's dtype (float32 "
+          "for float16 / bfloat16 q)");
+    g.dsinks = static_cast<C*>(ds.mutable_data());
   }
   if (a.sinks && !g.dsinks) throw py::value_error("sinks need a dsinks output");
   {
@@ -805,7 +806,17 @@ void backward(py::array dout, py::array q, py::array k, py::array v, py::array o
                               window_left, window_right, q_lens, kv_lens, cu_q, cu_k, layout,
                               layout_bq, layout_bk, mask, bias, alibi, softcap, sinks, block_q,
                               block_k);
-  throw py::type_error("q must be float32 or float64");
+  if (has_dtype<fp16_t>(q))
+    return backward_t<fp16_t>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left,
+                              window_left, window_right, q_lens, kv_lens, cu_q, cu_k, layout,
+                              layout_bq, layout_bk, mask, bias, alibi, softcap, sinks, block_q,
+                              block_k);
+  if (has_dtype<bf16_t>(q))
+    return backward_t<bf16_t>(dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, causal, top_left,
+                              window_left, window_right, q_lens, kv_lens, cu_q, cu_k, layout,
+                              layout_bq, layout_bk, mask, bias, alibi, softcap, sinks, block_q,
+                              block_k);
+  throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
 }  // namespace
@@ -913,7 +924,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
         py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
-        "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks).");
+        "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
+        "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
+        "lse, bias, alibi, sinks and dsinks are float32 for them.");
   // AMX (issue 19): the status line of show_config(), the self-check and one
   // tile product of the amx / amx_emu objects (tests).
   m.def("amx_status", &amx_status, "Why amx is or is not the default ISA here (one line).");

@@ -41,9 +41,9 @@ from attn_fast import reference as ref
             "scale must be finite",
         ),  # was a NaN output
         (
-            dict(d_model=8, num_heads=2, dtype=np.float16),
+            dict(d_model=8, num_heads=2, dtype=np.int32),  # float16 / bfloat16 are accepted
             TypeError,
-            "dtype must be float32 or float64",
+            "dtype must be float32, float64, float16 or bfloat16",
         ),
         (dict(d_model=8, num_heads=2, positional="alibi"), ValueError, "positional must be"),
         (

@@ -30,7 +30,7 @@ import attn_fast as af
         (dict(eps=-1e-5), ValueError, "eps must be >= 0"),
         (dict(norm="batchnorm"), ValueError, "norm must be one of"),
         (dict(ffn="relu"), ValueError, "ffn must be one of"),
-        (dict(dtype=np.int32), TypeError, "dtype must be float32 or float64"),
+        (dict(dtype=np.int32), TypeError, "dtype must be float32, float64, float16 or bfloat16"),
         (dict(num_kv_heads=3), ValueError, "multiple of num_kv_heads"),
     ],
 )
@@ -77,7 +77,7 @@ def test_block_load_weights_is_all_or_nothing():
         (dict(num_heads=True), TypeError, "num_heads must be an int"),
         (dict(positional="alibi"), ValueError, "positional must be"),
         (dict(head_dim=4.0), TypeError, "head_dim must be an int"),
-        (dict(dtype=np.float16), TypeError, "dtype must be float32 or float64"),
+        (dict(dtype=np.complex64), TypeError, "dtype must be float32, float64, float16 or bf"),
     ],
 )
 def test_lm_constructor_errors(kw, exc, match):

@@ -132,7 +132,7 @@ def test_variants_errors(rng, call, exc, match):
         (dict(seq_len=0), ValueError, "seq_len must be >= 1"),
         (dict(k=2.5), TypeError, "k must be an int"),
         (dict(n_heads=3), ValueError, "multiple of n_heads"),
-        (dict(dtype=np.float16), TypeError, "dtype must be float32 or float64"),
+        (dict(dtype=np.int16), TypeError, "dtype must be float32, float64, float16 or bf"),
     ],
 )
 def test_linformer_constructor_errors(kw, exc, match):

@@ -38,13 +38,24 @@
 //   Vec<T> rows: MR x NR vectors as in the forward.
 //
 // Memory: scratch per thread is O(Br * Bc + (Br + Bc) * (d + dv)); D is
-//   B * Hq * Lq elements; split buffers at most (kMaxSplit - 1) * |dq|.
+//   B * Hq * Lq elements; split buffers at most (kMaxSplit - 1) * |dq|
+//   (16-bit storage: nsplit fp32 buffers of |dq| elements, at most kMaxSplit).
 //   Allocation failure throws std::bad_alloc (MemoryError in Python).
 //
 // Numerics: rows with lse = -inf (no visible key, padding) get P = 0, so
 //   their dQ is 0 and they add nothing to dK/dV; masked pairs get P = dS = 0.
 //   Key blocks whose K or V holds a non-finite value use products that skip
 //   zero weights, so a NaN in a masked K/V row never reaches a gradient.
+//
+// Storage types: q, k, v, o, dO, dq, dk, dv are float, double, bf16_t or
+//   fp16_t (the template parameter S); the kernel computes in compute_t<S>
+//   (fp32 for the 16-bit types; lse, bias, alibi, sinks and dsinks are fp32
+//   there). 16-bit values are widened where they are packed (Q, dO, K, V and
+//   O in pass 1); everything between is the fp32 kernel. dK/dV stay in their
+//   fp32 accumulators over all query blocks and are rounded once when the key
+//   block is written; dQ of 16-bit storage is accumulated in fp32 buffers (one
+//   per key chunk, |dq| * 4 bytes each) and rounded once in pass 3. The
+//   avx512_bf16 ISA runs the avx512 object here (no vdpbf16ps backward).
 
 #include <cmath>
 #include <cstdint>
@@ -72,6 +83,7 @@ namespace ATTN_NS {
 
 namespace {
 
+#include "storage.h"  // Storage<S>, ld / put
 #include "toolkit.h"  // ThreadArena
 
 constexpr int kBMR = IsaTraits::kMR, kBNR = IsaTraits::kNR;  // the micro-tile (vec_*.h)
@@ -181,11 +193,15 @@ struct BScratch {
   }
 };
 
-// The call's arguments plus the kernel's own buffers.
-template <typename T>
-struct BwdRun : BwdArgs<T> {
-  T* Dbuf = nullptr;       // D, laid out as lse
-  T* split_buf = nullptr;  // (nsplit - 1) dQ partials, each laid out as lse x d
+// The call's arguments plus the kernel's own buffers (in the compute type).
+template <typename S>
+struct BwdRun : BwdArgs<S> {
+  using T = compute_t<S>;
+  T* Dbuf = nullptr;  // D, laid out as lse
+  // dQ partials, each laid out as lse x d: one per key chunk c > 0 for the
+  // native types (chunk 0 adds into dq itself), one per chunk for 16-bit
+  // storage (dq is written once, rounded, after the chunks are summed in fp32).
+  T* split_buf = nullptr;
   int64_t split_stride = 0;
 };
 
@@ -207,26 +223,27 @@ inline bool user_visible(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int
 }
 
 // One (query head h, query block at local row i0) x (key block at j0) tile.
-template <typename T>
-void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
-              int64_t j0, int64_t cols, int64_t Br, int64_t Bcp, bool nonfinite, BScratch<T>& sc,
-              T* dq_target, const int64_t* dq_str) {
+template <typename S>
+void bwd_tile(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
+              int64_t j0, int64_t cols, int64_t Br, int64_t Bcp, bool nonfinite,
+              BScratch<compute_t<S>>& sc, compute_t<S>* dq_target, const int64_t* dq_str) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
-  const AttnArgs<T>& a = g.f;
+  const AttnArgs<S>& a = g.f;
   const int64_t d = a.d, dv = a.dv, dp = round_up(d, W), dvp = round_up(dv, W);
   const T scale = static_cast<T>(a.scale);
 
   // Pack Q (scaled), dO, lse and D of the rows.
-  const T* qb = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i0) * a.sq.l;
-  const T* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + (si.q0 + i0) * g.sdo.l;
+  const S* qb = a.q + si.b * a.sq.b + h * a.sq.h + (si.q0 + i0) * a.sq.l;
+  const S* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + (si.q0 + i0) * g.sdo.l;
   const int64_t lrow = lse_row(a, si, h) + i0;
   for (int64_t r = 0; r < rows; ++r) {
     T* qd = sc.Qs + r * dp;
-    for (int64_t e = 0; e < d; ++e) qd[e] = qb[r * a.sq.l + e * a.sq.d] * scale;
+    for (int64_t e = 0; e < d; ++e) qd[e] = ld(qb + r * a.sq.l + e * a.sq.d) * scale;
     for (int64_t e = d; e < dp; ++e) qd[e] = T(0);
     T* od = sc.dOb + r * dvp;
-    for (int64_t e = 0; e < dv; ++e) od[e] = dob[r * g.sdo.l + e * g.sdo.d];
+    for (int64_t e = 0; e < dv; ++e) od[e] = ld(dob + r * g.sdo.l + e * g.sdo.d);
     for (int64_t e = dv; e < dvp; ++e) od[e] = T(0);
     sc.lse[r] = a.lse[lrow + r];
     sc.D[r] = g.Dbuf[lrow + r];
@@ -309,29 +326,36 @@ void bwd_tile(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
   }
 }
 
-// Where key chunk `chunk` of sequence si adds the dQ of head h: dq itself for
-// chunk 0 (strided like the caller's array), else that chunk's contiguous
-// buffer, added in chunk order after the items. str: (row, element) strides.
-template <typename T>
-T* dq_target(const BwdRun<T>& g, const SeqInfo& si, int64_t h, int64_t chunk, int64_t str[2]) {
-  if (chunk == 0) {
-    str[0] = g.sdq.l;
-    str[1] = g.sdq.d;
-    return g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+// Where key chunk `chunk` of sequence si adds the dQ of head h: for the
+// native types dq itself for chunk 0 (strided like the caller's array), else
+// that chunk's contiguous buffer, added in chunk order after the items; for
+// 16-bit storage every chunk's buffer (fp32), summed and rounded into dq after
+// the items. str: (row, element) strides.
+template <typename S>
+compute_t<S>* dq_target(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t chunk,
+                        int64_t str[2]) {
+  if constexpr (Storage<S>::kNative) {
+    if (chunk == 0) {
+      str[0] = g.sdq.l;
+      str[1] = g.sdq.d;
+      return g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+    }
   }
+  const int64_t buf = Storage<S>::kNative ? chunk - 1 : chunk;
   str[0] = g.f.d;
   str[1] = 1;
-  return g.split_buf + (chunk - 1) * g.split_stride + lse_row(g.f, si, h) * g.f.d;
+  return g.split_buf + buf * g.split_stride + lse_row(g.f, si, h) * g.f.d;
 }
 
 // One work item: sequence s, kv head hk, key blocks [kb0, kb1); dQ of its G
 // heads goes to dq (chunk 0) or to the chunk's buffer.
-template <typename T>
-void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t nsplit, int64_t Br,
-              int64_t Bc, BScratch<T>& sc, CancelToken& tok) {
+template <typename S>
+void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t nsplit, int64_t Br,
+              int64_t Bc, BScratch<compute_t<S>>& sc, CancelToken& tok) {
+  using T = compute_t<S>;
   using V = Vec<T>;
   constexpr int W = V::W;
-  const AttnArgs<T>& a = g.f;
+  const AttnArgs<S>& a = g.f;
   const SeqInfo si = seq_info(a, s);
   const int64_t d = a.d, dv = a.dv, dp = round_up(d, W), dvp = round_up(dv, W);
   const int64_t G = a.Hq / a.Hkv;
@@ -349,10 +373,10 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
   // Keys past the sequence's length (padding) get zero gradients.
   if (chunk == 0 && !a.cu_q)
     for (int64_t j = si.k_len; j < a.Lk; ++j) {
-      T* dkr = g.dk + si.b * g.sdk.b + hk * g.sdk.h + j * g.sdk.l;
-      T* dvr = g.dv + si.b * g.sdv.b + hk * g.sdv.h + j * g.sdv.l;
-      for (int64_t e = 0; e < d; ++e) dkr[e * g.sdk.d] = T(0);
-      for (int64_t e = 0; e < dv; ++e) dvr[e * g.sdv.d] = T(0);
+      S* dkr = g.dk + si.b * g.sdk.b + hk * g.sdk.h + j * g.sdk.l;
+      S* dvr = g.dv + si.b * g.sdv.b + hk * g.sdv.h + j * g.sdv.l;
+      for (int64_t e = 0; e < d; ++e) put(dkr + e * g.sdk.d, T(0));
+      for (int64_t e = 0; e < dv; ++e) put(dvr + e * g.sdv.d, T(0));
     }
   // Structural key range of each query block.
   for (int64_t qb = 0; qb < nqb; ++qb) {
@@ -374,19 +398,19 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
     if (tok.poll()) return;  // Ctrl-C: the call raises; the gradients are not a result
     const int64_t j0 = kb * Bc, cols = imin(Bc, si.k_len - j0), Bcp = round_up(cols, W);
     // Pack K (rows and transposed) and V^T; zero the accumulators.
-    const T* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
-    const T* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
+    const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
+    const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
     T bad = T(0);
     for (int64_t c = 0; c < Bcp; ++c) {
       T* kr = sc.Kb + c * dp;
       for (int64_t e = 0; e < dp; ++e) {
-        const T x = (c < cols && e < d) ? kbase[c * a.sk.l + e * a.sk.d] : T(0);
+        const T x = (c < cols && e < d) ? ld(kbase + c * a.sk.l + e * a.sk.d) : T(0);
         kr[e] = x;
         sc.KT[e * Bcp + c] = x;
         bad += x * T(0);
       }
       for (int64_t e = 0; e < dv; ++e) {
-        const T x = c < cols ? vbase[c * a.sv.l + e * a.sv.d] : T(0);
+        const T x = c < cols ? ld(vbase + c * a.sv.l + e * a.sv.d) : T(0);
         sc.VT[e * Bcp + c] = x;
         bad += x * T(0);
       }
@@ -412,23 +436,25 @@ void bwd_item(const BwdRun<T>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
           }
           if (!any) continue;
         }
-        bwd_tile<T>(g, si, h, i0, rows, j0, cols, Br, Bcp, nonfinite, sc, target, str);
+        bwd_tile<S>(g, si, h, i0, rows, j0, cols, Br, Bcp, nonfinite, sc, target, str);
       }
     }
-    // Write dK, dV of the block.
-    T* dkb = g.dk + si.b * g.sdk.b + hk * g.sdk.h + (si.k0 + j0) * g.sdk.l;
-    T* dvb = g.dv + si.b * g.sdv.b + hk * g.sdv.h + (si.k0 + j0) * g.sdv.l;
+    // Write dK, dV of the block (16-bit storage: rounded once, here).
+    S* dkb = g.dk + si.b * g.sdk.b + hk * g.sdk.h + (si.k0 + j0) * g.sdk.l;
+    S* dvb = g.dv + si.b * g.sdv.b + hk * g.sdv.h + (si.k0 + j0) * g.sdv.l;
     for (int64_t c = 0; c < cols; ++c) {
-      for (int64_t e = 0; e < d; ++e) dkb[c * g.sdk.l + e * g.sdk.d] = sc.dKa[c * dp + e];
-      for (int64_t e = 0; e < dv; ++e) dvb[c * g.sdv.l + e * g.sdv.d] = sc.dVa[c * dvp + e];
+      for (int64_t e = 0; e < d; ++e) put(dkb + c * g.sdk.l + e * g.sdk.d, sc.dKa[c * dp + e]);
+      for (int64_t e = 0; e < dv; ++e) put(dvb + c * g.sdv.l + e * g.sdv.d, sc.dVa[c * dvp + e]);
     }
   }
 }
 
-template <typename T>
-void backward_impl(const BwdArgs<T>& g0) {
+template <typename S>
+void backward_impl(const BwdArgs<S>& g0) {
+  using T = compute_t<S>;
+  constexpr bool kNative = Storage<S>::kNative;
   constexpr int W = Vec<T>::W;
-  const AttnArgs<T>& a = g0.f;
+  const AttnArgs<S>& a = g0.f;
   if (a.B <= 0 || a.Hq <= 0 || a.Hkv <= 0) return;
   const int64_t Bc =
       imin(round_up(a.block_k > 0 ? a.block_k : 128, W), round_up(imin(imax(a.Lk, 1), 4096), W));
@@ -443,12 +469,13 @@ void backward_impl(const BwdArgs<T>& g0) {
   nsplit = imax(nsplit, 1);
   const int64_t rows_total = a.cu_q ? a.Lq : a.B * a.Lq;  // rows per head in lse's layout
 
-  BwdRun<T> g;
-  static_cast<BwdArgs<T>&>(g) = g0;
+  BwdRun<S> g;
+  static_cast<BwdArgs<S>&>(g) = g0;
   const int64_t nD = a.Hq * rows_total;
+  const int64_t nbuf = kNative ? nsplit - 1 : nsplit;  // dQ partials (see BwdRun)
   T* Dbuf = alloc_scratch<T>(nD);
-  T* split_buf = nsplit > 1 ? alloc_scratch<T>((nsplit - 1) * nD * d) : nullptr;
-  if (!Dbuf || (nsplit > 1 && !split_buf)) {
+  T* split_buf = nbuf > 0 ? alloc_scratch<T>(nbuf * nD * d) : nullptr;
+  if (!Dbuf || (nbuf > 0 && !split_buf)) {
     std::free(Dbuf);
     std::free(split_buf);
     throw std::bad_alloc();
@@ -469,13 +496,13 @@ void backward_impl(const BwdArgs<T>& g0) {
     const int64_t s = w / a.Hq, h = w % a.Hq;
     const SeqInfo si = seq_info(a, s);
     const int64_t lr = lse_row(a, si, h);
-    const T* ob = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
-    const T* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
+    const S* ob = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+    const S* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
     for (int64_t i = 0; i < si.q_rows; ++i) {
       T acc = T(0);
       if (i < si.q_len && a.lse[lr + i] != NEG_INF<T>)
         for (int64_t e = 0; e < dv; ++e)
-          acc += dob[i * g.sdo.l + e * g.sdo.d] * ob[i * a.so.l + e * a.so.d];
+          acc += ld(dob + i * g.sdo.l + e * g.sdo.d) * ld(ob + i * a.so.l + e * a.so.d);
       Dbuf[lr + i] = acc;
     }
   }
@@ -513,7 +540,7 @@ void backward_impl(const BwdArgs<T>& g0) {
     for (int64_t w = 0; w < n_items; ++w) {
       if (!ok || tok.poll()) continue;
       const int64_t chunk = w % nsplit, pair = w / nsplit;
-      bwd_item<T>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc, tok);
+      bwd_item<S>(g, pair / a.Hkv, pair % a.Hkv, chunk, nsplit, Br, Bc, sc, tok);
     }
     tok.finish_share();  // the calling thread keeps polling until the team is done
   }
@@ -523,17 +550,36 @@ void backward_impl(const BwdArgs<T>& g0) {
     throw std::bad_alloc();
   }
 
-  // Pass 3: add the chunks' dQ buffers, in chunk order.
-  if (nsplit > 1 && !tok.cancelled()) {
+  // Pass 3: add the chunks' dQ buffers, in chunk order (16-bit storage: sum
+  // the fp32 buffers in the same order, then round into dq once).
+  if (!tok.cancelled()) {
+    if constexpr (kNative) {
+      if (nsplit > 1) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_sh; ++w) {
-      const int64_t s = w / a.Hq, h = w % a.Hq;
-      const SeqInfo si = seq_info(a, s);
-      T* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
-      for (int64_t c = 1; c < nsplit; ++c) {
-        const T* src = split_buf + (c - 1) * g.split_stride + lse_row(a, si, h) * d;
+        for (int64_t w = 0; w < n_sh; ++w) {
+          const int64_t s = w / a.Hq, h = w % a.Hq;
+          const SeqInfo si = seq_info(a, s);
+          T* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+          for (int64_t c = 1; c < nsplit; ++c) {
+            const T* src = split_buf + (c - 1) * g.split_stride + lse_row(a, si, h) * d;
+            for (int64_t i = 0; i < si.q_rows; ++i)
+              for (int64_t e = 0; e < d; ++e) t[i * g.sdq.l + e * g.sdq.d] += src[i * d + e];
+          }
+        }
+      }
+    } else {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+      for (int64_t w = 0; w < n_sh; ++w) {
+        const int64_t s = w / a.Hq, h = w % a.Hq;
+        const SeqInfo si = seq_info(a, s);
+        S* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+        const T* src = split_buf + lse_row(a, si, h) * d;
         for (int64_t i = 0; i < si.q_rows; ++i)
-          for (int64_t e = 0; e < d; ++e) t[i * g.sdq.l + e * g.sdq.d] += src[i * d + e];
+          for (int64_t e = 0; e < d; ++e) {
+            T acc = src[i * d + e];
+            for (int64_t c = 1; c < nsplit; ++c) acc += src[c * g.split_stride + i * d + e];
+            put(t + i * g.sdq.l + e * g.sdq.d, acc);
+          }
       }
     }
   }

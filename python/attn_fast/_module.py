@@ -29,8 +29,17 @@ def as_rng(rng: Any) -> np.random.Generator:
 
 
 def _checked_weight(dst: np.ndarray, src: Any, name: str) -> np.ndarray:
-    """`src` as an array fit for parameter `dst` (shape, real dtype, finite), or a clear error."""
+    """`src` as an array fit for parameter `dst` (shape, real dtype, finite), or a clear error.
+    16-bit sources (float16, ``ml_dtypes.bfloat16``, torch.bfloat16 / float16 tensors) are
+    read as their float32 values; copying into a 16-bit parameter rounds to nearest even."""
+    if type(src).__module__.startswith("torch") and str(getattr(src, "dtype", "")) in (
+        "torch.bfloat16",
+        "torch.float16",
+    ):
+        src = src.detach().float().cpu().numpy()  # NumPy cannot read torch.bfloat16
     a = np.asarray(src)
+    if a.dtype.name == "bfloat16":  # ml_dtypes (dtype kind "V"): its exact float32 values
+        a = a.astype(np.float32)
     if a.dtype.kind not in "fiu":
         raise TypeError(f"weight {name} must be a real numeric array, got dtype {a.dtype}")
     if a.shape != dst.shape:

@@ -10,6 +10,13 @@ Every mask and score option of the forward is accepted with the same meaning
 attention passes the *global* out and lse with one block of the keys, and the
 result is then that key block's contribution (dq to be summed over blocks;
 dk, dv of the block's keys).
+
+Dtypes: float32 and float64, and the 16-bit float16 and bfloat16 (NumPy
+float16, torch.float16 / torch.bfloat16 tensors, ``ml_dtypes.bfloat16``
+arrays) as in the forward. For 16-bit q, k, v, dout and out (one dtype) the
+kernel computes in float32 (the fp32 backward on widened values) and rounds
+dq, dk, dv to the input dtype once at the end; lse is float32 (what the
+forward's ``return_lse`` gives), and so are dsinks, ALiBi slopes and sinks.
 """
 
 from __future__ import annotations
@@ -21,17 +28,21 @@ from numpy.typing import ArrayLike
 
 from . import _dispatch, masks
 from ._checks import (
+    HALF_DTYPES,
     as_float_array,
     check_bool,
     check_qkv,
     check_same_dtype,
     check_scale,
+    compute_dtype,
+    dtype_name,
     shape_str,
     to4,
     to_input_kind,
 )
 from .functional import (
     _block_size,
+    _half_mask,
     _mask_args,
     _score_args,
     check_varlen,
@@ -42,12 +53,13 @@ __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
 
 
 class _Grads:
-    """dq, dk, dv (and dsinks when there are sinks): new arrays of q's dtype,
-    written by the kernel (``run``) or zero when there is nothing to compute."""
+    """dq, dk, dv (new arrays of q's dtype) and dsinks when there are sinks (q's
+    compute dtype: float32 for 16-bit q), written by the kernel (``run``) or
+    zero when there is nothing to compute."""
 
     def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, Hq: int, sinks: Any) -> None:
         self.arrays = [np.empty(x.shape, q.dtype) for x in (q, k, v)]
-        self.arrays += [np.empty(Hq, q.dtype)] if sinks is not None else []
+        self.arrays += [np.empty(Hq, compute_dtype(q.dtype))] if sinks is not None else []
         self.ran = False
 
     def run(self, view: Callable, dout, q, k, v, out, lse, **kw: Any) -> None:
@@ -68,10 +80,19 @@ class _Grads:
 
 
 def _check_grad_inputs(dout, out, lse, q, out_shape, lse_shape):
-    dout = as_float_array(dout, "dout")
-    out = as_float_array(out, "out")
-    lse = as_float_array(lse, "lse")
-    check_same_dtype(q=q, dout=dout, out=out, lse=lse)
+    half = q.dtype in HALF_DTYPES
+    dout = as_float_array(dout, "dout", half=half)
+    out = as_float_array(out, "out", half=half)
+    lse = as_float_array(lse, "lse", half=True)  # its dtype is checked here, with a hint
+    if half:  # lse is float32 for 16-bit inputs, as the forward returns it
+        check_same_dtype(q=q, dout=dout, out=out)
+        if lse.dtype != compute_dtype(q.dtype):
+            raise TypeError(
+                f"lse must be float32 for {dtype_name(q.dtype)} q (what return_lse=True gives), "
+                f"got {dtype_name(lse.dtype)}; pass the forward's lse or lse.astype(np.float32)"
+            )
+    else:
+        check_same_dtype(q=q, dout=dout, out=out, lse=lse)
     if out.shape != out_shape:
         raise ValueError(
             f"out has shape {shape_str(out)}, expected {shape_str(np.empty(out_shape, np.int8))} "
@@ -114,12 +135,14 @@ def scaled_dot_product_attention_backward(
     ----------
     dout : (…, Lq, dv), the gradient of the loss with respect to the output.
     q, k, v : as in ``scaled_dot_product_attention`` ((L, d), (H, L, d) or
-        (B, H, L, d), one float dtype, any strides, GQA with enable_gqa).
+        (B, H, L, d), one dtype: float32, float64, float16 or bfloat16; any
+        strides, GQA with enable_gqa). dout has that dtype too.
 
     out : (…, Lq, dv) and lse : q.shape[:-1], what
         ``scaled_dot_product_attention(..., return_lse=True)`` returned for
         the same arguments, or a global out / lse (ring attention, see the
-        module docstring). Same dtype as q.
+        module docstring). out has q's dtype; lse q's compute dtype (float32
+        for float16 / bfloat16 q, else q's dtype).
 
     attn_mask, is_causal (bottom-right), scale, enable_gqa, window_size
         Exactly as in the forward call.
@@ -129,10 +152,12 @@ def scaled_dot_product_attention_backward(
     Returns
     -------
     (dq, dk, dv) with the shapes of q, k, v (new C-contiguous arrays of q's
-    dtype; torch tensors if q is one), plus dsinks of shape (H,) when sinks
-    are given: (dq, dk, dv, dsinks). GQA: dk, dv are summed over each group
-    of query heads. Rows that see no key contribute nothing (their dq is 0);
-    keys no query sees get dk = dv = 0.
+    dtype; torch tensors if q is one, ``ml_dtypes.bfloat16`` arrays for
+    bfloat16 NumPy input), plus dsinks of shape (H,) when sinks are given:
+    (dq, dk, dv, dsinks), dsinks in q's compute dtype (float32 for 16-bit q).
+    16-bit gradients are computed in float32 and rounded once. GQA: dk, dv
+    are summed over each group of query heads. Rows that see no key
+    contribute nothing (their dq is 0); keys no query sees get dk = dv = 0.
     """
     if v is None:
         raise TypeError("v must be an array, got None")
@@ -141,12 +166,15 @@ def scaled_dot_product_attention_backward(
     q, _, _, q4, k4, v4, (B, Hq, _, Lq, Lk, d, dv_) = check_qkv(
         q, k, v, half=True, enable_gqa=enable_gqa
     )
-    k, v = as_float_array(k, "k"), as_float_array(v, "v")
+    k, v = as_float_array(k, "k", half=True), as_float_array(v, "v", half=True)
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
-    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, q.dtype)
-    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
+    cdt = compute_dtype(q.dtype)  # biases, slopes, sinks: float32 for 16-bit q
+    if q.dtype in HALF_DTYPES:
+        attn_mask = _half_mask(attn_mask)
+    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    score = _score_args(Hq, cdt, softcap, alibi_slopes, sinks)
     kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
     grads = _Grads(q, k, v, Hq, sinks)
     if B * Hq:
@@ -178,24 +206,26 @@ def varlen_attention_backward(
     """Gradients of ``varlen_attention`` (packed variable-length sequences).
 
     dout, out : (total_q, H, dv); q : (total_q, H, d); k : (total_k, H_kv, d);
-    v : (total_k, H_kv, dv); lse : (H, total_q), as ``varlen_attention(...,
-    return_lse=True)`` returned it. cu_seqlens_q / cu_seqlens_k and every
-    option mean what they mean in ``varlen_attention``.
+    v : (total_k, H_kv, dv); one dtype (float32, float64, float16 or
+    bfloat16); lse : (H, total_q) in q's compute dtype (float32 for 16-bit
+    q), as ``varlen_attention(..., return_lse=True)`` returned it.
+    cu_seqlens_q / cu_seqlens_k and every option mean what they mean in
+    ``varlen_attention``.
 
-    Returns (dq, dk, dv) shaped like q, k, v, plus dsinks (H,) when sinks are
-    given; torch tensors if q is one.
+    Returns (dq, dk, dv) shaped like q, k, v in q's dtype, plus dsinks (H,)
+    in the compute dtype when sinks are given; torch tensors if q is one.
     """
     like = q
     causal = check_bool(causal, "causal")
     q, k, v, cu_q, cu_k = check_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, half=True
     )
     (Tq, Hq, d), dv_ = q.shape, v.shape[2]
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
     block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
     mask = varlen_args(causal, window_size)
-    score = _score_args(Hq, q.dtype, softcap, alibi_slopes, sinks)
+    score = _score_args(Hq, compute_dtype(q.dtype), softcap, alibi_slopes, sinks)
     kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
     grads = _Grads(q, k, v, Hq, sinks)
     if cu_q.size > 1 and Hq:

@@ -26,6 +26,12 @@ views into it.
 
 Shape legend: B batch, L query length, Lk key length, D model dim, H query
 heads, H_kv key/value heads (H % H_kv == 0), d_h head dim.
+
+16-bit layers (``dtype=np.float16`` or ``"bfloat16"``, see ``_lowp``): the
+weights are stored in that dtype and inputs must have it; each projection is a
+float32 product of the upcast operands rounded once to the dtype (RoPE is
+applied in float32 before that rounding), attention runs in the 16-bit kernel
+(fp32 softmax and accumulation) and the output has the input's dtype and kind.
 """
 
 from __future__ import annotations
@@ -38,13 +44,13 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import (
-    as_float_array,
-    check_float_dtype,
     check_int,
     check_scale,
+    dtype_name,
     shape_str,
     to_input_kind,
 )
+from ._lowp import as_layer_input, is_half, layer_dtype, linear
 from ._module import Module, as_rng
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
@@ -73,7 +79,10 @@ class MultiHeadAttention(Module):
     weights : optional dict of arrays, as ``load_weights`` takes.
     rng : seed or ``numpy.random.Generator`` for the initial weights
         (normal with std 1/sqrt(fan_in); biases zero).
-    dtype : float32 (default) or float64; inputs must have this dtype.
+    dtype : the weights' dtype, and the dtype inputs must have: float32
+        (default), float64, float16 or bfloat16 ("bfloat16" or
+        ``ml_dtypes.bfloat16``; needs ml_dtypes). 16-bit layers compute each
+        product in float32 and round its result (module docstring).
     """
 
     def __init__(
@@ -101,7 +110,8 @@ class MultiHeadAttention(Module):
             head_dim = D // H
         dh = check_int(head_dim, "head_dim", 1)
         Dkv = D if kv_dim is None else check_int(kv_dim, "kv_dim", 1)
-        self.dtype = check_float_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
+        self._half = is_half(self.dtype)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dim = (
             D,
             H,
@@ -109,7 +119,7 @@ class MultiHeadAttention(Module):
             dh,
             Dkv,
         )
-        self.scale = check_scale(scale, dh, self.dtype)
+        self.scale = check_scale(scale, dh, np.float32 if self._half else self.dtype)
         if positional is None:
             self.rope = None
         elif isinstance(positional, str):
@@ -181,16 +191,13 @@ class MultiHeadAttention(Module):
         return (
             f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}, "
-            f"rope={self.rope!r}, dtype={self.dtype})"
+            f"rope={self.rope!r}, dtype={dtype_name(self.dtype)})"
         )
 
     # -- forward ------------------------------------------------------------
     def _check_input(self, x: ArrayLike, name: str, dim: int) -> np.ndarray:
-        x = as_float_array(x, name)  # big-endian / misaligned data: copied once
-        if x.dtype != self.dtype:
-            raise TypeError(
-                f"{name} has dtype {x.dtype} but the attention's weights are {self.dtype}"
-            )
+        # big-endian / misaligned data: copied once; bfloat16 as an ml_dtypes view
+        x = as_layer_input(x, name, self.dtype, "the attention's weights")
         if x.ndim not in (2, 3) or x.shape[-1] != dim:
             raise ValueError(
                 f"{name} must be (L, {dim}) or (B, L, {dim}), got shape {shape_str(x)}"
@@ -205,9 +212,9 @@ class MultiHeadAttention(Module):
                 "cache must be a KVCache (one per layer; index a LayerCaches), got "
                 f"{type(cache).__name__}"
             )
-        want = (B, self.num_kv_heads, self.head_dim, self.head_dim, self.dtype)
+        want = (B, self.num_kv_heads, self.head_dim, self.head_dim, dtype_name(self.dtype))
         io = getattr(cache, "io_dtype", cache.dtype)  # an int8 cache takes float32 (issue #20)
-        got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, io)
+        got = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.v_head_dim, dtype_name(io))
         if got != want:
             raise ValueError(
                 "cache has (batch, num_kv_heads, head_dim, v_head_dim, dtype) = "
@@ -231,7 +238,7 @@ class MultiHeadAttention(Module):
     ) -> Any:
         """Attention of x over itself (or over ``context``), then Wo.
 
-        x : (L, D) or (B, L, D) in the module's dtype.
+        x : (L, D) or (B, L, D) in the module's dtype (NumPy, ml_dtypes or torch).
         context : None (self-attention) or (Lk, D_kv) / (B, Lk, D_kv):
             cross-attention, Q from x and K, V from context (Lk may differ from L).
         mask : what ``scaled_dot_product_attention``'s attn_mask takes
@@ -249,7 +256,8 @@ class MultiHeadAttention(Module):
             x's tokens (left-padded batches, custom offsets); default
             ``arange(L)``, or ``cache.positions + arange(L)`` with a cache.
 
-        Returns (L, D) or (B, L, D), a new array.
+        Returns (L, D) or (B, L, D), a new array of x's dtype (a torch tensor for
+        torch input).
         """
         like = x
         x = self._check_input(x, "x", self.d_model)
@@ -272,15 +280,14 @@ class MultiHeadAttention(Module):
                     f"this attention was built for cross-attention with kv_dim={self.kv_dim} != "
                     f"d_model={self.d_model}; pass context="
                 )
-            qkv = x3 @ self._w_qkv.T  # (B, L, (H + 2 H_kv) d_h), one product
-            if self.bias:
-                qkv += self._b_qkv
+            # (B, L, (H + 2 H_kv) d_h), one product; 16-bit: float32 until after RoPE
+            qkv = linear(x3, self._w_qkv, self._b_qkv if self.bias else None, fp32=True)
             q = self._heads(qkv[..., :nq], H)  # (B, L, H, d_h) views
             k = self._heads(qkv[..., nq : nq + nkv], Hkv)
             v = self._heads(qkv[..., nq + nkv :], Hkv)
             if self.rope is not None:
                 offset = 0 if cache is None else np.asarray(cache.positions)
-                if isinstance(cache, KVCache) and positions is None:
+                if isinstance(cache, KVCache) and positions is None and not self._half:
                     # keys are rotated by the cache write itself (one pass, at cache.positions)
                     self.rope(q, offset=offset, seq_axis=1, inplace=True)
                     rope_on_append = self.rope
@@ -290,6 +297,11 @@ class MultiHeadAttention(Module):
                     )
             elif positions is not None:
                 raise ValueError("positions= is only meaningful with positional RoPE")
+            if self._half:  # the projection's one rounding, after RoPE
+                qkv = qkv.astype(self.dtype)
+                q = self._heads(qkv[..., :nq], H)
+                k = self._heads(qkv[..., nq : nq + nkv], Hkv)
+                v = self._heads(qkv[..., nq + nkv :], Hkv)
         else:
             if positions is not None:
                 raise ValueError("positions= is not used by cross-attention (no RoPE there)")
@@ -300,15 +312,11 @@ class MultiHeadAttention(Module):
                     f"context has shape {shape_str(c)} but x has shape {shape_str(x)}: batch "
                     "sizes differ"
                 )
-            q = x3 @ self._w_q.T
-            if self.bias:
-                q += self._b_q
-            q = self._heads(q, H)
+            q = self._heads(linear(x3, self._w_q, self._b_q if self.bias else None), H)
             k = v = None
             if cache is None or len(cache) == 0:
-                kv = c3 @ self._w_kv.T  # (B, Lk, 2 H_kv d_h)
-                if self.bias:
-                    kv += self._b_kv
+                # (B, Lk, 2 H_kv d_h)
+                kv = linear(c3, self._w_kv, self._b_kv if self.bias else None)
                 k, v = self._heads(kv[..., :nkv], Hkv), self._heads(kv[..., nkv:], Hkv)
             elif np.any(np.asarray(cache.lengths) != c3.shape[1]):
                 raise ValueError(
@@ -343,7 +351,5 @@ class MultiHeadAttention(Module):
                 out=buf.transpose(0, 2, 1, 3),
             )
             merged = buf.reshape(B, L, nq)  # heads concatenated: no copy
-        y = merged @ self._w_o.T
-        if self.bias:
-            y += self._b_o
+        y = linear(merged, self._w_o, self._b_o if self.bias else None)
         return to_input_kind(y[0] if squeeze else y, like)

@@ -9,7 +9,14 @@ scaled_dot_product_attention``; it is one ``torch.library.custom_op``
 (``attn_fast::sdpa``, returning out and lse) with ``register_fake`` (shapes,
 so torch.compile traces it with ``fullgraph=True``) and ``register_autograd``,
 whose backward is a second custom op (``attn_fast::sdpa_backward``). Works
-under ``torch.func.grad``; ``vmap`` is not supported. CPU float32/float64.
+under ``torch.func.grad``; ``vmap`` is not supported.
+
+Dtypes: CPU float32, float64, float16 and bfloat16 tensors (q, k, v of one
+dtype). The output and the gradients of q, k, v have the input dtype; 16-bit
+calls compute in float32 (attn_fast's 16-bit forward and backward: fp32
+accumulation, one rounding of each result) and their internal lse is
+float32. ALiBi slopes and sinks are used in float32 for 16-bit inputs; the
+gradient of sinks comes back in the sinks tensor's own dtype.
 
 Differences from torch's function, on purpose:
   * ``is_causal`` follows torch: aligned **top-left** (query i sees keys
@@ -37,16 +44,34 @@ __all__ = ["scaled_dot_product_attention"]
 _OPTIONS = ("window_size", "softcap", "alibi_slopes", "sinks")
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _np(t):
-    return None if t is None else t.detach().numpy()
+    """A tensor as the NumPy layer reads it: a NumPy view of its memory, or for
+    bfloat16 (no NumPy dtype) the tensor itself, which the layer reads zero-copy."""
+    if t is None:
+        return None
+    t = t.detach()
+    return t if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _tensor(x):
+    """A NumPy layer result as a tensor (bfloat16 results already are one)."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _compute_dtype(dtype):
+    """What lse, slopes, sinks and dsinks use for inputs of `dtype`: float32 for 16-bit."""
+    return torch.float32 if dtype in _HALF else dtype
 
 
 def _kwargs(
     attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks
 ):
     masks = []
-    if attn_mask is not None:
-        masks.append(_np(attn_mask))
+    if attn_mask is not None:  # a 16-bit additive mask is exact in float32
+        masks.append(_np(attn_mask.float() if attn_mask.dtype in _HALF else attn_mask))
     if is_causal:
         masks.append(_masks.Causal("top_left"))
     kw = dict(
@@ -54,7 +79,7 @@ def _kwargs(
         scale=scale,
         enable_gqa=enable_gqa,
         alibi_slopes=_np(alibi_slopes),
-        sinks=_np(sinks),
+        sinks=_np(None if sinks is None else sinks.to(_compute_dtype(sinks.dtype))),
     )
     if window_left >= 0 or window_right >= 0:
         kw["window_size"] = (window_left, window_right)
@@ -90,7 +115,7 @@ def _sdpa_op(
         sinks,
     )
     out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
-    return torch.from_numpy(out), torch.from_numpy(lse)
+    return _tensor(out), _tensor(lse)
 
 
 @_sdpa_op.register_fake
@@ -108,7 +133,8 @@ def _(
     alibi_slopes,
     sinks,
 ):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1])
+    lse = q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
 
 @torch.library.custom_op("attn_fast::sdpa_backward", mutates_args=(), device_types="cpu")
@@ -141,10 +167,8 @@ def _sdpa_backward_op(
         sinks,
     )
     res = _np_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse), **kw)
-    dsinks = res[3] if sinks is not None else np.zeros(0, _np(q).dtype)
-    return tuple(
-        torch.from_numpy(np.ascontiguousarray(x)) for x in (res[0], res[1], res[2], dsinks)
-    )
+    dsinks = res[3] if sinks is not None else torch.zeros(0, dtype=_compute_dtype(q.dtype))
+    return tuple(_tensor(x) for x in (res[0], res[1], res[2], dsinks))
 
 
 @_sdpa_backward_op.register_fake
@@ -166,7 +190,8 @@ def _(
     sinks,
 ):
     ns = sinks.shape[0] if sinks is not None else 0
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty((ns,))
+    dsinks = q.new_empty((ns,), dtype=_compute_dtype(q.dtype))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -209,7 +234,7 @@ def _backward(ctx, dout, dlse):
         None,
         None,
         None,
-        (dsinks if sinks is not None else None),
+        (dsinks.to(sinks.dtype) if sinks is not None else None),
     )
 
 
@@ -249,8 +274,9 @@ def scaled_dot_product_attention(
     """torch's ``scaled_dot_product_attention`` on attn_fast's fused CPU kernels, differentiable.
 
     query (…, Hq, Lq, d), key (…, Hkv, Lk, d), value (…, Hkv, Lk, dv): CPU
-    float32/float64 tensors of one dtype, 2-D to 4-D, any strides; GQA with
-    ``enable_gqa=True`` (Hq % Hkv == 0, no repeat).
+    tensors of one dtype (float32, float64, float16 or bfloat16), 2-D to
+    4-D, any strides; GQA with ``enable_gqa=True`` (Hq % Hkv == 0, no
+    repeat). Mixed dtypes raise TypeError with a cast hint.
 
     attn_mask : None, a boolean tensor (True = attend) or an additive float
         tensor broadcastable to (…, Hq, Lq, Lk), no gradient; or an
@@ -266,7 +292,9 @@ def scaled_dot_product_attention(
         gradient), ``sinks`` (Hq,) logits (with gradient).
 
     Returns out (…, Hq, Lq, dv), a new tensor of query's dtype. Gradients
-    flow to query, key, value and sinks.
+    flow to query, key, value (in their dtype) and sinks. 16-bit inputs are
+    computed in float32 and each result rounded once (see the module
+    docstring).
     """
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
@@ -294,10 +322,11 @@ def scaled_dot_product_attention(
     softcap = attn_fast_options.get("softcap")
     alibi = attn_fast_options.get("alibi_slopes")
     sinks = attn_fast_options.get("sinks")
+    cdt = _compute_dtype(query.dtype)  # float32 slopes and sinks for 16-bit queries
     if alibi is not None:
-        alibi = torch.as_tensor(alibi, dtype=query.dtype).detach()
+        alibi = torch.as_tensor(alibi, dtype=cdt).detach()
     if sinks is not None and not isinstance(sinks, torch.Tensor):
-        sinks = torch.as_tensor(sinks, dtype=query.dtype)
+        sinks = torch.as_tensor(sinks, dtype=cdt)
     args = (
         query,
         key,
@@ -324,9 +353,8 @@ def _dense_mask(mask, query, key):
     Lq, Lk = query.shape[-2], key.shape[-2]
     B = query.shape[0] if query.dim() == 4 else 1
     H = query.shape[-3] if query.dim() >= 3 else 1
-    args = mask.kernel_args(
-        B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(query.dtype).replace("torch.", ""))
-    )
+    cdt = _compute_dtype(query.dtype)
+    args = mask.kernel_args(B=B, H=H, Lq=Lq, Lk=Lk, dtype=np.dtype(str(cdt).replace("torch.", "")))
     vis = _masks.visibility(args, B, H, Lq, Lk)
     vis = np.ascontiguousarray(np.broadcast_to(vis, (B, H, Lq, Lk)))
     return torch.from_numpy(vis[(0,) * (4 - query.dim())])

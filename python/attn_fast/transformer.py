@@ -20,6 +20,11 @@ projection; ``forward`` returns logits and ``generate`` decodes with a KV
 cache (prefill once, then one token per step) or without one.
 
 Shape legend: B batch, L tokens, D model dim, F feed-forward dim, V vocabulary.
+
+16-bit models (``dtype=np.float16`` or ``"bfloat16"``; ``_lowp`` says how):
+weights and activations in that dtype, every product and element-wise step
+computed in float32 from the 16-bit operands and rounded once, attention in
+the 16-bit kernel, the KV cache (``make_cache``) in the model's dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from ._checks import check_float_dtype, check_int, check_real, shape_str, to_input_kind
+from ._checks import check_int, check_real, shape_str, to_input_kind
+from ._lowp import add, f32, is_half, layer_dtype, linear
 from ._module import Module, as_rng
 from .multihead import MultiHeadAttention
 from .positional import RoPE, sinusoidal
@@ -47,17 +53,24 @@ def _init(gen: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike) ->
 
 
 class LayerNorm(Module):
-    """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,)."""
+    """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,).
+
+    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once."""
 
     def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
         self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
 
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if is_half(self.weight.dtype):
+            xc = f32(x) - f32(x).mean(axis=-1, keepdims=True)
+            var = np.mean(xc * xc, axis=-1, keepdims=True)
+            y = xc / np.sqrt(var + np.float32(self.eps)) * f32(self.weight) + f32(self.bias)
+            return y.astype(self.weight.dtype)
         mu = x.mean(axis=-1, keepdims=True)
         xc = x - mu
         var = np.mean(xc * xc, axis=-1, keepdims=True)
@@ -65,16 +78,23 @@ class LayerNorm(Module):
 
 
 class RMSNorm(Module):
-    """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,)."""
+    """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,).
+
+    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=check_float_dtype(dtype))
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
 
     def _own(self):
         return {"weight": self.weight}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if is_half(self.weight.dtype):
+            x32 = f32(x)
+            ms = np.mean(x32 * x32, axis=-1, keepdims=True)
+            y = x32 / np.sqrt(ms + np.float32(self.eps)) * f32(self.weight)
+            return y.astype(self.weight.dtype)
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.eps) * self.weight
 
@@ -92,7 +112,10 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class MLP(Module):
-    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F)."""
+    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F).
+
+    x (…, D) of the weights' dtype; 16-bit: each product and the GELU in
+    float32, each result rounded once."""
 
     def __init__(
         self,
@@ -102,6 +125,7 @@ class MLP(Module):
         dtype: DTypeLike = np.float32,
     ) -> None:
         gen = as_rng(rng)
+        dtype = layer_dtype(dtype)
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
         self.W2 = _init(gen, (d_model, d_ff), dtype)
@@ -111,6 +135,9 @@ class MLP(Module):
         return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if is_half(self.W1.dtype):
+            h = linear(x, self.W1, self.b1)
+            return linear(gelu(f32(h)).astype(h.dtype), self.W2, self.b2)
         h = x @ self.W1.T
         h += self.b1
         y = gelu(h) @ self.W2.T
@@ -122,7 +149,8 @@ class SwiGLU(Module):
     """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
 
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
-    W_down (D, F)."""
+    W_down (D, F). x (…, D) of the weights' dtype; 16-bit: each product and
+    the gating in float32, each result rounded once."""
 
     def __init__(
         self,
@@ -132,6 +160,7 @@ class SwiGLU(Module):
         dtype: DTypeLike = np.float32,
     ) -> None:
         gen = as_rng(rng)
+        dtype = layer_dtype(dtype)
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
         self.W_down = _init(gen, (d_model, d_ff), dtype)
@@ -141,6 +170,10 @@ class SwiGLU(Module):
         return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if is_half(self.W_down.dtype):
+            gu = f32(linear(x, self._w_gate_up))  # (…, 2F), rounded once
+            g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
+            return linear((silu(g) * u).astype(self.W_down.dtype), self.W_down)
         gu = x @ self._w_gate_up.T  # (…, 2F)
         g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
         return (silu(g) * u) @ self.W_down.T
@@ -163,7 +196,8 @@ class TransformerBlock(Module):
     ffn : "gelu" (MLP with biases) or "swiglu".
     cross_attention : add a cross-attention sub-layer (decoder of an
         encoder-decoder); kv_dim is the context's feature size (default D).
-    rng, dtype : initial weights (seed or Generator) and float dtype.
+    rng, dtype : initial weights (seed or Generator) and their dtype: float32,
+        float64, float16 or bfloat16 (16-bit: module docstring); x must have it.
 
     Parameter names (``state_dict`` / ``load_weights``)::
 
@@ -196,13 +230,10 @@ class TransformerBlock(Module):
             raise ValueError(f"ffn must be one of {sorted(_FFNS)}, got {ffn!r}")
         gen = as_rng(rng)
         D = check_int(d_model, "d_model", 1)
+        dtype = layer_dtype(dtype)
         if d_ff is None:
             d_ff = 4 * D if ffn == "gelu" else -(-(8 * D // 3) // 8) * 8
-        self.d_model, self.d_ff, self.dtype = (
-            D,
-            check_int(d_ff, "d_ff", 1),
-            check_float_dtype(dtype),
-        )
+        self.d_model, self.d_ff, self.dtype = D, check_int(d_ff, "d_ff", 1), dtype
         neps = {} if eps is None else {"eps": eps}
         self.norm1 = _NORMS[norm](D, dtype=dtype, **neps)
         self.attn = MultiHeadAttention(
@@ -257,10 +288,10 @@ class TransformerBlock(Module):
             )
         like = x
         x = self.attn._check_input(x, "x", self.d_model)
-        h = x + self.attn(self.norm1(x), mask=mask, cache=cache, causal=causal)
+        h = add(x, self.attn(self.norm1(x), mask=mask, cache=cache, causal=causal))
         if self.cross is not None:
-            h = h + self.cross(self.norm_cross(h), context=context, cache=cross_cache)
-        return to_input_kind(h + self.ffn(self.norm2(h)), like)
+            h = add(h, self.cross(self.norm_cross(h), context=context, cache=cross_cache))
+        return to_input_kind(add(h, self.ffn(self.norm2(h))), like)
 
 
 class TinyTransformerLM(Module):
@@ -276,7 +307,9 @@ class TinyTransformerLM(Module):
 
     tie_embeddings : use the embedding matrix as the output projection.
     seed : initial random weights (normal, std 1/sqrt(fan_in); embedding std 1).
-    dtype : float32 (default) or float64.
+    dtype : float32 (default), float64, float16 or bfloat16 (weights,
+        activations, logits and ``make_cache``'s KV cache; 16-bit: module
+        docstring).
 
     Notes
     -----
@@ -318,7 +351,7 @@ class TinyTransformerLM(Module):
             raise ValueError(f"positional must be 'rope' or 'sinusoidal', got {positional!r}")
         gen = np.random.default_rng(seed)
         self.vocab_size, self.d_model, self.num_layers = V, D, N
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype = layer_dtype(dtype)
         self.positional = positional
         self.embed = gen.standard_normal((V, D)).astype(dtype)
         rope = None
@@ -437,10 +470,14 @@ class TinyTransformerLM(Module):
         x = self.embed[t2]  # (B, L, D), a gather (copy)
         if self.positional == "sinusoidal":
             off = 0 if cache is None else np.asarray(cache[0].positions)
-            x += sinusoidal(L, self.d_model, offset=off, dtype=self.dtype)
+            if is_half(self.dtype):  # added in float32, rounded once
+                pe = sinusoidal(L, self.d_model, offset=off, dtype=np.float32)
+                x = (f32(x) + pe).astype(self.dtype)
+            else:
+                x += sinusoidal(L, self.d_model, offset=off, dtype=self.dtype)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cache=None if cache is None else cache[i], causal=True)
-        logits = self.norm(x) @ self.lm_head.T
+        logits = linear(self.norm(x), self.lm_head)
         return logits[0] if squeeze else logits
 
     __call__ = forward

@@ -33,16 +33,20 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core
 from ._checks import (
+    HALF_DTYPES,
     as_float_array,
+    bf16_bits,
     check_bool,
-    check_float_dtype,
     check_int,
     check_qkv,
     check_real,
+    from_float,
     shape_str,
     to4,
+    to_float,
     to_input_kind,
 )
+from ._lowp import as_layer_input, is_half, layer_dtype, linear
 from .functional import scaled_dot_product_attention
 
 __all__ = [
@@ -61,13 +65,15 @@ __all__ = [
 
 
 def _check_projection(P, name, Lk, dtype):
-    P = as_float_array(P, name)
+    P = as_float_array(P, name, half=True)
     if P.ndim != 2 or P.shape[0] < 1:
         raise ValueError(f"{name} must be a (k, L) matrix with k >= 1, got shape {shape_str(P)}")
     if P.shape[1] != Lk:
         raise ValueError(
             f"{name} has shape {shape_str(P)} but k has length Lk = {Lk}; {name} must be (k, {Lk})"
         )
+    if P.dtype in HALF_DTYPES:  # 16-bit (bfloat16 as bits): its values
+        return to_float(P, dtype)
     return P.astype(dtype, copy=False)
 
 
@@ -82,11 +88,15 @@ def linformer_attention(
 ) -> Any:
     """Linformer attention: softmax(q (E k)ᵀ · scale) (F v), exact on k rows.
 
-    q : (L, d), (H, L, d) or (B, H, L, d) float32/float64.
+    q : (L, d), (H, L, d) or (B, H, L, d): float32, float64, float16 or
+        bfloat16 (torch / ml_dtypes).
+
     k : (…, Lk, d), v : (…, Lk, dv), same leading dims and dtype as q.
 
     E, F : (kp, Lk) projection matrices (F=None shares E, Linformer's
-        "shared key-value" variant). They are cast to q's dtype.
+        "shared key-value" variant). They are cast to q's dtype (16-bit q:
+        to float32; the projections E k and F v are float32 products of the
+        upcast operands, rounded once to q's dtype).
 
     scale : float, default 1/sqrt(d).
 
@@ -100,15 +110,22 @@ def linformer_attention(
     ``is_causal``; use sliding-window or linear attention for decoders.
     """
     like = q
-    q, k, v = check_qkv(q, k, v, enable_gqa=None)[:3]
+    q, k, v = check_qkv(q, k, v, half=True, enable_gqa=None)[:3]
     Lk = k.shape[-2]
-    E = _check_projection(E, "E", Lk, q.dtype)
-    F = E if F is None else _check_projection(F, "F", Lk, q.dtype)
+    half = q.dtype in HALF_DTYPES
+    pdt = np.float32 if half else q.dtype
+    E = _check_projection(E, "E", Lk, pdt)
+    F = E if F is None else _check_projection(F, "F", Lk, pdt)
     if E.shape[0] != F.shape[0]:
         raise ValueError(
             f"E has shape {shape_str(E)} but F has shape {shape_str(F)}: both must project to the "
             "same k"
         )
+    if half:  # float32 products, one rounding each; bfloat16 travels as tagged bits
+        tag = bf16_bits if q.dtype == np.uint16 else np.asarray
+        Kp = tag(from_float(np.matmul(E, to_float(k, np.float32)), q.dtype))
+        Vp = tag(from_float(np.matmul(F, to_float(v, np.float32)), q.dtype))
+        return to_input_kind(scaled_dot_product_attention(tag(q), Kp, Vp, scale=scale), like)
     Kp = np.matmul(E, k)  # (kp, Lk) @ (…, Lk, d) -> (…, kp, d)
     Vp = np.matmul(F, v)  # (…, kp, dv)
     return to_input_kind(scaled_dot_product_attention(q, Kp, Vp, scale=scale), like)
@@ -128,6 +145,12 @@ class Linformer:
     __call__(X): X (L, d_model) or (B, L, d_model) with L <= seq_len, returns
     the same shape in ``dtype``. A shorter sequence uses E[:, :L], F[:, :L],
     which equals zero-padding it to seq_len (the paper's padding). Not causal.
+
+    ``dtype``: float32 (default) or float64, whose inputs are cast to it; or
+    16-bit float16 / bfloat16 (``ml_dtypes``), whose weights are stored in it
+    and whose inputs must have it (TypeError with a cast hint otherwise): each
+    product in float32 from the upcast operands, rounded once; attention in
+    the 16-bit kernel.
     """
 
     def __init__(
@@ -149,7 +172,7 @@ class Linformer:
             )
         if seq_len < 1 or k < 1:
             raise ValueError(f"seq_len and k must be >= 1, got seq_len = {seq_len}, k = {k}")
-        dtype = check_float_dtype(dtype)
+        dtype = layer_dtype(dtype)
         rng = np.random.default_rng(seed)
         self.d_model, self.n_heads, self.seq_len, self.k, self.dtype = (
             d_model,
@@ -168,7 +191,10 @@ class Linformer:
 
     def __call__(self, X: ArrayLike) -> Any:
         like = X
-        X = as_float_array(X, "X").astype(self.dtype, copy=False)
+        if is_half(self.dtype):
+            X = as_layer_input(X, "X", self.dtype, "the Linformer's weights")
+        else:
+            X = as_float_array(X, "X").astype(self.dtype, copy=False)
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
             raise ValueError(
                 f"X must be (L, {self.d_model}) or (B, L, {self.d_model}), got shape {shape_str(X)}"
@@ -183,12 +209,14 @@ class Linformer:
         def heads(Y):  # (…, L, D) -> (…, H, L, dh), a view
             return np.swapaxes(Y.reshape(Y.shape[:-1] + (H, dh)), -2, -3)
 
-        q, k, v = heads(X @ self.Wq.T), heads(X @ self.Wk.T), heads(X @ self.Wv.T)
+        q, k, v = (heads(linear(X, W)) for W in (self.Wq, self.Wk, self.Wv))
         E = self.E[:, :L]
         F = E if self.F is self.E else self.F[:, :L]
+        if is_half(self.dtype):  # the projections in float32 (E, F read as their values)
+            E, F = E.astype(np.float32), F.astype(np.float32)
         o = linformer_attention(q, k, v, E, F)  # (…, H, L, dh)
         o = np.swapaxes(o, -2, -3).reshape(X.shape[:-1] + (self.d_model,))
-        return to_input_kind(o @ self.Wo.T, like)
+        return to_input_kind(linear(o, self.Wo), like)
 
 
 # --------------------------------------------------------------------------

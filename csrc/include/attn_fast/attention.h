@@ -307,11 +307,16 @@ struct BwdArgs {
   T* dk = nullptr;
   T* dv = nullptr;
   Strides4 sdq, sdk, sdv;
-  T* dsinks = nullptr;  // (Hq,), written when f.sinks is set
+  compute_t<T>* dsinks = nullptr;  // (Hq,), written when f.sinks is set (fp32 for 16-bit T)
 };
 
 void flash_backward(const BwdArgs<float>& a);
 void flash_backward(const BwdArgs<double>& a);
+// 16-bit storage: q, k, v, o, dout, dq, dk, dv in bf16 / fp16; lse, bias,
+// alibi, sinks and dsinks fp32. Computed in fp32 (the fp32 kernel on widened
+// values); dq, dk, dv rounded once at the end.
+void flash_backward(const BwdArgs<bf16_t>& a);
+void flash_backward(const BwdArgs<fp16_t>& a);
 
 // ---------------------------------------------------------------- int8 KV cache
 // Quantise one appended chunk into an int8 KV cache (csrc/kv_quant.cpp, plain

@@ -21,7 +21,7 @@
 #define ATTN_FORWARD_TYPES(X) X(f32, float) X(f64, double) X(bf16, bf16_t) X(f16, fp16_t)
 #define ATTN_DECODE_TYPES(X) X(f32, float) X(f64, double) X(bf16, bf16_t) X(f16, fp16_t)
 // ... and of the backward (flash_backward_<suffix>).
-#define ATTN_BACKWARD_TYPES(X) X(f32, float) X(f64, double)
+#define ATTN_BACKWARD_TYPES(X) X(f32, float) X(f64, double) X(bf16, bf16_t) X(f16, fp16_t)
 
 #define ATTN_DECLARE_FORWARD(sfx, S) AttnStats flash_forward_##sfx(const AttnArgs<S>& a);
 #define ATTN_DECLARE_DECODE(sfx, S) void decode_forward_##sfx(const DecodeArgs<S>& a);
