@@ -26,6 +26,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import attn_fast as af
 
@@ -303,3 +304,55 @@ def run_json(code, timeout=600, **env):
     r = run_python(code, timeout=timeout, **env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------- 16-bit inputs
+# The four ways a user hands 16-bit data in ("numpy_f16", "torch_f16",
+# "torch_bf16", "ml_bf16"), for the dtype, backward and layer tests.
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is optional
+    torch = None
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is optional
+    ml_dtypes = None
+
+HALF_SOURCES = ["numpy_f16", "torch_f16", "torch_bf16", "ml_bf16"]
+
+
+def kind_of(src):
+    return "bf16" if src.endswith("bf16") else "f16"
+
+
+def need(src):
+    if src.startswith("torch") and torch is None:
+        pytest.skip("torch not installed")
+    if src.startswith("ml") and ml_dtypes is None:
+        pytest.skip("ml_dtypes not installed")
+
+
+def make(x, src):
+    """float32 NumPy `x` rounded to the 16-bit dtype, as the source kind."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if src == "numpy_f16":
+        return x.astype(np.float16)
+    if src == "ml_bf16":
+        return x.astype(ml_dtypes.bfloat16)
+    t = torch.from_numpy(x)
+    return t.to(torch.float16 if src == "torch_f16" else torch.bfloat16)
+
+
+def f64(x):
+    """Any result or input (torch tensor, ml_dtypes, float16, bf16 uint16 bits) as float64 NumPy."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().double().numpy()
+    x = np.asarray(x)
+    if x.dtype == np.uint16:  # bfloat16 bits (no ml_dtypes)
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def gen(rng, src, *shapes):
+    need(src)
+    return [make(rng.standard_normal(s), src) for s in shapes]

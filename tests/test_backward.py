@@ -478,12 +478,13 @@ def test_backward_peak_memory_is_linear_in_L():
 ALLOC_FAIL_BWD = """
 import resource, numpy as np, attn_fast as af
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-one = np.float32(0.5)
-# d = 2^28: dq and dk take 2 GiB; the kernel's scratch (K, K^T, the dK accumulator, a Q
-# block, ...: at least five d-sized rows of a key block) cannot fit in the other 2 GiB.
+one = np.{dt}(0.5)
+# d = 2^28: dq and dk take 2 GiB in float32 (float16: 1 GiB, and dq's fp32 accumulator 1 GiB
+# more); the kernel's scratch (K, K^T, the dK accumulator, a Q block, ...: at least five
+# d-sized fp32 rows of a key block) cannot fit in what is left.
 q = np.broadcast_to(one, (1, 1, 1, 2**28))
-v = np.ones((1, 1, 1, 4), np.float32)
-o, lse = np.zeros((1, 1, 1, 4), np.float32), np.zeros((1, 1, 1), np.float32)
+v = np.ones((1, 1, 1, 4), np.{dt})
+o, lse = np.zeros((1, 1, 1, 4), np.{dt}), np.zeros((1, 1, 1), np.float32)
 try:
     af.scaled_dot_product_attention_backward(o, q, q, v, o, lse)
     print("no error")
@@ -496,13 +497,13 @@ except MemoryError:
     "libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
     reason="ASan reserves more address space than the limit",
 )
-def test_backward_allocation_failure_is_memory_error():
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_backward_allocation_failure_is_memory_error(dt):
     import subprocess
     import sys
 
-    r = subprocess.run(
-        [sys.executable, "-c", ALLOC_FAIL_BWD], capture_output=True, text=True, timeout=300
-    )
+    code = ALLOC_FAIL_BWD.replace("{dt}", dt)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["MemoryError"], r.stdout
 

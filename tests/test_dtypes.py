@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from helpers import random_mask
+from helpers import f64, gen, kind_of, make, need, random_mask
 
 import attn_fast as af
 from attn_fast import masks
@@ -52,43 +52,6 @@ def orc(q, k, v, return_lse=False, **kw):
     O, LSE = ref.sdpa(q, k, v, return_lse=True, **kw)
     want = Want(O, ref.sdpa(q, k, np.abs(v), **kw))
     return (want, LSE) if return_lse else want
-
-
-def kind_of(src):
-    return "bf16" if src.endswith("bf16") else "f16"
-
-
-def need(src):
-    if src.startswith("torch") and torch is None:
-        pytest.skip("torch not installed")
-    if src.startswith("ml") and ml_dtypes is None:
-        pytest.skip("ml_dtypes not installed")
-
-
-def make(x, src):
-    """float32 NumPy `x` rounded to the 16-bit dtype, as the source kind."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if src == "numpy_f16":
-        return x.astype(np.float16)
-    if src == "ml_bf16":
-        return x.astype(ml_dtypes.bfloat16)
-    t = torch.from_numpy(x)
-    return t.to(torch.float16 if src == "torch_f16" else torch.bfloat16)
-
-
-def f64(x):
-    """Any result or input (torch tensor, ml_dtypes, float16, bf16 uint16 bits) as float64 NumPy."""
-    if torch is not None and isinstance(x, torch.Tensor):
-        return x.detach().double().numpy()
-    x = np.asarray(x)
-    if x.dtype == np.uint16:  # bfloat16 bits (no ml_dtypes)
-        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return x.astype(np.float64)
-
-
-def gen(rng, src, *shapes):
-    need(src)
-    return [make(rng.standard_normal(s), src) for s in shapes]
 
 
 def close(got, want, src, what="out"):

@@ -144,6 +144,17 @@ def _dtype_mismatch(name, x, dtype):
     )
 
 
+def _cache_dtype_error(name, x, q8, dtype):
+    """The TypeError for a chunk or query `x` of the wrong dtype: an int8 cache
+    (q8) takes float32, any other cache its own storage `dtype`."""
+    if q8:
+        return TypeError(
+            f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
+            "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
+        )
+    return _dtype_mismatch(name, x, dtype)
+
+
 def _check_chunk4(x, name, B, H, dim, io_dtype, dtype_error):
     """A k / v chunk (B, H, L_new, dim) of io_dtype, read as an array (16-bit accepted).
 
@@ -425,12 +436,7 @@ class KVCache:
         self._start = (self._pos - self._n) % new_cap
 
     def _dtype_error(self, name, x):
-        if self._q8:
-            return TypeError(
-                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
-                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
-            )
-        return _dtype_mismatch(name, x, self.dtype)
+        return _cache_dtype_error(name, x, self._q8, self.dtype)
 
     def _check_chunk(self, x, name, dim):
         return _check_chunk4(

@@ -81,9 +81,9 @@ from .kv_cache import (
     I8,
     KGROUP,
     _cache_dtype,
+    _cache_dtype_error,
     _check_chunk4,
     _check_query,
-    _dtype_mismatch,
     _per_seq,
 )
 from .masks import MaskArgs
@@ -369,12 +369,7 @@ class PagedKVCache:
         return np.concatenate(parts, axis=1)[:, : s.n]
 
     def _dtype_error(self, name, x):
-        if self._q8:
-            return TypeError(
-                f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
-                "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
-            )
-        return _dtype_mismatch(name, x, self.dtype)
+        return _cache_dtype_error(name, x, self._q8, self.dtype)
 
     # ---- writing -------------------------------------------------------------
     def append(
