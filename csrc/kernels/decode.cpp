@@ -609,15 +609,26 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       // The block's key group: fold its scales into Q, its offsets into qb.
       const T* ks = ks_base + slot / a.kgroup * d;
       const T* ko = ko_base + slot / a.kgroup * d;
+      // In W-lane vectors: the dependent scalar chain of the bias sum was a
+      // tenth of an int8 step (bench/NOTES.md, int8 decode profile).
+      using V = Vec<T>;
+      constexpr int W = V::W;
       for (int r = 0; r < nr; ++r) {
         const T* qs = sc.Qs + r * dp;
         T* qg = sc.Qg + r * dp;
-        T b = T(0);
-        for (int64_t e = 0; e < d; ++e) {
+        typename V::R bv = V::zero();
+        int64_t e = 0;
+        for (; e + W <= d; e += W) {
+          const typename V::R qv = V::load(qs + e);
+          V::store(qg + e, V::mul(qv, V::load(ks + e)));
+          bv = V::fma(qv, V::load(ko + e), bv);
+        }
+        T b = V::hsum(bv);
+        for (; e < d; ++e) {
           qg[e] = qs[e] * ks[e];
           b += qs[e] * ko[e];
         }
-        for (int64_t e = d; e < dp; ++e) qg[e] = T(0);
+        for (; e < dp; ++e) qg[e] = T(0);
         sc.qb[r] = b;
       }
     }
@@ -692,9 +703,18 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // int8 V: O += (P . vo) 1 now, and P * vs below.
     if constexpr (Q8)
       for (int r = 0; r < nr; ++r) {
+        using V = Vec<T>;
+        constexpr int W = V::W;
         T* prow = sc.S + r * kBc;
-        T ex = T(0);
-        for (int64_t c = 0; c < cols; ++c) {
+        typename V::R xv = V::zero();
+        int64_t c = 0;
+        for (; c + W <= cols; c += W) {  // vectors, as the key-group fold above
+          const typename V::R pv = V::load(prow + c);
+          xv = V::fma(pv, V::load(sc.pvo + c), xv);
+          V::store(prow + c, V::mul(pv, V::load(sc.pvs + c)));
+        }
+        T ex = V::hsum(xv);
+        for (; c < cols; ++c) {
           ex += prow[c] * sc.pvo[c];
           prow[c] *= sc.pvs[c];
         }
