@@ -417,9 +417,9 @@ def test_bfloat16_llama_greedy_generate_matches_sdpa(calls):
     np.testing.assert_allclose(got_logits.float().numpy(), ref_logits.float().numpy(), atol=0.1)
 
 
-def test_bfloat16_training_backward_upcast(calls):
-    """Training a bf16 model: the forward in bf16, the backward upcast to float32 (its kernel is
-    float32/float64 only); gradients in bf16, close to sdpa's bf16 gradients."""
+def test_bfloat16_training_backward_in_bf16(calls):
+    """Training a bf16 model: the forward and the fused backward in bf16 (no upcast copy; fp32
+    accumulation inside the kernels); gradients in bf16, close to sdpa's bf16 gradients."""
     model = llama().to(torch.bfloat16)
     ids, am = padded_batch(2, 10, 128, left=True, pads=[0, 3])
     labels = lm_labels(ids, am)

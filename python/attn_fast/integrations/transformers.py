@@ -62,10 +62,10 @@ tensors (no copies: inputs are read through their strides and the output is
 written straight into the (B, Lq, H, dv) tensor transformers expects, in the
 model's dtype). 16-bit calls are accumulated in float32 by the kernels (the
 softmax too); additive masks, ``position_bias`` and sinks are passed in
-float32. Training a 16-bit model: the forward runs in the model's dtype as in
-inference; the backward (a float32/float64 kernel) upcasts the saved q, k, v
-and output to float32 (one copy each, at backward time) and the gradients are
-cast back to the model's dtype.
+float32. Training a 16-bit model: the forward and the fused backward both run
+in the model's dtype (no upcast copy; fp32 accumulation inside the kernels,
+each gradient rounded once to the model's dtype; lse and the sinks' gradient
+in float32 inside the op).
 """
 
 from __future__ import annotations
@@ -266,9 +266,7 @@ class _Trainable(torch.autograd.Function):
     def backward(ctx, dout):
         from ..backward import scaled_dot_product_attention_backward
 
-        q, k, v, out, lse = ctx.saved_tensors
-        if q.dtype not in _COMPUTE:  # a 16-bit forward: the backward kernel is float32/float64 only
-            q, k, v, out = q.float(), k.float(), v.float(), out.float()
+        q, k, v, out, lse = ctx.saved_tensors  # in the forward's dtype (16-bit included), lse fp32
         s = ctx.saved
         do = dout.to(q.dtype).transpose(1, 2)  # (B, Lq, H, dv) -> (B, H, Lq, dv), a view
         grads = scaled_dot_product_attention_backward(do, q, k, v, out, lse, **s["kw"])
