@@ -188,6 +188,31 @@ class AmxTiles {
 };
 #endif
 
+// The C tiles 0-3 (a 16 x 64 fp32 panel) += the A tile (16 rows of kPairs
+// bf16 pairs at a, row stride lda bytes) . four 16-column B panels side by
+// side at b (pair-rows of row stride ldb bytes), loaded alternately into the
+// two B tiles so each load overlaps the previous product.
+inline void amx_dp_panel(AmxTiles& t, const uint32_t* a, int64_t lda, const uint32_t* b,
+                         int64_t ldb) {
+  t.load<AmxPlan::kA>(a, lda);
+  t.load<AmxPlan::kB0>(b, ldb);
+  t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
+  t.load<AmxPlan::kB1>(b + 16, ldb);
+  t.dp<1, AmxPlan::kA, AmxPlan::kB1>();
+  t.load<AmxPlan::kB0>(b + 32, ldb);
+  t.dp<2, AmxPlan::kA, AmxPlan::kB0>();
+  t.load<AmxPlan::kB1>(b + 48, ldb);
+  t.dp<3, AmxPlan::kA, AmxPlan::kB1>();
+}
+
+// The C tiles 0-3 to a 16 x 64 fp32 panel at c (row stride ldc bytes).
+inline void amx_store_panel(AmxTiles& t, float* c, int64_t ldc) {
+  t.store<0>(c, ldc);
+  t.store<1>(c + 16, ldc);
+  t.store<2>(c + 32, ldc);
+  t.store<3>(c + 48, ldc);
+}
+
 // S[16][64] = scale * (Q rows . K panel^T): Qw 16 rows of d2p pairs
 // (row-major), Kw one 64-key panel (d2p pair-rows x 64 words); S row stride
 // lds floats. The scale multiplies S in fp32 after the product (scale * Q is
@@ -199,22 +224,9 @@ inline void amx_qk_panel(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uin
   t.zero<1>();
   t.zero<2>();
   t.zero<3>();
-  for (int64_t k2 = 0; k2 < d2p; k2 += AmxPlan::kPairs) {
-    t.load<AmxPlan::kA>(Qw + k2, d2p * 4);
-    const uint32_t* kb = Kw + k2 * kP;
-    t.load<AmxPlan::kB0>(kb, kP * 4);
-    t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
-    t.load<AmxPlan::kB1>(kb + 16, kP * 4);
-    t.dp<1, AmxPlan::kA, AmxPlan::kB1>();
-    t.load<AmxPlan::kB0>(kb + 32, kP * 4);
-    t.dp<2, AmxPlan::kA, AmxPlan::kB0>();
-    t.load<AmxPlan::kB1>(kb + 48, kP * 4);
-    t.dp<3, AmxPlan::kA, AmxPlan::kB1>();
-  }
-  t.store<0>(S, lds * 4);
-  t.store<1>(S + 16, lds * 4);
-  t.store<2>(S + 32, lds * 4);
-  t.store<3>(S + 48, lds * 4);
+  for (int64_t k2 = 0; k2 < d2p; k2 += AmxPlan::kPairs)
+    amx_dp_panel(t, Qw + k2, d2p * 4, Kw + k2 * kP, kP * 4);
+  amx_store_panel(t, S, lds * 4);
   using V = Vec<float>;
   const V::R vs = V::set1(scale);
   for (int r = 0; r < AmxPlan::kRows; ++r)
@@ -238,22 +250,9 @@ inline void amx_pv_panel(AmxTiles& t, const uint32_t* Pw, int64_t ldp, int64_t c
       t.load<1>(Oc + 16, dvp * 4);
       t.load<2>(Oc + 32, dvp * 4);
       t.load<3>(Oc + 48, dvp * 4);
-      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
-        t.load<AmxPlan::kA>(Pw + c2, ldp * 4);
-        const uint32_t* vb = strip + c2 * kP;
-        t.load<AmxPlan::kB0>(vb, kP * 4);
-        t.dp<0, AmxPlan::kA, AmxPlan::kB0>();
-        t.load<AmxPlan::kB1>(vb + 16, kP * 4);
-        t.dp<1, AmxPlan::kA, AmxPlan::kB1>();
-        t.load<AmxPlan::kB0>(vb + 32, kP * 4);
-        t.dp<2, AmxPlan::kA, AmxPlan::kB0>();
-        t.load<AmxPlan::kB1>(vb + 48, kP * 4);
-        t.dp<3, AmxPlan::kA, AmxPlan::kB1>();
-      }
-      t.store<0>(Oc, dvp * 4);
-      t.store<1>(Oc + 16, dvp * 4);
-      t.store<2>(Oc + 32, dvp * 4);
-      t.store<3>(Oc + 48, dvp * 4);
+      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs)
+        amx_dp_panel(t, Pw + c2, ldp * 4, strip + c2 * kP, kP * 4);
+      amx_store_panel(t, Oc, dvp * 4);
     } else {
       t.load<0>(Oc, dvp * 4);
       for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
