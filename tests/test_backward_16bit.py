@@ -21,21 +21,12 @@ from __future__ import annotations
 import numpy as np
 import oracle
 import pytest
-from helpers import f64, gen, kind_of, need, random_mask
+from helpers import f64, gen, kind_of, ml_dtypes, need, random_mask, torch
 from test_backward import CASES, _case
 
 import attn_fast as af
 from attn_fast import _core, masks
 from attn_fast import reference as ref
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - torch is optional
-    torch = None
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes is optional
-    ml_dtypes = None
 
 bwd = af.scaled_dot_product_attention_backward
 SOURCES = ["ml_bf16", "numpy_f16", "torch_bf16", "torch_f16"]

@@ -16,21 +16,12 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from helpers import f64, gen, kind_of, make, need, random_mask
+from helpers import f64, gen, kind_of, make, ml_dtypes, need, random_mask, torch
 
 import attn_fast as af
 from attn_fast import masks
 from attn_fast import reference as ref
 from attn_fast._checks import _BF16Bits, to_input_kind
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - torch is optional
-    torch = None
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes is optional
-    ml_dtypes = None
 
 sdpa = af.scaled_dot_product_attention
 
