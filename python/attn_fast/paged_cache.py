@@ -383,11 +383,14 @@ class PagedKVCache:
         """Store a chunk of new keys and values after each named sequence's last token.
 
         seq_ids : an int or B distinct ids (from add_sequence / fork).
+
         k : (B, H_kv, L_new, d), v : (B, H_kv, L_new, dv), the cache's dtype
             (TypeError with a cast hint otherwise), any strides; L_new may be 0.
+
         lengths : optional int or (B,) ints <= L_new: sequence i appends only
             rows ``[:lengths[i]]`` (ragged: each sequence its own number of
             new tokens); the rest is ignored.
+
         rope : optional ``positional.RoPE`` with head_dim d: keys are rotated on
             the way in, row t of sequence i at position ``length + t`` (16-bit
             keys rotated in float32 and rounded once).
@@ -519,19 +522,25 @@ class PagedKVCache:
         """Attention of new queries of the named sequences against their stored keys.
 
         seq_ids : an int or B ids (repeats allowed), one per batch row of q.
+
         q : (B, H_q, L_new, d), H_q a multiple of H_kv (GQA: head h reads kv
             head h // (H_q // H_kv)); the cache's dtype; any strides.
+
         causal : bottom-right aligned per sequence, as ``KVCache.attend``: query
             row i of sequence b is at position length[b] - q_lens[b] + i and sees
             the keys up to it (chunked prefill, decode). ``causal=False``: every
             stored key is visible.
+
         q_lens : int or (B,) ints: valid query rows per sequence (rows beyond get
             zeros and lse = -inf). Default: each sequence's last append length
             when every sequence's last append had q's chunk length L_new (ragged
             batches), else L_new for every sequence.
+
         scale : default 1/sqrt(d).
+
         return_lse : also return lse (B, H_q, L_new) in the compute dtype
             (float32 for a 16-bit cache).
+
         out : optional writeable (B, H_q, L_new, dv) array (or CPU tensor) of the
             cache's dtype, any strides; one that shares memory with q or the pool
             is filled through a temporary.
