@@ -48,10 +48,15 @@ print("RUNS", af.get_isa(), *runs)
 """
 
 
+def _werror() -> str:
+    """ON unless ATTN_FAST_WERROR is 0/off/no: every build of these sessions, the fuzz one too."""
+    off = os.environ.get("ATTN_FAST_WERROR", "1").strip().lower() in ("0", "off", "no")
+    return "OFF" if off else "ON"
+
+
 def _build_flags() -> list[str]:
     """pip -C options of every build of the package made by these sessions."""
-    werror = os.environ.get("ATTN_FAST_WERROR", "1").strip().lower() not in ("0", "off", "no")
-    return ["-C", f"cmake.define.ATTN_FAST_WERROR={'ON' if werror else 'OFF'}"]
+    return ["-C", f"cmake.define.ATTN_FAST_WERROR={_werror()}"]
 
 
 def _suite_python(session: nox.Session) -> str:
@@ -175,7 +180,8 @@ def fuzz(session: nox.Session) -> None:
         session.skip("clang++ with libFuzzer not installed (Debian: apt-get install clang)")
     session.install("cmake>=3.21", "ninja")
     seconds = session.posargs[0] if session.posargs else "60"
-    session.run("bash", "fuzz/run.sh", seconds, external=True)
+    args = f"-DATTN_FAST_WERROR={_werror()} {os.environ.get('FUZZ_CMAKE_ARGS', '')}".strip()
+    session.run("bash", "fuzz/run.sh", seconds, external=True, env={"FUZZ_CMAKE_ARGS": args})
 
 
 def _tracked(*patterns: str, under: list[str]) -> list[str]:

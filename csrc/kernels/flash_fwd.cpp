@@ -308,7 +308,7 @@ inline void pv_block_guarded_dot(const float* P, int64_t ldp, int64_t rows, int6
 constexpr bool kDotBf16 = false;
 #endif
 // The bf16 pair (x[e], x[e + 1]) of a strided row as one word; e + 1 == d pads with 0.
-inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d) {
+[[maybe_unused]] inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d) {
   const uint32_t lo = x[e * stride].bits, hi = e + 1 < d ? x[(e + 1) * stride].bits : 0u;
   return lo | (hi << 16);
 }
@@ -468,7 +468,7 @@ struct HasTranspose16<
                                                   static_cast<const typename V::R*>(nullptr)))>>
     : std::true_type {};
 template <typename T>
-constexpr bool kTranspose16 = HasTranspose16<Vec<T>>::value;
+[[maybe_unused]] constexpr bool kTranspose16 = HasTranspose16<Vec<T>>::value;
 
 // The K panels from unit-stride key rows, 16 keys x 16 dims per register
 // transpose (16 loads and 16 stores where pack_k_strided does 256 of each);
@@ -677,7 +677,7 @@ struct HasInterleave6<
                                                   static_cast<const typename V::R*>(nullptr)))>>
     : std::true_type {};
 template <typename T>
-constexpr bool kInterleave6 = HasInterleave6<Vec<T>>::value;
+[[maybe_unused]] constexpr bool kInterleave6 = HasInterleave6<Vec<T>>::value;
 
 // pack_q for unit-stride rows and 6-row panels: W columns of the panel's six
 // rows are loaded, scaled and interleaved in registers (six stores instead of
