@@ -1002,3 +1002,89 @@ def test_paged_layer_caches_errors(rng):
         caches.add_sequence()
     with pytest.raises(TypeError, match="stores"):
         af.PagedLayerCaches(2, 1, 4, dtype="complex64")
+    f16 = af.PagedLayerCaches(2, 1, 4, dtype="float16")
+    j = f16.add_sequence()
+    with pytest.raises(TypeError, match="float16"):  # a float32 chunk for a float16 layer
+        f16[1].append(j, randn(rng, (1, 1, 2, 4)), randn(rng, (1, 1, 2, 4)))
+    assert f16[1].lengths[j] == 0
+
+
+@pytest.mark.parametrize("window", [None, 30, 100])
+def test_random_ops_with_truncate_and_windows(isa, rng, window):
+    """Random add / append / fork / free / truncate against a model (each sequence's full
+    history): the stored keys are its last ``lengths`` tokens, every block is free or held
+    with reference count = holders, truncate fails exactly when the window's keys before n
+    were released (and then changes nothing); attention against the oracle at the end."""
+    H, d, bs = 1, 3, 64
+    cache = af.PagedKVCache(H, d, num_blocks=4, window=window)
+    model = {}  # seq_id -> full history (keys (H, pos, d), values (H, pos, d))
+    empty = np.zeros((H, 0, d), F32)
+    for _ in range(150):
+        op = rng.integers(5) if model else 0
+        if op == 0:
+            model[cache.add_sequence()] = (empty, empty)
+        elif op == 1:
+            src = int(rng.choice(list(model)))
+            model[cache.fork(src)] = model[src]
+        elif op == 2 and len(model) > 1:
+            i = int(rng.choice(list(model)))
+            cache.free(i)
+            del model[i]
+        elif op == 3:
+            i = int(rng.choice(list(model)))
+            pos = model[i][0].shape[1]
+            n = int(rng.integers(0, pos + 1))
+            gone = pos - cache.lengths[i]  # positions released by the window
+            if window is not None and gone > max(0, n - (window - 1)):
+                with pytest.raises(ValueError, match="were released"):
+                    cache.truncate(i, n)
+            else:
+                cache.truncate(i, n)
+                model[i] = (model[i][0][:, :n], model[i][1][:, :n])
+        else:
+            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
+            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
+            lens = rng.integers(0, L + 1, size=len(ids))
+            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
+            cache.append(ids, k, v, lengths=lens)
+            for j, i in enumerate(ids):
+                K, V = model[i]
+                model[i] = (
+                    np.concatenate([K, k[j, :, : lens[j]]], 1),
+                    np.concatenate([V, v[j, :, : lens[j]]], 1),
+                )
+        held = {}
+        for i, (K, V) in model.items():
+            pos, n = K.shape[1], cache.lengths[i]
+            assert cache.positions[i] == pos and (n == pos or window is not None)
+            np.testing.assert_array_equal(cache.keys(i), K[:, pos - n :])
+            np.testing.assert_array_equal(cache.values(i), V[:, pos - n :])
+            for g in cache.block_table(i)[0, : -(-n // bs)]:
+                held[int(g)] = held.get(int(g), 0) + 1
+        assert cache.free_blocks + len(held) == cache.num_blocks
+        assert all(cache._ref[g] == c for g, c in held.items())
+    ids = list(model)
+    cache.append(ids, randn(rng, (len(ids), H, 1, d)), randn(rng, (len(ids), H, 1, d)))
+    q = randn(rng, (len(ids), 2, 1, d))
+    o, lse = cache.attend(ids, q, out=poisoned((len(ids), 2, 1, d), F32), return_lse=True)
+    if window is None:
+        check_oracle(cache, ids, q, o, lse, [1] * len(ids))
+    else:
+        check_window(cache, ids, q, o, lse, [1] * len(ids))
+
+
+def test_window_non_causal_and_non_contiguous(isa, rng):
+    """causal=False with a window: the window still bounds the left side; transposed views
+    of k, v and q."""
+    H, Hq, d, w = 2, 4, 16, 20
+    cache = af.PagedKVCache(H, d, window=w)
+    ids = [cache.add_sequence() for _ in range(2)]
+    k = randn(rng, (2, 100, H, d)).transpose(0, 2, 1, 3)
+    v = randn(rng, (2, d, H, 100)).transpose(0, 2, 3, 1)
+    cache.append(ids, k, v, lengths=[100, 70])
+    cache.append(ids, k[:, :, :5], v[:, :, :5])  # releases block 0 of the longer one
+    assert cache.lengths == {ids[0]: 105 - 64, ids[1]: 75}
+    q = randn(rng, (2, 5, Hq, d)).transpose(0, 2, 1, 3)
+    for causal in (True, False):
+        o, lse = cache.attend(ids, q, causal=causal, return_lse=True)
+        check_window(cache, ids, q, o, lse, [5, 5], causal=causal)
