@@ -21,11 +21,6 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers not installed (pip install 'attn_fast[transformers]')"
 )
 
-import attn_fast.functional as F  # noqa: E402
-import attn_fast.integrations.transformers as af_hf  # noqa: E402
-import attn_fast.integrations.transformers_cache as af_cache  # noqa: E402
-import attn_fast.paged_cache as pgc  # noqa: E402
-from attn_fast import PagedKVCache, _dispatch  # noqa: E402
 from test_transformers_cache import (  # noqa: E402
     TOL,
     _step,
@@ -34,6 +29,12 @@ from test_transformers_cache import (  # noqa: E402
     left_padded,
     make,
 )
+
+import attn_fast.functional as F  # noqa: E402
+import attn_fast.integrations.transformers as af_hf  # noqa: E402
+import attn_fast.integrations.transformers_cache as af_cache  # noqa: E402
+import attn_fast.paged_cache as pgc  # noqa: E402
+from attn_fast import PagedKVCache, _dispatch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
