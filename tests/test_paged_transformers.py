@@ -23,6 +23,7 @@ transformers = pytest.importorskip(
 
 from test_transformers_cache import (  # noqa: E402
     TOL,
+    TOL_BF16_MODEL,
     _step,
     compared_diff,
     generate,
@@ -136,6 +137,19 @@ def test_reduced_precision_storage(storage, counted, rng):
     assert counted["dense"] == 0 and counted["paged"] == 2 * new
     agree = float((got_ids[:, 12:] == ref_ids[:, 12:]).float().mean())
     print(f"paged {storage}: max|Δ logits| = {diff:.2e} over {steps} steps, agreement {agree:.0%}")
+
+
+def test_bfloat16_model_stores_its_dtype(rng):
+    """dtype=None: a bfloat16 model's pages are bfloat16; logits as the contiguous cache's."""
+    model = make("llama", dtype=torch.bfloat16)
+    ids, am = left_padded(2, 12, [0, 4], rng)
+    flat = af_hf.AttnFastCache(model.config)
+    ref_ids, ref_logits = generate(model, "attn_fast", ids, am, 8, cache=flat, do_sample=False)
+    cache = af_cache.AttnFastPagedCache(model.config)
+    got_ids, got_logits = generate(model, "attn_fast", ids, am, 8, cache=cache, do_sample=False)
+    assert cache.layers[0].kv.dtype == PagedKVCache(1, 1, dtype="bfloat16").dtype
+    diff, steps = compared_diff(ref_ids, ref_logits, got_ids, got_logits, 12)
+    assert diff <= TOL_BF16_MODEL, (diff, steps)
 
 
 def test_int8_token_agreement_with_float32(rng):

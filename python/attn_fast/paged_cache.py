@@ -56,7 +56,9 @@ front) and the kernel gets the stored keys with their positions shifted by
 ``first * bs``: bottom-right causal and window masks depend only on the
 positions relative to the last key, so no kernel argument changes.
 ``positions`` counts every token appended (the next RoPE position);
-``lengths`` counts those still stored.
+``lengths`` counts those still stored. An append holds its whole chunk
+until the next one (its own queries need it), and the pool never shrinks:
+prefill a long prompt in chunks to keep the pool at the window's size.
 
 Truncation (``truncate(seq_id, n)``): keep positions < n; the blocks past
 them are released (a shared block only loses this sequence's reference), a
