@@ -781,7 +781,7 @@ def test_window_after_fork(isa, rng):
     assert cache.free_blocks == cache.num_blocks
 
 
-def test_window_attend_reaching_back_to_released_blocks_raises(rng):
+def test_window_attend_reaching_back_to_released_blocks_raises(isa, rng):
     H, d = 1, 4
     cache = af.PagedKVCache(H, d, window=8)
     i = cache.add_sequence()
