@@ -617,3 +617,474 @@ def test_int8_errors_and_bytes(rng):
     per_block = H * (64 * (2 * d + 8) + 8 * d)  # codes, value scales / offsets, key groups
     assert cache.nbytes == 4 * per_block + H * 64 * d * 4  # + one sequence's staging tail
     assert cache.used_nbytes == 0
+
+
+# ---------------------------------------------------------------- sliding windows
+
+
+def window_oracle(q, K, V, q_len, pos, window, causal=True):
+    """float64 attention of q (Hq, Lq, d)'s first q_len rows, at positions pos - q_len ..,
+    over K, V (H_kv, n, d) at positions pos - n .., each query seeing its own position and
+    the window - 1 before it (and nothing later when causal)."""
+    n = K.shape[1]
+    qp = pos - q_len + np.arange(q_len)
+    kp = pos - n + np.arange(n)
+    rel = qp[:, None] - kp[None, :]
+    mask = rel <= window - 1
+    if causal:
+        mask &= rel >= 0
+    q, K, V = (np.asarray(x, np.float64) for x in (q[:, :q_len], K, V))
+    return sdpa(q, K, V, mask=mask, return_lse=True)
+
+
+def check_window(cache, ids, q, o, lse, q_lens, name="float32", causal=True):
+    for b, i in enumerate(ids):
+        ql = int(q_lens[b])
+        O, LSE = window_oracle(
+            q[b], cache.keys(i), cache.values(i), ql, cache.positions[i], cache.window, causal
+        )
+        np.testing.assert_allclose(np.asarray(o[b, :, :ql], np.float64), O, **tolerance(name))
+        np.testing.assert_allclose(lse[b, :, :ql], LSE, **tol(F32), err_msg=f"lse of {i}")
+
+
+WINDOWS = [  # window, block size, first lengths, chunk lengths
+    (1, 64, [1, 64, 70], [1] * 3 + [3]),
+    (5, 64, [7, 129], [1] * 70),
+    (64, 64, [63, 65, 200], [1] * 5 + [4, 1]),
+    (100, 64, [1, 130, 300], [1] * 40 + [3, 1]),
+    (200, 128, [129, 257], [1] * 10 + [2, 1]),
+]
+
+
+@pytest.mark.parametrize("window, bs, first, chunks", WINDOWS)
+def test_window_matches_oracle_and_releases_blocks(isa, rng, window, bs, first, chunks):
+    """Windows smaller and larger than a block, lengths not multiples of 64: against the
+    float64 oracle with the window over the full history; the keys still stored are the last
+    ones; a sequence holds at most ceil((window - 1 + c) / bs) + 1 blocks after a c-token
+    append, and the released blocks go back to the pool."""
+    Hq, H, d = 4, 2, 16
+    cache = af.PagedKVCache(H, d, block_size=bs, num_blocks=4, window=window)
+    ids = [cache.add_sequence() for _ in first]
+    B, L = len(ids), max(first)
+    hist_k = [np.zeros((H, 0, d), F32) for _ in ids]
+    hist_v = [np.zeros((H, 0, d), F32) for _ in ids]
+
+    def step(c, lens):
+        k, v, q = randn(rng, (B, H, c, d)), randn(rng, (B, H, c, d)), randn(rng, (B, Hq, c, d))
+        cache.append(ids, k, v, lengths=lens)
+        for b, n in enumerate(lens):
+            hist_k[b] = np.concatenate([hist_k[b], k[b, :, :n]], axis=1)
+            hist_v[b] = np.concatenate([hist_v[b], v[b, :, :n]], axis=1)
+        o, lse = cache.attend(ids, q, out=poisoned((B, Hq, c, d), F32), return_lse=True)
+        check_window(cache, ids, q, o, lse, lens)
+        for b, i in enumerate(ids):  # the stored keys: the last ones of the full history
+            pos, n = cache.positions[i], cache.lengths[i]
+            assert pos == hist_k[b].shape[1] and n <= pos
+            np.testing.assert_array_equal(cache.keys(i), hist_k[b][:, pos - n :])
+            np.testing.assert_array_equal(cache.values(i), hist_v[b][:, pos - n :])
+            assert n >= min(pos, window - 1 + lens[b])  # the window of every new query
+            assert cache.block_table(i).shape[1] <= -(-(window - 1 + max(lens[b], 1)) // bs) + 1
+            O, _ = window_oracle(
+                q[b], hist_k[b], hist_v[b], lens[b], pos, window
+            )  # over the whole history: the released keys were outside every window
+            np.testing.assert_allclose(o[b, :, : lens[b]], O, **tol(F32))
+
+    step(L, first)
+    for c in chunks:
+        step(c, [c] * B)
+    held = sum(cache.block_table(i).shape[1] for i in ids)
+    assert cache.num_blocks - cache.free_blocks == held  # nothing leaked
+    for i in ids:
+        cache.free(i)
+    assert cache.free_blocks == cache.num_blocks
+
+
+def test_window_memory_stays_bounded_in_a_fixed_pool(isa, rng):
+    """A long generation with a window in a pool too small for the whole history."""
+    H, d, w = 2, 8, 70
+    cache = af.PagedKVCache(H, d, num_blocks=2 * 3, growable=False, window=w)
+    ids = [cache.add_sequence() for _ in range(2)]
+    for _ in range(400):  # 400 tokens: 7 blocks each without the window, 12 for both
+        cache.append(ids, randn(rng, (2, H, 1, d)), randn(rng, (2, H, 1, d)))
+        assert all(cache.block_table(i).shape[1] <= -(-w // 64) + 1 for i in ids)
+    q = randn(rng, (2, 4, 1, d))
+    o, lse = cache.attend(ids, q, return_lse=True)
+    check_window(cache, ids, q, o, lse, [1, 1])
+    assert cache.positions == {ids[0]: 400, ids[1]: 400}
+    assert all(w - 1 < n < w + 64 for n in cache.lengths.values())
+
+
+@pytest.mark.parametrize("name", [*DTYPES, "int8"])
+def test_window_every_storage_type(isa, rng, name):
+    """Every storage type: the window against the oracle on the stored (int8: dequantised)
+    K/V, and the same keys and results as the contiguous KVCache(window=...) for the float
+    types (int8: its codes are per block, the contiguous ring's per ring slot group)."""
+    H, Hq, d, w = 2, 4, 16, 90
+    dt = "int8" if name == "int8" else DTYPES[name]
+    io = F32 if name == "int8" else DTYPES[name]
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=2, window=w)
+    ids = [cache.add_sequence() for _ in range(2)]
+    ref = af.KVCache(2, H, d, dtype=dt, window=w, ring=256)
+    for c, lens in [(150, [150, 33]), *[(1, [1, 1])] * 80, (3, [3, 3])]:
+        k, v, q = randn(rng, (2, H, c, d), io), randn(rng, (2, H, c, d), io), None
+        q = randn(rng, (2, Hq, c, d), io)
+        cache.append(ids, k, v, lengths=lens)
+        ref.append(k, v, lengths=lens)
+        o, lse = cache.attend(ids, q, return_lse=True)
+        check_window(cache, ids, q, o, lse, lens, "float32" if name == "int8" else name)
+        if name != "int8":
+            o_ref = ref.attend(q)
+            for b, i in enumerate(ids):
+                n = cache.lengths[i]
+                np.testing.assert_array_equal(
+                    np.asarray(cache.keys(i)), np.asarray(ref.keys(b))[:, -n:]
+                )
+                np.testing.assert_allclose(
+                    np.asarray(o[b, :, : lens[b]], np.float64),
+                    np.asarray(o_ref[b, :, : lens[b]], np.float64),
+                    **tolerance(name),
+                )
+
+
+def test_window_after_fork(isa, rng):
+    """fork then window: both sequences release the shared blocks as they pass them (a
+    block returns to the pool only when neither holds it); each matches the oracle."""
+    H, d, w = 2, 8, 40
+    cache = af.PagedKVCache(H, d, num_blocks=8, window=w)
+    a = cache.add_sequence()
+    ka, va = randn(rng, (1, H, 150, d)), randn(rng, (1, H, 150, d))
+    cache.append(a, ka, va)
+    c = cache.fork(a)
+    assert cache.block_table(c).tolist() == cache.block_table(a).tolist()
+    used = cache.num_blocks - cache.free_blocks
+    hist = {a: [ka[0], va[0]], c: [ka[0], va[0]]}
+    for t in range(80):
+        step = [a] if t < 50 else [a, c]  # c lags behind, holding the shared blocks longer
+        k, v = randn(rng, (len(step), H, 1, d)), randn(rng, (len(step), H, 1, d))
+        cache.append(step, k, v)
+        for j, i in enumerate(step):
+            hist[i] = [np.concatenate([hist[i][0], k[j]], 1), np.concatenate([hist[i][1], v[j]], 1)]
+        q = randn(rng, (len(step), 4, 1, d))
+        o, lse = cache.attend(step, q, return_lse=True)
+        check_window(cache, step, q, o, lse, [1] * len(step))
+    for i in (a, c):
+        n = cache.lengths[i]
+        np.testing.assert_array_equal(cache.keys(i), hist[i][0][:, -n:])
+    assert cache.lengths[c] <= w - 1 + 64
+    shared = set(cache.block_table(a)[0]) & set(cache.block_table(c)[0])
+    assert cache.num_blocks - cache.free_blocks == (
+        cache.block_table(a).shape[1] + cache.block_table(c).shape[1] - len(shared)
+    )
+    assert cache.num_blocks - cache.free_blocks <= used + 2
+    cache.free(a)
+    cache.free(c)
+    assert cache.free_blocks == cache.num_blocks
+
+
+def test_window_attend_reaching_back_to_released_blocks_raises(isa, rng):
+    H, d = 1, 4
+    cache = af.PagedKVCache(H, d, window=8)
+    i = cache.add_sequence()
+    cache.append(i, randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d)))
+    cache.append(i, randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d)))  # releases block 0
+    assert cache.lengths[i] == 101 - 64 and cache.positions[i] == 101
+    cache.attend(i, randn(rng, (1, H, 30, d)), q_lens=30)  # from position 71: keys 64 on
+    with pytest.raises(ValueError, match="reach back to positions"):
+        cache.attend(i, randn(rng, (1, H, 36, d)), q_lens=36)  # needs keys 58 on
+
+
+@pytest.mark.parametrize("bad, err", [(0, ValueError), (-3, ValueError), (2.5, TypeError)])
+def test_bad_window(bad, err):
+    with pytest.raises(err, match="window"):
+        af.PagedKVCache(1, 4, window=bad)
+
+
+# ---------------------------------------------------------------- truncate and positions
+
+
+@pytest.mark.parametrize("name", [*DTYPES, "int8"])
+def test_truncate_across_a_shared_block(isa, rng, name):
+    """truncate inside a block a fork shares: the block loses only this sequence's
+    reference; the next append copies it (copy-on-write), the fork is unchanged; the blocks
+    past the kept tokens return to the pool; attend matches the oracle afterwards."""
+    H, d = 2, 16
+    dt = "int8" if name == "int8" else DTYPES[name]
+    io = F32 if name == "int8" else DTYPES[name]
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=8)
+    a = cache.add_sequence()
+    k0, v0 = randn(rng, (1, H, 150, d), io), randn(rng, (1, H, 150, d), io)
+    cache.append(a, k0, v0)
+    keys_a, vals_a = np.asarray(cache.keys(a)), np.asarray(cache.values(a))
+    c = cache.fork(a)
+    assert cache.num_blocks - cache.free_blocks == 3
+    cache.truncate(c, 70)  # c keeps blocks 0 (full) and 1 (6 rows), both shared with a
+    assert cache.lengths[c] == cache.positions[c] == 70
+    assert cache.block_table(c).tolist() == [cache.block_table(a)[0, :2].tolist()]
+    assert cache.num_blocks - cache.free_blocks == 3  # block 2 still held by a
+    k1, v1 = randn(rng, (1, H, 10, d), io), randn(rng, (1, H, 10, d), io)
+    cache.append(c, k1, v1)
+    assert cache.num_blocks - cache.free_blocks == 4  # c's copy of block 1
+    assert cache.block_table(c)[0, 0] == cache.block_table(a)[0, 0]
+    assert cache.block_table(c)[0, 1] != cache.block_table(a)[0, 1]
+    np.testing.assert_array_equal(np.asarray(cache.keys(a)), keys_a)  # a unchanged
+    np.testing.assert_array_equal(np.asarray(cache.values(a)), vals_a)
+    kc = np.asarray(cache.keys(c))
+    if name == "int8":  # the reopened group is requantised: within a code step of before
+        step = (np.abs(k0).max() + np.abs(k1).max()) * 2 / 255
+        np.testing.assert_allclose(kc[:, :70], keys_a[:, :70], atol=step)
+    else:
+        np.testing.assert_array_equal(kc[:, :70], keys_a[:, :70])
+        np.testing.assert_array_equal(kc[:, 70:], np.asarray(k1[0]))
+    q = randn(rng, (2, 4, 3, d), io)
+    o, lse = cache.attend([a, c], q, q_lens=3, return_lse=True)
+    check_oracle(cache, [a, c], q, o, lse, [3, 3], "float32" if name == "int8" else name)
+    cache.truncate(a, 0)  # a releases its blocks; block 0 stays with c
+    assert cache.lengths[a] == 0 and cache.num_blocks - cache.free_blocks == 2
+    cache.free(c)
+    assert cache.free_blocks == cache.num_blocks
+    cache.append(a, k0[:, :, :5], v0[:, :, :5])
+    np.testing.assert_allclose(
+        np.asarray(cache.keys(a), np.float64),
+        np.asarray(k0[0, :, :5], np.float64),
+        atol=0 if name != "int8" else 0.05,
+    )
+
+
+def test_truncate_equals_a_fresh_cache_and_matches_kvcache(isa, rng):
+    """truncate then append gives what a cache that never held the dropped tokens gives,
+    bit for bit (float32), and KVCache.truncate's result."""
+    H, d = 2, 8
+    cache = af.PagedKVCache(H, d, num_blocks=4)
+    fresh = af.PagedKVCache(H, d, num_blocks=4)
+    ref = af.KVCache(2, H, d)
+    ids, fids = [cache.add_sequence() for _ in range(2)], [fresh.add_sequence() for _ in range(2)]
+    k, v = randn(rng, (2, H, 200, d)), randn(rng, (2, H, 200, d))
+    cache.append(ids, k, v, lengths=[200, 130])
+    ref.append(k, v, lengths=[200, 130])
+    cache.truncate(ids[0], 128)
+    cache.truncate(ids[1], 129)
+    ref.truncate([128, 129])
+    fresh.append(fids, k, v, lengths=[128, 129])
+    assert cache.positions == {ids[0]: 128, ids[1]: 129}
+    k1, v1, q = randn(rng, (2, H, 1, d)), randn(rng, (2, H, 1, d)), randn(rng, (2, 4, 1, d))
+    for c in (cache, fresh):
+        c.append(ids if c is cache else fids, k1, v1)
+    ref.append(k1, v1)
+    o = cache.attend(ids, q)
+    np.testing.assert_array_equal(o, fresh.attend(fids, q))
+    np.testing.assert_array_equal(o, ref.attend(q))
+    assert cache.num_blocks - cache.free_blocks == 3 + 3  # 4 + 3 blocks; truncate freed one
+
+
+def test_truncate_with_a_window(isa, rng):
+    H, d, w = 1, 4, 10
+    cache = af.PagedKVCache(H, d, window=w)
+    i = cache.add_sequence()
+    cache.append(i, randn(rng, (1, H, 130, d)), randn(rng, (1, H, 130, d)))
+    cache.append(i, randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d)))  # keys 64 .. 130 stored
+    cache.truncate(i, 100)  # needs keys 91 on: still stored
+    assert cache.positions[i] == 100 and cache.lengths[i] == 36
+    with pytest.raises(ValueError, match="were released"):
+        cache.truncate(i, 70)  # needs keys 61 on
+    assert cache.positions[i] == 100  # unchanged
+    cache.append(i, randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d)))
+    q = randn(rng, (1, 2, 1, d))
+    o, lse = cache.attend(i, q, return_lse=True)
+    check_window(cache, [i], q, o, lse, [1])
+
+
+def test_truncate_errors(rng):
+    cache = af.PagedKVCache(1, 4)
+    i = cache.add_sequence()
+    cache.append(i, randn(rng, (1, 1, 5, 4)), randn(rng, (1, 1, 5, 4)))
+    with pytest.raises(ValueError, match="to 6 tokens: it holds 5"):
+        cache.truncate(i, 6)
+    with pytest.raises(ValueError, match="n must be"):
+        cache.truncate(i, -1)
+    with pytest.raises(TypeError, match="n must be an integer"):
+        cache.truncate(i, 2.0)
+    with pytest.raises(ValueError, match="unknown sequence 7"):
+        cache.truncate(7, 1)
+    cache.free(i)
+    with pytest.raises(ValueError, match="sequence 0 was freed"):
+        cache.truncate(i, 1)
+
+
+@pytest.mark.parametrize("name", [*DTYPES, "int8"])
+def test_rope_on_append_every_storage_type(rng, name):
+    """RoPE on append for every storage type, at the absolute positions (``positions``),
+    window or not: the keys equal the rotated keys (16-bit: rotated in float32, rounded
+    once; int8: within the quantisation step)."""
+    H, d, w = 2, 16, 50
+    rope = RoPE(d)
+    dt = "int8" if name == "int8" else DTYPES[name]
+    io = F32 if name == "int8" else DTYPES[name]
+    cache = af.PagedKVCache(H, d, dtype=dt, window=w)
+    i = cache.add_sequence()
+    allk = []
+    for L in (70, 1, 3, 60, 1):
+        k = randn(rng, (1, H, L, d), io)
+        cache.append(i, k, randn(rng, (1, H, L, d), io), rope=rope)
+        allk.append(k[0])
+    pos = cache.positions[i]
+    assert pos == 135
+    rot = rope(np.concatenate(allk, 1).astype(F32), positions=np.arange(pos), seq_axis=-2)
+    n = cache.lengths[i]
+    assert n < pos  # the window released block 0
+    got = np.asarray(cache.keys(i), np.float64)
+    want = np.asarray(rot[:, -n:], np.float64)
+    atol = {"float16": 2e-3, "bfloat16": 2e-2, "int8": 0.05}.get(name, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-2 if atol > 1e-5 else 1e-5, atol=atol)
+
+
+# ---------------------------------------------------------------- many layers
+
+
+def test_paged_layer_caches_share_one_id_space(isa, rng):
+    H, d, layers = 2, 8, 3
+    caches = af.PagedLayerCaches(layers, H, d, num_blocks=4, window=[None, 70, None])
+    assert len(caches) == layers and caches[1].window == 70 and caches[-1].window is None
+    a, b = caches.add_sequence(), caches.add_sequence()
+    assert caches.seq_ids == [a, b] and all(c.seq_ids == [a, b] for c in caches)
+    for c in caches:
+        c.append([a, b], randn(rng, (2, H, 150, d)), randn(rng, (2, H, 150, d)), lengths=[150, 9])
+    f = caches.fork(a)
+    assert all(c.lengths[f] == c.lengths[a] for c in caches) and f in caches
+    caches.truncate(f, 100)
+    assert caches.positions[f] == 100 and all(c.positions[f] == 100 for c in caches)
+    caches.free(b)
+    assert b not in caches and all(b not in c for c in caches)
+    assert caches.nbytes == sum(c.nbytes for c in caches)
+    assert caches.used_nbytes == sum(c.used_nbytes for c in caches)
+    for c in caches:
+        c.append([a, f], randn(rng, (2, H, 1, d)), randn(rng, (2, H, 1, d)))
+        q = randn(rng, (2, 4, 1, d))
+        o, lse = c.attend([a, f], q, return_lse=True)
+        if c.window is None:
+            check_oracle(c, [a, f], q, o, lse, [1, 1])
+        else:
+            check_window(c, [a, f], q, o, lse, [1, 1])
+    assert "PagedLayerCaches(3 layers" in repr(caches)
+
+
+def test_paged_layer_caches_errors(rng):
+    caches = af.PagedLayerCaches(2, 1, 4, window=[None, 8])
+    with pytest.raises(IndexError, match="layer index 2 out of range for 2 layers"):
+        caches[2]
+    with pytest.raises(IndexError, match="layer index -3 out of range"):
+        caches[-3]
+    with pytest.raises(TypeError, match="layer index must be an int"):
+        caches["0"]
+    with pytest.raises(ValueError, match="window has 3 entries but there are 2 layers"):
+        af.PagedLayerCaches(2, 1, 4, window=[None, 8, 8])
+    with pytest.raises(ValueError, match="num_layers"):
+        af.PagedLayerCaches(0, 1, 4)
+    with pytest.raises(ValueError, match="window"):
+        af.PagedLayerCaches(2, 1, 4, window=[0, 8])
+    i = caches.add_sequence()
+    for c in caches:
+        c.append(i, randn(rng, (1, 1, 130, 4)), randn(rng, (1, 1, 130, 4)))
+        c.append(i, randn(rng, (1, 1, 1, 4)), randn(rng, (1, 1, 1, 4)))
+    # layer 1's window released block 0: truncating to 30 fails there, so no layer changes
+    with pytest.raises(ValueError, match="were released"):
+        caches.truncate(i, 30)
+    assert [c.positions[i] for c in caches] == [131, 131]
+    for bad in (5, "x"):
+        with pytest.raises((ValueError, TypeError)):
+            caches.fork(bad)
+        with pytest.raises((ValueError, TypeError)):
+            caches.free(bad)
+    caches.free(i)
+    with pytest.raises(ValueError, match="was freed"):
+        caches.truncate(i, 1)
+    caches[0].add_sequence()  # changed behind the group's back
+    with pytest.raises(RuntimeError, match="different ids"):
+        caches.add_sequence()
+    with pytest.raises(TypeError, match="stores"):
+        af.PagedLayerCaches(2, 1, 4, dtype="complex64")
+    f16 = af.PagedLayerCaches(2, 1, 4, dtype="float16")
+    j = f16.add_sequence()
+    with pytest.raises(TypeError, match="float16"):  # a float32 chunk for a float16 layer
+        f16[1].append(j, randn(rng, (1, 1, 2, 4)), randn(rng, (1, 1, 2, 4)))
+    assert f16[1].lengths[j] == 0
+
+
+@pytest.mark.parametrize("window", [None, 30, 100])
+def test_random_ops_with_truncate_and_windows(isa, rng, window):
+    """Random add / append / fork / free / truncate against a model (each sequence's full
+    history): the stored keys are its last ``lengths`` tokens, every block is free or held
+    with reference count = holders, truncate fails exactly when the window's keys before n
+    were released (and then changes nothing); attention against the oracle at the end."""
+    H, d, bs = 1, 3, 64
+    cache = af.PagedKVCache(H, d, num_blocks=4, window=window)
+    model = {}  # seq_id -> full history (keys (H, pos, d), values (H, pos, d))
+    empty = np.zeros((H, 0, d), F32)
+    for _ in range(150):
+        op = rng.integers(5) if model else 0
+        if op == 0:
+            model[cache.add_sequence()] = (empty, empty)
+        elif op == 1:
+            src = int(rng.choice(list(model)))
+            model[cache.fork(src)] = model[src]
+        elif op == 2 and len(model) > 1:
+            i = int(rng.choice(list(model)))
+            cache.free(i)
+            del model[i]
+        elif op == 3:
+            i = int(rng.choice(list(model)))
+            pos = model[i][0].shape[1]
+            n = int(rng.integers(0, pos + 1))
+            gone = pos - cache.lengths[i]  # positions released by the window
+            if window is not None and gone > max(0, n - (window - 1)):
+                with pytest.raises(ValueError, match="were released"):
+                    cache.truncate(i, n)
+            else:
+                cache.truncate(i, n)
+                model[i] = (model[i][0][:, :n], model[i][1][:, :n])
+        else:
+            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
+            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
+            lens = rng.integers(0, L + 1, size=len(ids))
+            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
+            cache.append(ids, k, v, lengths=lens)
+            for j, i in enumerate(ids):
+                K, V = model[i]
+                model[i] = (
+                    np.concatenate([K, k[j, :, : lens[j]]], 1),
+                    np.concatenate([V, v[j, :, : lens[j]]], 1),
+                )
+        held = {}
+        for i, (K, V) in model.items():
+            pos, n = K.shape[1], cache.lengths[i]
+            assert cache.positions[i] == pos and (n == pos or window is not None)
+            np.testing.assert_array_equal(cache.keys(i), K[:, pos - n :])
+            np.testing.assert_array_equal(cache.values(i), V[:, pos - n :])
+            for g in cache.block_table(i)[0, : -(-n // bs)]:
+                held[int(g)] = held.get(int(g), 0) + 1
+        assert cache.free_blocks + len(held) == cache.num_blocks
+        assert all(cache._ref[g] == c for g, c in held.items())
+    ids = list(model)
+    cache.append(ids, randn(rng, (len(ids), H, 1, d)), randn(rng, (len(ids), H, 1, d)))
+    q = randn(rng, (len(ids), 2, 1, d))
+    o, lse = cache.attend(ids, q, out=poisoned((len(ids), 2, 1, d), F32), return_lse=True)
+    if window is None:
+        check_oracle(cache, ids, q, o, lse, [1] * len(ids))
+    else:
+        check_window(cache, ids, q, o, lse, [1] * len(ids))
+
+
+def test_window_non_causal_and_non_contiguous(isa, rng):
+    """causal=False with a window: the window still bounds the left side; transposed views
+    of k, v and q."""
+    H, Hq, d, w = 2, 4, 16, 20
+    cache = af.PagedKVCache(H, d, window=w)
+    ids = [cache.add_sequence() for _ in range(2)]
+    k = randn(rng, (2, 100, H, d)).transpose(0, 2, 1, 3)
+    v = randn(rng, (2, d, H, 100)).transpose(0, 2, 3, 1)
+    cache.append(ids, k, v, lengths=[100, 70])
+    cache.append(ids, k[:, :, :5], v[:, :, :5])  # releases block 0 of the longer one
+    assert cache.lengths == {ids[0]: 105 - 64, ids[1]: 75}
+    q = randn(rng, (2, 5, Hq, d)).transpose(0, 2, 1, 3)
+    for causal in (True, False):
+        o, lse = cache.attend(ids, q, causal=causal, return_lse=True)
+        check_window(cache, ids, q, o, lse, [5, 5], causal=causal)

@@ -54,9 +54,9 @@ from .kv_cache import KVCache, LayerCaches, merge_attention_states  # noqa: E402
 
 __all__ += ["KVCache", "LayerCaches", "merge_attention_states"]
 
-from .paged_cache import PagedKVCache  # noqa: E402
+from .paged_cache import PagedKVCache, PagedLayerCaches  # noqa: E402
 
-__all__ += ["PagedKVCache"]
+__all__ += ["PagedKVCache", "PagedLayerCaches"]
 
 # Layers: positions, multi-head attention, Transformer block, a tiny LM.
 from . import positional  # noqa: E402

@@ -44,6 +44,27 @@ copied on the first write of either sequence that still shares it
 return to the free list and are reused by later appends. Sequence ids are
 never reused: a freed id raises ValueError wherever it is passed.
 
+Sliding window (``window=w``): a query at position p sees the keys at
+positions p-w+1 .. p (itself and the w-1 before it; ``KVCache(window=w)``'s
+rule, ``window_size=(w-1, 0)``). An append of c > 0 tokens to a sequence at
+position n first releases the blocks whose keys all lie before n-w+1 (no
+query from then on sees them: they go back to the pool, or stay with a
+sequence that still shares them), so a sequence holds at most
+ceil((w - 1 + c) / bs) + 1 blocks, whatever its length. Its block table then
+starts at its first held block (``first`` blocks were dropped from its
+front) and the kernel gets the stored keys with their positions shifted by
+``first * bs``: bottom-right causal and window masks depend only on the
+positions relative to the last key, so no kernel argument changes.
+``positions`` counts every token appended (the next RoPE position);
+``lengths`` counts those still stored. An append holds its whole chunk
+until the next one (its own queries need it), and the pool never shrinks:
+prefill a long prompt in chunks to keep the pool at the window's size.
+
+Truncation (``truncate(seq_id, n)``): keep positions < n; the blocks past
+them are released (a shared block only loses this sequence's reference), a
+shared block that is now the partly filled last one is copied on the next
+write (copy-on-write, as after ``fork``).
+
 Storage types: float32 (default), float64, float16 and bfloat16 (the uint16
 bits; chunks and queries in that dtype, computed in float32, as
 ``KVCache(dtype=...)``), and ``"int8"``: the codes of ``KVCache(dtype="int8")``
@@ -89,20 +110,23 @@ from .kv_cache import (
 from .masks import MaskArgs
 from .positional import RoPE
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "PagedLayerCaches"]
 
 _SUPPORTED = "float32, float64, float16, bfloat16 or int8"
 
 
 class _Seq:
-    """One sequence: its block table (a growing int64 array), blocks in use, tokens stored."""
+    """One sequence: its block table (a growing int64 array of the blocks it holds, in
+    order), blocks in use, tokens appended (its next position) and the logical index of
+    its first held block (``first``: blocks before it were released by the window)."""
 
-    __slots__ = ("table", "nblk", "n", "last_new", "last_L", "stage", "stage_grp")
+    __slots__ = ("table", "nblk", "n", "first", "last_new", "last_L", "stage", "stage_grp")
 
-    def __init__(self, table, nblk=0, n=0, stage=None, stage_grp=None):
+    def __init__(self, table, nblk=0, n=0, stage=None, stage_grp=None, first=0):
         self.table = table
         self.nblk = nblk
         self.n = n
+        self.first = first  # token t lives in row t % bs of block table[t // bs - first]
         # int8: the float32 keys of the key group being filled (1, H_kv, 64, d) and its group
         self.stage = stage
         self.stage_grp = stage_grp
@@ -132,12 +156,18 @@ class PagedKVCache:
         blocks and an append that needs more raises ValueError.
     max_seq_len : int or None, the most tokens one sequence may hold (its
         block table's length times block_size; default unbounded). An append
-        beyond it raises ValueError.
+        beyond it raises ValueError (with a window: the tokens still stored).
+    window : int >= 1 or None (default): sliding-window attention over the
+        last ``window`` positions (module docstring); the blocks before the
+        window return to the pool as the sequences grow.
 
     Attributes
     ----------
     seq_ids : list of the live sequences' ids, in creation order.
-    lengths : dict seq_id -> tokens stored (a copy).
+    lengths : dict seq_id -> tokens stored (a copy; fewer than ``positions``
+        once a window released blocks).
+    positions : dict seq_id -> tokens appended, the position of the next
+        token (what RoPE offsets use).
     num_blocks : int, blocks in the pool now (all chunks).
     free_blocks : int, blocks on the free list.
     nbytes : int, bytes of the pool's K and V storage allocated
@@ -157,6 +187,7 @@ class PagedKVCache:
         dtype: DTypeLike | str = np.float32,
         growable: bool = True,
         max_seq_len: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
@@ -181,6 +212,7 @@ class PagedKVCache:
         self.io_dtype = np.dtype(np.float32) if self._q8 else dt
         self.growable = bool(growable)
         self.max_seq_len = None if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
+        self.window = None if window is None else check_int(window, "window", 1)
         self._kc: list[np.ndarray] = []
         self._vc: list[np.ndarray] = []
         # int8: the scale / offset chunks beside the code chunks (empty otherwise)
@@ -248,7 +280,15 @@ class PagedKVCache:
 
     @property
     def lengths(self) -> dict[int, int]:
+        return {i: self._stored(s) for i, s in self._seqs.items()}
+
+    @property
+    def positions(self) -> dict[int, int]:
         return {i: s.n for i, s in self._seqs.items()}
+
+    def _stored(self, s):
+        """Tokens s still stores (all of them unless a window released blocks)."""
+        return s.n - s.first * self.block_size
 
     def __len__(self) -> int:
         """The number of live sequences."""
@@ -258,10 +298,11 @@ class PagedKVCache:
         return seq_id in self._seqs
 
     def __repr__(self) -> str:
+        w = "" if self.window is None else f", window={self.window}"
         return (
             f"PagedKVCache(num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"v_head_dim={self.v_head_dim}, block_size={self.block_size}, "
-            f"dtype={dtype_name(self.dtype)}, blocks={self.num_blocks} "
+            f"dtype={dtype_name(self.dtype)}{w}, blocks={self.num_blocks} "
             f"({self.free_blocks} free), lengths={self.lengths})"
         )
 
@@ -317,6 +358,7 @@ class PagedKVCache:
             s.n,
             None if s.stage is None else s.stage.copy(),
             None if s.stage_grp is None else s.stage_grp.copy(),
+            s.first,
         )
         self._ref[s.table[: s.nblk]] += 1
         return i
@@ -326,20 +368,99 @@ class PagedKVCache:
 
         ValueError for an unknown or already freed id."""
         s = self._seq(seq_id)
-        blocks = s.table[: s.nblk]
-        self._ref[blocks] -= 1
-        self._free.extend(int(g) for g in blocks[self._ref[blocks] == 0][::-1])
+        self._release(s.table[: s.nblk])
         del self._seqs[int(seq_id)]
         self._freed.add(int(seq_id))
 
+    def _release(self, blocks):
+        """Drop one reference to each of blocks (distinct ids); those nobody holds are freed."""
+        self._ref[blocks] -= 1
+        self._free.extend(int(g) for g in blocks[self._ref[blocks] == 0][::-1])
+
+    def _drop_front(self, s, k):
+        """Release the first k held blocks of s (the window moved past them)."""
+        if k:
+            self._release(s.table[:k].copy())
+            s.table = np.concatenate([s.table[k:], np.zeros(k, np.int64)])
+            s.nblk -= k
+            s.first += k
+
+    def _window_drops(self, seqs, new):
+        """Blocks each sequence releases before an append of new[i] rows: those whose keys all
+        lie before position n - window + 1 (no later query sees them); 0 without a window."""
+        if self.window is None:
+            return [0] * len(seqs)
+        bs, w = self.block_size, self.window
+        return [
+            max(0, (s.n - w + 1) // bs - s.first) if c else 0 for s, c in zip(seqs, new.tolist())
+        ]
+
+    def _freed_by(self, seqs, drops):
+        """How many blocks return to the free list when each seqs[i] drops drops[i] blocks."""
+        blocks = [s.table[:k] for s, k in zip(seqs, drops) if k]
+        if not blocks:
+            return 0
+        g, c = np.unique(np.concatenate(blocks), return_counts=True)
+        return int((self._ref[g] == c).sum())
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Keep the first n tokens of sequence seq_id (positions < n), drop the rest.
+
+        seq_id : a live id; n : int, 0 <= n <= ``positions[seq_id]``.
+
+        For rejected speculative tokens and beam pruning. The blocks past the
+        first n tokens are released (a block another sequence shares only
+        loses this sequence's reference); a shared block that becomes this
+        sequence's partly filled last block is copied on its next append
+        (copy-on-write), so the sharers are unchanged. int8: the open key
+        group is requantised from its codes when the next append reopens it.
+
+        ValueError (nothing changes) when n < 0, n > ``positions[seq_id]``,
+        seq_id is unknown or freed, or with a window when the cache no
+        longer holds the window - 1 keys before position n (their blocks
+        were released).
+        """
+        s = self._seq(seq_id)
+        self._cut(s, self._check_truncate(s, seq_id, n))
+
+    def _check_truncate(self, s, seq_id, n):
+        """n as an int, or ValueError if s cannot be truncated to n tokens (see truncate)."""
+        n = check_int(n, "n", 0)
+        if n > s.n:
+            raise ValueError(
+                f"cannot truncate sequence {int(seq_id)} to {n} tokens: it holds {s.n}"
+            )
+        bs = self.block_size
+        need = n if self.window is None else max(0, n - (self.window - 1))
+        if s.first * bs > need:
+            raise ValueError(
+                f"cannot truncate sequence {int(seq_id)} to {n} tokens: the window "
+                f"{self.window} needs the keys from position {need} on, but the blocks before "
+                f"position {s.first * bs} were released"
+            )
+        return n
+
+    def _cut(self, s, n):
+        """Truncate s to its first n tokens (checked by _check_truncate)."""
+        keep = -(-n // self.block_size) - s.first  # held blocks still needed
+        self._release(s.table[keep : s.nblk].copy())
+        s.table[keep : s.nblk] = 0
+        s.nblk, s.n = keep, n
+        s.last_new, s.last_L = 0, -1
+
     def lengths_of(self, seq_ids: ArrayLike | int) -> np.ndarray:
-        """The (B,) int64 lengths of the sequences seq_ids."""
+        """The (B,) int64 stored lengths of the sequences seq_ids (``lengths``)."""
+        return np.array([self._stored(s) for s in self._resolve(seq_ids)[1]], dtype=np.int64)
+
+    def positions_of(self, seq_ids: ArrayLike | int) -> np.ndarray:
+        """The (B,) int64 positions (tokens appended) of the sequences seq_ids."""
         return np.array([s.n for s in self._resolve(seq_ids)[1]], dtype=np.int64)
 
     def keys(self, seq_id: int) -> np.ndarray:
         """Stored keys of one sequence in position order, (H_kv, length, d), a copy
         (bfloat16 as ``ml_dtypes.bfloat16`` when importable, else its uint16 bits; int8:
-        the dequantised float32 keys, what ``attend`` reads)."""
+        the dequantised float32 keys, what ``attend`` reads). With a window, the keys
+        still stored: positions ``positions[seq_id] - lengths[seq_id]`` on."""
         s = self._seq(seq_id)
         if self._q8:
             return self._gather(s, self._dequant_keys, self.head_dim)
@@ -366,7 +487,7 @@ class PagedKVCache:
         parts = [block(int(g)) for g in s.table[: s.nblk]]
         if not parts:
             return np.empty((self.num_kv_heads, 0, dim), dtype=self.io_dtype)
-        return np.concatenate(parts, axis=1)[:, : s.n]
+        return np.concatenate(parts, axis=1)[:, : self._stored(s)]
 
     def _dtype_error(self, name, x):
         return _cache_dtype_error(name, x, self._q8, self.dtype)
@@ -425,10 +546,14 @@ class PagedKVCache:
                     "k or v holds inf or NaN: an int8 cache stores finite values only "
                     "(nothing was stored)"
                 )
-        if self.max_seq_len is not None and (n_old + new > self.max_seq_len).any():
+        bs = self.block_size
+        drops = self._window_drops(seqs, new)
+        stored = np.array([self._stored(s) for s in seqs], dtype=np.int64)
+        kept = stored - np.array(drops, dtype=np.int64) * bs  # stored once the window moved
+        if self.max_seq_len is not None and (kept + new > self.max_seq_len).any():
             raise ValueError(
                 f"block table overflow: appending {new.tolist()} tokens to sequences {ids} "
-                f"of lengths {n_old.tolist()} exceeds max_seq_len = {self.max_seq_len}"
+                f"of lengths {stored.tolist()} exceeds max_seq_len = {self.max_seq_len}"
             )
         if rope is not None and rope.rotary_dim and L:  # before the pool changes
             pos = n_old[:, None] + np.arange(L)
@@ -438,19 +563,21 @@ class PagedKVCache:
                 )
             else:
                 k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.io_dtype)
-        bs = self.block_size
         need = 0  # blocks this append takes from the free list
         for s, c in zip(seqs, new.tolist()):
             if c:
-                need += -(-(s.n + c) // bs) - s.nblk
+                need += -(-(s.n + c) // bs) - s.first - s.nblk
                 need += bool(s.n % bs and self._ref[s.table[s.nblk - 1]] > 1)  # copy-on-write
+        avail = len(self._free) + self._freed_by(seqs, drops)
+        if need > avail and not self.growable:
+            raise ValueError(
+                f"pool exhausted: appending {new.tolist()} tokens to sequences {ids} needs "
+                f"{need} free blocks, {avail} of {self.num_blocks} are free "
+                "(growable=False); free finished sequences or use a larger num_blocks"
+            )
+        for s, nd in zip(seqs, drops):  # the window moved past these blocks
+            self._drop_front(s, nd)
         if need > len(self._free):
-            if not self.growable:
-                raise ValueError(
-                    f"pool exhausted: appending {new.tolist()} tokens to sequences {ids} needs "
-                    f"{need} free blocks, {len(self._free)} of {self.num_blocks} are free "
-                    "(growable=False); free finished sequences or use a larger num_blocks"
-                )
             self._grow(-(-(need - len(self._free)) // self.chunk_blocks))
         for i, (s, c) in enumerate(zip(seqs, new.tolist())):
             s.last_new, s.last_L = c, L
@@ -460,7 +587,7 @@ class PagedKVCache:
     def _write(self, s, k, v, c):
         """Rows [0, c) of k (H_kv, L, d) and v (H_kv, L, dv) after s's last token."""
         bs = self.block_size
-        total = -(-(s.n + c) // bs)
+        total = -(-(s.n + c) // bs) - s.first  # held blocks after the write
         if total > len(s.table):
             s.table = np.concatenate([s.table, np.zeros(max(total, 2 * len(s.table)), np.int64)])
         if s.n % bs and self._ref[s.table[s.nblk - 1]] > 1:  # copy-on-write of the shared tail
@@ -478,7 +605,7 @@ class PagedKVCache:
             s.nblk += 1
         t, p = 0, s.n
         while t < c:
-            g, r = int(s.table[p // bs]), p % bs
+            g, r = int(s.table[p // bs - s.first]), p % bs
             m = min(c - t, bs - r)
             if self._q8:
                 self._quantise(s, g, p, k[None, :, t : t + m], v[None, :, t : t + m])
@@ -527,9 +654,11 @@ class PagedKVCache:
             head h // (H_q // H_kv)); the cache's dtype; any strides.
 
         causal : bottom-right aligned per sequence, as ``KVCache.attend``: query
-            row i of sequence b is at position length[b] - q_lens[b] + i and sees
-            the keys up to it (chunked prefill, decode). ``causal=False``: every
-            stored key is visible.
+            row i of sequence b is at position positions[b] - q_lens[b] + i and
+            sees the keys up to it (chunked prefill, decode). ``causal=False``:
+            every stored key is visible. With a window, also only the keys
+            from its position - window + 1 on (ValueError if q_lens reaches
+            back to released blocks).
 
         q_lens : int or (B,) ints: valid query rows per sequence (rows beyond get
             zeros and lse = -inf). Default: each sequence's last append length
@@ -563,7 +692,7 @@ class PagedKVCache:
             holds="seq_ids names",
         )
         Lq = q.shape[2]
-        n = np.array([s.n for s in seqs], dtype=np.int64)
+        n = np.array([self._stored(s) for s in seqs], dtype=np.int64)
         if q_lens is None:
             if seqs and all(s.last_L == Lq for s in seqs):
                 ql = np.array([s.last_new for s in seqs], dtype=np.int64)
@@ -576,6 +705,19 @@ class PagedKVCache:
                 f"q_lens {ql.tolist()} exceed the stored lengths {n.tolist()} of sequences "
                 f"{ids}: append the chunk first"
             )
+        if self.window is not None:
+            # Query row 0 of sequence b sits at position pos - ql and sees keys from
+            # pos - ql - (window - 1) on (causal or not): they must still be stored.
+            pos = np.array([s.n for s in seqs], dtype=np.int64)
+            needed = np.maximum(0, pos - ql - (self.window - 1))
+            lost = (ql > 0) & (needed < pos - n)
+            if lost.any():
+                raise ValueError(
+                    f"q_lens {ql.tolist()} of sequences {ids} reach back to positions "
+                    f"{needed.tolist()}, but their blocks before positions {(pos - n).tolist()} "
+                    f"were released (window {self.window}); attend right after appending the "
+                    "chunk"
+                )
         scale = check_scale(scale, self.head_dim, self.io_dtype)
         shape = (B, q.shape[1], Lq, self.v_head_dim)
         target = None
@@ -605,7 +747,10 @@ class PagedKVCache:
         return tab
 
     def _run(self, q, o, lse, seqs, ql, n, scale, causal):
-        mask = MaskArgs(causal=causal, q_lens=ql, kv_lens=n)
+        # With a window the table starts at the first held block: positions shift by
+        # first * bs for every key and query alike, which bottom-right masks ignore.
+        wl = -1 if self.window is None else self.window - 1
+        mask = MaskArgs(causal=causal, q_lens=ql, kv_lens=n, window_left=wl)
         kernel = _dispatch.choose_kernel(
             Lq=q.shape[2], Lk=int(n.max(initial=0)), mask=mask, keys=_dispatch.KEYS_PAGED
         )
@@ -623,3 +768,101 @@ class PagedKVCache:
                 KGROUP,
             )
         _dispatch.attend_paged(q, pages, o, lse, scale=scale, mask=mask)
+
+
+class PagedLayerCaches:
+    """One PagedKVCache per layer of a model, with one sequence id space for all layers.
+
+    ``PagedLayerCaches(num_layers, <PagedKVCache args>)``: every layer gets a
+    pool built from the same arguments, except ``window``, which may also be
+    a list of num_layers entries (an int or None per layer: models that mix
+    sliding-window and full-attention layers). ``add_sequence``, ``fork``,
+    ``free`` and ``truncate`` apply to every layer, so one id names the same
+    sequence in each (``caches[i].append(ids, ...)`` / ``caches[i].attend(ids,
+    ...)`` per layer, as a decoder runs them). Indexable (``caches[i]``,
+    IndexError out of range), iterable, ``len()`` = num_layers; ``nbytes``
+    and ``used_nbytes`` sum all layers; ``positions`` is layer 0's (every
+    layer has the same after each step). Changing the sequences of one layer
+    directly (``caches[i].add_sequence()``) breaks the shared id space: the
+    next ``add_sequence`` / ``fork`` here raises RuntimeError.
+    """
+
+    def __init__(self, num_layers: int, *args: Any, window: Any = None, **kwargs: Any) -> None:
+        num_layers = check_int(num_layers, "num_layers", 1)
+        if isinstance(window, (list, tuple)):
+            if len(window) != num_layers:
+                raise ValueError(
+                    f"window has {len(window)} entries but there are {num_layers} layers"
+                )
+            windows = list(window)
+        else:
+            windows = [window] * num_layers
+        self._caches = [PagedKVCache(*args, window=w, **kwargs) for w in windows]
+
+    def __getitem__(self, i: int) -> PagedKVCache:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"layer index must be an int, got {i!r}")
+        n = len(self._caches)
+        if not -n <= int(i) < n:
+            raise IndexError(f"layer index {int(i)} out of range for {n} layers")
+        return self._caches[int(i)]
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def __iter__(self):
+        return iter(self._caches)
+
+    def __repr__(self) -> str:
+        return f"PagedLayerCaches({len(self)} layers, {self._caches[0]!r})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._caches)
+
+    @property
+    def used_nbytes(self) -> int:
+        return sum(c.used_nbytes for c in self._caches)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self._caches[0].seq_ids
+
+    @property
+    def positions(self) -> dict[int, int]:
+        return self._caches[0].positions
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._caches[0]
+
+    def _same(self, ids):
+        if len(set(ids)) != 1:
+            raise RuntimeError(
+                f"the layers gave the new sequence different ids {ids}: a layer's sequences "
+                "were changed directly, not through PagedLayerCaches"
+            )
+        return ids[0]
+
+    def add_sequence(self) -> int:
+        """A new empty sequence in every layer; returns its id."""
+        return self._same([c.add_sequence() for c in self._caches])
+
+    def fork(self, seq_id: int) -> int:
+        """fork(seq_id) in every layer (copy-on-write sharing); returns the new id."""
+        for c in self._caches:  # unknown / freed ids raise before anything changes
+            c._seq(seq_id)
+        return self._same([c.fork(seq_id) for c in self._caches])
+
+    def free(self, seq_id: int) -> None:
+        """free(seq_id) in every layer (ValueError for an unknown or freed id)."""
+        for c in self._caches:
+            c._seq(seq_id)
+        for c in self._caches:
+            c.free(seq_id)
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        """truncate(seq_id, n) in every layer; checked in every layer first, so on error
+        no layer changes."""
+        ns = [c._check_truncate(c._seq(seq_id), seq_id, n) for c in self._caches]
+        for c, m in zip(self._caches, ns):
+            c._cut(c._seq(seq_id), m)

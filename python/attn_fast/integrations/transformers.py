@@ -46,6 +46,8 @@ backend; ``AttnFastCache`` (``attn_fast.integrations.transformers_cache``)
 keeps K/V in ``attn_fast.KVCache`` objects (float32 / float16 / bfloat16
 storage, ...) and decodes with their split-KV kernel:
 ``model.generate(..., cache=AttnFastCache(model.config, dtype="bfloat16"))``.
+``AttnFastPagedCache`` is the same with one ``attn_fast.PagedKVCache`` pool
+per layer (any storage type, int8 included; beam search forks sequences).
 
 Anything attn_fast cannot compute exactly raises rather than computing
 something else: dropout > 0 (training mode), ``output_attentions=True``,
@@ -86,9 +88,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import functional as _functional
 from .._checks import as_array
-from .transformers_cache import AttnFastCache, attend_cached, cache_layer
+from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
+__all__ += ["AttnFastPagedCache"]
 
 NAME = "attn_fast"
 

@@ -1,4 +1,4 @@
-"""A transformers ``Cache`` backed by ``attn_fast.KVCache``, one per layer.
+"""A transformers ``Cache`` backed by ``attn_fast.KVCache`` (or ``PagedKVCache``), one per layer.
 
     import attn_fast.integrations.transformers as af_hf
     af_hf.register()
@@ -48,6 +48,19 @@ float32), and the attention output is cast back to the model's dtype. A
 storage dtype that is not a float type (int8, which KVCache quantises on
 append) gets float32 chunks and queries.
 
+Paged storage
+-------------
+``AttnFastPagedCache(model.config, dtype=..., block_size=64)`` is the same
+cache with one ``attn_fast.PagedKVCache`` pool per layer, one sequence per
+batch row: the same mask handling, storage types (int8 included) and
+errors. Every chunk, prefill included, runs the split-KV decode kernel
+through the block tables; sliding-window layers use ``PagedKVCache(window=w)``,
+which returns the blocks before the window to the pool. Beam search
+(``reorder_cache``) and ``batch_repeat_interleave`` fork the kept sequences
+(copy-on-write: no K/V copied, any storage type) and free the others;
+``crop`` truncates each sequence. In float32 it gives the same greedy and
+beam tokens as the contiguous cache and as sdpa (``tests/test_paged_transformers.py``).
+
 What it supports, and what raises
 ---------------------------------
 Full-attention and sliding-window layers (``KVCache(window=w)``, the ring
@@ -81,8 +94,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from .. import _checks
 from ..kv_cache import KVCache
+from ..paged_cache import PagedKVCache
 
-__all__ = ["AttnFastCache", "AttnFastLayer"]
+__all__ = ["AttnFastCache", "AttnFastLayer", "AttnFastPagedCache", "AttnFastPagedLayer"]
 
 _LAYER_ATTR = "_attn_fast_layer"  # set on the tensors update() returns
 
@@ -286,6 +300,23 @@ class AttnFastLayer(CacheLayerMixin):
         return _TORCH_OF.get(self.kv.dtype, torch.float32)
 
 
+def _layer_windows(config, name="AttnFastCache"):
+    """Per decoder layer: None (full attention) or its sliding window."""
+    text = config.get_text_config(decoder=True)
+    windows = []
+    for i, (kind, kw) in enumerate(zip(*get_layer_types_and_kwargs(text))):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            windows.append(int(kw["sliding_window"]))
+        else:
+            raise NotImplementedError(
+                f"{name}: layer {i} is a {kind!r} layer; only full_attention and "
+                "sliding_attention layers are supported"
+            )
+    return windows
+
+
 class AttnFastCache(Cache):
     """A transformers Cache whose layers are ``attn_fast.KVCache`` objects.
 
@@ -318,19 +349,8 @@ class AttnFastCache(Cache):
                 f"{type(config).__name__}"
             )
         self.config = config
-        text = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers = []
-        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind == "full_attention":
-                window = None
-            elif kind in ("sliding_attention",):
-                window = int(kw["sliding_window"])
-            else:
-                raise NotImplementedError(
-                    f"AttnFastCache: layer {i} is a {kind!r} layer; only full_attention and "
-                    "sliding_attention layers are supported"
-                )
+        for i, window in enumerate(_layer_windows(config)):
             layer = AttnFastLayer(dtype=dtype, window=window, capacity=capacity, owner=self)
             layer.layer_idx = i
             layers.append(layer)
@@ -355,6 +375,173 @@ class AttnFastCache(Cache):
     @property
     def nbytes(self):
         return sum(layer.kv.nbytes for layer in self.layers if layer.kv is not None)
+
+
+# --------------------------------------------------------------------------- paged
+
+
+class _PagedBatch:
+    """The B sequences of one generation in a PagedKVCache (one id per batch row), with the
+    KVCache batch interface that AttnFastLayer and ``attend_cached`` use."""
+
+    def __init__(self, cache, B):
+        self.cache = cache
+        self.ids = [cache.add_sequence() for _ in range(B)]
+
+    def __repr__(self):
+        return f"sequences {self.ids} of {self.cache!r}"
+
+    @property
+    def batch(self):
+        return len(self.ids)
+
+    @property
+    def num_kv_heads(self):
+        return self.cache.num_kv_heads
+
+    @property
+    def dtype(self):
+        return self.cache.dtype
+
+    @property
+    def nbytes(self):
+        return self.cache.nbytes
+
+    @property
+    def lengths(self):
+        return self.cache.lengths_of(self.ids)
+
+    @property
+    def positions(self):
+        return self.cache.positions_of(self.ids)
+
+    def append(self, k, v, lengths=None):
+        self.cache.append(self.ids, k, v, lengths=lengths)
+
+    def attend(self, q, scale=None, q_lens=None):
+        return self.cache.attend(self.ids, q, scale=scale, q_lens=q_lens)
+
+    def truncate(self, n):
+        n = np.broadcast_to(np.asarray(n, dtype=np.int64), (self.batch,))
+        c = self.cache
+        checked = [c._check_truncate(c._seq(i), i, int(m)) for i, m in zip(self.ids, n)]
+        for i, m in zip(self.ids, checked):  # every sequence checked first: all or nothing
+            c.truncate(i, m)
+
+    def reset(self):
+        B = self.batch
+        for i in self.ids:
+            self.cache.free(i)
+        self.ids = [self.cache.add_sequence() for _ in range(B)]
+
+    def select(self, idx):
+        """Batch row i becomes a fork of row idx[i] (copy-on-write: no K/V copied); the old
+        sequences are freed (blocks that no fork kept return to the pool)."""
+        new = [self.cache.fork(self.ids[int(b)]) for b in idx]
+        for i in self.ids:
+            self.cache.free(i)
+        self.ids = new
+
+
+class AttnFastPagedLayer(AttnFastLayer):
+    """One decoder layer's cache: a ``PagedKVCache`` (one sequence per batch row), created at
+    the first ``update``.
+
+    dtype : PagedKVCache storage dtype, or None for the dtype of the first keys.
+
+    window : int or None, sliding window (blocks before it return to the pool).
+
+    block_size, num_blocks : PagedKVCache's (rows per block; blocks per pool chunk).
+
+    owner : the AttnFastPagedCache.
+
+    ``kv`` is the batch's view of the pool (``kv.cache`` the PagedKVCache,
+    ``kv.ids`` the sequence of each batch row). Beam search and
+    ``batch_repeat_interleave`` fork sequences (copy-on-write, every
+    storage type, int8 included) instead of copying them.
+    """
+
+    def __init__(self, dtype=None, window=None, block_size=64, num_blocks=64, owner=None):
+        super().__init__(dtype=dtype, window=window, owner=owner)
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+
+    def lazy_initialization(self, key_states, value_states):
+        B, H, _, d = key_states.shape
+        dtype = key_states.dtype if self.storage_dtype is None else self.storage_dtype
+        pool = PagedKVCache(
+            H,
+            d,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            v_head_dim=value_states.shape[-1],
+            dtype=_storage_arg(dtype),
+            window=self.window,
+        )
+        self.kv = _PagedBatch(pool, B)
+        self.device = torch.device("cpu")
+        self.valid = np.zeros(B, dtype=np.int64)
+        self.is_initialized = True
+
+    def _select(self, idx):
+        if idx.size and (idx.min() < 0 or idx.max() >= self.kv.batch):
+            raise IndexError(f"batch indices {idx.tolist()} out of range for batch {self.kv.batch}")
+        self.kv.select(idx)
+        self.valid = self.valid[idx].copy()
+        self.pending = None
+
+
+class AttnFastPagedCache(AttnFastCache):
+    """A transformers Cache whose layers are ``attn_fast.PagedKVCache`` pools.
+
+    Parameters
+    ----------
+    config : the model's config (``model.config``), as for AttnFastCache.
+
+    dtype : PagedKVCache storage dtype: float32, "float16", "bfloat16",
+        "int8" (8-bit codes, float32 chunks and queries), ... or a
+        torch/NumPy dtype; None = the model's dtype.
+
+    block_size : token rows per block (a multiple of 64; default 64).
+
+    num_blocks : blocks per pool chunk (default 64; the pool grows by chunks).
+
+    Notes
+    -----
+    Used as AttnFastCache (``attn_implementation="attn_fast"``,
+    ``model.generate(..., cache=cache)``), with the same mask handling and
+    errors (module docstring). Each layer's pool holds one sequence per
+    batch row: decode reads the blocks in place through the block tables
+    (``_core.decode_paged``), prefill chunks run the same decode kernel.
+    Sliding-window layers release the blocks before their window as the
+    sequences grow. Beam search (``reorder_cache``) forks the kept
+    sequences (copy-on-write, so no K/V is copied; int8 works too) and frees
+    the rest; ``crop`` truncates each sequence.
+    """
+
+    def __init__(self, config, dtype=None, block_size=64, num_blocks=64):
+        if config is None or not hasattr(config, "get_text_config"):
+            raise TypeError(
+                "AttnFastPagedCache needs the model's config (model.config), got "
+                f"{type(config).__name__}"
+            )
+        self.config = config
+        # Bad dtype / block_size / num_blocks raise here, not mid-generate.
+        PagedKVCache(
+            1,
+            1,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=_storage_arg("float32" if dtype is None else dtype),
+        )
+        layers = []
+        for i, window in enumerate(_layer_windows(config, "AttnFastPagedCache")):
+            layer = AttnFastPagedLayer(
+                dtype=dtype, window=window, block_size=block_size, num_blocks=num_blocks, owner=self
+            )
+            layer.layer_idx = i
+            layers.append(layer)
+        Cache.__init__(self, layers=layers)
 
 
 # --------------------------------------------------------------------------- attention
