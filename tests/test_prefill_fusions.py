@@ -12,7 +12,8 @@ the float64 oracle:
 - the same values as contiguous rows, as rows with padding between them
   (unit stride, not dense) and as a last axis of stride 2 (the element loops);
 - the same scores with and without an additive mask of zeros (a transform:
-  the tile then takes the unfused max and softmax).
+  the tile then takes the unfused max and softmax), on whole tiles and on
+  tiles the causal mask, windows or the padding columns cut.
 """
 
 from __future__ import annotations
@@ -147,6 +148,29 @@ def test_zero_bias_changes_no_bit(isa, rng, src, causal, L, d):
     np.testing.assert_array_equal(bits(o1), bits(o2))
     np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
     check_oracle(o1, q, k, v, src, causal)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("window", [(40, 0), (100, 30), (None, 60), (7, 7)])
+@pytest.mark.parametrize("L", [129, 300])
+def test_zero_bias_changes_no_bit_under_windows(isa, rng, src, window, L):
+    """Sliding windows cut tiles on both sides (the fused max counts only each row's visible
+    columns [lo, hi), rows with none left at -inf): the bits of the unfused path."""
+    skip_missing(src)
+    d = 64
+    q, k, v = rounded(rng, src, (1, 2, L, d), (1, 2, L, d), (1, 2, L, d))
+    Q, K, V = (as_source(x, src) for x in (q, k, v))
+    o1, lse1 = sdpa(Q, K, V, window_size=window, return_lse=True)
+    zero = np.zeros((L, L), np.float32)
+    o2, lse2 = sdpa(Q, K, V, attn_mask=zero, window_size=window, return_lse=True)
+    np.testing.assert_array_equal(bits(o1), bits(o2))
+    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
+    left, right = (L if w is None else w for w in window)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    vis = (j >= i - left) & (j <= i + right)
+    want = ref.sdpa(f64(q), f64(k), f64(v), mask=vis)
+    tol = 2e-5 if src == "float32" else 2.0**-7
+    np.testing.assert_allclose(f64(o1), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("src", SOURCES)

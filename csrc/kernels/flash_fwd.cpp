@@ -43,8 +43,18 @@
 //   FMAs; the inner loops are pure loads and FMAs (checked in the
 //   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4. Packing: unit-stride Q and
 //   K rows are transposed in registers where the vector type has
-//   store_interleaved6 / store_transposed16 (AVX-512 float), element by
-//   element otherwise; a V strip row is copied and checked in one pass.
+//   store_interleaved6 / store_transposed16 (AVX-512 float; on the vdpbf16ps
+//   path the same transposes move 32-bit bf16 pairs), element by element
+//   otherwise; a V strip row is copied and checked in one pass (bf16: two key
+//   rows widened into pairs, the inf/NaN test on the pair vector).
+//
+// Fusions (AVX-512, compute type float; each gives the unfused bits): on a
+//   tile that no mask cuts, no score transform touches and no padding column
+//   ends (cols == cols_p), the QK micro-kernel also folds each row's maximum
+//   into a vector at its store (sc.rmax; vmaxps on the FP add pipes), so step
+//   4 has no max pass; on the vdpbf16ps path P is rounded to bf16 pairs inside
+//   the softmax pass (its sum still taken in fp32) instead of a pass after it,
+//   except on a V block with an inf/NaN, whose guarded product reads fp32 P.
 //
 // Code: process_item runs one work item as named steps (row_ranges, pack_q,
 //   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
@@ -177,19 +187,35 @@ inline void st_row(S* dst, const compute_t<S>* src, compute_t<S> f, int64_t n) {
 // NR aligned loads, MR broadcasts and MR*NR FMAs.
 // kMax: also rmax[r*W ..] = max(rmax[r*W ..], the row's NR vectors) at the store
 // (the online softmax's row max without a pass over S; max is exact, so the
-// same m). vmaxps runs on the FP add pipes, beside the FMAs.
+// same m). vmaxps runs on the FP add pipes, beside the FMAs. lim (or nullptr:
+// every column counts): row r counts only the micro-tile's columns
+// [lim[2r], lim[2r+1]) (0 <= lim <= NR*W), the others are masked for it.
 template <int MR, int NR, typename R>
-inline void fold_row_max(const R (&acc)[MR][NR], float* __restrict rmax) {
+inline void fold_row_max(const R (&acc)[MR][NR], float* __restrict rmax,
+                         const int32_t* __restrict lim) {
   using V = Vec<float>;
   for (int r = 0; r < MR; ++r) {
-    R x = acc[r][0];
-    for (int n = 1; n < NR; ++n) x = V::max(x, acc[r][n]);
+    R x = V::set1(NEG_INF<float>);
+    if (!lim) {
+      for (int n = 0; n < NR; ++n) x = V::max(x, acc[r][n]);
+    } else {
+#if defined(ATTN_ISA_AVX512)
+      const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512i lo = _mm512_set1_epi32(lim[2 * r]), hi = _mm512_set1_epi32(lim[2 * r + 1]);
+      for (int n = 0; n < NR; ++n) {
+        const __m512i c = _mm512_add_epi32(iota, _mm512_set1_epi32(n * V::W));
+        const __mmask16 vis = _mm512_cmpge_epi32_mask(c, lo) & _mm512_cmplt_epi32_mask(c, hi);
+        x = _mm512_mask_max_ps(x, vis, x, acc[r][n]);
+      }
+#endif
+    }
     V::store(rmax + r * V::W, V::max(V::load(rmax + r * V::W), x));
   }
 }
 template <typename T, int MR, int NR, bool kMax = false>
 inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, T* __restrict S,
-                     int64_t lds, T* __restrict rmax = nullptr) {
+                     int64_t lds, T* __restrict rmax = nullptr,
+                     const int32_t* __restrict lim = nullptr) {
   using V = Vec<T>;
   constexpr int W = V::W;
   typename V::R acc[MR][NR];
@@ -205,7 +231,7 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
   }
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, acc[r][n]);
-  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax);
+  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax, lim);
 }
 
 // The vdpbf16ps path (the avx512_bf16 object, bf16 storage only): Q and K stay
@@ -220,7 +246,8 @@ constexpr bool kDotBf16 = true;
 template <int MR, int NR, bool kMax = false>
 inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
                          float scale, float* __restrict S, int64_t lds,
-                         float* __restrict rmax = nullptr) {
+                         float* __restrict rmax = nullptr,
+                         const int32_t* __restrict lim = nullptr) {
   using V = Vec<float>;
   using D = DotBf16;
   constexpr int W = V::W;
@@ -241,7 +268,7 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
       acc[r][n] = V::mul(acc[r][n], vs);
       V::store(S + r * lds + n * W, acc[r][n]);
     }
-  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax);
+  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax, lim);
 }
 
 // O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
@@ -905,46 +932,67 @@ template <typename S>
 constexpr bool kFuseMax =
     !kAmxTiles && Vec<compute_t<S>>::W == 16 && std::is_same<compute_t<S>, float>::value;
 
-// qk_tile on a tile every row sees whole (all panels of every micro-panel).
+// qk_tile with the fused row max. cut: the structural masks cut the tile (or
+// padding columns end it, cols < cols_p): each row's maximum then counts only
+// its visible columns [lo - j0, hi - j0) below cols, the entries element_masks
+// and softmax_rows will leave finite, so it is the max of their pass.
 template <typename S>
 void qk_tile_max(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt,
-                 int64_t rows_p, int64_t cols_p) {
+                 int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool cut) {
   using T = compute_t<S>;
-  constexpr int W = Vec<T>::W;
+  constexpr int W = Vec<T>::W, NRW = kNR * W;
   const int64_t d = a.d;
-  for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
+  int32_t lim_buf[2 * kMR];
+  for (int64_t jv = 0; jv < cols_p; jv += NRW)
     for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int32_t* lim = nullptr;
+      if (cut) {
+        const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
+        if (!(jv < c_hi && jv + NRW > c_lo)) continue;  // no row of the panel sees these keys
+        for (int r = 0; r < kMR; ++r) {
+          int64_t lo = 0, hi = 0;  // padding rows (i + r >= rows): nothing counts
+          if (i + r < rows) {
+            lo = imax(sc.lo[i + r] - j0, 0) - jv;
+            hi = imin(sc.hi[i + r] - j0, cols) - jv;
+          }
+          lim_buf[2 * r] = static_cast<int32_t>(imin(imax(lo, 0), NRW));
+          lim_buf[2 * r + 1] = static_cast<int32_t>(imin(imax(hi, 0), NRW));
+        }
+        lim = lim_buf;
+      }
 #if defined(ATTN_ISA_AVX512_BF16)
       if constexpr (dot_path<S>()) {
         const int64_t d2 = (d + 1) / 2;
         qk_micro_dot<kMR, kNR, true>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
                                      reinterpret_cast<const uint32_t*>(Kt) + jv * d2,
                                      static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds,
-                                     sc.rmax + i * W);
+                                     sc.rmax + i * W, lim);
         continue;
       }
 #endif
       qk_micro<T, kMR, kNR, true>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds,
-                                  sc.rmax + i * W);
+                                  sc.rmax + i * W, lim);
     }
 }
 
 // S = Q_blk K^T over the packed K block Kt. Key panel outer: one panel
 // (d x kNR*W) stays in L1 while the Q block's row panels stream past it; each
 // micro-panel computes only the key panels of its column range (panel_columns).
-// fuse_max (fp32 and vdpbf16ps paths): every row sees every column of the tile
+// fuse_max (fp32 and vdpbf16ps paths): only the structural masks cut the tile
 // and S needs no transform, so the micro-kernels also leave each row's maximum
-// as a vector in sc.rmax (softmax_rows then skips its max pass).
+// over its visible columns as a vector in sc.rmax (softmax_rows then skips its
+// max pass); partial: the structural masks cut it (qk_tile_max).
 template <typename S>
-void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt,
-             int64_t rows_p, int64_t cols_p, bool fuse_max) {
+void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt, int64_t rows,
+             int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool partial,
+             bool fuse_max) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t d = a.d;
   if constexpr (kFuseMax<S>) {
     if (fuse_max) {
       for (int64_t r = 0; r < rows_p; ++r) Vec<T>::store(sc.rmax + r * W, Vec<T>::set1(NEG_INF<T>));
-      qk_tile_max(a, sc, Kt, rows_p, cols_p);
+      qk_tile_max(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial || cols < cols_p);
       return;
     }
   }
@@ -1266,10 +1314,10 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     // (kFuseMax); P rounded to bf16 pairs inside the softmax on the vdpbf16ps
     // path unless the guarded product needs it in fp32.
     const bool nonfinite = sc.nonfinite[slot] != 0;
-    const bool fuse_max = kFuseMax<S> && !partial && !transforms && cols == cols_p;
+    const bool fuse_max = kFuseMax<S> && !transforms && !a.layout && !a.mask;
     const bool pairs = kFuseMax<S> && dot_path<S>() && !nonfinite;
     panel_columns(sc, rows, rows_p, j0, cols, cols_p, partial);
-    qk_tile(a, sc, Kt, rows_p, cols_p, fuse_max);
+    qk_tile(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial, fuse_max);
     softmax_rows(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp, sc,
                  fuse_max, pairs);
     pv_tile<S>(sc, Vp, rows, rows_p, cols, cols_p, Bc, dvp, nonfinite, pairs);
