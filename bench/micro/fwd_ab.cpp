@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
     wratio.push_back(tw[0] / tw[1]);
   }
   double maxdiff = 0;
-  for (int64_t i = 0; i < n; i++) maxdiff = std::max(maxdiff, double(std::fabs(to_float(o[0][i]) - to_float(o[1][i]))));
+  for (int64_t i = 0; i < n; i++)
+    maxdiff = std::max(maxdiff, double(std::fabs(to_float(o[0][i]) - to_float(o[1][i]))));
   for (auto& ts : t) std::sort(ts.begin(), ts.end());
   std::sort(ratio.begin(), ratio.end());
   std::sort(wratio.begin(), wratio.end());
