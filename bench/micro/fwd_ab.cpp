@@ -19,6 +19,10 @@
 //   g++ $FL -Icsrc/include -DAB_A=isa_$ISA -DAB_B=isa_${ISA}_base bench/micro/fwd_ab.cpp \
 //       /tmp/a.o /tmp/b.o csrc/interrupt.cpp -o /tmp/ab && /tmp/ab 2048 64 0 15 1
 //   args: L d causal pairs threads [H [B [block_q block_k]]]   (fp32, H = Hkv = 2 threads)
+//
+// bf16 (the vdpbf16ps kernel of the avx512_bf16 object): ISA=avx512_bf16, the
+// AVX-512 flags plus -mavx512bf16 -DATTN_ISA_AVX512_BF16, and -DAB_BF16 on the
+// fwd_ab.cpp line; the inputs are the same numbers rounded to bf16.
 #include <omp.h>
 #include <time.h>
 
@@ -29,17 +33,30 @@
 #include <vector>
 
 #include "attn_fast/attention.h"
+#include "attn_fast/half.h"
 
 namespace attn_fast {
+#if defined(AB_BF16)
+using Elem = bf16_t;
+#define AB_FORWARD flash_forward_bf16
+#else
+using Elem = float;
+#define AB_FORWARD flash_forward_f32
+#endif
 namespace AB_A {
-AttnStats flash_forward_f32(const AttnArgs<float>& a);
+AttnStats AB_FORWARD(const AttnArgs<Elem>& a);
 }
 namespace AB_B {
-AttnStats flash_forward_f32(const AttnArgs<float>& a);
+AttnStats AB_FORWARD(const AttnArgs<Elem>& a);
 }
 }  // namespace attn_fast
 
 using namespace attn_fast;
+
+static float to_float(float x) { return x; }
+static float to_float(bf16_t x) { return bf16_to_f32(x.bits); }
+static void from_float(float x, float* e) { *e = x; }
+static void from_float(float x, bf16_t* e) { e->bits = f32_to_bf16(x); }
 
 static double wall_now() {
   timespec ts;
@@ -64,15 +81,15 @@ int main(int argc, char** argv) {
   const int64_t B = argc > 7 ? std::atol(argv[7]) : 1;
   const int bq = argc > 9 ? std::atoi(argv[8]) : 0, bk = argc > 9 ? std::atoi(argv[9]) : 0;
   const int64_t n = B * H * L * d;
-  std::vector<float> q(n), k(n), v(n), o[2] = {std::vector<float>(n), std::vector<float>(n)};
+  std::vector<Elem> q(n), k(n), v(n), o[2] = {std::vector<Elem>(n), std::vector<Elem>(n)};
   uint32_t x = 1;
   auto rnd = [&]() {
     x = x * 1664525u + 1013904223u;
     return ((x >> 8) / 16777216.f - 0.5f) * 3.4f;
   };
   for (auto* p : {&q, &k, &v})
-    for (auto& e : *p) e = rnd();
-  AttnArgs<float> a;
+    for (auto& e : *p) from_float(rnd(), &e);
+  AttnArgs<Elem> a;
   a.q = q.data();
   a.k = k.data();
   a.v = v.data();
@@ -100,9 +117,9 @@ int main(int argc, char** argv) {
       a.o = o[c].data();
       const double w0 = wall_now(), t0 = cpu_now();
       if (c == 0)
-        AB_A::flash_forward_f32(a);
+        AB_A::AB_FORWARD(a);
       else
-        AB_B::flash_forward_f32(a);
+        AB_B::AB_FORWARD(a);
       tt[c] = cpu_now() - t0;
       tw[c] = wall_now() - w0;
     }
@@ -112,7 +129,8 @@ int main(int argc, char** argv) {
     wratio.push_back(tw[0] / tw[1]);
   }
   double maxdiff = 0;
-  for (int64_t i = 0; i < n; i++) maxdiff = std::max(maxdiff, double(std::fabs(o[0][i] - o[1][i])));
+  for (int64_t i = 0; i < n; i++)
+    maxdiff = std::max(maxdiff, double(std::fabs(to_float(o[0][i]) - to_float(o[1][i]))));
   for (auto& ts : t) std::sort(ts.begin(), ts.end());
   std::sort(ratio.begin(), ratio.end());
   std::sort(wratio.begin(), wratio.end());

@@ -43,8 +43,18 @@
 //   FMAs; the inner loops are pure loads and FMAs (checked in the
 //   disassembly). AVX-512: 6 x 4 zmm, scalar 4 x 4. Packing: unit-stride Q and
 //   K rows are transposed in registers where the vector type has
-//   store_interleaved6 / store_transposed16 (AVX-512 float), element by
-//   element otherwise; a V strip row is copied and checked in one pass.
+//   store_interleaved6 / store_transposed16 (AVX-512 float; on the vdpbf16ps
+//   path the same transposes move 32-bit bf16 pairs), element by element
+//   otherwise; a V strip row is copied and checked in one pass (bf16: two key
+//   rows widened into pairs, the inf/NaN test on the pair vector).
+//
+// Fusions (AVX-512, compute type float; each gives the unfused bits): on a
+//   tile that no mask cuts, no score transform touches and no padding column
+//   ends (cols == cols_p), the QK micro-kernel also folds each row's maximum
+//   into a vector at its store (sc.rmax; vmaxps on the FP add pipes), so step
+//   4 has no max pass; on the vdpbf16ps path P is rounded to bf16 pairs inside
+//   the softmax pass (its sum still taken in fp32) instead of a pass after it,
+//   except on a V block with an inf/NaN, whose guarded product reads fp32 P.
 //
 // Code: process_item runs one work item as named steps (row_ranges, pack_q,
 //   classify_tile, kv_block, panel_columns, qk_tile, softmax_rows with
@@ -175,9 +185,37 @@ inline void st_row(S* dst, const compute_t<S>* src, compute_t<S> f, int64_t n) {
 // stored k-major (Qp[k*MR + r]), Kp a packed panel of NR*W keys stored k-major
 // (Kp[k*NR*W + c]): both are read as two contiguous streams, the inner loop is
 // NR aligned loads, MR broadcasts and MR*NR FMAs.
-template <typename T, int MR, int NR>
+// kMax: also rmax[r*W ..] = max(rmax[r*W ..], the row's NR vectors) at the store
+// (the online softmax's row max without a pass over S; max is exact, so the
+// same m). vmaxps runs on the FP add pipes, beside the FMAs. lim (or nullptr:
+// every column counts): row r counts only the micro-tile's columns
+// [lim[2r], lim[2r+1]) (0 <= lim <= NR*W), the others are masked for it.
+template <int MR, int NR, typename R>
+inline void fold_row_max(const R (&acc)[MR][NR], float* __restrict rmax,
+                         const int32_t* __restrict lim) {
+  using V = Vec<float>;
+  for (int r = 0; r < MR; ++r) {
+    R x = V::set1(NEG_INF<float>);
+    if (!lim) {
+      for (int n = 0; n < NR; ++n) x = V::max(x, acc[r][n]);
+    } else {
+#if defined(ATTN_ISA_AVX512)
+      const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512i lo = _mm512_set1_epi32(lim[2 * r]), hi = _mm512_set1_epi32(lim[2 * r + 1]);
+      for (int n = 0; n < NR; ++n) {
+        const __m512i c = _mm512_add_epi32(iota, _mm512_set1_epi32(n * V::W));
+        const __mmask16 vis = _mm512_cmpge_epi32_mask(c, lo) & _mm512_cmplt_epi32_mask(c, hi);
+        x = _mm512_mask_max_ps(x, vis, x, acc[r][n]);
+      }
+#endif
+    }
+    V::store(rmax + r * V::W, V::max(V::load(rmax + r * V::W), x));
+  }
+}
+template <typename T, int MR, int NR, bool kMax = false>
 inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, T* __restrict S,
-                     int64_t lds) {
+                     int64_t lds, T* __restrict rmax = nullptr,
+                     const int32_t* __restrict lim = nullptr) {
   using V = Vec<T>;
   constexpr int W = V::W;
   typename V::R acc[MR][NR];
@@ -193,6 +231,7 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
   }
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, acc[r][n]);
+  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax, lim);
 }
 
 // The vdpbf16ps path (the avx512_bf16 object, bf16 storage only): Q and K stay
@@ -204,9 +243,11 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
 // bf16. P V stays the fp32 kernel (P is not rounded to bf16 either).
 #if defined(ATTN_ISA_AVX512_BF16)
 constexpr bool kDotBf16 = true;
-template <int MR, int NR>
+template <int MR, int NR, bool kMax = false>
 inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
-                         float scale, float* __restrict S, int64_t lds) {
+                         float scale, float* __restrict S, int64_t lds,
+                         float* __restrict rmax = nullptr,
+                         const int32_t* __restrict lim = nullptr) {
   using V = Vec<float>;
   using D = DotBf16;
   constexpr int W = V::W;
@@ -223,7 +264,11 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
   }
   const V::R vs = V::set1(scale);
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) V::store(S + r * lds + n * W, V::mul(acc[r][n], vs));
+    for (int n = 0; n < NR; ++n) {
+      acc[r][n] = V::mul(acc[r][n], vs);
+      V::store(S + r * lds + n * W, acc[r][n]);
+    }
+  if constexpr (kMax) fold_row_max<MR, NR>(acc, rmax, lim);
 }
 
 // O[MR][NR*W] += P[MR][2 c2n] * V[2 c2n][NR*W] with P and V as bf16 pairs
@@ -420,12 +465,13 @@ void pv_block_guarded(const T* P, int64_t ldp, int64_t rows, int64_t cols, const
 // One thread's buffers (carve_scratch: one ThreadArena block).
 template <typename T>
 struct Scratch {
-  T* Qp = nullptr;  // Brp * d: Q block scaled, MR-row panels, k-major
-  T* S = nullptr;   // Brp * lds: scores, then P
-  int64_t lds = 0;  // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
-  T* O = nullptr;   // Brp * dvp: unnormalised output accumulator
-  T* m = nullptr;   // Brp: running row max
-  T* l = nullptr;   // Brp: running row sum
+  T* Qp = nullptr;    // Brp * d: Q block scaled, MR-row panels, k-major
+  T* S = nullptr;     // Brp * lds: scores, then P
+  int64_t lds = 0;    // S row stride: Bc + one cache line (rows a power of two apart share L1 sets)
+  T* O = nullptr;     // Brp * dvp: unnormalised output accumulator
+  T* m = nullptr;     // Brp: running row max
+  T* rmax = nullptr;  // Brp * W: the tile's row maxima as vectors (qk_tile's fused max)
+  T* l = nullptr;     // Brp: running row sum
   int64_t* lo = nullptr;  // Brp: structural key range of each row
   int64_t* hi = nullptr;
   int64_t* pc = nullptr;         // 2 per micro-panel: the tile columns its rows can see
@@ -494,6 +540,36 @@ void pack_k_rows16(const S* kbase, int64_t ldk, int64_t cols, int64_t cols_p, in
   }
 }
 
+#if defined(ATTN_ISA_AVX512_BF16)
+// The bf16 K panels of the pair paths (kv_block) from unit-stride key rows:
+// 16 keys x 16 pairs (32 dims) per register transpose of 32-bit words, the
+// remaining pairs (d % 32, the padding to d2p) one word at a time. The words
+// are only moved, so the panels are those of the element loop.
+template <typename S>
+void pack_k_pairs16(const S* kbase, int64_t ldk, int64_t cols, int64_t cols_p, int64_t d,
+                    int64_t d2p, uint32_t* Kw) {
+  using V = Vec<float>;
+  constexpr int NRW = kNR * V::W;
+  static_assert(V::W == 16 && NRW % 16 == 0, "16-key groups inside a panel");
+  for (int64_t c0 = 0; c0 < cols_p; c0 += 16) {  // cols_p is a multiple of NRW
+    uint32_t* panel = Kw + (c0 / NRW) * d2p * NRW + c0 % NRW;
+    const int64_t n = imax(0, imin(16, cols - c0));  // real keys of this group
+    int64_t k2 = 0;
+    for (; 2 * (k2 + 16) <= d; k2 += 16) {
+      typename V::R x[16];
+      for (int r = 0; r < 16; ++r)
+        x[r] = r < n ? V::load(reinterpret_cast<const float*>(kbase + (c0 + r) * ldk + 2 * k2))
+                     : V::zero();
+      V::store_transposed16(reinterpret_cast<float*>(panel + k2 * NRW), NRW, x);
+    }
+    for (; k2 < d2p; ++k2)
+      for (int r = 0; r < 16; ++r)
+        panel[k2 * NRW + r] =
+            r < n && 2 * k2 < d ? bf16_pair(kbase + (c0 + r) * ldk, 1, 2 * k2, d) : 0u;
+  }
+}
+#endif
+
 // Returns the slot holding packed key block `blk` of (sequence s, kv head hk),
 // packing it on a miss. Columns past the sequence end are zero up to the
 // panel width.
@@ -522,11 +598,18 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     // The AMX path pads the pairs to d2p (zeros), amx_tiles.h.
     const int64_t d2p = packed_pairs<S>(d);
     uint32_t* Kw = reinterpret_cast<uint32_t*>(Kt);
-    for (int64_t c = 0; c < cols_p; ++c) {
-      uint32_t* dst = Kw + (c / NRW) * d2p * NRW + c % NRW;
-      const S* src = kbase + c * a.sk.l;
-      for (int64_t k2 = 0; k2 < d2p; ++k2)
-        dst[k2 * NRW] = c < cols && 2 * k2 < d ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+#if defined(ATTN_ISA_AVX512_BF16)
+    if (a.sk.d == 1) {
+      pack_k_pairs16(kbase, a.sk.l, cols, cols_p, d, d2p, Kw);
+    } else
+#endif
+    {
+      for (int64_t c = 0; c < cols_p; ++c) {
+        uint32_t* dst = Kw + (c / NRW) * d2p * NRW + c % NRW;
+        const S* src = kbase + c * a.sk.l;
+        for (int64_t k2 = 0; k2 < d2p; ++k2)
+          dst[k2 * NRW] = c < cols && 2 * k2 < d ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
+      }
     }
   } else if constexpr (kTranspose16<T>) {
     if (a.sk.d == 1)
@@ -541,10 +624,29 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
     // bf16 pairs along the keys (pv_micro_dot): strip words (c2, e) = (v[2 c2][e], v[2 c2 + 1][e]).
     uint16_t* Vh = reinterpret_cast<uint16_t*>(Vp);
     bool bad16 = false;
+#if defined(ATTN_ISA_AVX512_BF16)
+    const bool vector_pairs = a.sv.d == 1;
+    __mmask32 bad_mask = 0;
+#endif
     for (int64_t col0 = 0; col0 < dvp;) {
       const int64_t width = col0 + NRW <= dvp ? NRW : W;
       uint16_t* panel = Vh + col0 * Bc;
       for (int64_t c = 0; c < cols_p; ++c) {
+#if defined(ATTN_ISA_AVX512_BF16)
+        if (vector_pairs && (c & 1) == 0 && c + 1 < cols && col0 + width <= dv) {
+          // Keys c and c + 1 whole and unit-stride: W words at a time (same bits).
+          const S* s0 = vbase + c * a.sv.l + col0;
+          const S* s1 = s0 + a.sv.l;
+          uint32_t* dw = reinterpret_cast<uint32_t*>(panel) + (c / 2) * width;
+          for (int64_t e = 0; e < width; e += W) {
+            const __m512i x = DotBf16::key_pairs(&s0[e].bits, &s1[e].bits);
+            _mm512_storeu_si512(dw + e, x);
+            bad_mask |= DotBf16::nonfinite(x);
+          }
+          ++c;  // the pair's second key is done
+          continue;
+        }
+#endif
         uint16_t* dst = panel + (c / 2) * width * 2 + (c & 1);
         const int64_t n = c < cols ? imax(0, imin(width, dv - col0)) : 0;
         const S* src = vbase + c * a.sv.l + col0 * a.sv.d;
@@ -556,6 +658,9 @@ int64_t kv_block(const AttnArgs<S>& a, const SeqInfo& si, int64_t s, int64_t hk,
       }
       col0 += width;
     }
+#if defined(ATTN_ISA_AVX512_BF16)
+    bad16 = bad16 || bad_mask != 0;
+#endif
     sc.nonfinite[slot] = bad16;
     sc.tag[slot] = blk;
     return slot;
@@ -708,6 +813,33 @@ void pack_q_rows6(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows
   }
 }
 
+#if defined(ATTN_ISA_AVX512_BF16)
+// pack_q of the vdpbf16ps path for unit-stride rows and 6-row panels: 16 pairs
+// (32 dims) of the panel's six rows interleaved as 32-bit words in registers
+// (store_interleaved6), the remaining pairs one word at a time; same words.
+template <typename S>
+void pack_q_pairs6(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
+                   uint32_t* Qw) {
+  using V = Vec<float>;
+  const int64_t d = a.d, d2 = (d + 1) / 2;
+  for (int64_t r0 = 0; r0 < rows_p; r0 += 6) {
+    uint32_t* dst = Qw + r0 * d2;
+    const int64_t n = imax(0, imin(6, rows - r0));  // real rows of this panel
+    const S* src[6];
+    for (int r = 0; r < 6; ++r) src[r] = qbase + (i0 + r0 + (r < n ? r : 0)) * a.sq.l;
+    int64_t k2 = 0;
+    for (; 2 * (k2 + 16) <= d; k2 += 16) {
+      typename V::R x[6];
+      for (int r = 0; r < 6; ++r)
+        x[r] = r < n ? V::load(reinterpret_cast<const float*>(src[r] + 2 * k2)) : V::zero();
+      V::store_interleaved6(reinterpret_cast<float*>(dst + k2 * 6), x);
+    }
+    for (; k2 < d2; ++k2)
+      for (int r = 0; r < 6; ++r) dst[k2 * 6 + r] = r < n ? bf16_pair(src[r], 1, 2 * k2, d) : 0u;
+  }
+}
+#endif
+
 // 1. Pack Q: rows i0 .. i0+rows-1 (scaled) as kMR-row panels, k-major
 // (Qp[(r / kMR) * kMR * d + k * kMR + r % kMR]); zero rows up to rows_p.
 // The vdpbf16ps path packs unscaled bf16 pairs instead (qk_micro_dot).
@@ -729,6 +861,9 @@ void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int6
     // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
     const int64_t d2 = (d + 1) / 2;
     uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
+#if defined(ATTN_ISA_AVX512_BF16)
+    if (kMR == 6 && a.sq.d == 1) return pack_q_pairs6(a, qbase, i0, rows, rows_p, Qw);
+#endif
     for (int64_t r = 0; r < rows_p; ++r) {
       uint32_t* dst = Qw + (r / kMR) * kMR * d2 + r % kMR;
       const S* src = qbase + (i0 + r) * a.sq.l;
@@ -790,15 +925,77 @@ void panel_columns(Scratch<T>& sc, int64_t rows, int64_t rows_p, int64_t j0, int
   }
 }
 
+// Whether qk_tile can fuse the row max for storage S: the fp32 kernel (W = 16
+// floats, the AVX-512 object) and the vdpbf16ps path; not double, the 16-bit
+// types widened into fp32 elsewhere, AVX2, scalar or the AMX tiles.
+template <typename S>
+constexpr bool kFuseMax =
+    !kAmxTiles && Vec<compute_t<S>>::W == 16 && std::is_same<compute_t<S>, float>::value;
+
+// qk_tile with the fused row max. cut: the structural masks cut the tile (or
+// padding columns end it, cols < cols_p): each row's maximum then counts only
+// its visible columns [lo - j0, hi - j0) below cols, the entries element_masks
+// and softmax_rows will leave finite, so it is the max of their pass.
+template <typename S>
+void qk_tile_max(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt,
+                 int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool cut) {
+  using T = compute_t<S>;
+  constexpr int W = Vec<T>::W, NRW = kNR * W;
+  const int64_t d = a.d;
+  int32_t lim_buf[2 * kMR];
+  for (int64_t jv = 0; jv < cols_p; jv += NRW)
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int32_t* lim = nullptr;
+      if (cut) {
+        const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
+        if (!(jv < c_hi && jv + NRW > c_lo)) continue;  // no row of the panel sees these keys
+        for (int r = 0; r < kMR; ++r) {
+          int64_t lo = 0, hi = 0;  // padding rows (i + r >= rows): nothing counts
+          if (i + r < rows) {
+            lo = imax(sc.lo[i + r] - j0, 0) - jv;
+            hi = imin(sc.hi[i + r] - j0, cols) - jv;
+          }
+          lim_buf[2 * r] = static_cast<int32_t>(imin(imax(lo, 0), NRW));
+          lim_buf[2 * r + 1] = static_cast<int32_t>(imin(imax(hi, 0), NRW));
+        }
+        lim = lim_buf;
+      }
+#if defined(ATTN_ISA_AVX512_BF16)
+      if constexpr (dot_path<S>()) {
+        const int64_t d2 = (d + 1) / 2;
+        qk_micro_dot<kMR, kNR, true>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
+                                     reinterpret_cast<const uint32_t*>(Kt) + jv * d2,
+                                     static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds,
+                                     sc.rmax + i * W, lim);
+        continue;
+      }
+#endif
+      qk_micro<T, kMR, kNR, true>(sc.Qp + i * d, d, Kt + jv * d, sc.S + i * sc.lds + jv, sc.lds,
+                                  sc.rmax + i * W, lim);
+    }
+}
+
 // S = Q_blk K^T over the packed K block Kt. Key panel outer: one panel
 // (d x kNR*W) stays in L1 while the Q block's row panels stream past it; each
 // micro-panel computes only the key panels of its column range (panel_columns).
+// fuse_max (fp32 and vdpbf16ps paths): only the structural masks cut the tile
+// and S needs no transform, so the micro-kernels also leave each row's maximum
+// over its visible columns as a vector in sc.rmax (softmax_rows then skips its
+// max pass); partial: the structural masks cut it (qk_tile_max).
 template <typename S>
-void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt,
-             int64_t rows_p, int64_t cols_p) {
+void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt, int64_t rows,
+             int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool partial,
+             bool fuse_max) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t d = a.d;
+  if constexpr (kFuseMax<S>) {
+    if (fuse_max) {
+      for (int64_t r = 0; r < rows_p; ++r) Vec<T>::store(sc.rmax + r * W, Vec<T>::set1(NEG_INF<T>));
+      qk_tile_max(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial || cols < cols_p);
+      return;
+    }
+  }
   for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
     for (int64_t i = 0; i < rows_p; i += kMR) {
       const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
@@ -860,6 +1057,91 @@ inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, in
   }
 }
 
+// online_softmax_row<T, 2> (toolkit.h) with its two optional fusions: the row
+// max mx given (have_mx: from qk_tile's fused max, the same value as its max
+// pass), and P stored as bf16 pairs (pairs: what p_to_bf16 would make of it,
+// P's sum still taken in fp32 before the rounding). The same operations in
+// the same order otherwise, so the same bits. cols_p is a multiple of 2 W.
+template <typename T, bool kPairs>
+inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, T mx, T& m, T& l,
+                              T* o, int64_t dvp) {
+  using V = Vec<T>;
+  constexpr int W = V::W;
+  if (!have_mx) {
+    typename V::R vm = V::set1(NEG_INF<T>), vm1 = vm;
+    for (int64_t j = 0; j < cols_p; j += 2 * W) {
+      vm = V::max(vm, V::load(s + j));
+      vm1 = V::max(vm1, V::load(s + j + W));
+    }
+    mx = V::hmax(V::max(vm, vm1));
+  }
+  const T m_old = m;
+  const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
+  if (m_new == NEG_INF<T>) {                // nothing visible in this row so far, or only NaN
+    bool nan = false;
+    for (int64_t c = 0; c < cols; ++c) nan = nan || s[c] != s[c];
+    if (nan) m = l = std::numeric_limits<T>::quiet_NaN();
+    for (int64_t c = 0; c < cols_p; ++c) s[c] = T(0);  // P = 0, as pairs too
+    return;
+  }
+  const typename V::R vmn = V::set1(m_new);
+  const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
+  typename V::R vs = V::zero(), vs1 = V::zero();
+  for (int64_t j = 0; j < cols_p; j += 2 * W) {
+    const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
+    const typename V::R p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
+#if defined(ATTN_ISA_AVX512_BF16)
+    if constexpr (kPairs) {
+      // The 2 W weights j .. j + 2W as bf16 at h[j ..]: floats j / 2 .., already read.
+      DotBf16::store_pairs(reinterpret_cast<uint16_t*>(s) + j, p, p1);
+    } else
+#endif
+    {
+      V::store(s + j, p);
+      V::store(s + j + W, p1);
+    }
+    vs = V::add(vs, p);
+    vs1 = V::add(vs1, p1);
+  }
+  const T rowsum = V::hsum(V::add(vs, vs1));
+  if (m_new != m_old) {
+    const T alpha = m_old == NEG_INF<T> ? T(0) : std::exp(m_old - m_new);
+    l = l * alpha + rowsum;
+    const typename V::R va = V::set1(alpha);
+    for (int64_t e = 0; e < dvp; e += W) V::store(o + e, V::mul(V::load(o + e), va));
+  } else {
+    l += rowsum;
+  }
+  m = m_new;
+}
+
+// softmax_rows on the fused paths (kFuseMax): fused_max: the row maxima are in
+// sc.rmax (no transform or mask on this tile); pairs: P left as bf16 pairs.
+template <typename S>
+void softmax_rows_fused(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                        int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p,
+                        bool transforms, bool partial, int64_t dvp, Scratch<compute_t<S>>& sc,
+                        bool fused_max, bool pairs) {
+  using T = compute_t<S>;
+  using V = Vec<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = sc.S + r * sc.lds;
+    const int64_t i = i0 + r;
+    if (transforms) score_transforms(a, si, h, i, j0, cols, s);
+    if (partial) element_masks(a, si, h, i, j0, cols, sc.lo[r], sc.hi[r], s);
+    for (int64_t j = cols; j < cols_p; ++j) s[j] = NEG_INF<T>;
+    const T mx = fused_max ? V::hmax(V::load(sc.rmax + r * V::W)) : T(0);
+    if (pairs)
+      softmax_row_fused<T, true>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], sc.O + r * dvp,
+                                 dvp);
+    else
+      softmax_row_fused<T, false>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], sc.O + r * dvp,
+                                  dvp);
+  }
+  for (int64_t r = rows; r < rows_p; ++r)
+    for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
+}
+
 // 5. Softmax rows: steps 3 and 4 where the tile needs them, the padding
 // columns [cols, cols_p) to -inf, then the online-softmax update of each row
 // (toolkit.h; two chains: cols_p is a multiple of 2W when kNR >= 2, of W for
@@ -867,8 +1149,18 @@ inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, in
 template <typename S>
 void softmax_rows(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
                   int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool transforms,
-                  bool partial, int64_t dvp, Scratch<compute_t<S>>& sc) {
+                  bool partial, int64_t dvp, Scratch<compute_t<S>>& sc, bool fused_max,
+                  bool pairs) {
   using T = compute_t<S>;
+  if constexpr (kFuseMax<S>) {
+    if (fused_max || pairs) {
+      softmax_rows_fused<S>(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp,
+                            sc, fused_max, pairs);
+      return;
+    }
+  }
+  (void)fused_max;
+  (void)pairs;
   for (int64_t r = 0; r < rows; ++r) {
     T* s = sc.S + r * sc.lds;
     const int64_t i = i0 + r;
@@ -882,10 +1174,10 @@ void softmax_rows(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0
 }
 
 // 6. O += P V over the packed V block Vp; the NaN-safe product when the
-// block holds an inf/NaN (nonfinite).
+// block holds an inf/NaN (nonfinite). pairs: softmax_rows left P as bf16 pairs.
 template <typename S>
 void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, int64_t rows_p,
-             int64_t cols, int64_t cols_p, int64_t Bc, int64_t dvp, bool nonfinite) {
+             int64_t cols, int64_t cols_p, int64_t Bc, int64_t dvp, bool nonfinite, bool pairs) {
   using T = compute_t<S>;
 #if defined(ATTN_AMX_TILES)
   if constexpr (amx_path<S>()) {
@@ -910,13 +1202,14 @@ void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, in
     if (nonfinite) {
       pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
     } else {
-      p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+      if (!pairs) p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
       pv_block_dot(sc.S, sc.lds, rows_p, sc.pc, Vp, Bc, dvp, sc.O);
     }
     return;
   }
 #endif
   (void)cols_p;
+  (void)pairs;
   if (nonfinite)
     pv_block_guarded<T>(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
   else
@@ -1017,10 +1310,17 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     const T* Kt = sc.Kc + slot * Bc * k_elems<S>(d);
     const T* Vp = sc.Vc + slot * Bc * dvp;
 
+    // The row max fused into S = Q K^T where no transform or mask comes between
+    // (kFuseMax); P rounded to bf16 pairs inside the softmax on the vdpbf16ps
+    // path unless the guarded product needs it in fp32.
+    const bool nonfinite = sc.nonfinite[slot] != 0;
+    const bool fuse_max = kFuseMax<S> && !transforms && !a.layout && !a.mask;
+    const bool pairs = kFuseMax<S> && dot_path<S>() && !nonfinite;
     panel_columns(sc, rows, rows_p, j0, cols, cols_p, partial);
-    qk_tile(a, sc, Kt, rows_p, cols_p);
-    softmax_rows(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp, sc);
-    pv_tile<S>(sc, Vp, rows, rows_p, cols, cols_p, Bc, dvp, sc.nonfinite[slot] != 0);
+    qk_tile(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial, fuse_max);
+    softmax_rows(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp, sc,
+                 fuse_max, pairs);
+    pv_tile<S>(sc, Vp, rows, rows_p, cols, cols_p, Bc, dvp, nonfinite, pairs);
   }
   finalize_rows(a, h, i0, rows, rows_all, jhi > jlo, dvp, obase, lsebase, sc);
 }
@@ -1034,17 +1334,18 @@ bool carve_scratch(ThreadArena& arena, Scratch<T>& sc, int64_t Br, int64_t Bc, i
   sc.lds = Bc + 64 / static_cast<int64_t>(sizeof(T));
   const int64_t slot_bytes = Bc * (d + dvp) * static_cast<int64_t>(sizeof(T));
   sc.nslots = imax(1, imin((Lk + Bc - 1) / Bc, kCacheBytes / slot_bytes));
-  T** tp[] = {&sc.Qp, &sc.S, &sc.O, &sc.m, &sc.l, &sc.Kc, &sc.Vc};
-  const int64_t tn[] = {Brp * d, Brp * sc.lds,       Brp * dvp,           Brp,
-                        Brp,     sc.nslots * Bc * d, sc.nslots * Bc * dvp};
+  T** tp[] = {&sc.Qp, &sc.S, &sc.O, &sc.m, &sc.l, &sc.Kc, &sc.Vc, &sc.rmax};
+  const int64_t tn[] = {
+      Brp * d,        Brp * sc.lds, Brp * dvp, Brp, Brp, sc.nslots * Bc * d, sc.nslots * Bc * dvp,
+      Brp * Vec<T>::W};
   int64_t** ip[] = {&sc.lo, &sc.hi, &sc.pc, &sc.tag};
   const int64_t in[] = {Brp, Brp, 2 * (Brp / kMR + 1), sc.nslots};
-  int64_t toff[7], ioff[4];
-  for (int i = 0; i < 7; ++i) toff[i] = arena.plan<T>(tn[i]);
+  int64_t toff[8], ioff[4];
+  for (int i = 0; i < 8; ++i) toff[i] = arena.plan<T>(tn[i]);
   for (int i = 0; i < 4; ++i) ioff[i] = arena.plan<int64_t>(in[i]);
   const int64_t onf = arena.plan<uint8_t>(sc.nslots);
   if (!arena.acquire()) return false;
-  for (int i = 0; i < 7; ++i) *tp[i] = arena.at<T>(toff[i]);
+  for (int i = 0; i < 8; ++i) *tp[i] = arena.at<T>(toff[i]);
   for (int i = 0; i < 4; ++i) *ip[i] = arena.at<int64_t>(ioff[i]);
   sc.nonfinite = arena.at<uint8_t>(onf);
   return true;

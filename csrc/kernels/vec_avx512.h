@@ -185,5 +185,19 @@ struct DotBf16 {
   static void store_pairs(uint16_t* p, Vec<float>::R lo, Vec<float>::R hi) {
     _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
+  // W words (a[e], b[e]) of two rows of W bf16 values (element e of row a in the
+  // low half): the pair layout along the keys of a packed V strip, by two widenings.
+  static __m512i key_pairs(const uint16_t* a, const uint16_t* b) {
+    const __m512i lo =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    const __m512i hi =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+  // The bf16 values of x (2 W of them) that are inf or NaN (exponent bits all set).
+  static __mmask32 nonfinite(__m512i x) {
+    const __m512i e = _mm512_set1_epi16(0x7F80);
+    return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, e), e);
+  }
 };
 #endif
