@@ -883,7 +883,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
         py::arg("causal") = false, py::arg("eps") = 0.0,
         "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
-        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place.");
+        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place. "
+        "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
+        "bfloat16 as uint16 bits).");
   m.def("decode", &decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
