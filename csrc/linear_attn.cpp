@@ -97,10 +97,11 @@ inline double widen(fp16_t x) { return fp16_to_f32(x.bits); }
 inline float to_float_odd(double x) {
   float f = static_cast<float>(x);
   if (f == x || x != x) return f;  // exact, or NaN
-  if (std::fabs(static_cast<double>(f)) > std::fabs(x))
-    f = std::nextafter(f, 0.0f);  // rounded away from zero: truncate instead
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
+  // Rounded away from zero: one step back toward zero (inf -> FLT_MAX too); f is not 0
+  // here (a double that rounds to a float 0 has |x| < |f| false).
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) u -= 1u;
   u |= 1u;  // sticky: the dropped bits were not all zero
   std::memcpy(&f, &u, sizeof f);
   return f;
