@@ -22,7 +22,7 @@ import importlib
 
 import numpy as np
 import pytest
-from helpers import HALF_SOURCES, f64, gen, kind_of, make, ml_dtypes, need, torch
+from helpers import HALF_SOURCES, UNUSUAL_LAYOUTS, f64, gen, kind_of, make, ml_dtypes, need, torch
 from oracle import sdpa_backward
 from test_dtypes import close, orc
 from test_variants import linear_oracle
@@ -622,3 +622,18 @@ def test_mixed_dtypes_raise_with_cast_hint(rng):
     for layer in (af.LayerNorm(8, dtype=np.float16), af.MultiHeadAttention(8, 2, dtype="bfloat16")):
         with pytest.raises(TypeError, match=r"has dtype .* cast it"):
             layer(c[0, 0])
+
+
+@pytest.mark.parametrize("layout", sorted(UNUSUAL_LAYOUTS))
+def test_unusual_layouts_of_16bit_data(rng, layout):
+    """Misaligned, big-endian, negative-stride, Fortran and read-only float16 data give
+    the same bits as the contiguous array (linear attention, RoPE)."""
+    q, k, v = (rng.standard_normal((2, 9, 4)).astype(np.float16) for _ in range(3))
+    f = UNUSUAL_LAYOUTS[layout]
+    o = variants.linear_attention(f(q), f(k), f(v), causal=True)
+    assert o.dtype == np.float16 and o.dtype.isnative
+    np.testing.assert_array_equal(o, variants.linear_attention(q, k, v, causal=True))
+    rope = positional.RoPE(4)
+    r = rope(f(q), seq_axis=-2)
+    assert r.dtype == np.float16 and r.dtype.isnative
+    np.testing.assert_array_equal(r, rope(q, seq_axis=-2))

@@ -496,10 +496,9 @@ def _is_half(x):
     if isinstance(x, _BF16Bits):
         return True
     dt = getattr(x, "dtype", None)
-    if dt is None:
-        return False
-    name = str(dt)
-    return name in ("float16", "bfloat16", "torch.float16", "torch.bfloat16")
+    if isinstance(dt, np.dtype):  # any byte order
+        return (dt.kind == "f" and dt.itemsize == 2) or dt.name == "bfloat16"
+    return str(dt) in ("torch.float16", "torch.bfloat16")
 
 
 def _overlap(a, b):
