@@ -7,17 +7,24 @@ result on any instruction set. Usage:
     python bench/bit_identity.py                    # the active ISA, JSON to stdout
     python bench/bit_identity.py --isa all --out bench/bit_identity_base.json
     python bench/bit_identity.py --check bench/bit_identity_base.json
+    python bench/bit_identity.py --isa all --merge bench/bit_identity_base.json
 
-``--isa all`` runs every ISA this CPU and build support, each in its own
-subprocess with ``ATTN_FAST_ISA`` set (the kernel is chosen at import).
+``--isa all`` runs every ISA this CPU and build support (amx_emu included
+wherever AVX512-BF16 runs), each in its own subprocess with ``ATTN_FAST_ISA``
+set (the kernel is chosen at import).
 ``--check FILE`` recomputes the ISAs named in FILE that this machine runs and
 exits 1 on any mismatch, missing or extra case (listing them), 0 when all agree.
+``--merge FILE`` adds to FILE what it lacks (an ISA it has no entry for, a
+case new to the set) and changes nothing it holds: it exits 1, writing
+nothing, if a case it holds now hashes differently (regenerate the whole file
+with ``--out`` only for a change of numerics meant and said).
 
 The set: scaled_dot_product_attention in float32 and float64 (plain, causal,
 window, padding, varlen, bool and additive masks, block-sparse, GQA,
 Lq != Lk, softcap, ALiBi, sinks, return_lse, non-contiguous inputs,
 d = 1, 5, 80, 256 x L = 1, 7, 129), KVCache decode and backend="decode",
-the backward, linear attention, and bfloat16 / float16 inputs. Threads are
+the backward, linear attention, and bfloat16 / float16 inputs (sdpa,
+decode, and linear attention). Threads are
 left at their default: the kernels are bit-for-bit identical for any count.
 """
 
@@ -213,6 +220,30 @@ def _cases():
         )
         q1 = rnd(40, 2, 2, 1, 80).astype(dt)
         yield f"{name}/decode", lambda q1=q1, k=k, v=v: [sdpa(q1, k, v, backend="decode")]
+        # the tile path's shapes (amx / amx_emu: d a multiple of 32, tails, GQA, masks)
+        for dd, LL in ((64, 200), (128, 33)):
+            qt, kt, vt = (
+                rnd(50 + s + dd, 1, h, LL, dd).astype(dt) for s, h in enumerate((4, 2, 2))
+            )
+            keep = np.random.default_rng(60 + dd).random((1, 4, LL, LL)) > 0.2
+            keep[0, 1, 3] = False  # one fully masked row
+            yield (
+                f"{name}/tile_d{dd}_gqa_masks",
+                lambda qt=qt, kt=kt, vt=vt, keep=keep: [
+                    *sdpa(qt, kt, vt, is_causal=True, enable_gqa=True, return_lse=True),
+                    sdpa(qt, kt, vt, attn_mask=keep, enable_gqa=True),
+                    sdpa(qt, kt, vt, window_size=(40, 9), enable_gqa=True),
+                    sdpa(qt[:, :, :7], kt, vt, is_causal=True, enable_gqa=True),
+                ],
+            )
+        ql, kl, vl = (rnd(22 + s, 2, 2, 33, 16).astype(dt) for s in range(3))
+        yield (
+            f"{name}/linear",
+            lambda ql=ql, kl=kl, vl=vl: [
+                linear_attention(ql, kl, vl),
+                linear_attention(ql, kl, vl, causal=True),
+            ],
+        )
 
 
 def run_here():
@@ -248,6 +279,11 @@ def main(argv=None):
     p.add_argument("--isa", default="active", help="'active', 'all', 'here' or an ISA name")
     p.add_argument("--out", help="write the JSON here (default: stdout)")
     p.add_argument("--check", metavar="FILE", help="compare against a saved JSON; exit 1 on a diff")
+    p.add_argument(
+        "--merge",
+        metavar="FILE",
+        help="add the ISAs and cases FILE lacks; exit 1 (writing nothing) if a held case differs",
+    )
     args = p.parse_args(argv)
 
     if args.isa == "here":
@@ -285,12 +321,44 @@ def main(argv=None):
     else:
         isas = [args.isa]
     doc = {"results": {isa: run_isa(isa) for isa in isas}}
+    if args.merge:
+        return merge(args.merge, doc["results"])
     text = json.dumps(doc, indent=1, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     else:
         print(text)
+    return 0
+
+
+def merge(path, results):
+    """Add to the JSON at `path` the ISAs and cases of `results` it lacks; 1 (and
+    nothing written) if a case it already holds hashes differently now."""
+    with open(path) as f:
+        base = json.load(f)
+    held = base["results"]
+    differ = [
+        f"{isa} {case}"
+        for isa, got in results.items()
+        for case, h in got.items()
+        if held.get(isa, {}).get(case, h) != h
+    ]
+    if differ:
+        for d in differ:
+            print(f"MISMATCH {d}: differs (not merged)")
+        print(f"{len(differ)} mismatches: {path} left unchanged")
+        return 1
+    added = 0
+    for isa, got in results.items():
+        have = held.setdefault(isa, {})
+        for case, h in got.items():
+            if case not in have:
+                have[case] = h
+                added += 1
+    with open(path, "w") as f:
+        f.write(json.dumps(base, indent=1, sort_keys=True) + "\n")
+    print(f"{added} entries added to {path} ({', '.join(sorted(results))})")
     return 0
 
 

@@ -307,13 +307,19 @@ py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object
   throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
-template <typename T>
+// T: v and o (float, double, bf16_t as uint16 bits, fp16_t); F: the features
+// q, k (T itself, or float for the 16-bit T).
+template <typename T, typename F = T>
 void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv, py::object k_sum,
               bool causal, double eps) {
-  LinearAttnArgs<T> a;
-  for (auto* arr : {&q, &k, &v, &o})
-    if (!py::isinstance<py::array_t<T>>(*arr))
-      throw py::type_error("q, k, v, o must share one dtype");
+  LinearAttnArgs<T, F> a;
+  for (auto* arr : {&q, &k})
+    if (!py::isinstance<py::array_t<F>>(*arr))
+      throw py::type_error(std::is_same<T, F>::value
+                               ? "q, k, v, o must share one dtype"
+                               : "q, k must be float32 features for 16-bit v, o");
+  for (auto* arr : {&v, &o})
+    if (!has_dtype<T>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
   if (!o.writeable()) throw py::value_error("o is read-only");
   a.sq = strides4(q, "q");
   a.sk = strides4(k, "k");
@@ -329,8 +335,8 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
       throw py::value_error("q, k, v, o must agree on (B, H, L)");
   if (k.shape(3) != a.d || o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o head dims");
-  a.q = static_cast<const T*>(q.data());
-  a.k = static_cast<const T*>(k.data());
+  a.q = static_cast<const F*>(q.data());
+  a.k = static_cast<const F*>(k.data());
   a.v = static_cast<const T*>(v.data());
   a.o = static_cast<T*>(o.mutable_data());
   a.causal = causal;
@@ -359,6 +365,10 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
 
 void linear_attention(py::array q, py::array k, py::array v, py::array o, py::object kv,
                       py::object k_sum, bool causal, double eps) {
+  if (py::isinstance<py::array_t<float>>(q) && has_dtype<fp16_t>(v))
+    return linear_t<fp16_t, float>(q, k, v, o, kv, k_sum, causal, eps);
+  if (py::isinstance<py::array_t<float>>(q) && has_dtype<bf16_t>(v))
+    return linear_t<bf16_t, float>(q, k, v, o, kv, k_sum, causal, eps);
   if (py::isinstance<py::array_t<float>>(q))
     return linear_t<float>(q, k, v, o, kv, k_sum, causal, eps);
   if (py::isinstance<py::array_t<double>>(q))
@@ -873,7 +883,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
         py::arg("causal") = false, py::arg("eps") = 0.0,
         "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
-        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place.");
+        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place. "
+        "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
+        "bfloat16 as uint16 bits).");
   m.def("decode", &decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
         py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,

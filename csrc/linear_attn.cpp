@@ -27,12 +27,18 @@
 // terms; in float32 both would carry a relative error up to ~L * 2^-24
 // (4e-3 at L = 65536). In double the state error is ~L * 1e-16, so a float32
 // output is within a few ulps of the exact formula on the rounded inputs.
+// 16-bit (bf16 / fp16) v and o: v is widened to double as each block of
+// tokens is loaded (no fp32 copy of the whole input), the features phi(q),
+// phi(k) arrive in float (computed by the Python layer from the 16-bit
+// values), and o is rounded once, from double, to nearest even.
 //
 // Threads: OpenMP over (b, h) for the sweep (each state belongs to one thread,
 // summed in a fixed order), over (b, h, row block) for the non-causal
 // read-out: bit-for-bit identical results for any thread count.
 // Plain C++, no Python: the bindings release the GIL around this.
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <initializer_list>
 #include <stdexcept>
 #include <utility>
@@ -44,6 +50,7 @@
 #include <omp.h>
 #endif
 
+#include "attn_fast/half.h"
 #include "attn_fast/interrupt.h"
 #include "attn_fast/linear_attn.h"
 
@@ -76,9 +83,45 @@ inline const T* row(const T* base, const Strides4& s, int64_t b, int64_t h, int6
   return base + b * s.b + h * s.h + t * s.l;
 }
 
+// Storage -> double on load (exact for every type: 16-bit widens through fp32).
+inline double widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline double widen(bf16_t x) { return bf16_to_f32(x.bits); }
+inline double widen(fp16_t x) { return fp16_to_f32(x.bits); }
+
+// double -> storage, rounded once to nearest even. For the 16-bit types the
+// double is first rounded to float *to odd* (truncate, then set the last bit
+// if anything was dropped): float has more than 2p + 2 bits for p = 8 (bf16)
+// and p = 11 (fp16), so rounding that float to 16 bits equals rounding the
+// double directly (no double rounding at a tie). NaN stays NaN, overflow inf.
+inline float to_float_odd(double x) {
+  float f = static_cast<float>(x);
+  if (f == x || x != x) return f;  // exact, or NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  // Rounded away from zero: one step back toward zero (inf -> FLT_MAX too); f is not 0
+  // here (a double that rounds to a float 0 has |x| < |f| false).
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) u -= 1u;
+  u |= 1u;  // sticky: the dropped bits were not all zero
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <typename T>
+inline T narrow(double x) {
+  return static_cast<T>(x);
+}
+template <>
+inline bf16_t narrow<bf16_t>(double x) {
+  return bf16_t{f32_to_bf16(to_float_odd(x))};
+}
+template <>
+inline fp16_t narrow<fp16_t>(double x) {
+  return fp16_t{f32_to_fp16(to_float_odd(x))};
+}
+
 template <typename T>
 inline void load(double* dst, const T* src, int64_t stride, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i * stride]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i * stride]);
 }
 
 // The register-blocked pieces. Each touches columns [j0, j0 + JB) of the
@@ -177,20 +220,20 @@ inline void readout_step(const double* kv, const double* qb, double* num, int64_
 }
 
 // o_r = num_r / den_r with den_r = q_r . z + eps; zeros if den_r is 0.
-template <typename T>
-inline void write_rows(const LinearAttnArgs<T>& a, int64_t b, int64_t h, int64_t t0, int nt,
+template <typename T, typename F>
+inline void write_rows(const LinearAttnArgs<T, F>& a, int64_t b, int64_t h, int64_t t0, int nt,
                        const double* num, const double* den) {
   for (int t = 0; t < nt; ++t) {
     T* o = a.o + b * a.so.b + h * a.so.h + (t0 + t) * a.so.l;
     const double dn = den[t];
     const double inv = dn != 0.0 ? 1.0 / dn : 0.0;
     for (int64_t j = 0; j < a.dv; ++j)
-      o[j * a.so.d] = static_cast<T>(dn != 0.0 ? num[t * a.dv + j] * inv : 0.0);
+      o[j * a.so.d] = narrow<T>(dn != 0.0 ? num[t * a.dv + j] * inv : 0.0);
   }
 }
 
-template <typename T>
-void causal_sweep(const LinearAttnArgs<T>& a) {
+template <typename T, typename F>
+void causal_sweep(const LinearAttnArgs<T, F>& a) {
   const int64_t BH = a.B * a.H, d = a.d, dv = a.dv;
   CancelToken tok;  // Ctrl-C: polled every kPollTokens tokens
   int failed = 0;
@@ -242,8 +285,8 @@ void causal_sweep(const LinearAttnArgs<T>& a) {
   if (failed) throw std::bad_alloc();
 }
 
-template <typename T>
-void non_causal(const LinearAttnArgs<T>& a) {
+template <typename T, typename F>
+void non_causal(const LinearAttnArgs<T, F>& a) {
   const int64_t BH = a.B * a.H, d = a.d, dv = a.dv;
   // 1. the state of every (b, h): the caller's (updated in place) or ours.
   std::vector<double> own;
@@ -322,8 +365,8 @@ void non_causal(const LinearAttnArgs<T>& a) {
   if (failed) throw std::bad_alloc();
 }
 
-template <typename T>
-void forward_t(const LinearAttnArgs<T>& a) {
+template <typename T, typename F>
+void forward_t(const LinearAttnArgs<T, F>& a) {
   if (a.B <= 0 || a.H <= 0 || a.d <= 0 || a.dv <= 0) return;
   if (a.causal)
     causal_sweep(a);
@@ -335,5 +378,7 @@ void forward_t(const LinearAttnArgs<T>& a) {
 
 void linear_attention_forward(const LinearAttnArgs<float>& a) { forward_t(a); }
 void linear_attention_forward(const LinearAttnArgs<double>& a) { forward_t(a); }
+void linear_attention_forward(const LinearAttnArgs<bf16_t, float>& a) { forward_t(a); }
+void linear_attention_forward(const LinearAttnArgs<fp16_t, float>& a) { forward_t(a); }
 
 }  // namespace attn_fast

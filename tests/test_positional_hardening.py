@@ -35,9 +35,13 @@ from attn_fast import positional
         (
             dict(L=3, D=4, dtype=np.int32),
             TypeError,
-            "dtype must be float32 or float64",
+            "dtype must be float32, float64, float16 or bfloat16",
         ),  # was truncated to ints
-        (dict(L=3, D=4, dtype=np.complex64), TypeError, "dtype must be float32 or float64"),
+        (
+            dict(L=3, D=4, dtype=np.complex64),
+            TypeError,
+            "dtype must be float32, float64, float16 or bfloat16",
+        ),
         (dict(L=3, D=4, offset=1.5), TypeError, "offset"),
         (dict(L=3, D=4, offset=np.array([True])), TypeError, "offset"),
         (dict(L=3, D=4, offset=np.zeros((2, 2), int)), ValueError, "offset"),

@@ -29,8 +29,9 @@ BF16 = np.dtype(np.uint16)  # bfloat16 held as its bit patterns (after as_float_
 HALF_DTYPES = (F16, BF16)
 _HALF_HINT = (
     "bfloat16 and float16 are supported by scaled_dot_product_attention, attention, "
-    "varlen_attention, their backward, KVCache, attn_fast.torch and the layers "
-    "(dtype=) only; cast to float32 here (x.float() / x.astype(np.float32))"
+    "varlen_attention, their backward, KVCache, PagedKVCache, attn_fast.torch, the "
+    "variants, RoPE and the layers (dtype=) only; cast to float32 here (x.float() / "
+    "x.astype(np.float32))"
 )
 
 

@@ -29,8 +29,10 @@ from ._checks import (
     BF16,
     F16,
     FLOAT_DTYPES,
+    _BF16Bits,
     _ml_bfloat16,
     as_float_array,
+    bf16_to_f32,
     dtype_name,
     shape_str,
 )
@@ -103,6 +105,21 @@ def as_layer_input(
             f"cast it ({cast_hint(dt)}) or build the layer with dtype={dtype_name(a.dtype)}"
         )
     return a
+
+
+def bf16_values(x: Any) -> Any:
+    """`x` with bfloat16 data replaced by its float32 values (exact): a torch.bfloat16
+    tensor becomes a float32 tensor, an ``ml_dtypes.bfloat16`` array (or tagged
+    bfloat16 bits) a float32 array; anything else is returned as it is. For the
+    small float operands (ALiBi slopes, sinks, a Dense bias) that NumPy cannot
+    read from a torch.bfloat16 tensor."""
+    if isinstance(x, _BF16Bits):
+        return bf16_to_f32(x.view(np.ndarray))
+    if isinstance(x, np.ndarray):
+        return x.astype(F32) if x.dtype.name == "bfloat16" else x
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16" and hasattr(x, "float"):
+        return x.detach().float()
+    return x
 
 
 def f32(a: np.ndarray) -> np.ndarray:

@@ -293,7 +293,10 @@ def _check_tensors(q, k, v, enable_gqa):
                 f"{name} has layout {x.layout}; only dense (strided) tensors are supported"
             )
         if x.dtype not in _FLOAT:
-            raise TypeError(f"{name} has dtype {x.dtype}; float32 or float64 is supported")
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; float32 or float64 is supported (16-bit ring / "
+                f"Ulysses attention is not: cast with {name}.float())"
+            )
         if x.ndim != 4:
             raise ValueError(f"{name} must be (B, H, L/P, d), got shape {tuple(x.shape)}")
     if not (q.dtype == k.dtype == v.dtype):

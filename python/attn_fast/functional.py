@@ -46,6 +46,7 @@ from ._checks import (
     to_input_kind,
 )
 from ._dispatch import ScoreArgs
+from ._lowp import bf16_values
 from .masks import MaskArgs
 
 __all__ = [
@@ -143,7 +144,7 @@ def _score_args(
     for name, val in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         arr = None
         if val is not None:
-            val = detached(val)
+            val = bf16_values(detached(val))  # torch.bfloat16: NumPy cannot read it
             if np.iscomplexobj(val):  # np.asarray(dtype=float) would drop the imaginary part
                 raise TypeError(f"{name} must be real, got a complex {type(val).__name__}")
             arr = np.ascontiguousarray(np.asarray(val, dtype=dtype).reshape(-1))

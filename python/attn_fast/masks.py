@@ -50,6 +50,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core, _cyloops, _loops
 from ._checks import ArgumentTypeError, check_int, check_seq_lens, detached
+from ._lowp import bf16_values
 
 __all__ = [
     "Mask",
@@ -516,7 +517,7 @@ class Dense(Mask):
 
     def __init__(self, array: ArrayLike) -> None:
         self.array = _mask_array(
-            array,
+            bf16_values(array),  # a bfloat16 bias: its float32 values (exact)
             lambda dt: dt == np.bool_ or dt.kind == "f",
             1,
             "attn_mask must be a boolean (True = attend) or float (additive) array",

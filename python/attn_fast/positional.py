@@ -34,7 +34,23 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from . import _cyloops, _loops
-from ._checks import as_array, check_float_dtype, check_int, check_real, self_overlapping, shape_str
+from ._checks import (
+    HALF_DTYPES,
+    _BF16Bits,
+    as_array,
+    as_float_array,
+    as_out_array,
+    check_int,
+    check_real,
+    check_same_dtype,
+    dtype_name,
+    from_float,
+    self_overlapping,
+    shape_str,
+    to_float,
+    to_input_kind,
+)
+from ._lowp import layer_dtype
 
 __all__ = ["sinusoidal", "RoPE", "rope_reference"]
 
@@ -62,14 +78,17 @@ def sinusoidal(
     a sine). offset : int, or an int array of shape (B,) of per-sequence start
     positions (decode with a cache). base : a finite number > 0. Returns
     (L, D), or (B, L, D) when offset is an array; computed in float64 and
-    returned in ``dtype`` (float32 or float64). Non-integer L, D or offset
-    raise TypeError; L < 0, D < 1 or a bad base raise ValueError.
+    returned in ``dtype``: float32, float64, float16 or bfloat16 (given as
+    "bfloat16", ``ml_dtypes.bfloat16`` or torch.bfloat16; returned as an
+    ``ml_dtypes.bfloat16`` NumPy array, which needs ml_dtypes), rounded once.
+    Non-integer L, D or offset, or another dtype, raise TypeError; L < 0,
+    D < 1 or a bad base raise ValueError.
     """
     L, D = check_int(L, "L"), check_int(D, "D")
     if L < 0 or D < 1:
         raise ValueError(f"sinusoidal needs L >= 0 and D >= 1, got L={L}, D={D}")
     base = check_real(base, "base", positive=True)
-    dtype = check_float_dtype(dtype)
+    dtype = layer_dtype(dtype)  # float32 / float64 / float16 / ml_dtypes.bfloat16
     off = np.asarray(offset)
     if off.dtype.kind not in "iu":
         raise TypeError(f"offset must be an int or an int array, got dtype {off.dtype}")
@@ -304,7 +323,14 @@ class RoPE:
         Otherwise a new C-contiguous array is returned. Computed in x's dtype,
         in one pass by ``_cyloops.rope`` (float32/float64 in the layouts
         above), else by the NumPy formula ``_rope_numpy``.
+
+        16-bit x (NumPy float16, ``ml_dtypes.bfloat16``, torch.float16 /
+        torch.bfloat16) is rotated in float32 from its values and rounded once
+        to its dtype; the result has x's dtype and kind (a torch tensor for
+        torch input; with ``inplace`` or ``out`` that object itself).
         """
+        if _is_half(x) or (out is not None and _is_half(out)):
+            return self._call_half(x, offset, positions, seq_axis, out, inplace)
         x, ax = self._check_x(x, seq_axis)
         y = self._target(x, out, inplace)
         if self.rotary_dim and x.size and _loops.USE_CYTHON:
@@ -334,6 +360,16 @@ class RoPE:
         both. inplace=True rotates q and k themselves; otherwise new
         C-contiguous arrays are returned. Same result as two ``__call__``.
         """
+        if _is_half(q) or _is_half(k):  # float32 from the values, one rounding (see __call__)
+            check_same_dtype(
+                q=as_float_array(q, "q", half=True), k=as_float_array(k, "k", half=True)
+            )
+            kw = dict(offset=offset, positions=positions, seq_axis=seq_axis, inplace=inplace)
+            if inplace and _overlap(
+                *(as_float_array(x, n, half=True) for x, n in ((q, "q"), (k, "k")))
+            ):
+                raise ValueError("q and k share memory: rotate_qk(inplace=True) would rotate twice")
+            return self(q, **kw), self(k, **kw)
         q, ax = self._check_x(q, seq_axis, "q")
         k, axk = self._check_x(k, seq_axis, "k")
         if q.dtype != k.dtype:
@@ -353,6 +389,37 @@ class RoPE:
                 return qy, ky
         kw = dict(offset=offset, positions=positions, seq_axis=seq_axis, inplace=inplace)
         return self(q, **kw), self(k, **kw)
+
+    def _call_half(self, x, offset, positions, seq_axis, out, inplace):
+        """__call__ for 16-bit x: rotated in float32, rounded once to x's dtype."""
+        like = x
+        a = as_float_array(x, "x", half=True)  # float16, or bfloat16 bits; x's memory if it can
+        if a.dtype not in HALF_DTYPES:
+            raise TypeError(
+                f"out has a 16-bit dtype but x has dtype {a.dtype}; pass an out of x's dtype"
+            )
+        y = from_float(
+            self(to_float(a, np.float32), offset=offset, positions=positions, seq_axis=seq_axis),
+            a.dtype,
+        )
+        if inplace:
+            if out is not None:
+                raise ValueError("pass either inplace=True or out=, not both")
+            base = as_array(x, "x")
+            if not (base.flags.writeable and np.shares_memory(a, base)):
+                raise ValueError("x is read-only (or not aligned); cannot rotate in place")
+            a[...] = y
+            return x
+        if out is not None:
+            o = as_out_array(out)
+            if o.shape != a.shape or o.dtype != a.dtype:
+                raise ValueError(
+                    f"out has shape {shape_str(o)} dtype {dtype_name(o.dtype)}, expected "
+                    f"{shape_str(a)} {dtype_name(a.dtype)}"
+                )
+            o[...] = y
+            return out
+        return to_input_kind(y, like)
 
     def _rope_cython(self, pairs, ax, offset, positions):
         """Rotate each (src, dst) pair with ``_cyloops.rope``; False (nothing
@@ -421,6 +488,17 @@ class RoPE:
         b += a * s
         a[...] = new_a
         return y
+
+
+def _is_half(x):
+    """True for 16-bit float data: NumPy float16, ml_dtypes.bfloat16, torch.float16 /
+    torch.bfloat16 (or bfloat16 bits tagged by attn_fast)."""
+    if isinstance(x, _BF16Bits):
+        return True
+    dt = getattr(x, "dtype", None)
+    if isinstance(dt, np.dtype):  # any byte order
+        return (dt.kind == "f" and dt.itemsize == 2) or dt.name == "bfloat16"
+    return str(dt) in ("torch.float16", "torch.bfloat16")
 
 
 def _overlap(a, b):

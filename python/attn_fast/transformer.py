@@ -36,7 +36,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import check_int, check_real, shape_str, to_input_kind
-from ._lowp import add, f32, is_half, layer_dtype, linear
+from ._lowp import add, as_layer_input, f32, is_half, layer_dtype, linear
 from ._module import Module, as_rng
 from .multihead import MultiHeadAttention
 from .positional import RoPE, sinusoidal
@@ -55,7 +55,8 @@ def _init(gen: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike) ->
 class LayerNorm(Module):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,).
 
-    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once."""
+    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
+    ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
@@ -67,10 +68,11 @@ class LayerNorm(Module):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if is_half(self.weight.dtype):
+            like, x = x, as_layer_input(x, "x", self.weight.dtype, "the LayerNorm's weights")
             xc = f32(x) - f32(x).mean(axis=-1, keepdims=True)
             var = np.mean(xc * xc, axis=-1, keepdims=True)
             y = xc / np.sqrt(var + np.float32(self.eps)) * f32(self.weight) + f32(self.bias)
-            return y.astype(self.weight.dtype)
+            return to_input_kind(y.astype(self.weight.dtype), like)
         mu = x.mean(axis=-1, keepdims=True)
         xc = x - mu
         var = np.mean(xc * xc, axis=-1, keepdims=True)
@@ -80,7 +82,8 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,).
 
-    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once."""
+    x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
+    ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
         self.eps = check_real(eps, "eps", minimum=0.0)
@@ -91,10 +94,11 @@ class RMSNorm(Module):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if is_half(self.weight.dtype):
+            like, x = x, as_layer_input(x, "x", self.weight.dtype, "the RMSNorm's weights")
             x32 = f32(x)
             ms = np.mean(x32 * x32, axis=-1, keepdims=True)
             y = x32 / np.sqrt(ms + np.float32(self.eps)) * f32(self.weight)
-            return y.astype(self.weight.dtype)
+            return to_input_kind(y.astype(self.weight.dtype), like)
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.eps) * self.weight
 
@@ -136,8 +140,9 @@ class MLP(Module):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if is_half(self.W1.dtype):
+            like, x = x, as_layer_input(x, "x", self.W1.dtype, "the MLP's weights")
             h = linear(x, self.W1, self.b1)
-            return linear(gelu(f32(h)).astype(h.dtype), self.W2, self.b2)
+            return to_input_kind(linear(gelu(f32(h)).astype(h.dtype), self.W2, self.b2), like)
         h = x @ self.W1.T
         h += self.b1
         y = gelu(h) @ self.W2.T
@@ -171,9 +176,11 @@ class SwiGLU(Module):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if is_half(self.W_down.dtype):
+            like, x = x, as_layer_input(x, "x", self.W_down.dtype, "the SwiGLU's weights")
             gu = f32(linear(x, self._w_gate_up))  # (…, 2F), rounded once
             g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
-            return linear((silu(g) * u).astype(self.W_down.dtype), self.W_down)
+            y = linear((silu(g) * u).astype(self.W_down.dtype), self.W_down)
+            return to_input_kind(y, like)
         gu = x @ self._w_gate_up.T  # (…, 2F)
         g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
         return (silu(g) * u) @ self.W_down.T

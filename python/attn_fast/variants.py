@@ -19,7 +19,10 @@ memory O(L)). The chapter names four ways to cut the L² bill:
 
 Layouts follow :func:`attn_fast.scaled_dot_product_attention`: q is (L, d),
 (H, L, d) or (B, H, L, d), read through its strides; results are new
-C-contiguous arrays of q's dtype (float32 or float64).
+C-contiguous arrays of q's dtype: float32, float64, or a 16-bit one (NumPy
+float16, ``ml_dtypes.bfloat16``, torch.float16 / torch.bfloat16 CPU tensors,
+read zero-copy), whose arithmetic is float32 or wider and whose result is
+rounded once to the 16-bit dtype. Torch input gives torch output.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core
 from ._checks import (
+    BF16,
     HALF_DTYPES,
     as_float_array,
     bf16_bits,
@@ -236,17 +240,33 @@ def _relu(x):
 _FEATURE_MAPS = {"elu1": _elu1, "relu": _relu}
 
 
-def feature_map(x: np.ndarray, fm: str | Callable[[np.ndarray], ArrayLike] = "elu1") -> np.ndarray:
+def feature_map(x: ArrayLike, fm: str | Callable[[np.ndarray], ArrayLike] = "elu1") -> Any:
     """Apply a linear-attention feature map to (…, d) and check it.
+
+    x : (…, d) float32, float64 or 16-bit (NumPy float16, ``ml_dtypes.bfloat16``,
+        torch.float16 / torch.bfloat16; a 16-bit x is mapped in float32 and the
+        features rounded once to its dtype).
 
     fm : "elu1" (elu(x) + 1, Katharopoulos et al.; strictly positive),
         "relu" (max(x, 0); a row may be all zeros) or a callable mapping a
-        (…, d) array to a (…, r) array of non-negative finite values (random
-        features, say; r may differ from d). Returns an array of x's dtype.
+        (…, d) NumPy array (float32 for 16-bit x) to a (…, r) array of
+        non-negative finite values (random features, say; r may differ from
+        d). Returns an array of x's dtype (a torch tensor for torch input).
 
     Raises ValueError for an unknown name, a wrong shape, or negative or
-    non-finite features (the normaliser φ(q)ᵀΣφ(k) must stay non-negative).
+    non-finite features (the normaliser φ(q)ᵀΣφ(k) must stay non-negative);
+    TypeError for an x that is not a float array.
     """
+    like = x
+    a = as_float_array(x, "x", half=True)
+    if a.dtype in HALF_DTYPES:
+        y = from_float(_feature_map(to_float(a, np.float32), fm), a.dtype)
+        return to_input_kind(y, like)
+    return to_input_kind(_feature_map(a, fm), like)
+
+
+def _feature_map(x: np.ndarray, fm: str | Callable[[np.ndarray], ArrayLike]) -> np.ndarray:
+    """feature_map on a checked float32 / float64 NumPy array: features of x's dtype."""
     if isinstance(fm, str):
         try:
             f = _FEATURE_MAPS[fm]
@@ -336,12 +356,17 @@ def linear_attention(
 ) -> Any:
     """Linear attention O = φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1) + eps), right to left.
 
-    q, k : (L, d), (H, L, d) or (B, H, L, d) float32/float64; v : (…, L, dv),
-        same leading dims (no GQA). No softmax scale: the kernel φ(q)ᵀφ(k)
-        replaces exp(qᵀk/√d).
+    q, k : (L, d), (H, L, d) or (B, H, L, d); v : (…, L, dv), same leading
+        dims (no GQA) and one dtype: float32, float64, or 16-bit (NumPy
+        float16, ``ml_dtypes.bfloat16``, torch.float16 / torch.bfloat16 CPU
+        tensors). No softmax scale: the kernel φ(q)ᵀφ(k) replaces
+        exp(qᵀk/√d). Mixed dtypes raise TypeError with a cast hint.
 
     feature_map : "elu1" (default), "relu" or a callable, see
-        :func:`attn_fast.variants.feature_map`.
+        :func:`attn_fast.variants.feature_map`. For 16-bit q, k it is applied
+        in float32 to their values and the features stay float32 (not
+        rounded to 16 bits); v is read in its 16-bit dtype, zero-copy, and
+        widened as the kernel loads each block of tokens.
 
     causal : row i uses keys t <= i only: a running prefix sum of φ(k_t)v_tᵀ
         and φ(k_t) (the C++ sweep, parallel over batch and heads).
@@ -356,22 +381,27 @@ def linear_attention(
     return_state : also return the state after the last position.
 
     Cost O(L·r·dv) time and O(r·dv) extra memory per (batch, head); the L×L
-    matrix never exists. The state is accumulated in float64 for both dtypes,
-    so float32 stays accurate for long sequences (see csrc/linear_attn.cpp).
-    Returns (…, L, dv) in q's dtype, and the state if asked.
+    matrix never exists. The state is accumulated in float64 for every
+    dtype, so float32 and 16-bit inputs stay accurate for long sequences (see
+    csrc/linear_attn.cpp). Returns (…, L, dv) in q's dtype (16-bit: rounded
+    once from the float64 quotient; torch input gives a torch tensor), and
+    the state (float64 whatever the dtype) if asked.
     """
     like = q
     causal = check_bool(causal, "causal")
     return_state = check_bool(return_state, "return_state")
-    q, k, v = check_qkv(q, k, v, enable_gqa=None, same_len=True)[:3]
+    q, k, v = check_qkv(q, k, v, half=True, enable_gqa=None, same_len=True)[:3]
     eps = check_real(eps, "eps", minimum=0.0)
-    fq, fk = _feature(q, k, feature_map)
+    if q.dtype in HALF_DTYPES:  # features in float32 from the 16-bit values
+        fq, fk = _feature(to_float(q, np.float32), to_float(k, np.float32), feature_map)
+    else:
+        fq, fk = _feature(q, k, feature_map)
     lead, r, dv, L = q.shape[:-2], fq.shape[-1], v.shape[-1], q.shape[-2]
     if state is None:
         st = LinearAttentionState(np.zeros(lead + (r, dv)), np.zeros(lead + (r,)), 0)
     else:
         st = _check_state(state, lead, r, dv)
-    o = np.empty(q.shape[:-1] + (dv,), dtype=q.dtype)
+    o = np.empty(q.shape[:-1] + (dv,), dtype=v.dtype)  # q's dtype (checked), bf16 as bits
     if o.size or st.kv.size:
         _core.linear_attention(
             to4(fq, "q"),
@@ -389,8 +419,8 @@ def linear_attention(
 
 
 def _feature(q, k, fm):
-    fq = feature_map(q, fm)
-    fk = feature_map(k, fm)
+    fq = _feature_map(q, fm)
+    fk = _feature_map(k, fm)
     if fq.shape[-1] != fk.shape[-1]:
         raise ValueError(
             f"feature_map gave q features {shape_str(fq)} but k features {shape_str(fk)}"
@@ -409,18 +439,21 @@ def linear_attention_step(
 ) -> tuple[Any, LinearAttentionState]:
     """One decode step of causal linear attention: O(r·dv), whatever the length.
 
-    q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv).
+    q, k : (d,), (H, d) or (B, H, d) — one new token; v : (…, dv). One
+        dtype, as :func:`linear_attention` takes (float32, float64, 16-bit).
 
     state : the :class:`LinearAttentionState` so far (None = empty); not
         modified.
 
-    Returns (o, new_state): o (…, dv) in q's dtype, equal to row n of
-    ``linear_attention(..., causal=True)`` over the n + 1 tokens so far.
+    Returns (o, new_state): o (…, dv) in q's dtype (a torch tensor for torch
+    input), equal to row n of ``linear_attention(..., causal=True)`` over the
+    n + 1 tokens so far; the state is float64.
     """
     like = q
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
+    # bfloat16 comes back as uint16 bits: tagged so linear_attention reads it as bfloat16
+    q, k, v = (
+        _tag_bf16(as_float_array(x, name, half=True)) for x, name in ((q, "q"), (k, "k"), (v, "v"))
+    )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim not in (1, 2, 3):
             raise ValueError(
@@ -437,3 +470,8 @@ def linear_attention_step(
         return_state=True,
     )
     return to_input_kind(np.ascontiguousarray(o[..., 0, :]), like), st
+
+
+def _tag_bf16(a: np.ndarray) -> np.ndarray:
+    """`a`, with bfloat16 bits (uint16) tagged so that ``as_float_array`` reads them as bfloat16."""
+    return bf16_bits(a) if a.dtype == BF16 else a

@@ -18,7 +18,14 @@
 //
 // Numerics: the state (KV, z) is accumulated in double whatever T is, so the
 // prefix sums over L = 65536 float32 positions lose nothing to cancellation or
-// to the growth of z; only phi(q), phi(k), v and o are rounded to T.
+// to the growth of z; only phi(q), phi(k) (to F), v and o (to T) are rounded.
+//
+// Storage: T is float, double, bf16_t or fp16_t (v and o); F is the feature
+// type of phi(q), phi(k): T itself for float / double, float for the 16-bit
+// types (the Python layer applies phi in float32 to the 16-bit values, so the
+// features are not rounded to 16 bits). 16-bit v is widened to double as each
+// block of tokens is loaded; o is rounded once from double to T (to nearest
+// even, without double rounding through float).
 #pragma once
 
 #include <cstdint>
@@ -27,10 +34,10 @@
 
 namespace attn_fast {
 
-template <typename T>
+template <typename T, typename F = T>
 struct LinearAttnArgs {
-  const T* q = nullptr;  // phi(q) (B, H, L, d), strided
-  const T* k = nullptr;  // phi(k) (B, H, L, d), strided
+  const F* q = nullptr;  // phi(q) (B, H, L, d), strided
+  const F* k = nullptr;  // phi(k) (B, H, L, d), strided
   const T* v = nullptr;  // (B, H, L, dv), strided
   T* o = nullptr;        // (B, H, L, dv), strided
   int64_t B = 0, H = 0, L = 0, d = 0, dv = 0;
@@ -46,5 +53,7 @@ struct LinearAttnArgs {
 // non-causal read-out). Results do not depend on the thread count.
 void linear_attention_forward(const LinearAttnArgs<float>& a);
 void linear_attention_forward(const LinearAttnArgs<double>& a);
+void linear_attention_forward(const LinearAttnArgs<bf16_t, float>& a);
+void linear_attention_forward(const LinearAttnArgs<fp16_t, float>& a);
 
 }  // namespace attn_fast
