@@ -854,5 +854,47 @@ def test_shard_and_gather_round_trip(layout):
         cp.shard_sequence(x[:, :20], 0, 4, layout="zigzag")
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_and_gather_numpy_arrays(layout, rng):
+    """NumPy arrays shard and gather like tensors (same rows, same dtype, NumPy out)."""
+    from attn_fast import distributed as cp
+
+    x = rng.standard_normal((2, 3, 16, 5)).astype(np.float32)
+    shards = [cp.shard_sequence(x, r, 2, layout) for r in range(2)]
+    for r, sh in enumerate(shards):
+        assert isinstance(sh, np.ndarray) and sh.dtype == np.float32 and sh.shape == (2, 3, 8, 5)
+        want = cp.shard_sequence(torch.from_numpy(x), r, 2, layout).numpy()
+        assert np.array_equal(sh, want)
+    back = cp.gather_sequence(shards, layout)
+    assert isinstance(back, np.ndarray) and np.array_equal(back, x)
+    xt = x.transpose(0, 2, 1, 3)  # the sequence on axis 1, non-contiguous
+    assert np.array_equal(
+        cp.gather_sequence(
+            [cp.shard_sequence(xt, r, 2, layout, dim=1) for r in range(2)], layout, dim=1
+        ),
+        xt,
+    )
+
+
+def test_shard_and_gather_bad_input():
+    from attn_fast import distributed as cp
+
+    x = np.zeros((1, 8, 4), np.float32)
+    with pytest.raises(TypeError, match="x must be a torch tensor or a NumPy array"):
+        cp.shard_sequence(x.tolist(), 0, 2)
+    with pytest.raises(ValueError, match="rank = 2 must be below world_size = 2"):
+        cp.shard_sequence(x, 2, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        cp.shard_sequence(x, 0, 0)
+    with pytest.raises(ValueError, match="dim = 3 is not an axis of x"):
+        cp.shard_sequence(x, 0, 2, dim=3)
+    with pytest.raises(ValueError, match="shards is empty"):
+        cp.gather_sequence([])
+    with pytest.raises(TypeError, match="mixes torch tensors and NumPy arrays"):
+        cp.gather_sequence([x, torch.from_numpy(x)])
+    with pytest.raises(ValueError, match="one shape"):
+        cp.gather_sequence([x, x[:, :4]])
+
+
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--launch":
     _launcher(int(sys.argv[2]), int(sys.argv[3]))

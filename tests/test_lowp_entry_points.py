@@ -64,6 +64,7 @@ AUDIT = {
     "KVCache": "works",
     "LayerCaches": "works",
     "PagedKVCache": "works",
+    "PagedLayerCaches": "works",
     "merge_attention_states": "refuses",
     # masks: only Dense holds floating-point values
     "Dense": "works",
@@ -107,6 +108,8 @@ AUDIT = {
     "register": NO_ARRAYS,
     "AttnFastCache": "works: tested in test_transformers_cache.py (bf16 / fp16 models)",
     "AttnFastLayer": "works: tested in test_transformers_cache.py (bf16 / fp16 models)",
+    "AttnFastPagedCache": "works: tested in test_paged_transformers.py (bf16 model, 16-bit pages)",
+    "AttnFastPagedLayer": "works: tested in test_paged_transformers.py (bf16 model, 16-bit pages)",
     "NAME": NO_ARRAYS,
     # configuration, modules, the demo
     "__version__": NO_ARRAYS,
@@ -319,6 +322,12 @@ def test_kv_caches(isa, rng, src):
     sid = paged.add_sequence()
     paged.append([sid], k, v)
     o = paged.attend([sid], q)
+    same_kind(o, src)
+    close(o, O, src)
+    paged_layers = af.PagedLayerCaches(2, 2, 16, dtype=dtype_of(src))
+    sid = paged_layers.add_sequence()
+    paged_layers[1].append([sid], k, v)
+    o = paged_layers[1].attend([sid], q)
     same_kind(o, src)
     close(o, O, src)
 

@@ -270,3 +270,30 @@ def test_activations_finite_for_large_inputs():
         silu(x), x64 * np.exp(-np.logaddexp(0.0, -x64)), rtol=1e-6, atol=1e-30
     )  # x·sigmoid(x)
     np.testing.assert_allclose(gelu(x)[[0, 1, 5, 6]], [0, 0, 100, 1e4], atol=1e-6)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("layer", ["layernorm", "rmsnorm", "gelu", "swiglu"])
+def test_float_norms_and_feed_forwards_take_torch_tensors(rng, dt, layer):
+    """A float32 / float64 layer given a torch tensor of its dtype returns a torch tensor
+    (the float64 transcription's values); another dtype: TypeError with a cast hint."""
+    torch = pytest.importorskip("torch")
+    mods = {
+        "layernorm": lambda: af.LayerNorm(12, dtype=dt),
+        "rmsnorm": lambda: af.RMSNorm(12, dtype=dt),
+        "gelu": lambda: af.transformer.MLP(12, 20, rng=rng, dtype=dt),
+        "swiglu": lambda: af.transformer.SwiGLU(12, 20, rng=rng, dtype=dt),
+    }
+    mod = mods[layer]()
+    if layer in ("layernorm", "rmsnorm"):
+        randomise(mod, rng)
+    x = rng.standard_normal((2, 5, 12)).astype(dt)
+    y = mod(torch.from_numpy(x)[:, ::2])  # non-contiguous
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.from_numpy(x).dtype
+    x64 = x[:, ::2].astype(np.float64)
+    want = norm64(mod, x64) if layer in ("layernorm", "rmsnorm") else ffn64(mod, x64)
+    np.testing.assert_allclose(y.numpy(), want, **tol(dt))
+    np.testing.assert_array_equal(y.numpy(), mod(x[:, ::2]))  # the NumPy call's values
+    other = torch.float64 if dt == np.float32 else torch.float32
+    with pytest.raises(TypeError, match="cast it"):
+        mod(torch.from_numpy(x).to(other))

@@ -57,7 +57,7 @@ from numpy.typing import ArrayLike
 
 import attn_fast as af
 
-from ._checks import check_int, check_qkv, check_scale
+from ._checks import _is_torch_tensor, check_int, check_qkv, check_scale
 
 __all__ = [
     "ring_attention",
@@ -134,10 +134,40 @@ def positions(rank: int, world_size: int, n: int, layout: str = "zigzag") -> np.
     ).astype(np.int64)
 
 
+def _seq_kind(x, name):
+    """'torch' or 'numpy' for a torch tensor or NumPy array `x`, else TypeError naming it."""
+    if _is_torch_tensor(x):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    raise TypeError(f"{name} must be a torch tensor or a NumPy array, got {type(x).__name__}")
+
+
+def _seq_axis(x, dim, name):
+    """`dim` as an axis of `x` (negative counts from the end), or ValueError."""
+    dim = check_int(dim, "dim")
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim = {dim} is not an axis of {name} of shape {tuple(x.shape)}")
+    return dim
+
+
 def shard_sequence(
-    x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = -2
-) -> torch.Tensor:
-    """This rank's shard of a whole-sequence tensor x (sequence on axis `dim`): a copy, L/P rows."""
+    x: torch.Tensor | np.ndarray,
+    rank: int,
+    world_size: int,
+    layout: str = "zigzag",
+    dim: int = -2,
+) -> torch.Tensor | np.ndarray:
+    """This rank's shard of a whole-sequence tensor x (sequence on axis `dim`): a copy, L/P rows.
+
+    x: a torch tensor or NumPy array (any dtype); the shard is of the same kind and dtype."""
+    kind = _seq_kind(x, "x")
+    dim = _seq_axis(x, dim, "x")
+    world_size = check_int(world_size, "world_size", 1)
+    rank = check_int(rank, "rank", 0)
+    if rank >= world_size:
+        raise ValueError(f"rank = {rank} must be below world_size = {world_size}")
+    _check_layout(layout)
     L = x.shape[dim]
     if L % world_size or (layout == "zigzag" and L % (2 * world_size)):
         need = 2 * world_size if layout == "zigzag" else world_size
@@ -145,19 +175,38 @@ def shard_sequence(
             f"sequence length {L} (axis {dim} of shape {tuple(x.shape)}) is not a multiple of "
             f"{need}"
         )
-    idx = torch.from_numpy(positions(rank, world_size, L // world_size, layout))
-    return x.index_select(dim, idx)
+    idx = positions(rank, world_size, L // world_size, layout)
+    if kind == "numpy":
+        return np.take(x, idx, axis=dim)
+    return x.index_select(dim, torch.from_numpy(idx))
 
 
 def gather_sequence(
-    shards: Sequence[torch.Tensor], layout: str = "zigzag", dim: int = -2
-) -> torch.Tensor:
-    """The whole-sequence tensor from the list of all ranks' shards (inverse of shard_sequence)."""
+    shards: Sequence[torch.Tensor] | Sequence[np.ndarray], layout: str = "zigzag", dim: int = -2
+) -> torch.Tensor | np.ndarray:
+    """The whole-sequence tensor from the list of all ranks' shards (inverse of shard_sequence).
+
+    shards: one shard per rank, in rank order, all torch tensors or all NumPy arrays of
+    the same shape; the result is of their kind."""
+    shards = list(shards)
+    if not shards:
+        raise ValueError("shards is empty: pass one shard per rank")
+    kinds = {_seq_kind(t, f"shards[{i}]") for i, t in enumerate(shards)}
+    if len(kinds) > 1:
+        raise TypeError("shards mixes torch tensors and NumPy arrays: pass one kind")
+    dim = _seq_axis(shards[0], dim, "shards[0]")
+    if any(tuple(t.shape) != tuple(shards[0].shape) for t in shards):
+        raise ValueError(
+            "shards must all have one shape, got " + ", ".join(str(tuple(t.shape)) for t in shards)
+        )
+    _check_layout(layout)
     P = len(shards)
     n = shards[0].shape[dim]
-    cat = torch.cat(list(shards), dim=dim)
     pos = np.concatenate([positions(r, P, n, layout) for r in range(P)])
-    return cat.index_select(dim, torch.from_numpy(np.argsort(pos)))
+    order = np.argsort(pos)
+    if kinds == {"numpy"}:
+        return np.take(np.concatenate(shards, axis=dim), order, axis=dim)
+    return torch.cat(shards, dim=dim).index_select(dim, torch.from_numpy(order))
 
 
 # ---------------------------------------------------------------- bands

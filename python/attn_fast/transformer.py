@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from ._checks import check_int, check_real, shape_str, to_input_kind
+from ._checks import _is_torch_tensor, check_int, check_real, shape_str, to_input_kind
 from ._lowp import add, as_layer_input, f32, is_half, layer_dtype, linear
 from ._module import Module, as_rng
 from .multihead import MultiHeadAttention
@@ -67,6 +67,10 @@ class LayerNorm(Module):
         return {"weight": self.weight, "bias": self.bias}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if _is_torch_tensor(x) and not is_half(self.weight.dtype):  # torch in, torch out
+            return to_input_kind(
+                self(as_layer_input(x, "x", self.weight.dtype, "the LayerNorm's weights")), x
+            )
         if is_half(self.weight.dtype):
             like, x = x, as_layer_input(x, "x", self.weight.dtype, "the LayerNorm's weights")
             xc = f32(x) - f32(x).mean(axis=-1, keepdims=True)
@@ -93,6 +97,10 @@ class RMSNorm(Module):
         return {"weight": self.weight}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if _is_torch_tensor(x) and not is_half(self.weight.dtype):  # torch in, torch out
+            return to_input_kind(
+                self(as_layer_input(x, "x", self.weight.dtype, "the RMSNorm's weights")), x
+            )
         if is_half(self.weight.dtype):
             like, x = x, as_layer_input(x, "x", self.weight.dtype, "the RMSNorm's weights")
             x32 = f32(x)
@@ -139,6 +147,10 @@ class MLP(Module):
         return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if _is_torch_tensor(x) and not is_half(self.W1.dtype):  # torch in, torch out
+            return to_input_kind(
+                self(as_layer_input(x, "x", self.W1.dtype, "the MLP's weights")), x
+            )
         if is_half(self.W1.dtype):
             like, x = x, as_layer_input(x, "x", self.W1.dtype, "the MLP's weights")
             h = linear(x, self.W1, self.b1)
@@ -175,6 +187,10 @@ class SwiGLU(Module):
         return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if _is_torch_tensor(x) and not is_half(self.W_down.dtype):  # torch in, torch out
+            return to_input_kind(
+                self(as_layer_input(x, "x", self.W_down.dtype, "the SwiGLU's weights")), x
+            )
         if is_half(self.W_down.dtype):
             like, x = x, as_layer_input(x, "x", self.W_down.dtype, "the SwiGLU's weights")
             gu = f32(linear(x, self._w_gate_up))  # (…, 2F), rounded once
