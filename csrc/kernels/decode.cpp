@@ -194,31 +194,43 @@ inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int
 
 // The next block's cache lines, prefetched `per` per inner-loop iteration of
 // the compute loops (so the next block's misses overlap this block's math),
-// walked in registers: row by row, a row's kl K lines then its vl V lines, the
-// rows `ks` / `vs` bytes apart; per: kPrefetchPer.
+// walked in registers: its K rows, then its V rows, as runs of bytes, one
+// run per row, or one run for all of them where the rows are packed (a
+// cache's layout): a line address, an end, and a compare per prefetch.
 struct Pf {
-  const char* k;  // the current row's K and V lines
+  const char* at;   // the next line (64-byte aligned)
+  const char* end;  // the end of the current run
+  const char* k;    // the next K run, then the next V run
   const char* v;
-  int64_t ks, vs;  // bytes from one row to the next
-  int64_t rows;    // rows left, the current one included (0: done)
-  int kl, vl;      // lines per K row, per V row
-  int line;        // the next line of the current row: K 0 .. kl-1, then V
+  int64_t ks, vs;      // bytes from one run to the next
+  int64_t klen, vlen;  // bytes per run
+  int64_t kn, vn;      // runs left
   int per;
 };
 // Every 64-byte line of n floats from p (the int8 cache's scales).
 inline void prefetch_lines(const float* p, int64_t n) {
   for (int64_t e = 0; e < n; e += 16) __builtin_prefetch(p + e, 0, 3);
 }
+// The next run into at / end; false when none is left.
+inline bool pf_next_run(Pf* p) {
+  const char* r;
+  int64_t len;
+  if (p->kn > 0) {
+    r = p->k, len = p->klen, p->k += p->ks, --p->kn;
+  } else if (p->vn > 0) {
+    r = p->v, len = p->vlen, p->v += p->vs, --p->vn;
+  } else {
+    return false;
+  }
+  p->at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(r) & ~uintptr_t(63));
+  p->end = r + len;
+  return true;
+}
 __attribute__((always_inline)) inline void pf_step(Pf* p) {
-  for (int k = 0; k < p->per && p->rows > 0; ++k) {
-    const char* at = p->line < p->kl ? p->k + 64 * p->line : p->v + 64 * (p->line - p->kl);
-    __builtin_prefetch(at, 0, 3);
-    if (++p->line == p->kl + p->vl) {
-      p->line = 0;
-      p->k += p->ks;
-      p->v += p->vs;
-      --p->rows;
-    }
+  for (int k = 0; k < p->per; ++k) {
+    if (p->at >= p->end && !pf_next_run(p)) return;
+    __builtin_prefetch(p->at, 0, 3);
+    p->at += 64;
   }
 }
 
@@ -686,7 +698,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     if constexpr (!Q8) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched kPrefetchPer<KV> per inner iteration
     // of QK / PV (a walk over its rows, see Pf).
-    Pf pf{nullptr, nullptr, 0, 0, 0, 0, 0, 0, kPrefetchPer<KV>};
+    Pf pf{nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0, kPrefetchPer<KV>};
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);
@@ -714,13 +726,18 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
           prefetch_lines(nvo + ns, ncols);
         }
       }
+      const int64_t rows = imin(ncols, a.R - ns);  // a ring's wrap ends the walk (a hint only)
+      const int64_t kb = d * static_cast<int64_t>(sizeof(KV)),
+                    vb = dv * static_cast<int64_t>(sizeof(KV));
       pf.k = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
       pf.v = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
       pf.ks = a.sk.l * static_cast<int64_t>(sizeof(KV));
       pf.vs = a.sv.l * static_cast<int64_t>(sizeof(KV));
-      pf.rows = imin(ncols, a.R - ns);  // a ring's wrap ends the walk (a hint only)
-      pf.kl = static_cast<int>((d * static_cast<int64_t>(sizeof(KV)) + 63) / 64);
-      pf.vl = static_cast<int>((dv * static_cast<int64_t>(sizeof(KV)) + 63) / 64);
+      const bool kdense = pf.ks == kb, vdense = pf.vs == vb;  // rows packed: one run
+      pf.kn = kdense ? 1 : rows;
+      pf.klen = kdense ? rows * kb : kb;
+      pf.vn = vdense ? 1 : rows;
+      pf.vlen = vdense ? rows * vb : vb;
     }
     // S = Q K^T.
     qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, &pf);
