@@ -42,9 +42,13 @@
 //   compute loops alone stall on every miss (few loads in flight per FMA);
 //   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
-//   The next block's lines are software-prefetched one per inner iteration of
-//   the QK / PV loops, spread over the block's math (a burst of prefetches at
-//   the block start measured worse; spread out, a small gain within noise).
+//   int8 rows (2 lines at d = 128) skip the touch pass (0.95x without it).
+//   The next block's lines are software-prefetched kPrefetchPer (fp32 3, bf16
+//   2, int8 1) per inner iteration of the QK / PV loops, enough for the whole
+//   block, spread over the block's math (a burst of prefetches at the block
+//   start measured worse); the addresses are walked in registers (Pf), not
+//   listed in memory; an int8 block that starts a key group also prefetches
+//   the group's scales and offsets.
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
 //   split's first block was 15-30 % slower in paired runs at 4k-32k keys:
