@@ -359,7 +359,11 @@ template <typename T, typename SK>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d,
                  T* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
-    qk_rows<T, SK, decltype(R)::value, decltype(U)::value>(Qs, ldq, kp, cols, d, S, lds, pf);
+    constexpr int N = decltype(R)::value;
+    // 4 rows on AVX-512: 4 keys per pass (16 chains; 64-key blocks without a
+    // 1-key tail); the same dot products, each reduced by the same tree.
+    constexpr int KC = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
 }
 
@@ -367,7 +371,11 @@ template <typename T, typename SV>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv,
                  T* O, int64_t ldo, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
-    pv_rows<T, SV, decltype(R)::value, decltype(U)::value>(P, ldp, vp, cols, dv, O, ldo, pf);
+    constexpr int N = decltype(R)::value;
+    // 4 rows on AVX-512 (32 registers): 4 vectors per pass, 16 accumulators
+    // (half the P broadcasts and passes of 3); the same sums in the same order.
+    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }
 
