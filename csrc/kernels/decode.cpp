@@ -57,6 +57,9 @@
 //   and 4 rows x 3 vectors per PV pass, 12 independent FMA chains (8, the
 //   former shape, just covers the 4-cycle latency of the 2 FMA pipes):
 //   1.03-1.16x in paired runs, together with exp2_neg and 2048-key splits.
+//   On AVX-512 (32 registers) 4 rows use 4 keys per QK pass and 4 vectors per
+//   PV pass (16 chains; bf16 0.86-0.89x, int8 0.93-0.95x of 3 / 3, the same
+//   sums in the same order: bench/NOTES.md, dec4 step 5).
 //
 // Masks: bottom-right (or top-left) causal and window_left/right on logical
 //   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
