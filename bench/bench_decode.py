@@ -32,7 +32,9 @@ times, and the medians of the per-round best-of times are printed). GB/s for
 int8 counts the bytes it actually reads: codes, key scales and offsets (2 x d
 floats per 64 keys) and value scales and offsets (2 floats per key),
 B * H_kv * L * (d + dv + 8 + 8 d / 64). The int8 result is checked against the
-oracle on the cache's dequantised K/V.
+oracle on the cache's dequantised K/V. Every round also runs the streaming-read
+probe (``%str`` is the median of the per-round ratios to it) and torch's fp32
+SDPA on the fp32 cache's arrays (``t/32``: torch time / attn_fast fp32 time).
 """
 
 from __future__ import annotations
@@ -329,24 +331,41 @@ def main_16bit(args):
 
 
 def main_int8(args):
-    """--dtype int8: float32, bfloat16 and int8 decode steps on the same tokens, paired rounds."""
+    """--dtype int8: fp32, bf16 and int8 decode steps on the same tokens, paired rounds.
+
+    Each round times, in turn: the streaming-read probe (512 MiB, best of 3), the fp32, bf16
+    and int8 steps (best of n each) and torch's fp32 SDPA on the fp32 cache's arrays (unless
+    --no-torch). The %str columns are medians of the per-round ratio to that round's probe (the
+    VM's bandwidth drifts by 2x between runs), the ratios medians of per-round ratios.
+    """
     if args.threads:
         af.set_num_threads(args.threads)
     nt = af.get_num_threads()
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+
+            torch.set_num_threads(nt)
+        except ImportError:
+            print("torch not installed: its column is skipped", file=sys.stderr)
     cfg = config()
     tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
-    print(f"attn_fast {cfg['version']}  {tag}")
-    bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
-    print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
+    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
     print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; medians of")
-    print(f"{args.rounds} paired rounds (fp32, bf16, int8 timed in turn, best of n within a round)")
+    print(
+        f"{args.rounds} rounds (probe, fp32, bf16, int8, torch fp32 timed in turn, best of n "
+        "within a round)"
+    )
     hdr = (
-        f"{'B':>2} {'L':>6} | {'fp32 ms':>8} {'GB/s':>6} {'%str':>5} | {'bf16 ms':>8} {'GB/s':>6} "
-        f"{'%str':>5} {'vs fp32':>7} | {'int8 ms':>8} {'GB/s':>6} {'%str':>5} {'vs fp32':>7}"
+        f"{'B':>2} {'L':>6} {'probe':>5} | {'fp32 ms':>8} {'GB/s':>5} {'%str':>4} | "
+        f"{'bf16 ms':>7} {'GB/s':>5} {'%str':>4} {'vs32':>5} | {'int8 ms':>7} {'GB/s':>5} "
+        f"{'%str':>4} {'vs32':>5} | {'torch ms':>8} {'t/32':>5}"
     )
     print(hdr)
     print("-" * len(hdr))
     rng = np.random.default_rng(0)
+    med = np.median
     for B in args.batches:
         for L in args.lengths:
             kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
@@ -369,26 +388,52 @@ def main_int8(args):
             nb16 = nb32 // 2
             nb8 = B * HKV * L * (2 * D + 8 + 8 * D // 64)
             reps = repeats_for(nb32)
-            steps = {"32": (c32, q), "16": (c16, q16), "8": (c8, q)}
+            steps = {"32": (c32.attend, q), "16": (c16.attend, q16), "8": (c8.attend, q)}
+            if torch is not None:
+                F = torch.nn.functional.scaled_dot_product_attention
+                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q, K, V))
+                with torch.no_grad():
+                    check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
+
+                def torch_step(_, F=F, tq=tq, tk=tk, tv=tv):
+                    with torch.no_grad():
+                        return F(tq, tk, tv, enable_gqa=True)
+
+                steps["t"] = (torch_step, None)
             ts = {key: [] for key in steps}
+            bw = []
             for _ in range(args.rounds):
-                for key, (c, qq) in steps.items():
-                    ts[key].append(best_time(lambda c=c, qq=qq: c.attend(qq), reps))
-            t32, t16, t8 = (float(np.median(ts[key])) for key in ("32", "16", "8"))
+                bw.append(_core.stream_read_gbps(nt, 512 << 20, 3))
+                for key, (f, qq) in steps.items():
+                    ts[key].append(best_time(lambda f=f, qq=qq: f(qq), reps))
+            t = {key: np.array(v) for key, v in ts.items()}
+            bw = np.array(bw)
             del steps
-            g32, g16, g8 = nb32 / t32 / 1e9, nb16 / t16 / 1e9, nb8 / t8 / 1e9
-            print(
-                f"{B:>2} {L:>6} | {t32 * 1e3:8.3f} {g32:6.1f} {100 * g32 / bwn:4.0f}% | "
-                f"{t16 * 1e3:8.3f} {g16:6.1f} {100 * g16 / bwn:4.0f}% {t32 / t16:6.2f}x | "
-                f"{t8 * 1e3:8.3f} {g8:6.1f} {100 * g8 / bwn:4.0f}% {t32 / t8:6.2f}x",
-                flush=True,
+
+            def cols(key, nb, t=t, bw=bw):
+                g = nb / t[key] / 1e9  # per round
+                return f"{med(t[key]) * 1e3:8.3f} {med(g):5.1f} {100 * med(g / bw):3.0f}%"
+
+            line = (
+                f"{B:>2} {L:>6} {med(bw):5.1f} | {cols('32', nb32)} | {cols('16', nb16)[1:]} "
+                f"{med(t['32'] / t['16']):4.2f}x | {cols('8', nb8)[1:]} "
+                f"{med(t['32'] / t['8']):4.2f}x | "
             )
+            if "t" in t:
+                line += f"{med(t['t']) * 1e3:8.3f} {med(t['t'] / t['32']):4.2f}x"
+            else:
+                line += f"{'-':>8} {'-':>5}"
+            print(line, flush=True)
             del c32, c16, c8, K, V
-    print("GB/s = bytes actually read per step / step time (fp32 4, bf16 2 per element; int8 codes")
     print(
-        "+ scales); %str = of the all-thread streaming read; vs fp32 = fp32 time / that time. "
-        + tag
+        "probe = streaming read GB/s (all threads, median of the rounds); GB/s = bytes actually "
+        "read per step / step time"
     )
+    print(
+        "(fp32 4, bf16 2 per element; int8 codes + scales); %str = median of per-round ratios "
+        "to that round's probe;"
+    )
+    print("vs32 = fp32 time / that time; t/32 = torch fp32 SDPA time / attn_fast fp32 time. " + tag)
     return 0
 
 

@@ -178,3 +178,20 @@ def test_decode_backend_rejects_what_it_lacks(rng):
 def test_stream_read_probe():
     gbps = _core.stream_read_gbps(1, 1 << 20, 2)
     assert np.isfinite(gbps) and gbps > 0
+
+
+@pytest.mark.parametrize("d, dv", [(5, 7), (80, 80), (256, 128)], ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_next_block_prefetch_across_blocks_and_ring_wrap(isa, rng, d, dv, dtype):
+    """Splits of several 64-key blocks (each block prefetches the next one's rows), a ring that
+    wraps inside a block, L not a multiple of 64 and row lengths that are not whole lines."""
+    B, Hq, Hkv, Lq, R = 2, 8, 2, 1, 600
+    q = randn(rng, (B, Hq, Lq, d), dtype=dtype)
+    k, v = randn(rng, (B, Hkv, R, d), dtype=dtype), randn(rng, (B, Hkv, R, dv), dtype=dtype)
+    start = np.array([570, 0])  # sequence 0 wraps at key 30, mid-block
+    kv_lens = np.array([589, 589])
+    o, lse = decode(q, k, v, causal=True, kv_start=start, kv_lens=kv_lens, split=256)
+    for b in range(B):
+        idx = (start[b] + np.arange(kv_lens[b])) % R
+        O, LSE = ref.sdpa(q[b], k[b][:, idx], v[b][:, idx], return_lse=True)
+        check(o[b], lse[b], O, LSE, dtype)

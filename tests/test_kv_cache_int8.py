@@ -377,3 +377,24 @@ def test_ring_truncate_non_causal_and_reset(isa, rng):
     assert c.lengths.tolist() == [0, 0]
     c.append(k, v)
     np.testing.assert_array_equal(c.keys(1), quantise_keys(k[1]))
+
+
+@pytest.mark.parametrize("d, dv", [(5, 7), (80, 80), (128, 128)], ids=str)
+def test_long_decode_contiguous_and_paged(isa, rng, d, dv):
+    """One-token decode over many key groups (each block prefetches the next block's codes and,
+    when it starts a key group, its scales): the oracle on the dequantised K/V, and a paged cache
+    of 128-token pages (two key groups per page) bit-identical to the contiguous one."""
+    B, Hq, Hkv, L = 2, 8, 2, 589
+    k, v = randn(rng, (B, Hkv, L, d), 0.5), randn(rng, (B, Hkv, L, dv))
+    cache = af.KVCache(B, Hkv, d, v_head_dim=dv, dtype="int8")
+    paged = af.PagedKVCache(Hkv, d, v_head_dim=dv, block_size=128, num_blocks=4, dtype="int8")
+    ids = [paged.add_sequence() for _ in range(B)]
+    for t0, t1 in [(0, 300), (300, 301), (301, L)]:
+        cache.append(k[:, :, t0:t1], v[:, :, t0:t1])
+        paged.append(ids, k[:, :, t0:t1], v[:, :, t0:t1])
+    q = randn(rng, (B, Hq, 1, d))
+    o, lse = cache.attend(q, out=poisoned((B, Hq, 1, dv), F32), return_lse=True)
+    check_against_dequantised(cache, q, o, lse, np.ones(B, np.int64))
+    op, lsep = paged.attend(ids, q, return_lse=True)
+    np.testing.assert_array_equal(op, o)
+    np.testing.assert_array_equal(lsep, lse)

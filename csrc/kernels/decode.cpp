@@ -42,9 +42,13 @@
 //   compute loops alone stall on every miss (few loads in flight per FMA);
 //   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
-//   The next block's lines are software-prefetched one per inner iteration of
-//   the QK / PV loops, spread over the block's math (a burst of prefetches at
-//   the block start measured worse; spread out, a small gain within noise).
+//   int8 rows (2 lines at d = 128) skip the touch pass (0.95x without it).
+//   The next block's lines are software-prefetched kPrefetchPer (fp32 3, bf16
+//   2, int8 1) per inner iteration of the QK / PV loops, enough for the whole
+//   block, spread over the block's math (a burst of prefetches at the block
+//   start measured worse); the addresses are walked in registers (Pf), not
+//   listed in memory; an int8 block that starts a key group also prefetches
+//   the group's scales and offsets.
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
 //   split's first block was 15-30 % slower in paired runs at 4k-32k keys:
@@ -53,6 +57,9 @@
 //   and 4 rows x 3 vectors per PV pass, 12 independent FMA chains (8, the
 //   former shape, just covers the 4-cycle latency of the 2 FMA pipes):
 //   1.03-1.16x in paired runs, together with exp2_neg and 2048-key splits.
+//   On AVX-512 (32 registers) 4 rows use 4 keys per QK pass and 4 vectors per
+//   PV pass (16 chains; bf16 0.86-0.89x, int8 0.93-0.95x of 3 / 3, the same
+//   sums in the same order: bench/NOTES.md, dec4 step 5).
 //
 // Masks: bottom-right (or top-left) causal and window_left/right on logical
 //   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
@@ -134,14 +141,18 @@ constexpr int64_t kBc = 64;  // keys per block
 // keys, paired A/B), short ones otherwise. Depends on the shape only, never
 // on the thread count.
 constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
-// Prefetches per inner-loop iteration for a paged cache's next block. The QK /
-// PV loops of a block have fewer iterations than its K and V rows have lines
-// (about 420 for 1024 lines at d = dv = 128, fp32), so one per iteration
-// covers less than half of the next block: in the contiguous layout the
-// hardware prefetcher streams the rest, but the next page of a paged cache is
-// elsewhere in the pool. int8 rows are 2 lines each (256 per block): one per
-// iteration covers them, and 3 measured 4 % slower (bench/NOTES.md, paged20).
-constexpr int kPagedPrefetch = 3;
+// Prefetches per inner-loop iteration of the next block's K and V lines, by
+// the bytes per element (both layouts). The QK / PV loops of a block have
+// about 430 iterations at d = dv = 128 against 1024 lines of fp32 rows, 512 of
+// bf16 and 256 of int8: 3, 2 and 1 per iteration cover the whole next block.
+// One per iteration for every type (the former rule for the contiguous cache)
+// left the rest to the hardware prefetcher, which the next page of a paged
+// cache defeats; on one thread's CPU time 3 (fp32) and 2 (bf16) were 0.86x and
+// 0.90x of 1 contiguous, 3 and 2 the best paged (bench/NOTES.md, dec4).
+template <typename KV>
+constexpr int kPrefetchPer = sizeof(KV) >= 4   ? 3
+                             : sizeof(KV) == 2 ? 2
+                                               : 1;
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
 // (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
@@ -188,16 +199,46 @@ inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int
   *jhi = hi;
 }
 
-// A list of cache lines to prefetch, issued one per inner-loop iteration of
-// the compute loops (so the next block's misses overlap this block's math).
-// per: prefetches per iteration (1; kPagedPrefetch for a paged cache).
+// The next block's cache lines, prefetched `per` per inner-loop iteration of
+// the compute loops (so the next block's misses overlap this block's math),
+// walked in registers: its K rows, then its V rows, as runs of bytes, one
+// run per row, or one run for all of them where the rows are packed (a
+// cache's layout): a line address, an end, and a compare per prefetch.
 struct Pf {
-  const char** addr;
-  int64_t n, i;
+  const char* at;   // the next line (64-byte aligned)
+  const char* end;  // the end of the current run
+  const char* k;    // the next K run, then the next V run
+  const char* v;
+  int64_t ks, vs;      // bytes from one run to the next
+  int64_t klen, vlen;  // bytes per run
+  int64_t kn, vn;      // runs left
   int per;
 };
-inline void pf_step(Pf* p) {
-  for (int k = 0; k < p->per && p->i < p->n; ++k) __builtin_prefetch(p->addr[p->i++], 0, 3);
+// Every 64-byte line of n floats from p (the int8 cache's scales).
+inline void prefetch_lines(const float* p, int64_t n) {
+  for (int64_t e = 0; e < n; e += 16) __builtin_prefetch(p + e, 0, 3);
+}
+// The next run into at / end; false when none is left.
+inline bool pf_next_run(Pf* p) {
+  const char* r;
+  int64_t len;
+  if (p->kn > 0) {
+    r = p->k, len = p->klen, p->k += p->ks, --p->kn;
+  } else if (p->vn > 0) {
+    r = p->v, len = p->vlen, p->v += p->vs, --p->vn;
+  } else {
+    return false;
+  }
+  p->at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(r) & ~uintptr_t(63));
+  p->end = r + len;
+  return true;
+}
+__attribute__((always_inline)) inline void pf_step(Pf* p) {
+  for (int k = 0; k < p->per; ++k) {
+    if (p->at >= p->end && !pf_next_run(p)) return;
+    __builtin_prefetch(p->at, 0, 3);
+    p->at += 64;
+  }
 }
 
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
@@ -205,9 +246,11 @@ inline void pf_step(Pf* p) {
 // KC keys per pass: N * KC independent accumulator chains (enough to cover
 // the FMA latency), each Q vector load serves KC keys, and the dot products
 // are reduced four at a time.
+// flatten: everything inlined (GCC's inliner otherwise may leave Vec::hsum4 a
+// call in the key loop: 1.25-1.65x slower steps, seen once in an A/B).
 template <typename T, typename SK, int N, int KC>
-inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d, T* S,
-                    int64_t lds, Pf* pf) {
+__attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp,
+                                             int64_t cols, int64_t d, T* S, int64_t lds, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NK = N * KC;
   const int64_t dvec = d / W * W;
@@ -246,8 +289,9 @@ inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols,
 // pass (N * E accumulators kept in registers across the keys). Returns the
 // first column not done (a multiple of E*W past e0).
 template <typename T, typename SV, int N, int E>
-inline int64_t pv_cols(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t e0,
-                       int64_t e1, T* O, int64_t ldo, Pf* pf) {
+__attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const SV* const* vp,
+                                                int64_t cols, int64_t e0, int64_t e1, T* O,
+                                                int64_t ldo, Pf* pf) {
   using V = Vec<T>;
   constexpr int W = V::W, NE = N * E;
   int64_t e = e0;
@@ -318,7 +362,11 @@ template <typename T, typename SK>
 void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t cols, int64_t d,
                  T* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
-    qk_rows<T, SK, decltype(R)::value, decltype(U)::value>(Qs, ldq, kp, cols, d, S, lds, pf);
+    constexpr int N = decltype(R)::value;
+    // 4 rows on AVX-512: 4 keys per pass (16 chains; 64-key blocks without a
+    // 1-key tail); the same dot products, each reduced by the same tree.
+    constexpr int KC = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
 }
 
@@ -326,7 +374,11 @@ template <typename T, typename SV>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv,
                  T* O, int64_t ldo, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
-    pv_rows<T, SV, decltype(R)::value, decltype(U)::value>(P, ldp, vp, cols, dv, O, ldo, pf);
+    constexpr int N = decltype(R)::value;
+    // 4 rows on AVX-512 (32 registers): 4 vectors per pass, 16 accumulators
+    // (half the P broadcasts and passes of 3); the same sums in the same order.
+    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }
 
@@ -398,8 +450,7 @@ struct DScratch {
   int64_t* lo;
   int64_t* hi;
   T* sink;
-  T* Ob;             // dvp: one output row while the merge sums the splits (rounded once)
-  const char** pfa;  // kBc * (lines per K row + lines per V row) addresses
+  T* Ob;  // dvp: one output row while the merge sums the splits (rounded once)
   // int8 K/V only: the block's K / V rows, the rows' Q with the block's key
   // group scales folded in, the group offsets' dot products, and the block's
   // per-token value scales and offsets.
@@ -439,7 +490,6 @@ void free_thread_scratch(DScratch<S>& sc) {
   std::free(sc.hi);
   std::free(sc.sink);
   std::free(sc.Ob);
-  std::free(sc.pfa);
   std::free(sc.krow8);
   std::free(sc.vrow8);
   std::free(sc.Qg);
@@ -454,8 +504,6 @@ bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t dp = round_up(d, W), dvp = round_up(dv, W);
-  const int64_t lines = (d * static_cast<int64_t>(sizeof(S)) + 63) / 64 +
-                        (dv * static_cast<int64_t>(sizeof(S)) + 63) / 64;
   sc.Qs = alloc_scratch<T>(kRB * dp);
   sc.S = alloc_scratch<T>(kRB * kBc);
   sc.Kpack = alloc_scratch<S>(kBc * dp);
@@ -466,7 +514,6 @@ bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   sc.hi = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * kRB));
   sc.sink = alloc_scratch<T>(1);
   sc.Ob = alloc_scratch<T>(dvp);
-  sc.pfa = static_cast<const char**>(std::malloc(sizeof(char*) * static_cast<size_t>(kBc * lines)));
   sc.krow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
   sc.vrow8 = static_cast<const int8_t**>(std::malloc(sizeof(int8_t*) * kBc));
   sc.Qg = alloc_scratch<T>(kRB * dp);
@@ -474,7 +521,7 @@ bool alloc_thread_scratch(DScratch<S>& sc, int64_t d, int64_t dv) {
   sc.pvs = alloc_scratch<T>(kBc);
   sc.pvo = alloc_scratch<T>(kBc);
   if (sc.Qs && sc.S && sc.Kpack && sc.Vpack && sc.krow && sc.vrow && sc.lo && sc.hi && sc.sink &&
-      sc.Ob && sc.pfa && sc.krow8 && sc.vrow8 && sc.Qg && sc.qb && sc.pvs && sc.pvo) {
+      sc.Ob && sc.krow8 && sc.vrow8 && sc.Qg && sc.qb && sc.pvs && sc.pvo) {
     sc.sink[0] = T(0);
     return true;
   }
@@ -660,35 +707,52 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     }
     // Touch every cache line of the block's K and V rows first, in a tight
     // loop with many loads in flight (as a streaming read does): the misses
-    // overlap, and QK / PV below then hit L1/L2.
-    sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
-    // The next block's lines, prefetched one per inner iteration of QK / PV.
-    Pf pf{sc.pfa, 0, 0, paged && !Q8 ? kPagedPrefetch : 1};
+    // overlap, and QK / PV below then hit L1/L2. Not for int8 rows (2 lines
+    // each at d = 128): the prefetch below covers them, and without the pass
+    // a step took 0.95-0.96x the CPU time (bench/NOTES.md, dec4).
+    if constexpr (!Q8) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
+    // The next block's lines, prefetched kPrefetchPer<KV> per inner iteration
+    // of QK / PV (a walk over its rows, see Pf).
+    Pf pf{nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0, kPrefetchPer<KV>};
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);
       const KV* nkb = kbase;
       const KV* nvb = vbase;
+      const T *nks = ks_base, *nko = ko_base, *nvs = vs_base, *nvo = vo_base;  // int8 only
       if (paged) {  // the next block starts a page or continues this one
         ncols = imin(ncols, a.block_size - ns % a.block_size);
-        if constexpr (Q8) {
-          const T *nks, *nko, *nvs, *nvo;  // not prefetched (as the contiguous path's)
+        if constexpr (Q8)
           page_base_q8(a, g.b, hk, ns, &nkb, &nvb, &nks, &nko, &nvs, &nvo);
-        } else {
+        else
           page_base(a, g.b, hk, ns, &nkb, &nvb);
-        }
         ns %= a.block_size;
       }
       ns %= a.R;
-      for (int64_t c = 0; c < ncols; ++c) {
-        const char* kr = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
-        const char* vr = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64)
-          sc.pfa[pf.n++] = kr + off;
-        for (int64_t off = 0; off < dv * static_cast<int64_t>(sizeof(KV)); off += 64)
-          sc.pfa[pf.n++] = vr + off;
-        if (++ns == a.R) ns = 0;
+      if constexpr (Q8) {
+        // A block that starts a key group: its scales and offsets now (a few
+        // lines, in other arrays than the codes; on a new page the hardware
+        // prefetcher has no stream for them: paged int8 0.92x with, contiguous
+        // 0.96x).
+        if (ns % a.kgroup == 0) {
+          prefetch_lines(nks + ns / a.kgroup * d, d);
+          prefetch_lines(nko + ns / a.kgroup * d, d);
+          prefetch_lines(nvs + ns, ncols);
+          prefetch_lines(nvo + ns, ncols);
+        }
       }
+      const int64_t rows = imin(ncols, a.R - ns);  // a ring's wrap ends the walk (a hint only)
+      const int64_t kb = d * static_cast<int64_t>(sizeof(KV)),
+                    vb = dv * static_cast<int64_t>(sizeof(KV));
+      pf.k = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
+      pf.v = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
+      pf.ks = a.sk.l * static_cast<int64_t>(sizeof(KV));
+      pf.vs = a.sv.l * static_cast<int64_t>(sizeof(KV));
+      const bool kdense = pf.ks == kb, vdense = pf.vs == vb;  // rows packed: one run
+      pf.kn = kdense ? 1 : rows;
+      pf.klen = kdense ? rows * kb : kb;
+      pf.vn = vdense ? 1 : rows;
+      pf.vlen = vdense ? rows * vb : vb;
     }
     // S = Q K^T.
     qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, &pf);
