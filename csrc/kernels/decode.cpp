@@ -382,21 +382,6 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
   });
 }
 
-// touch_lines (below) for int8 rows: one byte of every line.
-inline float touch_lines(const int8_t* const* rows, int64_t cols, int64_t len) {
-  int32_t t0 = 0, t1 = 0;
-  for (int64_t c = 0; c < cols; ++c) {
-    const int8_t* r = rows[c];
-    int64_t e = 0;
-    for (; e + 64 < len; e += 128) {
-      t0 += r[e];
-      t1 += r[e + 64];
-    }
-    if (e < len) t0 += r[e];
-  }
-  return static_cast<float>(t0 + t1);
-}
-
 // Load one element of every 64-byte line of `cols` rows of `len` elements and
 // sum them (so the loads are kept): brings the rows into the caches with many
 // independent misses in flight.
