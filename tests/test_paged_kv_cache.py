@@ -485,6 +485,22 @@ def test_kernel_binding_refuses_what_it_would_read_out_of_bounds(rng):
         run([0, 1], 1)
 
 
+def _random_append(cache, model, rng, H, d):
+    """The random-ops tests' append: up to 3 sequences, ragged lengths, mirrored in `model`
+    (id -> (K, V) of every position appended)."""
+    ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
+    L = int(rng.choice([1, 2, 63, 64, 65, 130]))
+    lens = rng.integers(0, L + 1, size=len(ids))
+    k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
+    cache.append(ids, k, v, lengths=lens)
+    for j, i in enumerate(ids):
+        K, V = model[i]
+        model[i] = (
+            np.concatenate([K, k[j, :, : lens[j]]], 1),
+            np.concatenate([V, v[j, :, : lens[j]]], 1),
+        )
+
+
 def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
     """Random operations against a model (each sequence's token list): stored keys and values,
     block accounting (every block free or held, reference counts = holders) and attention."""
@@ -504,17 +520,7 @@ def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
             cache.free(i)
             del model[i]
         else:
-            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
-            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
-            lens = rng.integers(0, L + 1, size=len(ids))
-            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
-            cache.append(ids, k, v, lengths=lens)
-            for j, i in enumerate(ids):
-                K, V = model[i]
-                model[i] = (
-                    np.concatenate([K, k[j, :, : lens[j]]], 1),
-                    np.concatenate([V, v[j, :, : lens[j]]], 1),
-                )
+            _random_append(cache, model, rng, H, d)
         held = {}
         for i, (K, V) in model.items():
             np.testing.assert_array_equal(cache.keys(i), K)
@@ -1042,17 +1048,7 @@ def test_random_ops_with_truncate_and_windows(isa, rng, window):
                 cache.truncate(i, n)
                 model[i] = (model[i][0][:, :n], model[i][1][:, :n])
         else:
-            ids = [int(i) for i in rng.choice(list(model), size=min(3, len(model)), replace=False)]
-            L = int(rng.choice([1, 2, 63, 64, 65, 130]))
-            lens = rng.integers(0, L + 1, size=len(ids))
-            k, v = randn(rng, (len(ids), H, L, d)), randn(rng, (len(ids), H, L, d))
-            cache.append(ids, k, v, lengths=lens)
-            for j, i in enumerate(ids):
-                K, V = model[i]
-                model[i] = (
-                    np.concatenate([K, k[j, :, : lens[j]]], 1),
-                    np.concatenate([V, v[j, :, : lens[j]]], 1),
-                )
+            _random_append(cache, model, rng, H, d)
         held = {}
         for i, (K, V) in model.items():
             pos, n = K.shape[1], cache.lengths[i]

@@ -1078,10 +1078,7 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
   const T m_old = m;
   const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
   if (m_new == NEG_INF<T>) {                // nothing visible in this row so far, or only NaN
-    bool nan = false;
-    for (int64_t c = 0; c < cols; ++c) nan = nan || s[c] != s[c];
-    if (nan) m = l = std::numeric_limits<T>::quiet_NaN();
-    for (int64_t c = 0; c < cols_p; ++c) s[c] = T(0);  // P = 0, as pairs too
+    softmax_row_none_visible(s, cols, cols_p, m, l);  // P = 0, as pairs too
     return;
   }
   const typename V::R vmn = V::set1(m_new);
@@ -1104,15 +1101,7 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
     vs1 = V::add(vs1, p1);
   }
   const T rowsum = V::hsum(V::add(vs, vs1));
-  if (m_new != m_old) {
-    const T alpha = m_old == NEG_INF<T> ? T(0) : std::exp(m_old - m_new);
-    l = l * alpha + rowsum;
-    const typename V::R va = V::set1(alpha);
-    for (int64_t e = 0; e < dvp; e += W) V::store(o + e, V::mul(V::load(o + e), va));
-  } else {
-    l += rowsum;
-  }
-  m = m_new;
+  softmax_row_rescale(m_old, m_new, rowsum, m, l, o, dvp);
 }
 
 // softmax_rows on the fused paths (kFuseMax): fused_max: the row maxima are in

@@ -16,6 +16,33 @@
 template <typename T>
 constexpr T NEG_INF = -std::numeric_limits<T>::infinity();
 
+// online_softmax_row's two ends, shared with the fused forward's variant
+// (flash_fwd.cpp softmax_row_fused), so both round alike.
+// A row whose max is still -inf (nothing visible so far, or only NaN): P = 0
+// over [0, cols_p), and m = l = NaN if a score in [0, cols) is NaN.
+template <typename T>
+inline void softmax_row_none_visible(T* s, int64_t cols, int64_t cols_p, T& m, T& l) {
+  bool nan = false;
+  for (int64_t c = 0; c < cols; ++c) nan = nan || s[c] != s[c];
+  if (nan) m = l = std::numeric_limits<T>::quiet_NaN();
+  for (int64_t c = 0; c < cols_p; ++c) s[c] = T(0);
+}
+// l := l * exp(m_old - m_new) + rowsum, o := o * exp(m_old - m_new) (skipped
+// when the max did not move), m := m_new.
+template <typename T>
+inline void softmax_row_rescale(T m_old, T m_new, T rowsum, T& m, T& l, T* o, int64_t dvp) {
+  using V = Vec<T>;
+  if (m_new != m_old) {
+    const T alpha = m_old == NEG_INF<T> ? T(0) : std::exp(m_old - m_new);
+    l = l * alpha + rowsum;
+    const typename V::R va = V::set1(alpha);
+    for (int64_t e = 0; e < dvp; e += V::W) V::store(o + e, V::mul(V::load(o + e), va));
+  } else {
+    l += rowsum;
+  }
+  m = m_new;
+}
+
 // One row of the online softmax (FlashAttention-2), for one block of keys:
 //   m_new = max(m, rowmax(s)); s := P = 2^((s - m_new) log2 e) (exp2_neg);
 //   l := l * exp(m - m_new) + rowsum(P); o := o * exp(m - m_new) (skipped
@@ -48,10 +75,7 @@ inline void online_softmax_row(T* s, int64_t cols, int64_t cols_p, T& m, T& l, T
   const T m_old = m;
   const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
   if (m_new == NEG_INF<T>) {                // nothing visible in this row so far, or only NaN
-    bool nan = false;
-    for (int64_t c = 0; c < cols; ++c) nan = nan || s[c] != s[c];
-    if (nan) m = l = std::numeric_limits<T>::quiet_NaN();
-    for (int64_t c = 0; c < cols_p; ++c) s[c] = T(0);
+    softmax_row_none_visible(s, cols, cols_p, m, l);
     return;
   }
   // P = 2^((S - m) * log2 e): the same rounding as exp(S - m), cheaper; the
@@ -76,15 +100,7 @@ inline void online_softmax_row(T* s, int64_t cols, int64_t cols_p, T& m, T& l, T
     vs = V::add(vs, p);
   }
   const T rowsum = kChains == 2 ? V::hsum(V::add(vs, vs1)) : V::hsum(vs);
-  if (m_new != m_old) {
-    const T alpha = m_old == NEG_INF<T> ? T(0) : std::exp(m_old - m_new);
-    l = l * alpha + rowsum;
-    const typename V::R va = V::set1(alpha);
-    for (int64_t e = 0; e < dvp; e += W) V::store(o + e, V::mul(V::load(o + e), va));
-  } else {
-    l += rowsum;
-  }
-  m = m_new;
+  softmax_row_rescale(m_old, m_new, rowsum, m, l, o, dvp);
 }
 
 // One thread's scratch for one kernel call: the pieces are planned first
