@@ -646,3 +646,24 @@ def test_unusual_layouts_of_16bit_data(rng, layout):
     r = rope(f(q), seq_axis=-2)
     assert r.dtype == np.float16 and r.dtype.isnative
     np.testing.assert_array_equal(r, rope(q, seq_axis=-2))
+
+
+def test_the_oracle_reads_16bit_torch_tensors(rng):
+    """attn_fast.reference (the float64 oracle) takes torch tensors of any dtype, bfloat16
+    included (NumPy cannot read those): the same float64 result as the tensors' values."""
+    need("torch")
+    q, k, v = (rng.standard_normal((1, 4, 5, 8)) for _ in range(3))
+    bias = rng.standard_normal((5, 5))
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        tq, tk, tv, tb = (torch.from_numpy(a).to(dt) for a in (q, k, v, bias))
+        vals = [t.double().numpy() for t in (tq, tk, tv, tb)]
+        got = ref.sdpa(tq, tk[:, :2], tv[:, :2], bias=tb, sinks=torch.ones(4, dtype=dt))
+        want = ref.sdpa(*vals[:1], vals[1][:, :2], vals[2][:, :2], bias=vals[3], sinks=np.ones(4))
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(ref.softmax(tb), ref.softmax(vals[3]))
+    X, W = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(
+        ref.attention(X, W, W, W, causal=True),
+        ref.attention(X.double().numpy(), *(W.double().numpy(),) * 3, causal=True),
+    )

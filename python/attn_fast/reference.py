@@ -23,8 +23,21 @@ __all__ = [
 ]
 
 
+def _f64(a: ArrayLike) -> np.ndarray:
+    """`a`'s values as a float64 NumPy array. A torch tensor (any dtype, bfloat16
+    included, which NumPy cannot read) goes through ``.double()`` first."""
+    if type(a).__module__.startswith("torch") and hasattr(a, "double"):
+        a = a.detach().cpu().double().numpy()
+    return np.asarray(a, dtype=np.float64)
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """The textbook softmax: subtract the row max, exponentiate, normalise."""
+    """The textbook softmax: subtract the row max, exponentiate, normalise.
+
+    x: a NumPy array (its float dtype is kept) or anything else array-like (read
+    as float64; torch tensors of any dtype included)."""
+    if not isinstance(x, np.ndarray):
+        x = _f64(x)
     x = x - x.max(axis=axis, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=axis, keepdims=True)
@@ -34,7 +47,7 @@ def attention(
     X: ArrayLike, Wq: ArrayLike, Wk: ArrayLike, Wv: ArrayLike, causal: bool = False
 ) -> np.ndarray:
     """The chapter's ten lines, in float64. X (L, D), each W (d, D) -> (L, dv)."""
-    X, Wq, Wk, Wv = (np.asarray(a, dtype=np.float64) for a in (X, Wq, Wk, Wv))
+    X, Wq, Wk, Wv = (_f64(a) for a in (X, Wq, Wk, Wv))
     Q, K, V = X @ Wq.T, X @ Wk.T, X @ Wv.T  # (L,D) -> (L,d): three personas
     S = Q @ K.T / np.sqrt(Q.shape[-1])  # (L,L): first matrix product
     if causal:
@@ -88,9 +101,7 @@ def sdpa(
     Rows that see nothing return 0 and lse = -inf; a NaN or +inf visible
     score makes its row NaN (IEEE arithmetic of the formula).
     """
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
+    q, k, v = _f64(q), _f64(k), _f64(v)
     if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = np.repeat(k, rep, axis=-3)
@@ -102,13 +113,13 @@ def sdpa(
     if softcap:
         S = softcap * np.tanh(S / softcap)
     if bias is not None:
-        bias = np.asarray(bias, dtype=np.float64)
+        bias = _f64(bias)
         S = np.where(np.isneginf(bias), -np.inf, S + bias)  # -inf masks the pair, even a NaN score
     if mask is not None:
         S = np.where(np.asarray(mask, dtype=bool), S, -np.inf)
     m = S.max(axis=-1, keepdims=True, initial=-np.inf)  # Lk = 0: no key, m = -inf
     if sinks is not None:
-        sk = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
+        sk = _f64(sinks).reshape(-1, 1, 1)
         m = np.maximum(m, np.broadcast_to(sk, m.shape))
     dead = ~np.isfinite(m) & (m < 0)  # rows with nothing visible (and no sink)
     m_safe = np.where(dead, 0.0, m)
