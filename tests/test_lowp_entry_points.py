@@ -126,14 +126,21 @@ AUDIT = {
 }
 
 
-def _public_names():
+def _imported():
+    """The MODULES that import here (torch / transformers are optional dependencies)."""
+    out = []
     for m in MODULES:
         try:
-            mod = importlib.import_module(m)
+            out.append(importlib.import_module(m))
         except ImportError:  # pragma: no cover - an optional dependency is missing
             continue
+    return out
+
+
+def _public_names():
+    for mod in _imported():
         for n in mod.__all__:
-            yield m, n
+            yield mod.__name__, n
 
 
 def _key(m, n):
@@ -145,7 +152,10 @@ def test_every_public_name_is_audited():
     assert not missing, f"public names with no 16-bit audit entry: {missing}"
     seen = {_key(m, n) for m, n in _public_names()}
     stale = sorted(set(AUDIT) - seen)
-    assert not stale, f"audit entries for names that are not public: {stale}"
+    # Without an optional dependency (torch, transformers) some modules do not import, and
+    # their names look stale: the check is complete only where every module imports.
+    if len(_imported()) == len(MODULES):
+        assert not stale, f"audit entries for names that are not public: {stale}"
     assert all(
         s in ("works", "refuses") or s.startswith(("n/a: ", "works: tested in "))
         for s in AUDIT.values()
