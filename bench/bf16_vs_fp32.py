@@ -1,9 +1,12 @@
 """bf16 / fp16 vs fp32 attn_fast in one run: medians of interleaved repetitions.
 
-    python bench/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16] [--threads 1]
+    python bench/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16] [--threads 1] [--sleep 0.1]
 
 Each line: shape, causal, ISA, threads, median ms per dtype and the fp32/x
 ratio. Every dtype is first checked against the float64 oracle on a slice.
+``--sleep S`` idles S seconds before every call, as the benchmark suite does
+between peers (its cooldown): short calls then pay the wake-up of an idle
+machine, which the back-to-back default does not show.
 Inputs are torch tensors when torch is importable (torch.bfloat16), else
 ml_dtypes arrays. Timings on a shared machine are noisy: compare ratios
 from the same run.
@@ -52,7 +55,10 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--isa", default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds idle before each call")
     args = ap.parse_args()
+    if args.sleep < 0:
+        ap.error(f"--sleep must be >= 0, got {args.sleep}")
     if args.threads:
         af.set_num_threads(args.threads)
     if args.isa:
@@ -66,8 +72,10 @@ def main():
         )
     except (OSError, StopIteration):
         pass
-    print(f"# ISA {af.get_isa()}, threads {af.get_num_threads()}, CPU {cpu}")
+    print(f"# ISA {af.get_isa()}, threads {af.get_num_threads()}, CPU {cpu}, sleep {args.sleep}")
     for shape, causal in [
+        ((1, 12, 512, 64), False),
+        ((1, 12, 512, 64), True),
         ((1, 16, 2048, 64), False),
         ((1, 16, 2048, 64), True),
         ((4, 8, 1024, 128), False),
@@ -85,6 +93,8 @@ def main():
         times = {dt: [] for dt in data}
         for _ in range(args.reps):  # interleaved, so drift hits every dtype alike
             for dt, (q, k, v) in data.items():
+                if args.sleep:
+                    time.sleep(args.sleep)
                 t0 = time.perf_counter()
                 af.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 times[dt].append(time.perf_counter() - t0)
