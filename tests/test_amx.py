@@ -249,8 +249,11 @@ def test_block_sizes_and_threads(tile_isa, rng):
 
 def test_emulated_tiles_equal_the_vdpbf16ps_path_bit_for_bit(rng):
     """amx_emu does the same fp32 products in the same order as avx512_bf16's vdpbf16ps
-    kernel (padding pairs add exact zeros), with P rounded to bf16 in both: the same bits.
-    (Real AMX may sum each pair's two products in another order: not compared bit for bit.)"""
+    kernel (padding pairs add exact zeros), with P rounded to bf16 in both: the same bits,
+    where both take the scaled-score softmax (a score transform, here softcap, keeps the
+    tile path off its raw-score exponent) with the same blocks (the tile path's default
+    blocks are larger). (Real AMX may sum each pair's two products in another order: not
+    compared bit for bit.)"""
     for name in ("amx_emu", "avx512_bf16"):
         if name not in _core.available_isas():
             pytest.skip(f"{name} cannot run here")
@@ -261,7 +264,18 @@ def test_emulated_tiles_equal_the_vdpbf16ps_path_bit_for_bit(rng):
         for name in ("amx_emu", "avx512_bf16"):
             af.set_isa(name)
             got[name] = f64(
-                sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=(60, 5), backend="fused")
+                sdpa(
+                    q,
+                    k,
+                    v,
+                    is_causal=True,
+                    enable_gqa=True,
+                    window_size=(60, 5),
+                    softcap=30.0,
+                    block_q=48,
+                    block_k=256,
+                    backend="fused",
+                )
             )
     finally:
         af.set_isa(old)

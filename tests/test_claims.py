@@ -115,8 +115,13 @@ def test_weights_are_a_distribution_and_outputs_stay_in_the_hull(seed, L, D, d, 
     np.testing.assert_allclose(ex.P.sum(axis=-1), 1.0, rtol=0, atol=1e-12)
 
     O = af.attention(X, Wq, Wk, Wv, causal=causal)  # the fused kernel
-    # witness: O is P V with P a distribution per row
-    np.testing.assert_allclose(O, ex.P @ ex.V, **TOL)
+    # witness: O is P V with P a distribution per row. With peaked inputs the scores reach
+    # 1e3-1e4, whose float64 rounding (a few ulps of |S|) moves each weight by that much
+    # relative, so an output element near 0 among |V| ~ 1e2 is only that close in absolute
+    # terms (seen: 1.8e-11 off at |S| ~ 1e3): the absolute tolerance scales with |S| |V|.
+    s_max = np.abs(ex.S[np.isfinite(ex.S)]).max()
+    atol = TOL["atol"] + 1e-15 * s_max * np.abs(ex.V).max()
+    np.testing.assert_allclose(O, ex.P @ ex.V, rtol=TOL["rtol"], atol=atol)
     # and, independently of P, no direction u sees o beyond the extreme values of V:
     # min_j u·v_j <= u·o <= max_j u·v_j (a supporting-hyperplane test of hull membership)
     U = np.concatenate([np.eye(dv), -np.eye(dv), rng.standard_normal((16, dv))])

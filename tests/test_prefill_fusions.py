@@ -14,6 +14,12 @@ the float64 oracle:
 - the same scores with and without an additive mask of zeros (a transform:
   the tile then takes the unfused max and softmax), on whole tiles and on
   tiles the causal mask, windows or the padding columns cut.
+
+One path is not bit for bit on purpose: the AMX tile path (amx, and amx_emu,
+its emulation) with bf16 inputs and no transform keeps S unscaled and folds
+the scale into the softmax's exponent, with the degree-4 exp2 of bf16 weights
+(flash_fwd.cpp, raw scores), where a transform takes the scaled scores. There
+the two agree to one bf16 rounding of O and lse to 1e-5 (same_result).
 """
 
 from __future__ import annotations
@@ -64,6 +70,24 @@ def relaid(x, src, layout):
         return buf[..., ::2]
     y = as_source(x, src)
     return padded_rows(y) if layout == "padded" else strided(y)
+
+
+def raw_scores_path(isa, src):
+    """Whether a bf16 call without a score transform takes the tile path's raw-score softmax."""
+    return isa in ("amx", "amx_emu") and src != "float32"
+
+
+def same_result(isa, src, o1, lse1, o2, lse2):
+    """o1/lse1 (no transform) against o2/lse2 (a zero bias): the same bits, except on the
+    raw-score tile path (one bf16 rounding of O apart, lse to 1e-5; NaN where NaN)."""
+    if not raw_scores_path(isa, src):
+        np.testing.assert_array_equal(bits(o1), bits(o2))
+        np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
+        return
+    a, b = f64(o1), f64(o2)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    np.testing.assert_allclose(a, b, rtol=2.0**-7, atol=2.0**-9)
+    np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse2), rtol=1e-5, atol=1e-5)
 
 
 def bits(o):
@@ -145,8 +169,7 @@ def test_zero_bias_changes_no_bit(isa, rng, src, causal, L, d):
     o1, lse1 = sdpa(Q, K, V, is_causal=causal, return_lse=True)
     zero = np.zeros((L, L), np.float32)
     o2, lse2 = sdpa(Q, K, V, attn_mask=zero, is_causal=causal, return_lse=True)
-    np.testing.assert_array_equal(bits(o1), bits(o2))
-    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
+    same_result(isa, src, o1, lse1, o2, lse2)
     check_oracle(o1, q, k, v, src, causal)
 
 
@@ -163,8 +186,7 @@ def test_zero_bias_changes_no_bit_under_windows(isa, rng, src, window, L):
     o1, lse1 = sdpa(Q, K, V, window_size=window, return_lse=True)
     zero = np.zeros((L, L), np.float32)
     o2, lse2 = sdpa(Q, K, V, attn_mask=zero, window_size=window, return_lse=True)
-    np.testing.assert_array_equal(bits(o1), bits(o2))
-    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
+    same_result(isa, src, o1, lse1, o2, lse2)
     left, right = (L if w is None else w for w in window)
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     vis = (j >= i - left) & (j <= i + right)
@@ -189,8 +211,7 @@ def test_fused_tiles_with_nan_query_and_padding_keys(isa, rng, src):
     o1, lse1 = sdpa(Q, K, V, attn_mask=pad, return_lse=True)
     zero = np.zeros((1, 2, L, L), np.float32)
     o2, lse2 = sdpa(Q, K, V, attn_mask=[zero, pad], return_lse=True)
-    np.testing.assert_array_equal(bits(o1), bits(o2))
-    np.testing.assert_array_equal(np.asarray(lse1), np.asarray(lse2))
+    same_result(isa, src, o1, lse1, o2, lse2)
     got, lse = f64(o1), np.asarray(lse1)
     assert np.isnan(got[0, 1, 5]).all() and np.isnan(lse[0, 1, 5])
     got[0, 1, 5] = 0.0

@@ -23,8 +23,16 @@
 // bf16 (the vdpbf16ps kernel of the avx512_bf16 object): ISA=avx512_bf16, the
 // AVX-512 flags plus -mavx512bf16 -DATTN_ISA_AVX512_BF16, and -DAB_BF16 on the
 // fwd_ab.cpp line; the inputs are the same numbers rounded to bf16.
+// AMX tiles (the amx object): ISA=amx, the avx512_bf16 flags plus -mamx-tile
+// -mamx-bf16 -DATTN_ISA_AMX on the kernel lines, and -DAB_BF16 -DAB_AMX on the
+// fwd_ab.cpp line (it asks Linux for the tile-data permission first, as
+// dispatch.cpp does at import).
 #include <omp.h>
 #include <time.h>
+#if defined(AB_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -75,6 +83,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s L d causal pairs threads [H [B [block_q block_k]]]\n", argv[0]);
     return 2;
   }
+#if defined(AB_AMX)
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the
+  // first tile instruction faults.
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    std::perror("arch_prctl(ARCH_REQ_XCOMP_PERM)");
+    return 1;
+  }
+#endif
   const int64_t L = std::atol(argv[1]), d = std::atol(argv[2]);
   const int causal = std::atoi(argv[3]), pairs = std::atoi(argv[4]), threads = std::atoi(argv[5]);
   const int64_t H = argc > 6 ? std::atol(argv[6]) : 2 * threads;

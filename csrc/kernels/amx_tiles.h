@@ -21,7 +21,9 @@
 //   tmm5-6  B: 16 pair-rows x 16 columns of bf16 pairs (VNNI: one 32-bit word
 //           holds the two values of consecutive reduction indices), loaded
 //           alternately so a load can overlap the previous product
-//   tmm7    unused
+//   tmm7    A of a second row panel (P V over two row panels: amx_pv_panel2,
+//           where C is 2 row panels x 2 column tiles and each B tile, the V
+//           read from L2, serves both panels)
 // Layouts (flash_fwd.cpp packs them):
 //   Q  row-major bf16 pairs, Qw[r * d2p + k2] = (q[r][2k2], q[r][2k2+1]);
 //      d2p = the pair count padded to a multiple of 16 (d to 32) with zeros
@@ -53,7 +55,7 @@ struct AmxPlan {
   static constexpr int kPairs = 16;  // pair-rows of a B tile: 32 bf16 of reduction per product
   static constexpr int kCols = 16;   // fp32 columns of a C tile
   static constexpr int kPanel = 64;  // keys (QK^T) or output columns (PV) per 4 C tiles
-  static constexpr int kA = 4, kB0 = 5, kB1 = 6;
+  static constexpr int kA = 4, kB0 = 5, kB1 = 6, kA1 = 7;
 };
 
 // The 64-byte LDTILECFG block (palette 1), every tile used 16 x 64 bytes.
@@ -64,7 +66,7 @@ struct alignas(64) AmxConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
   AmxConfig() {
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
       colsb[t] = 64;
       rows[t] = AmxPlan::kRows;
     }
@@ -110,17 +112,22 @@ class AmxTiles {
     ATTN_TILE_EACH(ATTN_TILE_ZERO)
 #undef ATTN_TILE_ZERO
   }
-  // C += A . B (TDPBF16PS): A is tmm4, B is tmm5 or tmm6, C one of tmm0-3.
+  // C += A . B (TDPBF16PS): A is tmm4 or tmm7, B is tmm5 or tmm6, C one of tmm0-3.
   template <int C, int A, int B>
   void dp() {
-    static_assert(A == AmxPlan::kA && (B == AmxPlan::kB0 || B == AmxPlan::kB1) && C >= 0 && C < 4,
-                  "the tile plan: C in tmm0-3, A = tmm4, B = tmm5 or tmm6");
-#define ATTN_TILE_DP(c)              \
-  if constexpr (C == c) {            \
-    if constexpr (B == AmxPlan::kB0) \
-      _tile_dpbf16ps(c, 4, 5);       \
-    else                             \
-      _tile_dpbf16ps(c, 4, 6);       \
+    static_assert((A == AmxPlan::kA || A == AmxPlan::kA1) &&
+                      (B == AmxPlan::kB0 || B == AmxPlan::kB1) && C >= 0 && C < 4,
+                  "the tile plan: C in tmm0-3, A = tmm4 or tmm7, B = tmm5 or tmm6");
+#define ATTN_TILE_DP(c)                                       \
+  if constexpr (C == c) {                                     \
+    if constexpr (A == AmxPlan::kA && B == AmxPlan::kB0)      \
+      _tile_dpbf16ps(c, 4, 5);                                \
+    else if constexpr (A == AmxPlan::kA && B == AmxPlan::kB1) \
+      _tile_dpbf16ps(c, 4, 6);                                \
+    else if constexpr (B == AmxPlan::kB0)                     \
+      _tile_dpbf16ps(c, 7, 5);                                \
+    else                                                      \
+      _tile_dpbf16ps(c, 7, 6);                                \
   }
     ATTN_TILE_DP(0) ATTN_TILE_DP(1) ATTN_TILE_DP(2) ATTN_TILE_DP(3)
 #undef ATTN_TILE_DP
@@ -213,12 +220,9 @@ inline void amx_store_panel(AmxTiles& t, float* c, int64_t ldc) {
   t.store<3>(c + 48, ldc);
 }
 
-// S[16][64] = scale * (Q rows . K panel^T): Qw 16 rows of d2p pairs
-// (row-major), Kw one 64-key panel (d2p pair-rows x 64 words); S row stride
-// lds floats. The scale multiplies S in fp32 after the product (scale * Q is
-// never rounded to bf16).
-inline void amx_qk_panel(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uint32_t* Kw,
-                         float scale, float* S, int64_t lds) {
+// C tiles 0-3 = Q rows . K panel^T: Qw 16 rows of d2p pairs (row-major), Kw
+// one 64-key panel (d2p pair-rows x 64 words).
+inline void amx_qk_tiles(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uint32_t* Kw) {
   constexpr int64_t kP = AmxPlan::kPanel;
   t.zero<0>();
   t.zero<1>();
@@ -226,12 +230,38 @@ inline void amx_qk_panel(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uin
   t.zero<3>();
   for (int64_t k2 = 0; k2 < d2p; k2 += AmxPlan::kPairs)
     amx_dp_panel(t, Qw + k2, d2p * 4, Kw + k2 * kP, kP * 4);
+}
+
+// S[16][64] = scale * (Q rows . K panel^T), S row stride lds floats. The scale
+// multiplies S in fp32 after the product (scale * Q is never rounded to bf16).
+inline void amx_qk_panel(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uint32_t* Kw,
+                         float scale, float* S, int64_t lds) {
+  constexpr int64_t kP = AmxPlan::kPanel;
+  amx_qk_tiles(t, Qw, d2p, Kw);
   amx_store_panel(t, S, lds * 4);
   using V = Vec<float>;
   const V::R vs = V::set1(scale);
   for (int r = 0; r < AmxPlan::kRows; ++r)
     for (int n = 0; n < kP; n += V::W)
       V::store(S + r * lds + n, V::mul(V::load(S + r * lds + n), vs));
+}
+
+// S[16][64] = Q rows . K panel^T unscaled (the softmax folds the scale into its
+// exponent: flash_fwd.cpp's raw scores); rmax (or nullptr): each row's maximum
+// over the panel folded into its vector, rmax[r * 16 ..] = max(rmax[r * 16 ..],
+// the row's 4 vectors), read back while the stored panel is in L1.
+inline void amx_qk_panel_raw(AmxTiles& t, const uint32_t* Qw, int64_t d2p, const uint32_t* Kw,
+                             float* S, int64_t lds, float* rmax) {
+  amx_qk_tiles(t, Qw, d2p, Kw);
+  amx_store_panel(t, S, lds * 4);
+  if (!rmax) return;
+  using V = Vec<float>;
+  for (int r = 0; r < AmxPlan::kRows; ++r) {
+    const float* s = S + r * lds;
+    const V::R x =
+        V::max(V::max(V::load(s), V::load(s + 16)), V::max(V::load(s + 32), V::load(s + 48)));
+    V::store(rmax + r * V::W, V::max(V::load(rmax + r * V::W), x));
+  }
 }
 
 // O[16][dvp] += P[16][2 c2lo .. 2 c2hi) . V over the strips of a packed V block
@@ -265,6 +295,142 @@ inline void amx_pv_panel(AmxTiles& t, const uint32_t* Pw, int64_t ldp, int64_t c
     c0 += width;
   }
 }
+
+// amx_pv_panel for two row panels at once (rows 0-15: P rows Pw0, O rows O0;
+// rows 16-31: Pw1, O1), over one column range [2 c2lo, 2 c2hi) of keys: C is
+// 2 row panels x 2 column tiles, so each V B tile (read from L2: a V block
+// exceeds L1) serves both panels, half the V traffic of two amx_pv_panel
+// calls. The sums per element are in the same order as amx_pv_panel's.
+inline void amx_pv_panel2(AmxTiles& t, const uint32_t* Pw0, const uint32_t* Pw1, int64_t ldp,
+                          int64_t c2lo, int64_t c2hi, const uint32_t* Vw, int64_t Bc, int64_t dvp,
+                          float* O0, float* O1) {
+  constexpr int64_t kP = AmxPlan::kPanel, kC = AmxPlan::kCols;
+  constexpr int kA = AmxPlan::kA, kA1 = AmxPlan::kA1, kB0 = AmxPlan::kB0, kB1 = AmxPlan::kB1;
+  const int64_t lda = ldp * 4, ldo = dvp * 4;
+  for (int64_t c0 = 0; c0 < dvp;) {
+    const int64_t width = c0 + kP <= dvp ? kP : kC;
+    const uint32_t* strip = Vw + c0 * Bc / 2;
+    if (width == kP) {
+      for (int64_t h = 0; h < kP; h += 2 * kC) {  // two 32-column halves of the strip
+        float* a0 = O0 + c0 + h;
+        float* a1 = O1 + c0 + h;
+        t.load<0>(a0, ldo);
+        t.load<1>(a0 + kC, ldo);
+        t.load<2>(a1, ldo);
+        t.load<3>(a1 + kC, ldo);
+        for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
+          const uint32_t* b = strip + c2 * kP + h;
+          t.load<kA>(Pw0 + c2, lda);
+          t.load<kB0>(b, kP * 4);
+          t.dp<0, kA, kB0>();
+          t.load<kB1>(b + kC, kP * 4);
+          t.dp<1, kA, kB1>();
+          t.load<kA1>(Pw1 + c2, lda);
+          t.dp<2, kA1, kB0>();
+          t.dp<3, kA1, kB1>();
+        }
+        t.store<0>(a0, ldo);
+        t.store<1>(a0 + kC, ldo);
+        t.store<2>(a1, ldo);
+        t.store<3>(a1 + kC, ldo);
+      }
+    } else {
+      t.load<0>(O0 + c0, ldo);
+      t.load<2>(O1 + c0, ldo);
+      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
+        t.load<kA>(Pw0 + c2, lda);
+        t.load<kB0>(strip + c2 * kC, kC * 4);
+        t.dp<0, kA, kB0>();
+        t.load<kA1>(Pw1 + c2, lda);
+        t.dp<2, kA1, kB0>();
+      }
+      t.store<0>(O0 + c0, ldo);
+      t.store<2>(O1 + c0, ldo);
+    }
+    c0 += width;
+  }
+}
+
+// amx_pv_panel2 as a job issued a few k-steps at a time (step), so that the
+// softmax of the next row panels can run between its tile instructions: the
+// tile unit works through them while the vector units do the exponentials
+// (flash_fwd.cpp's softmax_pv_interleaved). The same tile operations in the
+// same order as amx_pv_panel2, so the same bits.
+struct AmxPvJob {
+  const uint32_t* Pw0 = nullptr;
+  const uint32_t* Pw1 = nullptr;
+  int64_t ldp = 0, c2lo = 0, c2hi = 0;
+  const uint32_t* Vw = nullptr;
+  int64_t Bc = 0, dvp = 0;
+  float* O0 = nullptr;
+  float* O1 = nullptr;
+  int64_t c0 = 0, h = 0, c2 = 0;  // the next k-step: strip c0, half h, pairs c2
+  bool open = false;              // the C tiles hold O of (c0, h)
+
+  bool done() const { return c2hi <= c2lo || c0 >= dvp; }
+  // The k-steps of the whole job (4 products each, 2 on a 16-column tail strip).
+  int64_t total_steps() const {
+    if (c2hi <= c2lo) return 0;
+    const int64_t per = (c2hi - c2lo) / AmxPlan::kPairs;
+    const int64_t full = dvp / AmxPlan::kPanel, tails = (dvp % AmxPlan::kPanel) / AmxPlan::kCols;
+    return per * (2 * full + tails);
+  }
+  // Up to n k-steps (n < 0: all that is left).
+  void step(AmxTiles& t, int64_t n) {
+    constexpr int64_t kP = AmxPlan::kPanel, kC = AmxPlan::kCols;
+    constexpr int kA = AmxPlan::kA, kA1 = AmxPlan::kA1, kB0 = AmxPlan::kB0, kB1 = AmxPlan::kB1;
+    const int64_t lda = ldp * 4, ldo = dvp * 4;
+    while (n != 0 && !done()) {
+      const bool full = c0 + kP <= dvp;
+      const uint32_t* strip = Vw + c0 * Bc / 2;
+      float* a0 = O0 + c0 + h;
+      float* a1 = O1 + c0 + h;
+      if (!open) {
+        t.load<0>(a0, ldo);
+        t.load<2>(a1, ldo);
+        if (full) {
+          t.load<1>(a0 + kC, ldo);
+          t.load<3>(a1 + kC, ldo);
+        }
+        c2 = c2lo;
+        open = true;
+      }
+      for (; n != 0 && c2 < c2hi; c2 += AmxPlan::kPairs, --n) {
+        if (full) {
+          const uint32_t* b = strip + c2 * kP + h;
+          t.load<kA>(Pw0 + c2, lda);
+          t.load<kB0>(b, kP * 4);
+          t.dp<0, kA, kB0>();
+          t.load<kB1>(b + kC, kP * 4);
+          t.dp<1, kA, kB1>();
+          t.load<kA1>(Pw1 + c2, lda);
+          t.dp<2, kA1, kB0>();
+          t.dp<3, kA1, kB1>();
+        } else {
+          t.load<kA>(Pw0 + c2, lda);
+          t.load<kB0>(strip + c2 * kC, kC * 4);
+          t.dp<0, kA, kB0>();
+          t.load<kA1>(Pw1 + c2, lda);
+          t.dp<2, kA1, kB0>();
+        }
+      }
+      if (c2 < c2hi) return;  // n ran out inside this (c0, h)
+      t.store<0>(a0, ldo);
+      t.store<2>(a1, ldo);
+      if (full) {
+        t.store<1>(a0 + kC, ldo);
+        t.store<3>(a1 + kC, ldo);
+      }
+      open = false;
+      if (full && h == 0) {
+        h = 2 * kC;
+      } else {
+        h = 0;
+        c0 += full ? kP : kC;
+      }
+    }
+  }
+};
 
 // One TDPBF16PS on caller memory, for the tests (and the real object's first
 // use): c[16][16] += a[16][32 bf16] . b[16 pair-rows][16 words], unit-stride

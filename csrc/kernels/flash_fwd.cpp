@@ -97,14 +97,25 @@
 // AMX tiles (the amx and amx_emu objects, ATTN_AMX_TILES; bf16 only): the
 //   micro-panel is 16 query rows (kMR = 16, one tile's rows), S = Q K^T is
 //   amx_qk_panel per (16 rows, 64-key panel): 4 C tiles, Q as the A tile in
-//   chunks of 32 dims (d padded to 32 with zeros), K as B tiles in the
-//   vdpbf16ps path's pair layout; the scale multiplies S in fp32 after the
-//   store. O += P V is amx_pv_panel: P rounded to bf16 in place (p_to_bf16),
-//   A tiles of 32 keys over each panel's column range, V's strips as B tiles,
-//   O loaded into / stored from C tiles per 64-column strip. The tile plan,
-//   layouts and numerics are in kernels/amx_tiles.h; the tile registers are
-//   configured once per thread in forward_impl's parallel region (AmxTiles).
-//   Steps 1-7 of process_item are the same code on every path.
+//   chunks of 32 dims (d padded to 32 with zeros; a unit-stride Q row is
+//   copied, it is its pairs already), K as B tiles in the vdpbf16ps path's
+//   pair layout. Blocks default to Br = 96, Bc = 512 there (the fixed costs
+//   per key block and row, and the K/V tile loads per product, halve).
+//   Raw scores (no softcap, ALiBi or bias, scale > 0, the usual case): S
+//   stays unscaled, each row's maximum is folded at the tile store on whole
+//   tiles (amx_qk_panel_raw), and the softmax computes
+//   P = 2^(s scale log2 e - m log2 e) in one FMA plus the degree-4 exp2 of
+//   bf16 weights (exp2_neg_bf16), writing P as bf16 pairs in its pass;
+//   otherwise the scale multiplies S in fp32 after the store and the steps
+//   are the generic ones. O += P V takes two row panels at a time
+//   (amx_pv_panel2: each V tile, read from L2, serves both), issued between
+//   the next pair's softmax rows on the raw path (AmxPvJob,
+//   softmax_pv_interleaved); O goes through the C tiles per 32-column half
+//   strip. A V block with an inf/NaN takes the guarded product (AMX
+//   multiplies 0 x NaN = NaN). The tile plan, layouts and numerics are in
+//   kernels/amx_tiles.h; the tile registers are configured once per thread
+//   in forward_impl's parallel region (AmxTiles). Measured: bench/NOTES.md,
+//   "amx5". Steps 1-7 of process_item are the same code on every path.
 //
 // Nothing here touches Python or the C++ standard containers (see seq.h for
 // why per-ISA objects keep to plain functions).
@@ -854,8 +865,15 @@ void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int6
     uint32_t* Qw = reinterpret_cast<uint32_t*>(Qp);
     for (int64_t r = 0; r < rows_p; ++r) {
       const S* src = qbase + (i0 + r) * a.sq.l;
+      uint32_t* dst = Qw + r * d2p;
+      if (r < rows && a.sq.d == 1) {  // a unit-stride row is its pairs already
+        std::memcpy(dst, src, sizeof(S) * d);
+        uint16_t* h = reinterpret_cast<uint16_t*>(dst);
+        for (int64_t e = d; e < 2 * d2p; ++e) h[e] = 0;
+        continue;
+      }
       for (int64_t k2 = 0; k2 < d2p; ++k2)
-        Qw[r * d2p + k2] = r < rows && 2 * k2 < d ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
+        dst[k2] = r < rows && 2 * k2 < d ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
     }
   } else if constexpr (dot_path<S>()) {
     // Unscaled bf16 pairs (the scale multiplies S in fp32, qk_micro_dot).
@@ -984,8 +1002,8 @@ void qk_tile_max(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_
 // max pass); partial: the structural masks cut it (qk_tile_max).
 template <typename S>
 void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>* Kt, int64_t rows,
-             int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool partial,
-             bool fuse_max) {
+             int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool partial, bool fuse_max,
+             bool raw) {
   using T = compute_t<S>;
   constexpr int W = Vec<T>::W;
   const int64_t d = a.d;
@@ -996,6 +1014,9 @@ void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>
       return;
     }
   }
+  if (amx_path<S>() && fuse_max)  // the AMX raw path's row maxima (amx_qk_panel_raw)
+    for (int64_t r = 0; r < rows_p; ++r) Vec<T>::store(sc.rmax + r * W, Vec<T>::set1(NEG_INF<T>));
+  (void)raw;
   for (int64_t jv = 0; jv < cols_p; jv += kNR * W)
     for (int64_t i = 0; i < rows_p; i += kMR) {
       const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
@@ -1003,9 +1024,14 @@ void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>
 #if defined(ATTN_AMX_TILES)
         if constexpr (amx_path<S>()) {
           const int64_t d2p = packed_pairs<S>(d);
-          amx_qk_panel(*sc.tiles, reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2p, d2p,
-                       reinterpret_cast<const uint32_t*>(Kt) + jv * d2p,
-                       static_cast<float>(a.scale), sc.S + i * sc.lds + jv, sc.lds);
+          const uint32_t* Qw = reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2p;
+          const uint32_t* Kw = reinterpret_cast<const uint32_t*>(Kt) + jv * d2p;
+          if (raw)
+            amx_qk_panel_raw(*sc.tiles, Qw, d2p, Kw, sc.S + i * sc.lds + jv, sc.lds,
+                             fuse_max ? sc.rmax + i * W : nullptr);
+          else
+            amx_qk_panel(*sc.tiles, Qw, d2p, Kw, static_cast<float>(a.scale),
+                         sc.S + i * sc.lds + jv, sc.lds);
           continue;
         }
 #endif
@@ -1062,9 +1088,14 @@ inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, in
 // pass), and P stored as bf16 pairs (pairs: what p_to_bf16 would make of it,
 // P's sum still taken in fp32 before the rounding). The same operations in
 // the same order otherwise, so the same bits. cols_p is a multiple of 2 W.
-template <typename T, bool kPairs>
+// kRaw (the AMX path): s holds the unscaled Q K^T; scale > 0 is folded into
+// the exponent, P = 2^(s * scale log2 e - m_new log2 e) in one FMA (m, l and
+// lse keep their scaled meaning: m_new = max(m, max(s) * scale), the same
+// value as the max of the scaled scores since rounding is monotone), and P
+// that is rounded to bf16 next takes exp2_neg_bf16 (degree 4, 2.9e-6).
+template <typename T, bool kPairs, bool kRaw = false>
 inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, T mx, T& m, T& l,
-                              T* o, int64_t dvp) {
+                              T* o, int64_t dvp, T scale = T(1)) {
   using V = Vec<T>;
   constexpr int W = V::W;
   if (!have_mx) {
@@ -1075,6 +1106,7 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
     }
     mx = V::hmax(V::max(vm, vm1));
   }
+  if constexpr (kRaw) mx *= scale;
   const T m_old = m;
   const T m_new = mx > m_old ? mx : m_old;  // a NaN m_old stays (NaN row)
   if (m_new == NEG_INF<T>) {                // nothing visible in this row so far, or only NaN
@@ -1082,11 +1114,22 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
     return;
   }
   const typename V::R vmn = V::set1(m_new);
-  const typename V::R vl2e = V::set1(static_cast<T>(1.44269504088896340736));
+  const T l2e = static_cast<T>(1.44269504088896340736);
+  const typename V::R vl2e = V::set1(l2e);
+  const typename V::R vc = V::set1(scale * l2e), vb = V::set1(-(m_new * l2e));
   typename V::R vs = V::zero(), vs1 = V::zero();
   for (int64_t j = 0; j < cols_p; j += 2 * W) {
-    const typename V::R p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
-    const typename V::R p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
+    typename V::R p, p1;
+    if constexpr (kRaw && kPairs) {
+      p = V::exp2_neg_bf16(V::fma(V::load(s + j), vc, vb));
+      p1 = V::exp2_neg_bf16(V::fma(V::load(s + j + W), vc, vb));
+    } else if constexpr (kRaw) {
+      p = V::exp2_neg(V::fma(V::load(s + j), vc, vb));
+      p1 = V::exp2_neg(V::fma(V::load(s + j + W), vc, vb));
+    } else {
+      p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
+      p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
+    }
 #if defined(ATTN_ISA_AVX512_BF16)
     if constexpr (kPairs) {
       // The 2 W weights j .. j + 2W as bf16 at h[j ..]: floats j / 2 .., already read.
@@ -1104,29 +1147,48 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
   softmax_row_rescale(m_old, m_new, rowsum, m, l, o, dvp);
 }
 
-// softmax_rows on the fused paths (kFuseMax): fused_max: the row maxima are in
-// sc.rmax (no transform or mask on this tile); pairs: P left as bf16 pairs.
+// One row r of softmax_rows_fused.
 template <typename S>
-void softmax_rows_fused(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
-                        int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p,
-                        bool transforms, bool partial, int64_t dvp, Scratch<compute_t<S>>& sc,
-                        bool fused_max, bool pairs) {
+inline void softmax_row_at(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                           int64_t r, int64_t j0, int64_t cols, int64_t cols_p, bool transforms,
+                           bool partial, int64_t dvp, Scratch<compute_t<S>>& sc, bool fused_max,
+                           bool pairs, bool raw) {
   using T = compute_t<S>;
   using V = Vec<T>;
-  for (int64_t r = 0; r < rows; ++r) {
+  const T scale = static_cast<T>(a.scale);
+  {
     T* s = sc.S + r * sc.lds;
     const int64_t i = i0 + r;
     if (transforms) score_transforms(a, si, h, i, j0, cols, s);
     if (partial) element_masks(a, si, h, i, j0, cols, sc.lo[r], sc.hi[r], s);
     for (int64_t j = cols; j < cols_p; ++j) s[j] = NEG_INF<T>;
     const T mx = fused_max ? V::hmax(V::load(sc.rmax + r * V::W)) : T(0);
-    if (pairs)
-      softmax_row_fused<T, true>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], sc.O + r * dvp,
-                                 dvp);
+    T* o = sc.O + r * dvp;
+    if (raw && pairs)
+      softmax_row_fused<T, true, true>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], o, dvp,
+                                       scale);
+    else if (raw)
+      softmax_row_fused<T, false, true>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], o, dvp,
+                                        scale);
+    else if (pairs)
+      softmax_row_fused<T, true>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], o, dvp);
     else
-      softmax_row_fused<T, false>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], sc.O + r * dvp,
-                                  dvp);
+      softmax_row_fused<T, false>(s, cols, cols_p, fused_max, mx, sc.m[r], sc.l[r], o, dvp);
   }
+}
+
+// softmax_rows on the fused paths (kFuseMax, and the AMX raw scores): fused_max:
+// the row maxima are in sc.rmax (no transform or mask on this tile); pairs: P
+// left as bf16 pairs; raw: S unscaled (softmax_row_fused).
+template <typename S>
+void softmax_rows_fused(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                        int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p,
+                        bool transforms, bool partial, int64_t dvp, Scratch<compute_t<S>>& sc,
+                        bool fused_max, bool pairs, bool raw) {
+  using T = compute_t<S>;
+  for (int64_t r = 0; r < rows; ++r)
+    softmax_row_at(a, si, h, i0, r, j0, cols, cols_p, transforms, partial, dvp, sc, fused_max,
+                   pairs, raw);
   for (int64_t r = rows; r < rows_p; ++r)
     for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
 }
@@ -1138,13 +1200,13 @@ void softmax_rows_fused(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int6
 template <typename S>
 void softmax_rows(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
                   int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p, bool transforms,
-                  bool partial, int64_t dvp, Scratch<compute_t<S>>& sc, bool fused_max,
-                  bool pairs) {
+                  bool partial, int64_t dvp, Scratch<compute_t<S>>& sc, bool fused_max, bool pairs,
+                  bool raw) {
   using T = compute_t<S>;
-  if constexpr (kFuseMax<S>) {
-    if (fused_max || pairs) {
+  if constexpr (kFuseMax<S> || amx_path<S>()) {
+    if (fused_max || pairs || raw) {
       softmax_rows_fused<S>(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp,
-                            sc, fused_max, pairs);
+                            sc, fused_max, pairs, raw);
       return;
     }
   }
@@ -1162,6 +1224,72 @@ void softmax_rows(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0
     for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = T(0);
 }
 
+#if defined(ATTN_AMX_TILES)
+// The column range, in pairs of whole 32-key A tiles, of row panels p and p + 1
+// together (P is exactly 0 outside each row's keys, element_masks); empty: lo == hi.
+inline void pair_columns(const int64_t* pc, int64_t p, int64_t* c2lo, int64_t* c2hi) {
+  const bool e0 = pc[2 * p + 1] <= pc[2 * p], e1 = pc[2 * p + 3] <= pc[2 * p + 2];
+  if (e0 && e1) {
+    *c2lo = *c2hi = 0;
+    return;
+  }
+  const int64_t lo = e0 ? pc[2 * p + 2] : e1 ? pc[2 * p] : imin(pc[2 * p], pc[2 * p + 2]);
+  const int64_t hi = e0 ? pc[2 * p + 3] : e1 ? pc[2 * p + 1] : imax(pc[2 * p + 1], pc[2 * p + 3]);
+  *c2lo = lo / 32 * 16;
+  *c2hi = (hi + 31) / 32 * 16;
+}
+
+// Steps 5 and 6 on the AMX raw-score path with P as pairs (no inf/NaN in the
+// V block): the rows' softmax two row panels at a time, and between the rows of
+// each pair the k-steps of the previous pair's P V (AmxPvJob), so that the tile
+// unit multiplies while the vector units compute exponentials. Each output
+// element gets the sums of pv_tile in the same order: the same bits.
+template <typename S>
+void softmax_pv_interleaved(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, int64_t i0,
+                            int64_t rows, int64_t rows_p, int64_t j0, int64_t cols, int64_t cols_p,
+                            bool partial, int64_t dvp, Scratch<float>& sc, bool fused_max,
+                            const float* Vp, int64_t Bc) {
+  AmxTiles& t = *sc.tiles;
+  const uint32_t* Pw = reinterpret_cast<const uint32_t*>(sc.S);
+  const uint32_t* Vw = reinterpret_cast<const uint32_t*>(Vp);
+  AmxPvJob job;
+  int64_t per_row = 0;
+  const int64_t npan = rows_p / kMR;
+  for (int64_t p = 0; p < npan; p += 2) {
+    const int64_t r0 = p * kMR, r1 = imin(rows_p, r0 + 2 * kMR);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r < rows)
+        softmax_row_at(a, si, h, i0, r, j0, cols, cols_p, false, partial, dvp, sc, fused_max, true,
+                       true);
+      else
+        for (int64_t j = 0; j < cols_p; ++j) sc.S[r * sc.lds + j] = 0.f;
+      job.step(t, per_row);
+    }
+    job.step(t, -1);  // the previous pair's products, all of them
+    if (p + 1 < npan) {
+      job = AmxPvJob();
+      pair_columns(sc.pc, p, &job.c2lo, &job.c2hi);
+      job.Pw0 = Pw + r0 * sc.lds;
+      job.Pw1 = Pw + (r0 + kMR) * sc.lds;
+      job.ldp = sc.lds;
+      job.Vw = Vw;
+      job.Bc = Bc;
+      job.dvp = dvp;
+      job.O0 = sc.O + r0 * dvp;
+      job.O1 = sc.O + (r0 + kMR) * dvp;
+      const int64_t next_rows = imin(rows_p, r0 + 4 * kMR) - imin(rows_p, r0 + 2 * kMR);
+      per_row = next_rows > 0 ? (job.total_steps() + next_rows - 1) / next_rows : -1;
+    } else {
+      const int64_t c_lo = sc.pc[2 * p], c_hi = sc.pc[2 * p + 1];  // a last single panel
+      if (c_hi > c_lo)
+        amx_pv_panel(t, Pw + r0 * sc.lds, sc.lds, c_lo / 32 * 16, (c_hi + 31) / 32 * 16, Vw, Bc,
+                     dvp, sc.O + r0 * dvp);
+    }
+  }
+  job.step(t, -1);
+}
+#endif
+
 // 6. O += P V over the packed V block Vp; the NaN-safe product when the
 // block holds an inf/NaN (nonfinite). pairs: softmax_rows left P as bf16 pairs.
 template <typename S>
@@ -1174,14 +1302,25 @@ void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, in
       pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
       return;
     }
-    p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
+    if (!pairs) p_to_bf16(sc.S, sc.lds, rows_p, cols_p);
     const uint32_t* Pw = reinterpret_cast<const uint32_t*>(sc.S);
-    for (int64_t i = 0; i < rows_p; i += kMR) {
+    const uint32_t* Vw = reinterpret_cast<const uint32_t*>(Vp);
+    int64_t i = 0;
+    // Two row panels at a time over the union of their column ranges (P is
+    // exactly 0 outside each row's keys, element_masks), then a last single one.
+    for (; i + 2 * kMR <= rows_p; i += 2 * kMR) {
+      int64_t c2lo, c2hi;
+      pair_columns(sc.pc, i / kMR, &c2lo, &c2hi);
+      if (c2hi <= c2lo) continue;
+      amx_pv_panel2(*sc.tiles, Pw + i * sc.lds, Pw + (i + kMR) * sc.lds, sc.lds, c2lo, c2hi, Vw, Bc,
+                    dvp, sc.O + i * dvp, sc.O + (i + kMR) * dvp);
+    }
+    for (; i < rows_p; i += kMR) {
       // Whole 32-key A tiles over the panel's columns (weights outside are exactly 0).
       const int64_t c_lo = sc.pc[2 * (i / kMR)], c_hi = sc.pc[2 * (i / kMR) + 1];
       if (c_hi <= c_lo) continue;
-      amx_pv_panel(*sc.tiles, Pw + i * sc.lds, sc.lds, c_lo / 32 * 16, (c_hi + 31) / 32 * 16,
-                   reinterpret_cast<const uint32_t*>(Vp), Bc, dvp, sc.O + i * dvp);
+      amx_pv_panel(*sc.tiles, Pw + i * sc.lds, sc.lds, c_lo / 32 * 16, (c_hi + 31) / 32 * 16, Vw,
+                   Bc, dvp, sc.O + i * dvp);
     }
     return;
   }
@@ -1302,13 +1441,26 @@ void process_item(const AttnArgs<S>& a, const SeqInfo& si, int64_t s_idx, int64_
     // The row max fused into S = Q K^T where no transform or mask comes between
     // (kFuseMax); P rounded to bf16 pairs inside the softmax on the vdpbf16ps
     // path unless the guarded product needs it in fp32.
+    // AMX (raw): S stays unscaled, the scale goes into the softmax's exponent
+    // (no transform needs the scaled scores); the fused max only on whole tiles.
     const bool nonfinite = sc.nonfinite[slot] != 0;
-    const bool fuse_max = kFuseMax<S> && !transforms && !a.layout && !a.mask;
-    const bool pairs = kFuseMax<S> && dot_path<S>() && !nonfinite;
+    const bool raw = amx_path<S>() && !transforms && a.scale > 0;
+    const bool fuse_max = (kFuseMax<S> && !transforms && !a.layout && !a.mask) ||
+                          (raw && !partial && cols == cols_p && !a.layout && !a.mask);
+    const bool pairs = (kFuseMax<S> && dot_path<S>() && !nonfinite) || (raw && !nonfinite);
     panel_columns(sc, rows, rows_p, j0, cols, cols_p, partial);
-    qk_tile(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial, fuse_max);
+    qk_tile(a, sc, Kt, rows, rows_p, j0, cols, cols_p, partial, fuse_max, raw);
+#if defined(ATTN_AMX_TILES)
+    if constexpr (amx_path<S>()) {
+      if (raw && pairs) {
+        softmax_pv_interleaved(a, si, h, i0, rows, rows_p, j0, cols, cols_p, partial, dvp, sc,
+                               fuse_max, Vp, Bc);
+        continue;
+      }
+    }
+#endif
     softmax_rows(a, si, h, i0, rows, rows_p, j0, cols, cols_p, transforms, partial, dvp, sc,
-                 fuse_max, pairs);
+                 fuse_max, pairs, raw);
     pv_tile<S>(sc, Vp, rows, rows_p, cols, cols_p, Bc, dvp, nonfinite, pairs);
   }
   finalize_rows(a, h, i0, rows, rows_all, jhi > jlo, dvp, obase, lsebase, sc);
@@ -1346,7 +1498,10 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   constexpr int W = Vec<T>::W;
   AttnStats total;
   if (a.B <= 0 || a.Hq <= 0) return total;
-  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : 256, kNR * W);
+  // The AMX path's fixed costs per key block and row (the O strips through the
+  // C tiles, the rescale, the row max) halve at Bc = 512, and a 96-row Q block
+  // halves the K/V tile loads per product: measured, bench/NOTES.md (amx5).
+  int64_t Bc = round_up(a.block_k > 0 ? a.block_k : (amx_path<S>() ? 512 : 256), kNR * W);
   // A tile never outgrows the problem or 4096 (a huge block_k from a caller
   // must not size the per-thread scratch).
   Bc = imin(Bc, round_up(imin(imax(a.Lk, 1), 4096), kNR * W));
@@ -1355,7 +1510,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
   // traffic per FLOP.
   const bool long_kv = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T)) > (int64_t(2) << 20);
-  int64_t Br = a.block_q > 0 ? a.block_q : (long_kv ? 96 : 48);
+  int64_t Br = a.block_q > 0 ? a.block_q : (long_kv || amx_path<S>() ? 96 : 48);
   Br = imin(Br, imin(imax(a.Lq, 1), 4096));
 
   // Work items: (sequence, head, query block); prefix over sequences.
