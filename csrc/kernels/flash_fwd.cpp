@@ -419,15 +419,33 @@ inline int64_t vp_index(int64_t c, int64_t e, int64_t Bc, int64_t dvp) {
 // Micro-panel p (rows p*kMR .. p*kMR + kMR-1) uses only the columns
 // [pc[2p], pc[2p+1]) of the tile: its weights outside are all zero (keys no
 // row of the panel sees), so they are skipped, not multiplied.
+// The keys go in chunks of kPvChunk<T, NR> (k0 outer, micro-panels inner), so
+// that the chunk of the strip (at most 32 KiB) stays in L1 while every
+// micro-panel reads it: a whole strip of Bc = 256 keys x 64 floats (64 KiB)
+// would come from L2 once per micro-panel. O is stored and reloaded between
+// chunks (exact), and each O element gets the same FMAs in the same key
+// order, so the bits are those of one pass.
+#ifndef ATTN_PV_CHUNK_BYTES
+#define ATTN_PV_CHUNK_BYTES 32768
+#endif
+template <typename T, int NR>
+constexpr int64_t kPvChunk = ATTN_PV_CHUNK_BYTES / (NR * Vec<T>::W * int64_t(sizeof(T))) > 64
+                                 ? ATTN_PV_CHUNK_BYTES / (NR * Vec<T>::W * int64_t(sizeof(T)))
+                                 : 64;
 template <typename T, int NR>
 inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, const int64_t* pc, const T* Vstrip,
                      T* O, int64_t ldo, int64_t col0) {
   constexpr int W = Vec<T>::W;
-  for (int64_t i = 0; i < rows_p; i += kMR) {
-    const int64_t c_lo = pc[2 * (i / kMR)], c_hi = pc[2 * (i / kMR) + 1];
-    if (c_hi > c_lo)
-      pv_micro<T, kMR, NR>(P + i * ldp + c_lo, ldp, c_hi - c_lo, Vstrip + c_lo * NR * W, NR * W,
-                           O + i * ldo + col0, ldo);
+  int64_t c_max = 0;
+  for (int64_t i = 0; i < rows_p; i += kMR) c_max = imax(c_max, pc[2 * (i / kMR) + 1]);
+  for (int64_t k0 = 0; k0 < c_max; k0 += kPvChunk<T, NR>) {
+    const int64_t k1 = k0 + kPvChunk<T, NR>;
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int64_t c_lo = imax(k0, pc[2 * (i / kMR)]), c_hi = imin(k1, pc[2 * (i / kMR) + 1]);
+      if (c_hi > c_lo)
+        pv_micro<T, kMR, NR>(P + i * ldp + c_lo, ldp, c_hi - c_lo, Vstrip + c_lo * NR * W, NR * W,
+                             O + i * ldo + col0, ldo);
+    }
   }
 }
 
