@@ -77,7 +77,8 @@
 //   exactly one thread in a fixed order, so results are bit-for-bit identical
 //   for any thread count.
 //
-// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
+// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32;
+//   the AVX-512 float softmax weights: Vec<float>::exp2_neg, vreduceps / vscalefps).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
 //   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is
 //   masked for some query of the tile is not multiplied by 0: tiles whose packed V holds a
