@@ -64,9 +64,11 @@
 //   attn_fast/seq.h, the storage types kernels/storage.h.
 //
 // Memory: Br = 48, Bc = 256, d = dv = 128 in fp32: Q block 24 KiB, a K panel
-//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB; the K/V blocks
+//   8 KiB (L1), a V strip 16 KiB (AVX-512: K panel 32 KiB, V strip 64 KiB,
+//   which pv_strip walks in 32 KiB key chunks), S 48 KiB, O_acc 24 KiB; the K/V blocks
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
-//   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
+//   per query block, so Br = 96 when they exceed 2 MiB (long sequences; on
+//   AVX-512 from 2 MiB).
 //   Why these sizes (the measurements behind them): bench/NOTES.md,
 //   "Tuning history moved out of the kernel essays".
 //
@@ -1372,8 +1374,12 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   const int64_t dvp = round_up(a.dv, W);
   // Every query block streams its head's packed K/V blocks once: when those
   // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
-  // traffic per FLOP.
-  const bool long_kv = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T)) > (int64_t(2) << 20);
+  // traffic per FLOP. The AVX-512 objects count exactly 2 MiB (a whole 2 MiB
+  // L2, scratch aside) as long too: 2-4 % on Sapphire Rapids, neutral on Zen 5;
+  // AVX2 keeps the strict test (Br = 96 measured 4 % slower there, NOTES).
+  const int64_t kv_bytes = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
+  const bool long_kv =
+      kv_bytes > (int64_t(2) << 20) || (Vec<float>::W == 16 && kv_bytes == (int64_t(2) << 20));
   int64_t Br = a.block_q > 0 ? a.block_q : (long_kv ? 96 : 48);
   Br = imin(Br, imin(imax(a.Lq, 1), 4096));
 
