@@ -64,9 +64,11 @@
 //   attn_fast/seq.h, the storage types kernels/storage.h.
 //
 // Memory: Br = 48, Bc = 256, d = dv = 128 in fp32: Q block 24 KiB, a K panel
-//   8 KiB (L1), a V strip 16 KiB, S 48 KiB, O_acc 24 KiB; the K/V blocks
+//   8 KiB (L1), a V strip 16 KiB (AVX-512: K panel 32 KiB, V strip 64 KiB,
+//   which pv_strip walks in 32 KiB key chunks), S 48 KiB, O_acc 24 KiB; the K/V blocks
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
-//   per query block, so Br = 96 when they exceed 2 MiB (long sequences).
+//   per query block, so Br = 96 when they exceed 2 MiB (long sequences; on
+//   AVX-512 from 2 MiB).
 //   Why these sizes (the measurements behind them): bench/NOTES.md,
 //   "Tuning history moved out of the kernel essays".
 //
@@ -77,7 +79,8 @@
 //   exactly one thread in a fixed order, so results are bit-for-bit identical
 //   for any thread count.
 //
-// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32).
+// Numerics: exp is the vector polynomial of vec_math.h (about 1 ulp in fp32;
+//   the AVX-512 float softmax weights: Vec<float>::exp2_neg, vreduceps / vscalefps).
 //   Rows that see no key (fully masked, padding) get O = 0 and lse = -inf,
 //   never NaN. A +inf sink gives O = 0 and lse = +inf (its limit). A NaN/inf in a V row that is
 //   masked for some query of the tile is not multiplied by 0: tiles whose packed V holds a
@@ -430,15 +433,33 @@ inline int64_t vp_index(int64_t c, int64_t e, int64_t Bc, int64_t dvp) {
 // Micro-panel p (rows p*kMR .. p*kMR + kMR-1) uses only the columns
 // [pc[2p], pc[2p+1]) of the tile: its weights outside are all zero (keys no
 // row of the panel sees), so they are skipped, not multiplied.
+// The keys go in chunks of kPvChunk<T, NR> (k0 outer, micro-panels inner), so
+// that the chunk of the strip (at most 32 KiB) stays in L1 while every
+// micro-panel reads it: a whole strip of Bc = 256 keys x 64 floats (64 KiB)
+// would come from L2 once per micro-panel. O is stored and reloaded between
+// chunks (exact), and each O element gets the same FMAs in the same key
+// order, so the bits are those of one pass.
+#ifndef ATTN_PV_CHUNK_BYTES
+#define ATTN_PV_CHUNK_BYTES 32768
+#endif
+template <typename T, int NR>
+constexpr int64_t kPvChunk = ATTN_PV_CHUNK_BYTES / (NR * Vec<T>::W * int64_t(sizeof(T))) > 64
+                                 ? ATTN_PV_CHUNK_BYTES / (NR * Vec<T>::W * int64_t(sizeof(T)))
+                                 : 64;
 template <typename T, int NR>
 inline void pv_strip(const T* P, int64_t ldp, int64_t rows_p, const int64_t* pc, const T* Vstrip,
                      T* O, int64_t ldo, int64_t col0) {
   constexpr int W = Vec<T>::W;
-  for (int64_t i = 0; i < rows_p; i += kMR) {
-    const int64_t c_lo = pc[2 * (i / kMR)], c_hi = pc[2 * (i / kMR) + 1];
-    if (c_hi > c_lo)
-      pv_micro<T, kMR, NR>(P + i * ldp + c_lo, ldp, c_hi - c_lo, Vstrip + c_lo * NR * W, NR * W,
-                           O + i * ldo + col0, ldo);
+  int64_t c_max = 0;
+  for (int64_t i = 0; i < rows_p; i += kMR) c_max = imax(c_max, pc[2 * (i / kMR) + 1]);
+  for (int64_t k0 = 0; k0 < c_max; k0 += kPvChunk<T, NR>) {
+    const int64_t k1 = k0 + kPvChunk<T, NR>;
+    for (int64_t i = 0; i < rows_p; i += kMR) {
+      const int64_t c_lo = imax(k0, pc[2 * (i / kMR)]), c_hi = imin(k1, pc[2 * (i / kMR) + 1]);
+      if (c_hi > c_lo)
+        pv_micro<T, kMR, NR>(P + i * ldp + c_lo, ldp, c_hi - c_lo, Vstrip + c_lo * NR * W, NR * W,
+                             O + i * ldo + col0, ldo);
+    }
   }
 }
 
@@ -1508,8 +1529,12 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   const int64_t dvp = round_up(a.dv, W);
   // Every query block streams its head's packed K/V blocks once: when those
   // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
-  // traffic per FLOP.
-  const bool long_kv = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T)) > (int64_t(2) << 20);
+  // traffic per FLOP. The AVX-512 objects count exactly 2 MiB (a whole 2 MiB
+  // L2, scratch aside) as long too: 2-4 % on Sapphire Rapids, neutral on Zen 5;
+  // AVX2 keeps the strict test (Br = 96 measured 4 % slower there, NOTES).
+  const int64_t kv_bytes = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
+  const bool long_kv =
+      kv_bytes > (int64_t(2) << 20) || (Vec<float>::W == 16 && kv_bytes == (int64_t(2) << 20));
   int64_t Br = a.block_q > 0 ? a.block_q : (long_kv || amx_path<S>() ? 96 : 48);
   Br = imin(Br, imin(imax(a.Lq, 1), 4096));
 
