@@ -751,15 +751,30 @@ TileClass classify_user_masks(const AttnArgs<T>& a, const SeqInfo& si, int64_t h
     if (!any) return TileClass::masked;
   }
   if (a.mask) {
+    // A mask broadcast over the query axis (a key-padding mask: stride 0) is
+    // the same row for every query: one row says it. Each row is an OR / AND
+    // reduction without branches; the scan stops once the tile is known mixed.
     bool many = false, mall = true;
     const uint8_t* M = a.mask + si.b * a.smask.b + h * a.smask.h;
-    for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nr = a.smask.l == 0 ? imin(rows, 1) : rows;
+    for (int64_t r = 0; r < nr && !(many && !mall); ++r) {
       const uint8_t* row = M + (i0 + r) * a.smask.l + j0 * a.smask.d;
-      for (int64_t c = 0; c < cols; ++c) {
-        const bool vis = row[c * a.smask.d] != 0;
-        many = many || vis;
-        mall = mall && vis;
+      unsigned any_v = 0, all_v = 1;
+      if (a.smask.d == 1) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const unsigned vis = row[c] != 0;
+          any_v |= vis;
+          all_v &= vis;
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) {
+          const unsigned vis = row[c * a.smask.d] != 0;
+          any_v |= vis;
+          all_v &= vis;
+        }
       }
+      many = many || any_v;
+      mall = mall && all_v;
     }
     if (!many) return TileClass::masked;
     all = all && mall;
@@ -1091,16 +1106,23 @@ inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, in
   const int64_t lo = imax(row_lo - j0, 0), hi = imin(row_hi - j0, cols);
   for (int64_t j = 0; j < imin(lo, cols); ++j) s[j] = NEG_INF<T>;
   for (int64_t j = imax(hi, 0); j < cols; ++j) s[j] = NEG_INF<T>;
-  if (a.layout) {
+  if (a.layout) {  // block by block of the layout (no division per key)
     const uint8_t* L =
         a.layout + si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l;
-    for (int64_t j = 0; j < cols; ++j)
-      if (!L[((j0 + j) / a.layout_bk) * a.slayout.d]) s[j] = NEG_INF<T>;
+    const int64_t bk = a.layout_bk;
+    for (int64_t kb = j0 / bk; kb * bk < j0 + cols; ++kb)
+      if (!L[kb * a.slayout.d])
+        for (int64_t j = imax(kb * bk - j0, 0); j < imin((kb + 1) * bk - j0, cols); ++j)
+          s[j] = NEG_INF<T>;
   }
-  if (a.mask) {
+  if (a.mask) {  // a select per key (vectorised where the keys are unit-stride)
     const uint8_t* M = a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
-    for (int64_t j = 0; j < cols; ++j)
-      if (!M[j * a.smask.d]) s[j] = NEG_INF<T>;
+    if (a.smask.d == 1) {
+      for (int64_t j = 0; j < cols; ++j) s[j] = M[j] ? s[j] : NEG_INF<T>;
+    } else {
+      for (int64_t j = 0; j < cols; ++j)
+        if (!M[j * a.smask.d]) s[j] = NEG_INF<T>;
+    }
   }
 }
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -121,7 +122,7 @@ def to_input_kind(result, like):
         import torch
 
         a = result.view(np.ndarray)
-        if a.dtype == BF16 or a.dtype.name == "bfloat16":
+        if a.dtype == BF16 or _np_is_bf16(a.dtype):
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     return half_result(result)
@@ -144,6 +145,29 @@ def _is_torch_tensor(x):
     return False
 
 
+_TORCH_CONST: dict = {}  # torch.bfloat16, torch.strided, ... once torch is imported
+
+
+def _torch_attr(x, name):
+    """torch.<name> (torch.bfloat16, torch.strided) for a torch tensor `x`, from the module
+    that defined its type (imported, since `x` exists): an identity test instead of str()."""
+    v = _TORCH_CONST.get(name)
+    if v is None:
+        v = _TORCH_CONST[name] = getattr(sys.modules["torch"], name)
+    return v
+
+
+_NP_BF16_NAMES: dict = {}  # NumPy dtype -> whether it is a bfloat16 dtype (ml_dtypes), cached
+
+
+def _np_is_bf16(dt) -> bool:
+    """Whether NumPy dtype `dt` is bfloat16 (ml_dtypes), one dict lookup after the first."""
+    r = _NP_BF16_NAMES.get(dt)
+    if r is None:
+        r = _NP_BF16_NAMES[dt] = dt.name == "bfloat16"
+    return r
+
+
 def detached(x):
     """`x`, or ``x.detach()`` for a torch tensor that requires grad (read, never
     differentiated: q, k, v, masks, slopes, sinks, scales and RoPE inputs alike)."""
@@ -160,7 +184,7 @@ def _check_on_cpu(x, name):
                 f"{name} is a torch tensor on device {x.device}; attn_fast computes on the CPU "
                 "only (use .cpu())"
             )
-        if str(x.layout) != "torch.strided":  # sparse layouts have no strides to read
+        if x.layout is not _torch_attr(x, "strided"):  # sparse layouts have no strides to read
             raise TypeError(
                 f"{name} is a torch tensor with layout {x.layout}; only dense (strided) tensors "
                 "are supported"
@@ -200,7 +224,7 @@ def as_array(x, name):
     _check_on_cpu(x, name)
     if _is_torch_tensor(x):
         t = x.detach() if x.requires_grad else x
-        if str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its bits, same memory
+        if t.dtype is _torch_attr(t, "bfloat16"):  # NumPy has no bfloat16: its bits, same memory
             return t.view(_torch_int16()).numpy().view(np.uint16)
         try:
             return t.numpy()  # shares memory, keeps strides
@@ -234,9 +258,9 @@ def _torch_int16():
 
 def _is_bf16_input(x, arr):
     """True when `x` (read as `arr` by as_array) holds bfloat16."""
-    if isinstance(x, _BF16Bits) or arr.dtype.name == "bfloat16":
+    if isinstance(x, _BF16Bits) or _np_is_bf16(arr.dtype):
         return True
-    return _is_torch_tensor(x) and str(x.dtype) == "torch.bfloat16"
+    return _is_torch_tensor(x) and x.dtype is _torch_attr(x, "bfloat16")
 
 
 def _has_buffer(x):
@@ -292,7 +316,7 @@ def as_out_array(out, name="out"):
             "pass a tensor that does not require grad"
         )
     o = as_array(out, name)
-    if o.dtype.name == "bfloat16":  # ml_dtypes: its bits, the same memory
+    if _np_is_bf16(o.dtype):  # ml_dtypes: its bits, the same memory
         o = o.view(np.uint16)
     if not isinstance(out, np.ndarray) and o.base is None:
         # np.asarray made a fresh copy (a list, say): results written there would be lost.
