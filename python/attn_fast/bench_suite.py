@@ -22,8 +22,9 @@ Prefill is reported in GFLOP/s and % of the FMA peak
 the read bandwidth (bytes = the K and V caches read once). Ratios are
 peer time / attn_fast time (above 1: attn_fast is faster). Peak memory per
 case is the RSS high-water mark (VmHWM) of a fresh subprocess running one
-call, minus its RSS just before the call. (Not ru_maxrss: Linux carries the
-parent's high-water mark into a child.)
+call, minus its RSS just before the call, the mark reset first (clear_refs
+5: making the inputs, fp32 rounded to bf16, would otherwise count). (Not
+ru_maxrss: Linux carries the parent's high-water mark into a child.)
 
 `--dtype bf16` / `--dtype fp16` add, after each float32 case, the same case
 with q, k, v in that dtype: attn_fast against torch in the same dtype (the
@@ -414,6 +415,11 @@ def status(key):  # VmRSS / VmHWM of this process, bytes
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
+try:  # reset the high-water mark: making the inputs (fp32, then rounded) may have set it higher
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
 before = status("VmRSS")
 fn()
 peak = status("VmHWM")
