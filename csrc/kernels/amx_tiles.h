@@ -296,66 +296,9 @@ inline void amx_pv_panel(AmxTiles& t, const uint32_t* Pw, int64_t ldp, int64_t c
   }
 }
 
-// amx_pv_panel for two row panels at once (rows 0-15: P rows Pw0, O rows O0;
-// rows 16-31: Pw1, O1), over one column range [2 c2lo, 2 c2hi) of keys: C is
-// 2 row panels x 2 column tiles, so each V B tile (read from L2: a V block
-// exceeds L1) serves both panels, half the V traffic of two amx_pv_panel
-// calls. The sums per element are in the same order as amx_pv_panel's.
-inline void amx_pv_panel2(AmxTiles& t, const uint32_t* Pw0, const uint32_t* Pw1, int64_t ldp,
-                          int64_t c2lo, int64_t c2hi, const uint32_t* Vw, int64_t Bc, int64_t dvp,
-                          float* O0, float* O1) {
-  constexpr int64_t kP = AmxPlan::kPanel, kC = AmxPlan::kCols;
-  constexpr int kA = AmxPlan::kA, kA1 = AmxPlan::kA1, kB0 = AmxPlan::kB0, kB1 = AmxPlan::kB1;
-  const int64_t lda = ldp * 4, ldo = dvp * 4;
-  for (int64_t c0 = 0; c0 < dvp;) {
-    const int64_t width = c0 + kP <= dvp ? kP : kC;
-    const uint32_t* strip = Vw + c0 * Bc / 2;
-    if (width == kP) {
-      for (int64_t h = 0; h < kP; h += 2 * kC) {  // two 32-column halves of the strip
-        float* a0 = O0 + c0 + h;
-        float* a1 = O1 + c0 + h;
-        t.load<0>(a0, ldo);
-        t.load<1>(a0 + kC, ldo);
-        t.load<2>(a1, ldo);
-        t.load<3>(a1 + kC, ldo);
-        for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
-          const uint32_t* b = strip + c2 * kP + h;
-          t.load<kA>(Pw0 + c2, lda);
-          t.load<kB0>(b, kP * 4);
-          t.dp<0, kA, kB0>();
-          t.load<kB1>(b + kC, kP * 4);
-          t.dp<1, kA, kB1>();
-          t.load<kA1>(Pw1 + c2, lda);
-          t.dp<2, kA1, kB0>();
-          t.dp<3, kA1, kB1>();
-        }
-        t.store<0>(a0, ldo);
-        t.store<1>(a0 + kC, ldo);
-        t.store<2>(a1, ldo);
-        t.store<3>(a1 + kC, ldo);
-      }
-    } else {
-      t.load<0>(O0 + c0, ldo);
-      t.load<2>(O1 + c0, ldo);
-      for (int64_t c2 = c2lo; c2 < c2hi; c2 += AmxPlan::kPairs) {
-        t.load<kA>(Pw0 + c2, lda);
-        t.load<kB0>(strip + c2 * kC, kC * 4);
-        t.dp<0, kA, kB0>();
-        t.load<kA1>(Pw1 + c2, lda);
-        t.dp<2, kA1, kB0>();
-      }
-      t.store<0>(O0 + c0, ldo);
-      t.store<2>(O1 + c0, ldo);
-    }
-    c0 += width;
-  }
-}
-
-// amx_pv_panel2 as a job issued a few k-steps at a time (step), so that the
-// softmax of the next row panels can run between its tile instructions: the
-// tile unit works through them while the vector units do the exponentials
-// (flash_fwd.cpp's softmax_pv_interleaved). The same tile operations in the
-// same order as amx_pv_panel2, so the same bits.
+// P V over two row panels (amx_pv_panel2, below) as a job issued a few
+// k-steps at a time (step), so that the softmax of the next row panels can run
+// between its tile instructions (flash_fwd.cpp's softmax_pv_interleaved).
 struct AmxPvJob {
   const uint32_t* Pw0 = nullptr;
   const uint32_t* Pw1 = nullptr;
@@ -366,6 +309,11 @@ struct AmxPvJob {
   float* O1 = nullptr;
   int64_t c0 = 0, h = 0, c2 = 0;  // the next k-step: strip c0, half h, pairs c2
   bool open = false;              // the C tiles hold O of (c0, h)
+
+  AmxPvJob() = default;  // no products (done())
+  AmxPvJob(const uint32_t* pw0, const uint32_t* pw1, int64_t ld, int64_t lo, int64_t hi,
+           const uint32_t* vw, int64_t bc, int64_t dv, float* o0, float* o1)
+      : Pw0(pw0), Pw1(pw1), ldp(ld), c2lo(lo), c2hi(hi), Vw(vw), Bc(bc), dvp(dv), O0(o0), O1(o1) {}
 
   bool done() const { return c2hi <= c2lo || c0 >= dvp; }
   // The k-steps of the whole job (4 products each, 2 on a 16-column tail strip).
@@ -431,6 +379,17 @@ struct AmxPvJob {
     }
   }
 };
+
+// amx_pv_panel for two row panels at once (rows 0-15: P rows Pw0, O rows O0;
+// rows 16-31: Pw1, O1), over one column range [2 c2lo, 2 c2hi) of keys: C is
+// 2 row panels x 2 column tiles, so each V B tile (read from L2: a V block
+// exceeds L1) serves both panels, half the V traffic of two amx_pv_panel
+// calls. The sums per element are in the same order as amx_pv_panel's.
+inline void amx_pv_panel2(AmxTiles& t, const uint32_t* Pw0, const uint32_t* Pw1, int64_t ldp,
+                          int64_t c2lo, int64_t c2hi, const uint32_t* Vw, int64_t Bc, int64_t dvp,
+                          float* O0, float* O1) {
+  AmxPvJob(Pw0, Pw1, ldp, c2lo, c2hi, Vw, Bc, dvp, O0, O1).step(t, -1);
+}
 
 // One TDPBF16PS on caller memory, for the tests (and the real object's first
 // use): c[16][16] += a[16][32 bf16] . b[16 pair-rows][16 words], unit-stride

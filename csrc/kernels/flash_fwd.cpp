@@ -1310,16 +1310,10 @@ void softmax_pv_interleaved(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, 
     }
     job.step(t, -1);  // the previous pair's products, all of them
     if (p + 1 < npan) {
-      job = AmxPvJob();
-      pair_columns(sc.pc, p, &job.c2lo, &job.c2hi);
-      job.Pw0 = Pw + r0 * sc.lds;
-      job.Pw1 = Pw + (r0 + kMR) * sc.lds;
-      job.ldp = sc.lds;
-      job.Vw = Vw;
-      job.Bc = Bc;
-      job.dvp = dvp;
-      job.O0 = sc.O + r0 * dvp;
-      job.O1 = sc.O + (r0 + kMR) * dvp;
+      int64_t c2lo, c2hi;
+      pair_columns(sc.pc, p, &c2lo, &c2hi);
+      job = AmxPvJob(Pw + r0 * sc.lds, Pw + (r0 + kMR) * sc.lds, sc.lds, c2lo, c2hi, Vw, Bc, dvp,
+                     sc.O + r0 * dvp, sc.O + (r0 + kMR) * dvp);
       const int64_t next_rows = imin(rows_p, r0 + 4 * kMR) - imin(rows_p, r0 + 2 * kMR);
       per_row = next_rows > 0 ? (job.total_steps() + next_rows - 1) / next_rows : -1;
     } else {

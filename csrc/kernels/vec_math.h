@@ -117,8 +117,10 @@ inline typename Vec<T>::R exp_poly(typename Vec<T>::R x) {
   return V::select_nan(t0, t0, y);  // t0 NaN: keep NaN (the clamp turned it into a number)
 }
 
-template <typename T>
-inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
+// 2^t for t <= 0 with the polynomial coef(0 .. N-1) of 2^f on [-0.5, 0.5]
+// (exp2_neg_poly, exp2_neg_bf16_poly below).
+template <typename T, int N, typename C>
+inline typename Vec<T>::R exp2_neg_with(typename Vec<T>::R t0, C coef) {
   using V = Vec<T>;
   using K = ExpConsts<T>;
   const typename V::R t = V::max(V::set1(K::kLo), t0);
@@ -126,8 +128,14 @@ inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
   const typename V::R r = V::add(t, magic);
   typename V::R f = V::sub(t, V::sub(r, magic));
   if constexpr (K::kScaleF) f = V::mul(f, V::set1(K::kLn2));
-  const typename V::R p = horner<T, K::kExp2N>(f, [](int i) { return K::exp2(i); });
+  const typename V::R p = horner<T, N>(f, coef);
   return V::mul(p, V::shift_exponent(r));
+}
+
+template <typename T>
+inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
+  using K = ExpConsts<T>;
+  return exp2_neg_with<T, K::kExp2N>(t0, [](int i) { return K::exp2(i); });
 }
 
 // exp2_neg_poly with the degree-4 polynomial of ExpConsts<float>::exp2_bf16
@@ -135,14 +143,8 @@ inline typename Vec<T>::R exp2_neg_poly(typename Vec<T>::R t0) {
 // right after (the AMX path's P), 2 FMAs fewer; the same clamps, zeros and NaN as exp2_neg.
 template <typename T>
 inline typename Vec<T>::R exp2_neg_bf16_poly(typename Vec<T>::R t0) {
-  using V = Vec<T>;
   using K = ExpConsts<T>;
-  const typename V::R t = V::max(V::set1(K::kLo), t0);
-  const typename V::R magic = V::set1(K::kMagicBiased);
-  const typename V::R r = V::add(t, magic);
-  const typename V::R f = V::sub(t, V::sub(r, magic));
-  const typename V::R p = horner<T, K::kExp2Bf16N>(f, [](int i) { return K::exp2_bf16(i); });
-  return V::mul(p, V::shift_exponent(r));
+  return exp2_neg_with<T, K::kExp2Bf16N>(t0, [](int i) { return K::exp2_bf16(i); });
 }
 
 // The math members every SIMD Vec<T> inherits (struct Vec<T> : VecMath<T>):
