@@ -79,7 +79,7 @@ namespace attn_fast {
 namespace ATTN_NS {
 
 #include ATTN_VEC_HEADER
-#include "scores.h"  // add_alibi_bias
+#include "scores.h"  // add_alibi_bias, mask_user_row
 
 namespace {
 
@@ -273,9 +273,7 @@ void bwd_tile(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     if (lo > j0 || hi < j0 + cols)  // the structural range cuts this row of the tile
       for (int64_t j = 0; j < cols; ++j)
         if (j0 + j < lo || j0 + j >= hi) s[j] = NEG_INF<T>;
-    if (a.layout || a.mask)
-      for (int64_t j = 0; j < cols; ++j)
-        if (!user_visible(a, si, h, i, j0 + j)) s[j] = NEG_INF<T>;
+    mask_user_row(a, si, h, i, j0, cols, s);  // the layout and the dense mask (scores.h)
     for (int64_t j = cols; j < Bcp; ++j) s[j] = NEG_INF<T>;
     const T L = sc.lse[r];
     if (L == NEG_INF<T>) {  // the row sees nothing: P = 0

@@ -157,7 +157,7 @@ namespace {
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
 // written back once, in the finalize step; every other step is the fp32 kernel.
 #include "storage.h"  // Storage<S>, ld / put / bits_of
-#include "scores.h"   // add_alibi_bias
+#include "scores.h"   // add_alibi_bias, mask_user_row
 #include "toolkit.h"  // NEG_INF, online_softmax_row, ThreadArena
 
 }  // namespace
@@ -1106,24 +1106,7 @@ inline void element_masks(const AttnArgs<S>& a, const SeqInfo& si, int64_t h, in
   const int64_t lo = imax(row_lo - j0, 0), hi = imin(row_hi - j0, cols);
   for (int64_t j = 0; j < imin(lo, cols); ++j) s[j] = NEG_INF<T>;
   for (int64_t j = imax(hi, 0); j < cols; ++j) s[j] = NEG_INF<T>;
-  if (a.layout) {  // block by block of the layout (no division per key)
-    const uint8_t* L =
-        a.layout + si.b * a.slayout.b + h * a.slayout.h + (i / a.layout_bq) * a.slayout.l;
-    const int64_t bk = a.layout_bk;
-    for (int64_t kb = j0 / bk; kb * bk < j0 + cols; ++kb)
-      if (!L[kb * a.slayout.d])
-        for (int64_t j = imax(kb * bk - j0, 0); j < imin((kb + 1) * bk - j0, cols); ++j)
-          s[j] = NEG_INF<T>;
-  }
-  if (a.mask) {  // a select per key (vectorised where the keys are unit-stride)
-    const uint8_t* M = a.mask + si.b * a.smask.b + h * a.smask.h + i * a.smask.l + j0 * a.smask.d;
-    if (a.smask.d == 1) {
-      for (int64_t j = 0; j < cols; ++j) s[j] = M[j] ? s[j] : NEG_INF<T>;
-    } else {
-      for (int64_t j = 0; j < cols; ++j)
-        if (!M[j * a.smask.d]) s[j] = NEG_INF<T>;
-    }
-  }
+  mask_user_row(a, si, h, i, j0, cols, s);  // the layout and the dense mask (scores.h)
 }
 
 // online_softmax_row<T, 2> (toolkit.h) with its two optional fusions: the row
