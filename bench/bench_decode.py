@@ -82,6 +82,26 @@ def repeats_for(nbytes):
     return max(5, min(50, int(2e9 / max(nbytes, 1))))
 
 
+def setup(args):
+    """Threads for attn_fast and torch (torch None when absent or --no-torch), the header line
+    printed; returns (threads, torch module or None, the ISA / threads / CPU tag)."""
+    if args.threads:
+        af.set_num_threads(args.threads)
+    nt = af.get_num_threads()
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+
+            torch.set_num_threads(nt)
+        except ImportError:
+            print("torch not installed: its column is skipped", file=sys.stderr)
+    cfg = config()
+    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
+    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    return nt, torch, tag
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,20 +126,7 @@ def main(argv=None):
         return main_int8(args)
     if args.dtype != "fp32":
         return main_16bit(args)
-    if args.threads:
-        af.set_num_threads(args.threads)
-    nt = af.get_num_threads()
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-
-            torch.set_num_threads(nt)
-        except ImportError:
-            print("torch not installed: its column is skipped", file=sys.stderr)
-    cfg = config()
-    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
-    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    nt, torch, tag = setup(args)
     bw1 = _core.stream_read_gbps(1, 512 << 20, 5)
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(
@@ -238,21 +245,8 @@ def main(argv=None):
 
 def main_16bit(args):
     """--dtype bf16 / fp16: float32 and 16-bit decode steps on the same tokens, same run."""
-    if args.threads:
-        af.set_num_threads(args.threads)
-    nt = af.get_num_threads()
     half = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-
-            torch.set_num_threads(nt)
-        except ImportError:
-            print("torch not installed: its column is skipped", file=sys.stderr)
-    cfg = config()
-    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
-    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    nt, torch, tag = setup(args)
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")
     print(
@@ -338,20 +332,7 @@ def main_int8(args):
     --no-torch). The %str columns are medians of the per-round ratio to that round's probe (the
     VM's bandwidth drifts by 2x between runs), the ratios medians of per-round ratios.
     """
-    if args.threads:
-        af.set_num_threads(args.threads)
-    nt = af.get_num_threads()
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-
-            torch.set_num_threads(nt)
-        except ImportError:
-            print("torch not installed: its column is skipped", file=sys.stderr)
-    cfg = config()
-    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
-    print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
+    nt, torch, tag = setup(args)
     print(f"decode: H_q={HQ} H_kv={HKV} d=dv={D}, one query token per sequence; medians of")
     print(
         f"{args.rounds} rounds (probe, fp32, bf16, int8, torch fp32 timed in turn, best of n "

@@ -501,6 +501,23 @@ def _random_append(cache, model, rng, H, d):
         )
 
 
+def _add_fork_or_free(op, cache, model, rng, empty):
+    """The random-ops tests' shared steps: op 0 adds a sequence, 1 forks one, 2 frees one
+    (while two or more are held), each on the cache and its model; False for any other op."""
+    if op == 0:
+        model[cache.add_sequence()] = (empty, empty)
+    elif op == 1:
+        src = int(rng.choice(list(model)))
+        model[cache.fork(src)] = model[src]
+    elif op == 2 and len(model) > 1:
+        i = int(rng.choice(list(model)))
+        cache.free(i)
+        del model[i]
+    else:
+        return False
+    return True
+
+
 def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
     """Random operations against a model (each sequence's token list): stored keys and values,
     block accounting (every block free or held, reference counts = holders) and attention."""
@@ -510,16 +527,7 @@ def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
     empty = np.zeros((H, 0, d), F32)
     for _ in range(150):
         op = rng.integers(4) if model else 0
-        if op == 0:
-            model[cache.add_sequence()] = (empty, empty)
-        elif op == 1:
-            src = int(rng.choice(list(model)))
-            model[cache.fork(src)] = model[src]
-        elif op == 2 and len(model) > 1:
-            i = int(rng.choice(list(model)))
-            cache.free(i)
-            del model[i]
-        else:
+        if not _add_fork_or_free(op, cache, model, rng, empty):
             _random_append(cache, model, rng, H, d)
         held = {}
         for i, (K, V) in model.items():
@@ -1027,15 +1035,8 @@ def test_random_ops_with_truncate_and_windows(isa, rng, window):
     empty = np.zeros((H, 0, d), F32)
     for _ in range(150):
         op = rng.integers(5) if model else 0
-        if op == 0:
-            model[cache.add_sequence()] = (empty, empty)
-        elif op == 1:
-            src = int(rng.choice(list(model)))
-            model[cache.fork(src)] = model[src]
-        elif op == 2 and len(model) > 1:
-            i = int(rng.choice(list(model)))
-            cache.free(i)
-            del model[i]
+        if _add_fork_or_free(op, cache, model, rng, empty):
+            pass
         elif op == 3:
             i = int(rng.choice(list(model)))
             pos = model[i][0].shape[1]

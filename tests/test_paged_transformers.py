@@ -27,15 +27,15 @@ from test_transformers_cache import (  # noqa: E402
     _step,
     compared_diff,
     generate,
+    install_call_counters,
     left_padded,
     make,
 )
 
-import attn_fast.functional as F  # noqa: E402
 import attn_fast.integrations.transformers as af_hf  # noqa: E402
 import attn_fast.integrations.transformers_cache as af_cache  # noqa: E402
 import attn_fast.paged_cache as pgc  # noqa: E402
-from attn_fast import PagedKVCache, _dispatch  # noqa: E402
+from attn_fast import PagedKVCache  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -48,30 +48,13 @@ def _registered():
 def counted(monkeypatch):
     """Counts PagedKVCache.attend calls, paged decode kernel calls and dense attn_fast calls."""
     seen = {"attend": 0, "paged": 0, "dense": 0}
-    real_attend, real_core = pgc.PagedKVCache.attend, _dispatch._core
 
-    def attend(self, *a, **kw):
+    def on_attend(*args):
         seen["attend"] += 1
-        return real_attend(self, *a, **kw)
 
-    class Core:
-        def __getattr__(self, name):
-            return getattr(real_core, name)
-
-        def decode_paged(self, *a, **kw):
-            seen["paged"] += 1
-            return real_core.decode_paged(*a, **kw)
-
-    real_sdpa = F.scaled_dot_product_attention
-
-    def dense(*a, **kw):
-        seen["dense"] += 1
-        return real_sdpa(*a, **kw)
-
-    monkeypatch.setattr(pgc.PagedKVCache, "attend", attend)
-    monkeypatch.setattr(_dispatch, "_core", Core())
-    monkeypatch.setattr(F, "scaled_dot_product_attention", dense)
-    return seen
+    return install_call_counters(
+        monkeypatch, pgc.PagedKVCache, seen, on_attend, {"decode_paged": "paged"}
+    )
 
 
 KINDS = ["llama", "llama_d80", "qwen2", "mistral_window", "mistral_window_70"]

@@ -69,27 +69,27 @@ def _registered():
     torch.manual_seed(0)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts KVCache.attend calls, decode/tiled kernel calls, and dense attn_fast calls."""
-    seen = {"attend": [], "decode": 0, "forward": 0, "dense": 0}
-    real_attend, real_core = kvc.KVCache.attend, _dispatch._core
+def install_call_counters(monkeypatch, cache_cls, seen, on_attend, kernels):
+    """Wrap ``cache_cls.attend`` (``on_attend(*args)`` is told of each call), the kernels of
+    ``attn_fast._core`` named in ``kernels`` (``{name: key}``: seen[key] += 1 per call) and
+    attn_fast's dense sdpa (seen["dense"] += 1); every kernel call goes through the proxy."""
+    real_attend, real_core = cache_cls.attend, _dispatch._core
 
-    def attend(self, q, *a, **kw):
-        seen["attend"].append(tuple(q.shape))
-        return real_attend(self, q, *a, **kw)
+    def attend(self, *a, **kw):
+        on_attend(*a)
+        return real_attend(self, *a, **kw)
 
     class Core:
         def __getattr__(self, name):
-            return getattr(real_core, name)
+            fn = getattr(real_core, name)
+            if name not in kernels:
+                return fn
 
-        def decode(self, *a, **kw):
-            seen["decode"] += 1
-            return real_core.decode(*a, **kw)
+            def counted_call(*a, **kw):
+                seen[kernels[name]] += 1
+                return fn(*a, **kw)
 
-        def forward(self, *a, **kw):
-            seen["forward"] += 1
-            return real_core.forward(*a, **kw)
+            return counted_call
 
     real_sdpa = F.scaled_dot_product_attention
 
@@ -97,10 +97,23 @@ def counted(monkeypatch):
         seen["dense"] += 1
         return real_sdpa(*a, **kw)
 
-    monkeypatch.setattr(kvc.KVCache, "attend", attend)
-    monkeypatch.setattr(_dispatch, "_core", Core())  # every kernel call goes through it
+    monkeypatch.setattr(cache_cls, "attend", attend)
+    monkeypatch.setattr(_dispatch, "_core", Core())
     monkeypatch.setattr(F, "scaled_dot_product_attention", dense)
     return seen
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts KVCache.attend calls, decode/tiled kernel calls, and dense attn_fast calls."""
+    seen = {"attend": [], "decode": 0, "forward": 0, "dense": 0}
+    return install_call_counters(
+        monkeypatch,
+        kvc.KVCache,
+        seen,
+        lambda q, *rest: seen["attend"].append(tuple(q.shape)),
+        {"decode": "decode", "forward": "forward"},
+    )
 
 
 def _common(**kw):
