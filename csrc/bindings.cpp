@@ -852,6 +852,23 @@ PYBIND11_MODULE(_core, m) {
         "float32 for both.");
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); });
+  m.def(
+      "set_decode_prefetch",
+      [](const std::string& name) {
+        if (name == "auto")
+          set_decode_prefetch(DecodePrefetch::auto_);
+        else if (name == "l1")
+          set_decode_prefetch(DecodePrefetch::l1);
+        else if (name == "l2")
+          set_decode_prefetch(DecodePrefetch::l2);
+        else
+          throw std::invalid_argument("decode prefetch must be 'auto', 'l1' or 'l2', got '" + name +
+                                      "'");
+      },
+      py::arg("name"));
+  m.def("decode_prefetch",
+        [] { return std::string(decode_prefetch() == DecodePrefetch::l2 ? "l2" : "l1"); });
+  m.def("cpu_vendor_intel", &cpu_vendor_intel);
   m.def("available_isas", [] {
     py::list out;
     for (Isa i : available_isas()) out.append(isa_name(i));

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <new>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -317,6 +318,35 @@ void set_active_isa(Isa isa) {
   g_isa.store(static_cast<int>(isa));
 }
 
+bool cpu_vendor_intel() {
+#ifdef ATTN_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char v[13];
+  std::memcpy(v, &b, 4);
+  std::memcpy(v + 4, &d, 4);
+  std::memcpy(v + 8, &c, 4);
+  v[12] = 0;
+  return std::strcmp(v, "GenuineIntel") == 0;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<int> g_decode_pf{static_cast<int>(DecodePrefetch::auto_)};
+}  // namespace
+
+void set_decode_prefetch(DecodePrefetch p) { g_decode_pf.store(static_cast<int>(p)); }
+
+DecodePrefetch decode_prefetch() {
+  const auto p = static_cast<DecodePrefetch>(g_decode_pf.load());
+  if (p != DecodePrefetch::auto_) return p;
+  static const DecodePrefetch by_vendor =
+      cpu_vendor_intel() ? DecodePrefetch::l2 : DecodePrefetch::l1;
+  return by_vendor;
+}
+
 void set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1");
   g_threads.store(n);
@@ -403,8 +433,12 @@ inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
     if (bf16_dot_forward(a, &st)) return st;      \
     ATTN_DISPATCH(flash_forward_##sfx, a)         \
   }
-#define ATTN_DEFINE_DECODE(sfx, S) \
-  void decode_forward(const DecodeArgs<S>& a) { ATTN_DISPATCH(decode_forward_##sfx, a) }
+#define ATTN_DEFINE_DECODE(sfx, S)                           \
+  void decode_forward(const DecodeArgs<S>& args) {           \
+    DecodeArgs<S> a = args;                                  \
+    a.prefetch_l2 = decode_prefetch() == DecodePrefetch::l2; \
+    ATTN_DISPATCH(decode_forward_##sfx, a)                   \
+  }
 #define ATTN_DEFINE_BACKWARD(sfx, S) \
   void flash_backward(const BwdArgs<S>& a) { ATTN_DISPATCH(flash_backward_##sfx, a) }
 ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)

@@ -195,3 +195,93 @@ def test_next_block_prefetch_across_blocks_and_ring_wrap(isa, rng, d, dv, dtype)
         idx = (start[b] + np.arange(kv_lens[b])) % R
         O, LSE = ref.sdpa(q[b], k[b][:, idx], v[b][:, idx], return_lse=True)
         check(o[b], lse[b], O, LSE, dtype)
+
+
+@pytest.fixture(params=["l1", "l2"])
+def prefetch(request):
+    """Run the test once per decode prefetch policy (a hint: both run on every x86 CPU)."""
+    old = af.get_decode_prefetch()
+    af.set_decode_prefetch(request.param)
+    yield request.param
+    af.set_decode_prefetch(old)
+
+
+def _cache_of(rng, dtype, paged, Hkv=2, d=80, lens=(700, 131)):
+    """A KVCache or PagedKVCache of `dtype` holding two ragged sequences of random tokens
+    (int8: quantised on append from float32)."""
+    import ml_dtypes
+
+    store = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    src = store.get(dtype, np.float32)
+    k = randn(rng, (2, Hkv, max(lens), d)).astype(src)
+    v = randn(rng, (2, Hkv, max(lens), d)).astype(src)
+    if paged:
+        c = af.PagedKVCache(Hkv, d, block_size=64, dtype=dtype)
+        ids = [c.add_sequence() for _ in lens]
+        c.append(ids, k, v, lengths=np.array(lens))
+        return c, ids, src
+    c = af.KVCache(2, Hkv, d, capacity=max(lens) + 1, dtype=dtype)
+    c.append(k, v, lengths=np.array(lens))
+    return c, None, src
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_prefetch_policies_give_the_same_bits(isa, rng, prefetch, dtype, paged):
+    """l1 (prefetcht0 + touch pass) and l2 (prefetcht1, no touch pass) only change how the
+    next block's lines are requested: the result is bit-identical to the other policy's and
+    matches the oracle on the stored (rounded / dequantised) K/V."""
+    c, ids, src = _cache_of(rng, dtype, paged)
+    q = randn(rng, (2, 8, 1, 80)).astype(src)
+
+    def attend():
+        return np.asarray(c.attend(ids, q) if paged else c.attend(q), np.float64)
+
+    o = attend()
+    af.set_decode_prefetch("l2" if prefetch == "l1" else "l1")
+    try:
+        o2 = attend()
+    finally:
+        af.set_decode_prefetch(prefetch)
+    np.testing.assert_array_equal(o, o2)
+    for b in range(2):
+        k = np.asarray(c.keys(ids[b] if paged else b), np.float64)
+        v = np.asarray(c.values(ids[b] if paged else b), np.float64)
+        O = ref.sdpa(np.asarray(q[b], np.float64), k, v)
+        # one rounding of O to the storage type (16-bit), else float32 rounding
+        t16 = {"bfloat16": dict(rtol=2e-2, atol=1e-2), "float16": dict(rtol=4e-3, atol=2e-3)}
+        assert_close(o[b], O, np.float32, **t16.get(dtype, {}))
+
+
+def test_decode_prefetch_setting():
+    old = af.get_decode_prefetch()
+    try:
+        assert old in ("l1", "l2")
+        for name in ("l1", "l2", " L2 "):
+            af.set_decode_prefetch(name)
+            assert af.get_decode_prefetch() == name.strip().lower()
+        af.set_decode_prefetch("auto")  # by the CPU's vendor
+        assert af.get_decode_prefetch() == ("l2" if _core.cpu_vendor_intel() else "l1")
+        assert af._config.config()["decode_prefetch"] == af.get_decode_prefetch()
+        for bad in ("l3", "", None, 2):
+            with pytest.raises(ValueError, match="decode prefetch must be one of"):
+                af.set_decode_prefetch(bad)
+        assert af.get_decode_prefetch() == ("l2" if _core.cpu_vendor_intel() else "l1")
+    finally:
+        af.set_decode_prefetch(old)
+
+
+def test_decode_prefetch_environment_variable():
+    import os
+    import subprocess
+    import sys
+
+    code = "import attn_fast as af; print(af.get_decode_prefetch())"
+    for name in ("l1", "l2"):
+        env = {**os.environ, "ATTN_FAST_DECODE_PREFETCH": name}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == name
+    env = {**os.environ, "ATTN_FAST_DECODE_PREFETCH": "l9"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "decode prefetch must be one of" in out.stderr

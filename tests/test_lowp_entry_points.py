@@ -117,6 +117,8 @@ AUDIT = {
     "get_num_threads": NO_ARRAYS,
     "set_isa": NO_ARRAYS,
     "get_isa": NO_ARRAYS,
+    "set_decode_prefetch": NO_ARRAYS,
+    "get_decode_prefetch": NO_ARRAYS,
     "show_config": NO_ARRAYS,
     "explain": "n/a: the chapter's demo, every intermediate in float64 by design",
     "reference": "n/a: the float64 NumPy oracle module",

@@ -43,12 +43,20 @@
 //   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
 //   int8 rows (2 lines at d = 128) skip the touch pass (0.95x without it).
-//   The next block's lines are software-prefetched kPrefetchPer (fp32 3, bf16
+//   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
 //   2, int8 1) per inner iteration of the QK / PV loops, enough for the whole
 //   block, spread over the block's math (a burst of prefetches at the block
 //   start measured worse); the addresses are walked in registers (Pf), not
 //   listed in memory; an int8 block that starts a key group also prefetches
 //   the group's scales and offsets.
+//   That is the l1 policy, tuned on AMD Zen 3 / Zen 5. On Intel (Sapphire
+//   Rapids) it left fp32 at 75 % and bf16 at 67 % of the streaming read: a
+//   prefetcht0 holds one of the core's L1 fill buffers until its line
+//   arrives, so they cap the misses in flight, and the touch pass adds more.
+//   The l2 policy (DecodeArgs::prefetch_l2, chosen by dispatch on Intel)
+//   prefetches into L2 (prefetcht1; fp32 4 per iteration) and skips the touch
+//   pass: fp32 0.80x, bf16 0.83x the time there, 89-97 % of the probe. On
+//   Zen 5 L2 prefetches were 1.05-1.23x slower (bench/NOTES.md, dec4, dec6).
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
 //   split's first block was 15-30 % slower in paired runs at 4k-32k keys:
@@ -149,10 +157,13 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // left the rest to the hardware prefetcher, which the next page of a paged
 // cache defeats; on one thread's CPU time 3 (fp32) and 2 (bf16) were 0.86x and
 // 0.90x of 1 contiguous, 3 and 2 the best paged (bench/NOTES.md, dec4).
+// With the lines prefetched into L2 and no touch pass (DecodeArgs::prefetch_l2,
+// Intel), fp32 takes 4: 0.92x of 3 on Sapphire Rapids, 2 threads (bf16 3 was
+// 1.05-1.06x of 2; bench/NOTES.md, dec6).
 template <typename KV>
-constexpr int kPrefetchPer = sizeof(KV) >= 4   ? 3
-                             : sizeof(KV) == 2 ? 2
-                                               : 1;
+constexpr int prefetch_per(bool l2) {
+  return sizeof(KV) >= 4 ? (l2 ? 4 : 3) : sizeof(KV) == 2 ? 2 : 1;
+}
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
 // (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
@@ -213,6 +224,7 @@ struct Pf {
   int64_t klen, vlen;  // bytes per run
   int64_t kn, vn;      // runs left
   int per;
+  bool l2;  // prefetcht1 (into L2) instead of prefetcht0
 };
 // Every 64-byte line of n floats from p (the int8 cache's scales).
 inline void prefetch_lines(const float* p, int64_t n) {
@@ -236,7 +248,10 @@ inline bool pf_next_run(Pf* p) {
 __attribute__((always_inline)) inline void pf_step(Pf* p) {
   for (int k = 0; k < p->per; ++k) {
     if (p->at >= p->end && !pf_next_run(p)) return;
-    __builtin_prefetch(p->at, 0, 3);
+    if (p->l2)
+      __builtin_prefetch(p->at, 0, 2);
+    else
+      __builtin_prefetch(p->at, 0, 3);
     p->at += 64;
   }
 }
@@ -695,10 +710,15 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // overlap, and QK / PV below then hit L1/L2. Not for int8 rows (2 lines
     // each at d = 128): the prefetch below covers them, and without the pass
     // a step took 0.95-0.96x the CPU time (bench/NOTES.md, dec4).
-    if constexpr (!Q8) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
-    // The next block's lines, prefetched kPrefetchPer<KV> per inner iteration
+    // With the prefetch into L2 (Intel) the pass only costs: fp32 0.93x
+    // without it on Sapphire Rapids, bf16 0.95x (bench/NOTES.md, dec6).
+    if constexpr (!Q8)
+      if (!a.prefetch_l2) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
+    // The next block's lines, prefetched prefetch_per<KV> per inner iteration
     // of QK / PV (a walk over its rows, see Pf).
-    Pf pf{nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0, kPrefetchPer<KV>};
+    Pf pf{
+        nullptr,      nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0, prefetch_per<KV>(a.prefetch_l2),
+        a.prefetch_l2};
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);

@@ -13,7 +13,15 @@ from __future__ import annotations
 import os as _os
 
 from . import _core as _core  # the extension (attn_fast._core), re-exported
-from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config
+from ._config import (
+    get_decode_prefetch,
+    get_isa,
+    get_num_threads,
+    set_decode_prefetch,
+    set_isa,
+    set_num_threads,
+    show_config,
+)
 from .functional import (
     KernelStats,
     attention,
@@ -32,6 +40,8 @@ __all__ = [
     "get_num_threads",
     "set_isa",
     "get_isa",
+    "set_decode_prefetch",
+    "get_decode_prefetch",
     "show_config",
     "reference",
     "masks",
@@ -43,6 +53,9 @@ __all__ = [
 _forced = _os.environ.get("ATTN_FAST_ISA", "").strip().lower()
 if _forced:
     set_isa(_forced)  # raises a clear error if the CPU lacks it
+_prefetch = _os.environ.get("ATTN_FAST_DECODE_PREFETCH", "").strip().lower()
+if _prefetch:
+    set_decode_prefetch(_prefetch)  # ValueError for an unknown name
 
 # masks: Causal, SlidingWindow, Padding, BlockSparse, Dense; reference: the oracle;
 # variants: Linformer, linear attention.

@@ -205,6 +205,13 @@ struct DecodeArgs {
   const compute_t<T>* const* ko_chunks = nullptr;
   const compute_t<T>* const* vs_chunks = nullptr;
   const compute_t<T>* const* vo_chunks = nullptr;
+  // How the kernel asks for the next key block's K/V lines (hints only: the
+  // results never depend on it). Filled in by decode_forward from
+  // decode_prefetch(); a caller's value is ignored.
+  //   l1: prefetcht0, and a touch pass over each block's lines first (AMD);
+  //   l2: prefetcht1 and no touch pass (Intel: a core's L1 fill buffers cap
+  //       its misses in flight, the L2 streamer does not; bench/NOTES.md).
+  bool prefetch_l2 = false;
 };
 
 // avx512_bf16: the avx512 kernels, plus vdpbf16ps micro-kernels for bf16
@@ -265,6 +272,14 @@ bool bf16_dot_preferred();
 // fallback and second oracle. Same arguments and semantics.
 void reference_forward(const AttnArgs<float>& a);
 void reference_forward(const AttnArgs<double>& a);
+
+// The decode kernel's prefetch policy (DecodeArgs::prefetch_l2): l1 or l2 as
+// chosen (set_decode_prefetch, ATTN_FAST_DECODE_PREFETCH at import), or by
+// the CPU's vendor (auto: l2 on GenuineIntel, l1 elsewhere).
+enum class DecodePrefetch : int { auto_ = 0, l1 = 1, l2 = 2 };
+void set_decode_prefetch(DecodePrefetch p);
+DecodePrefetch decode_prefetch();  // the policy in effect: l1 or l2, never auto
+bool cpu_vendor_intel();
 
 // Split-KV decode kernel (csrc/kernels/decode.cpp), dispatched per ISA.
 void decode_forward(const DecodeArgs<float>& a);
