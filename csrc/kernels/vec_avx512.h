@@ -67,6 +67,29 @@ struct Vec<float> : VecMath<float>, HalfScalar {
     const __m256 t2 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
+  // The sums of sixteen registers as one: lane i = the sum of a[i]'s lanes.
+  // A transpose-and-add tree, 30 shuffles and 15 adds where four hsum4 take
+  // 4 x 20 uops (decode.cpp's 4-row x 4-key QK: bench/NOTES.md, dec6).
+  //   1. unpacklo/hi_ps of a pair: per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3];
+  //   2. unpacklo/hi_pd of two of those: per lane [x, y, z, w] partial sums;
+  //   3., 4. shuffle_f32x4 and add: fold the four 128-bit lanes.
+  static R hsum16(const R* a) {
+    R t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+      t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int m = 0; m < 4; ++m) {
+      const __m512d x = _mm512_castps_pd(t[2 * m]), y = _mm512_castps_pd(t[2 * m + 1]);
+      u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const R v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const R v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88),
+                         _mm512_shuffle_f32x4(v01, v23, 0xDD));
+  }
   // Six rows of W floats interleaved: out[6 i + r] = rows[r][i] (r < 6, i < W),
   // the k-major layout of a 6-row Q panel (flash_fwd.cpp, pack_q), in 6 stores.
   // Pairs of rows first become 64-bit units (rows[2p][i], rows[2p + 1][i]) of
