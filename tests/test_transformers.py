@@ -68,7 +68,28 @@ def calls(monkeypatch):
             **kw,
         )
 
+    real_step = af_hf._decode_step
+
+    def counting_step(q, k, v, scaling, causal):
+        # The one-token fast path (no mask, plain scores): the decode kernel, not F's entry point.
+        seen.append(
+            dict(
+                q=tuple(q.shape),
+                k=tuple(k.shape),
+                is_causal=causal,
+                enable_gqa=k.shape[1] != q.shape[1],
+                dtypes=tuple(x.dtype for x in (q, k, v)),
+                mask=None,
+                window=None,
+                softcap=None,
+                sinks=False,
+                fast=True,
+            )
+        )
+        return real_step(q, k, v, scaling, causal)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(af_hf, "_decode_step", counting_step)
     return seen
 
 
@@ -593,6 +614,60 @@ def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
     got, _ = af_hf.attention_forward(module, q, k, v, None, position_bias=pb)
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10, atol=1e-12)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Lk", [64, 301])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_token_fast_path_same_bits_as_the_entry_point(calls, dtype, Lk, causal):
+    """A decode step without a mask takes _decode_step (the decode kernel on the tensors'
+    memory): the same bits as attn_fast.scaled_dot_product_attention, which picks the decode
+    kernel for it too, here on strided key/value views as transformers' caches hold them."""
+    g = torch.Generator().manual_seed(Lk + 7 * causal)
+    q = torch.randn(2, 8, 1, 64, generator=g).to(dtype)
+    kbuf, vbuf = (torch.randn(2, 2, Lk + 5, 64, generator=g).to(dtype) for _ in range(2))
+    k, v = kbuf[:, :, :Lk], vbuf[:, :, :Lk]  # views with a longer row stride per head
+    got, _ = af_hf.attention_forward(_Module(is_causal=causal), q, k, v, None, scaling=0.125)
+    assert [c.get("fast") for c in calls] == [True]
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+    assert got.shape == (2, 1, 8, 64) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, want.transpose(1, 2))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), scale=0.125, enable_gqa=True
+    )
+    tol = TOL if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(got.transpose(1, 2).double().numpy(), ref.numpy(), **tol)
+
+
+@pytest.mark.parametrize(
+    "kshape, vshape, match",
+    [
+        ((1, 4, 100, 64), (1, 4, 100, 64), "not a multiple of k/v's 4 heads"),
+        ((1, 2, 100, 32), (1, 2, 100, 32), r"k has shape \(1, 2, 100, 32\) but q has head dim 64"),
+        ((2, 2, 100, 64), (2, 2, 100, 64), "batch sizes differ"),
+        ((1, 2, 100, 64), (1, 2, 99, 64), r"v has shape \(1, 2, 99, 64\)"),
+    ],
+)
+def test_one_token_bad_shapes_name_them(kshape, vshape, match):
+    """Shapes the fast path cannot read go through the entry point, whose errors name them."""
+    q = torch.randn(1, 6, 1, 64)
+    with pytest.raises(ValueError, match=match):
+        af_hf.attention_forward(
+            _Module(is_causal=True), q, torch.randn(kshape), torch.randn(vshape), None
+        )
+
+
+def test_llama_long_prompt_generate_takes_the_fast_path(calls):
+    """Greedy generate() after a 70-token prompt: every one-token step (>= 64 cached keys, no
+    padding, so no mask) runs the fast path, and the tokens and logits are sdpa's."""
+    model = llama()
+    ids = torch.randint(1, 128, (1, 70))
+    am = torch.ones_like(ids)
+    new = 6
+    same_generation(model, ids, am, new)
+    decode = [c for c in calls if c["q"][2] == 1]
+    assert len(decode) == 2 * (new - 1) and all(c.get("fast") for c in decode), decode
+    assert [c["k"][2] for c in decode[::2]] == list(range(71, 70 + new))
 
 
 # --------------------------------------------------------------------------- training

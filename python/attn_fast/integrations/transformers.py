@@ -86,8 +86,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'attn_fast[transformers]'"
     ) from e
 
+from .. import _core
 from .. import functional as _functional
 from .._checks import as_array
+from .._dispatch import DECODE_MIN_LK
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
@@ -385,6 +387,42 @@ def attention_forward(
     return run(), None
 
 
+def _decode_shapes_fit(qs, ks, vs):
+    """q (B, H, 1, d), k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv), H a multiple of H_kv: what
+    _decode_step reads (anything else takes the generic path, whose errors name the shapes)."""
+    return (
+        len(qs) == len(ks) == len(vs) == 4
+        and qs[0] == ks[0] == vs[0]
+        and ks[1] == vs[1] > 0
+        and qs[1] % ks[1] == 0
+        and ks[2] == vs[2]
+        and ks[3] == qs[3]
+    )
+
+
+def _decode_step(query, key, value, scaling, causal):
+    """One generated token without a mask: the decode kernel on the tensors' memory.
+
+    What scaled_dot_product_attention would run for this call (Lq = 1 and
+    Lk >= DECODE_MIN_LK choose the decode kernel there too: the same bits),
+    without its generic argument handling, which cost more than the kernel at
+    a few hundred cached keys (bench/NOTES.md, dec6). query (B, H, 1, d), key
+    (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
+    (_attention made sure); the binding checks shapes, strides, dtypes and
+    the scale. Returns (B, 1, H, dv), contiguous, in that dtype.
+    """
+    B, Hq, _, d = query.shape
+    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
+    o = as_array(out.transpose(1, 2), "out")
+    q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
+    if causal:  # one query row, bottom-right aligned: every key is visible all the same
+        _core.decode(q, k, v, o, None, scale=scale, causal=True)
+    else:
+        _core.decode(q, k, v, o, None, scale=scale)
+    return out
+
+
 def _attention(
     query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None
 ):
@@ -440,6 +478,19 @@ def _attention(
             causal = True  # Lq == Lk now: bottom-right == top-left
         else:
             mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+
+    if (
+        saved is None
+        and Lq == 1
+        and mask is None
+        and position_bias is None
+        and s_aux is None
+        and not softcap
+        and Lk >= DECODE_MIN_LK
+        and _decode_shapes_fit(query.shape, key.shape, value.shape)
+    ):
+        out = _decode_step(query, key, value, scaling, causal)
+        return out if dt == out_dtype else out.to(out_dtype)
 
     if position_bias is not None:
         pb = position_bias.to(cdt)
