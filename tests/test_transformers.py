@@ -70,8 +70,9 @@ def calls(monkeypatch):
 
     real_step = af_hf._decode_step
 
-    def counting_step(q, k, v, scaling, causal):
-        # The one-token fast path (no mask, plain scores): the decode kernel, not F's entry point.
+    def counting_step(q, k, v, scaling, causal, runs=None):
+        # The one-token fast path (plain scores, no mask or padding as runs of valid keys): the
+        # decode kernel, not F's entry point.
         seen.append(
             dict(
                 q=tuple(q.shape),
@@ -79,14 +80,14 @@ def calls(monkeypatch):
                 is_causal=causal,
                 enable_gqa=k.shape[1] != q.shape[1],
                 dtypes=tuple(x.dtype for x in (q, k, v)),
-                mask=None,
+                mask=None if runs is None else (q.shape[0], 1, 1, k.shape[2]),
                 window=None,
                 softcap=None,
                 sinks=False,
                 fast=True,
             )
         )
-        return real_step(q, k, v, scaling, causal)
+        return real_step(q, k, v, scaling, causal, runs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
     monkeypatch.setattr(af_hf, "_decode_step", counting_step)
@@ -657,17 +658,57 @@ def test_one_token_bad_shapes_name_them(kshape, vshape, match):
         )
 
 
-def test_llama_long_prompt_generate_takes_the_fast_path(calls):
-    """Greedy generate() after a 70-token prompt: every one-token step (>= 64 cached keys, no
-    padding, so no mask) runs the fast path, and the tokens and logits are sdpa's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_padding_as_key_runs(calls, dtype):
+    """A one-token step of a padded batch: the mask builder's key mask, one run of valid keys
+    per row (left padding, right padding, a row with none, a full row), becomes kv_start /
+    kv_lens of the decode kernel; a key mask with holes takes the generic path. Both agree
+    with a float64 reference on the same mask."""
+    from transformers.masking_utils import causal_mask_function
+
+    B, Hq, Hkv, Lk, d = 4, 8, 2, 200, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, Hq, 1, d, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, Lk, d, generator=g).to(dtype) for _ in range(2))
+    for holes in (False, True):
+        am = torch.ones(B, Lk, dtype=torch.long)
+        am[0, :37] = 0  # left padding
+        am[1, 150:] = 0  # right padding
+        am[2, :] = 0  # no valid key: zeros
+        if holes:
+            am[3, 10:20] = 0  # not one run: the generic path
+        mask = af_hf.attention_mask(
+            batch_size=B,
+            q_length=1,
+            kv_length=Lk,
+            q_offset=Lk - 1,
+            mask_function=causal_mask_function,
+            attention_mask=am,
+        )
+        calls.clear()
+        got, _ = af_hf.attention_forward(_Module(is_causal=True), q, k, v, mask, scaling=0.125)
+        assert [c.get("fast", False) for c in calls] == [not holes]
+        keep = am.bool()[:, None, None, :]
+        ref = torch_reference(q.double(), k.double(), v.double(), keep, scale=0.125)
+        tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+        np.testing.assert_allclose(got.double().numpy(), ref.numpy(), **tol)
+        assert not got[2].any()  # the row without a valid key
+
+
+@pytest.mark.parametrize("pads", [[0], [0, 5]], ids=["one", "left-padded"])
+def test_llama_long_prompt_generate_takes_the_fast_path(calls, pads):
+    """Greedy generate() after a 70-token prompt: every one-token step (>= 64 cached keys;
+    left padding as runs of valid keys) runs the fast path, and the tokens and logits are
+    sdpa's."""
     model = llama()
-    ids = torch.randint(1, 128, (1, 70))
-    am = torch.ones_like(ids)
+    ids, am = padded_batch(len(pads), 70, 128, left=True, pads=pads)
     new = 6
     same_generation(model, ids, am, new)
     decode = [c for c in calls if c["q"][2] == 1]
     assert len(decode) == 2 * (new - 1) and all(c.get("fast") for c in decode), decode
     assert [c["k"][2] for c in decode[::2]] == list(range(71, 70 + new))
+    padded = any(pads)
+    assert all((c["mask"] is not None) == padded for c in decode), decode
 
 
 # --------------------------------------------------------------------------- training

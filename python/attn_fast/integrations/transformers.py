@@ -124,10 +124,27 @@ class _MaskSpec:
     NumPy array of valid keys, or None when every key is valid.
     """
 
-    __slots__ = ("causal", "window", "key_mask", "shape")
+    __slots__ = ("causal", "window", "key_mask", "shape", "_runs")
 
     def __init__(self, causal, window, key_mask, shape):
         self.causal, self.window, self.key_mask, self.shape = causal, window, key_mask, shape
+        self._runs = None
+
+    def key_runs(self):
+        """(kv_start, kv_lens) int64 (B,) when each row's valid keys are one run
+        [kv_start, kv_start + kv_lens) (left or right padding), else False; computed once
+        per mask (every layer of a forward pass shares it)."""
+        if self._runs is None:
+            m = self.key_mask.reshape(self.key_mask.shape[0], -1)
+            Lk = m.shape[1]
+            first = m.argmax(axis=1)
+            last = Lk - m[:, ::-1].argmax(axis=1)
+            lens = np.where(m.any(axis=1), last - first, 0)
+            if (m.sum(axis=1) == lens).all():
+                self._runs = (first.astype(np.int64), lens.astype(np.int64))
+            else:
+                self._runs = False
+        return self._runs
 
 
 def _pattern(B, Lq, Lk, causal, left, right, key_mask, device):
@@ -400,8 +417,8 @@ def _decode_shapes_fit(qs, ks, vs):
     )
 
 
-def _decode_step(query, key, value, scaling, causal):
-    """One generated token without a mask: the decode kernel on the tensors' memory.
+def _decode_step(query, key, value, scaling, causal, runs=None):
+    """One generated token: the decode kernel on the tensors' memory.
 
     What scaled_dot_product_attention would run for this call (Lq = 1 and
     Lk >= DECODE_MIN_LK choose the decode kernel there too: the same bits),
@@ -409,17 +426,22 @@ def _decode_step(query, key, value, scaling, causal):
     a few hundred cached keys (bench/NOTES.md, dec6). query (B, H, 1, d), key
     (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
     (_attention made sure); the binding checks shapes, strides, dtypes and
-    the scale. Returns (B, 1, H, dv), contiguous, in that dtype.
+    the scale. runs: None (every key valid) or (kv_start, kv_lens) int64 (B,),
+    sequence b's valid keys [kv_start[b], kv_start[b] + kv_lens[b]) (left or
+    right padding, _MaskSpec.key_runs): read by the decode kernel as the start
+    and length of a ring that does not wrap, where the generic path would take
+    the tiled kernel with an element mask. Returns (B, 1, H, dv), contiguous,
+    in that dtype.
     """
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
     o = as_array(out.transpose(1, 2), "out")
     q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
-    if causal:  # one query row, bottom-right aligned: every key is visible all the same
-        _core.decode(q, k, v, o, None, scale=scale, causal=True)
-    else:
-        _core.decode(q, k, v, o, None, scale=scale)
+    kw = {} if runs is None else dict(kv_start=runs[0], kv_lens=runs[1])
+    if causal:  # one query row, bottom-right aligned: every (valid) key is visible all the same
+        kw["causal"] = True
+    _core.decode(q, k, v, o, None, scale=scale, **kw)
     return out
 
 
@@ -446,11 +468,14 @@ def _attention(
     kw = {}
     causal = False
     spec = getattr(mask, _SPEC_ATTR, None) if mask is not None else None
+    runs = None  # a one-token step's padding as runs of valid keys (_decode_step)
     if spec is not None and spec.shape == (B, 1, Lq, Lk):
         causal = spec.causal
         if spec.window != (-1, -1):
             kw["window_size"] = spec.window
         mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
+        if mask is not None and Lq == 1 and Lk >= DECODE_MIN_LK and spec.window == (-1, -1):
+            runs = spec.key_runs()  # False unless each row's valid keys are one run
     elif mask is not None:
         if mask.ndim != 4:
             raise ValueError(
@@ -482,14 +507,14 @@ def _attention(
     if (
         saved is None
         and Lq == 1
-        and mask is None
+        and (mask is None or (runs and mask is spec.key_mask))
         and position_bias is None
         and s_aux is None
         and not softcap
         and Lk >= DECODE_MIN_LK
         and _decode_shapes_fit(query.shape, key.shape, value.shape)
     ):
-        out = _decode_step(query, key, value, scaling, causal)
+        out = _decode_step(query, key, value, scaling, causal, runs if mask is not None else None)
         return out if dt == out_dtype else out.to(out_dtype)
 
     if position_bias is not None:
