@@ -86,10 +86,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'attn_fast[transformers]'"
     ) from e
 
-from .. import _core
+from .. import _dispatch
 from .. import functional as _functional
 from .._checks import as_array
-from .._dispatch import DECODE_MIN_LK
+from .._dispatch import DECODE, DECODE_MIN_LK
+from ..masks import MaskArgs
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
@@ -438,10 +439,11 @@ def _decode_step(query, key, value, scaling, causal, runs=None):
     out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
     o = as_array(out.transpose(1, 2), "out")
     q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
-    kw = {} if runs is None else dict(kv_start=runs[0], kv_lens=runs[1])
-    if causal:  # one query row, bottom-right aligned: every (valid) key is visible all the same
-        kw["causal"] = True
-    _core.decode(q, k, v, o, None, scale=scale, **kw)
+    # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
+    mask = MaskArgs(causal=bool(causal), kv_lens=None if runs is None else runs[1])
+    _dispatch.attend(
+        DECODE, q, k, v, o, None, scale=scale, mask=mask, kv_start=None if runs is None else runs[0]
+    )
     return out
 
 
