@@ -70,7 +70,7 @@ def calls(monkeypatch):
 
     real_step = af_hf._decode_step
 
-    def counting_step(q, k, v, scaling, causal, runs=None):
+    def counting_step(q, k, v, scaling, causal, runs=None, window=(-1, -1)):
         # The one-token fast path (plain scores, no mask or padding as runs of valid keys): the
         # decode kernel, not F's entry point.
         seen.append(
@@ -81,13 +81,13 @@ def calls(monkeypatch):
                 enable_gqa=k.shape[1] != q.shape[1],
                 dtypes=tuple(x.dtype for x in (q, k, v)),
                 mask=None if runs is None else (q.shape[0], 1, 1, k.shape[2]),
-                window=None,
+                window=None if window == (-1, -1) else window,
                 softcap=None,
                 sinks=False,
                 fast=True,
             )
         )
-        return real_step(q, k, v, scaling, causal, runs)
+        return real_step(q, k, v, scaling, causal, runs, window)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
     monkeypatch.setattr(af_hf, "_decode_step", counting_step)
@@ -106,7 +106,7 @@ def greedy(model, impl, ids, am, new, **kw):
     with torch.no_grad():
         g = model.generate(
             input_ids=ids,
-            attention_mask=am,
+            attention_mask=am.bool(),
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
@@ -683,7 +683,7 @@ def test_one_token_padding_as_key_runs(calls, dtype):
             kv_length=Lk,
             q_offset=Lk - 1,
             mask_function=causal_mask_function,
-            attention_mask=am,
+            attention_mask=am.bool(),
         )
         calls.clear()
         got, _ = af_hf.attention_forward(_Module(is_causal=True), q, k, v, mask, scaling=0.125)
@@ -693,6 +693,38 @@ def test_one_token_padding_as_key_runs(calls, dtype):
         tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
         np.testing.assert_allclose(got.double().numpy(), ref.numpy(), **tol)
         assert not got[2].any()  # the row without a valid key
+
+
+@pytest.mark.parametrize("pads", [[0], [0, 3]], ids=["one", "left-padded"])
+def test_one_token_sliding_window_layer(calls, pads):
+    """A sliding-window layer's one-token step against 100 cached keys: without padding the
+    fast path reads the window as the decode kernel's window_size; with padding (no key runs
+    with a window) the generic path does. Both match a float64 reference of the window."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    B, Lk, w = len(pads), 100, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, 4, 1, 32, generator=g)
+    k, v = (torch.randn(B, 2, Lk, 32, generator=g) for _ in range(2))
+    am = torch.ones(B, Lk, dtype=torch.long)
+    for b, p in enumerate(pads):
+        am[b, :p] = 0
+    mask = af_hf.attention_mask(
+        batch_size=B,
+        q_length=1,
+        kv_length=Lk,
+        q_offset=Lk - 1,
+        mask_function=sliding_window_causal_mask_function(w),
+        attention_mask=am.bool(),
+        local_size=w,  # as transformers passes it for a sliding-window layer
+    )
+    got, _ = af_hf.attention_forward(_Module(is_causal=True), q, k, v, mask, scaling=0.2)
+    assert [c.get("fast", False) for c in calls] == [not any(pads)]
+    assert calls[0]["window"] == (w - 1, -1), calls
+    pos = torch.arange(Lk)
+    keep = am.bool() & (pos >= Lk - w)
+    ref = torch_reference(q.double(), k.double(), v.double(), keep[:, None, None, :], scale=0.2)
+    np.testing.assert_allclose(got.double().numpy(), ref.numpy(), **TOL)
 
 
 @pytest.mark.parametrize("pads", [[0], [0, 5]], ids=["one", "left-padded"])

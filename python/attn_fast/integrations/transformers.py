@@ -418,7 +418,7 @@ def _decode_shapes_fit(qs, ks, vs):
     )
 
 
-def _decode_step(query, key, value, scaling, causal, runs=None):
+def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):
     """One generated token: the decode kernel on the tensors' memory.
 
     What scaled_dot_product_attention would run for this call (Lq = 1 and
@@ -431,8 +431,10 @@ def _decode_step(query, key, value, scaling, causal, runs=None):
     sequence b's valid keys [kv_start[b], kv_start[b] + kv_lens[b]) (left or
     right padding, _MaskSpec.key_runs): read by the decode kernel as the start
     and length of a ring that does not wrap, where the generic path would take
-    the tiled kernel with an element mask. Returns (B, 1, H, dv), contiguous,
-    in that dtype.
+    the tiled kernel with an element mask (never with a window: _attention
+    takes runs only for masks without one). window: (left, right) of a
+    sliding-window layer, as scaled_dot_product_attention's window_size.
+    Returns (B, 1, H, dv), contiguous, in that dtype.
     """
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
@@ -440,7 +442,13 @@ def _decode_step(query, key, value, scaling, causal, runs=None):
     o = as_array(out.transpose(1, 2), "out")
     q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
-    mask = MaskArgs(causal=bool(causal), kv_lens=None if runs is None else runs[1])
+    left, right = window
+    mask = MaskArgs(
+        causal=bool(causal),
+        window_left=int(left),
+        window_right=int(right),
+        kv_lens=None if runs is None else runs[1],
+    )
     _dispatch.attend(
         DECODE, q, k, v, o, None, scale=scale, mask=mask, kv_start=None if runs is None else runs[0]
     )
@@ -516,7 +524,15 @@ def _attention(
         and Lk >= DECODE_MIN_LK
         and _decode_shapes_fit(query.shape, key.shape, value.shape)
     ):
-        out = _decode_step(query, key, value, scaling, causal, runs if mask is not None else None)
+        out = _decode_step(
+            query,
+            key,
+            value,
+            scaling,
+            causal,
+            runs if mask is not None else None,
+            kw.get("window_size", (-1, -1)),
+        )
         return out if dt == out_dtype else out.to(out_dtype)
 
     if position_bias is not None:
