@@ -97,7 +97,7 @@ def setup(args):
         except ImportError:
             print("torch not installed: its column is skipped", file=sys.stderr)
     cfg = config()
-    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}"
+    tag = f"ISA {cfg['isa']}  prefetch {cfg['decode_prefetch']}  threads {nt}  CPU {cfg['cpu']}"
     print(f"attn_fast {cfg['version']}  {tag}" + (f"  torch {torch.__version__}" if torch else ""))
     return nt, torch, tag
 

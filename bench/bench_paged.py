@@ -142,7 +142,10 @@ def main(argv=None):
     nt = af.get_num_threads()
     dt = DTYPES[args.dtype]
     cfg = config()
-    tag = f"ISA {cfg['isa']}  threads {nt}  CPU {cfg['cpu']}  {args.dtype}  {args.clock} clock"
+    tag = (
+        f"ISA {cfg['isa']}  prefetch {cfg['decode_prefetch']}  threads {nt}  CPU {cfg['cpu']}  "
+        f"{args.dtype}  {args.clock} clock"
+    )
     print(f"attn_fast {cfg['version']}  {tag}")
     bwn = _core.stream_read_gbps(nt, 512 << 20, 5)
     print(f"stream read (512 MiB, best of 5): {bwn:.1f} GB/s on {nt} threads")

@@ -493,7 +493,8 @@ def run(
         "notes": [],
     }
     print(
-        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  CPU {cfg['cpu']} ({os.cpu_count()} cores)",
+        f"attn_fast {cfg['version']}  ISA {cfg['isa']}  decode prefetch {cfg['decode_prefetch']}  "
+        f"CPU {cfg['cpu']} ({os.cpu_count()} cores)",
         file=out,
     )
     print("  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v), file=out)
