@@ -691,7 +691,23 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
         sc.qb[r] = b;
       }
     }
-    for (int64_t c = 0; c < cols; ++c) {
+    // int8: the block's value scales / offsets, read in place unless the ring
+    // wraps inside the block (then copied in order).
+    const T* vsc = sc.pvs;
+    const T* voc = sc.pvo;
+    bool rows_done = false;
+    if constexpr (Q8) {
+      if (slot + cols <= a.R) {
+        vsc = vs_base + slot;
+        voc = vo_base + slot;
+        for (int64_t c = 0; c < cols; ++c) {
+          krow[c] = kb + (slot + c) * a.sk.l;
+          vrow[c] = vb + (slot + c) * a.sv.l;
+        }
+        rows_done = true;
+      }
+    }
+    for (int64_t c = 0; c < cols && !rows_done; ++c) {
       if constexpr (Q8) {
         krow[c] = kb + slot * a.sk.l;
         vrow[c] = vb + slot * a.sv.l;
@@ -791,13 +807,13 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
         int64_t c = 0;
         for (; c + W <= cols; c += W) {  // vectors, as the key-group fold above
           const typename V::R pv = V::load(prow + c);
-          xv = V::fma(pv, V::load(sc.pvo + c), xv);
-          V::store(prow + c, V::mul(pv, V::load(sc.pvs + c)));
+          xv = V::fma(pv, V::load(voc + c), xv);
+          V::store(prow + c, V::mul(pv, V::load(vsc + c)));
         }
         T ex = V::hsum(xv);
         for (; c < cols; ++c) {
-          ex += prow[c] * sc.pvo[c];
-          prow[c] *= sc.pvs[c];
+          ex += prow[c] * voc[c];
+          prow[c] *= vsc[c];
         }
         T* orow = Op + r * dvp;
         for (int64_t e = 0; e < dv; ++e) orow[e] += ex;
