@@ -158,6 +158,38 @@ def choose_kernel(
     return DECODE if fits and short else PREFILL
 
 
+def decode_step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    kv_start: np.ndarray | None = None,
+    kv_lens: np.ndarray | None = None,
+) -> None:
+    """The decode kernel with only the arguments a generated token needs, writing o.
+
+    ``attend(DECODE, ...)`` for callers that build no MaskArgs record (the
+    transformers backend's one-token fast path, where the record and its
+    keyword scan cost about as much as a 512-key kernel call): causal, a
+    (left, right) window (-1 = unbounded), kv_start / kv_lens (B,) int64.
+    Shapes, strides, dtypes and the scale are checked by the binding.
+    """
+    kw = {}
+    if causal:
+        kw["causal"] = True
+    if window[0] >= 0:
+        kw["window_left"] = window[0]
+    if window[1] >= 0:
+        kw["window_right"] = window[1]
+    if kv_lens is not None:
+        kw["kv_lens"] = kv_lens
+    _core.decode(q, k, v, o, None, scale=scale, kv_start=kv_start, **kw)
+
+
 def attend(
     kernel: str,
     q: np.ndarray,

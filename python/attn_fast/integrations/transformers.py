@@ -89,8 +89,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .. import _dispatch
 from .. import functional as _functional
 from .._checks import as_array
-from .._dispatch import DECODE, DECODE_MIN_LK
-from ..masks import MaskArgs
+from .._dispatch import DECODE_MIN_LK
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
@@ -442,15 +441,16 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     o = as_array(out.transpose(1, 2), "out")
     q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
-    left, right = window
-    mask = MaskArgs(
+    _dispatch.decode_step(
+        q,
+        k,
+        v,
+        o,
+        scale=scale,
         causal=bool(causal),
-        window_left=int(left),
-        window_right=int(right),
+        window=(int(window[0]), int(window[1])),
+        kv_start=None if runs is None else runs[0],
         kv_lens=None if runs is None else runs[1],
-    )
-    _dispatch.attend(
-        DECODE, q, k, v, o, None, scale=scale, mask=mask, kv_start=None if runs is None else runs[0]
     )
     return out
 
