@@ -56,7 +56,8 @@
 //   arrives, so they cap the misses in flight, and the touch pass adds more.
 //   The l2 policy (DecodeArgs::prefetch_l2, chosen by dispatch on Intel)
 //   prefetches into L2 (prefetcht1; fp32 4 per iteration) and skips the touch
-//   pass: fp32 0.80x, bf16 0.83x the time there, 89-97 % of the probe. On
+//   pass: fp32 0.78-0.80x, bf16 0.76-0.77x the time there, 95-101 % of the
+//   probe. On
 //   Zen 5 L2 prefetches were 1.05-1.23x slower (bench/NOTES.md, dec4, dec6).
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
@@ -295,17 +296,12 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
       for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
       for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
     }
-    if (dvec == d) {
-      for (int r = 0; r < N; ++r)
-        for (int j = 0; j < KC; ++j) S[r * lds + c + j] = sums[r * KC + j];
-    } else {
-      for (int r = 0; r < N; ++r)
-        for (int j = 0; j < KC; ++j) {
-          T x = sums[r * KC + j];
-          for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * ld(kr[j] + e);
-          S[r * lds + c + j] = x;
-        }
-    }
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < KC; ++j) {
+        T x = sums[r * KC + j];
+        for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * ld(kr[j] + e);
+        S[r * lds + c + j] = x;
+      }
   }
   if constexpr (KC > 1) {
     if (c < cols) qk_rows<T, SK, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);

@@ -448,7 +448,7 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
         o,
         scale=scale,
         causal=bool(causal),
-        window=(int(window[0]), int(window[1])),
+        window=window,
         kv_start=None if runs is None else runs[0],
         kv_lens=None if runs is None else runs[1],
     )
@@ -517,7 +517,7 @@ def _attention(
     if (
         saved is None
         and Lq == 1
-        and (mask is None or (runs and mask is spec.key_mask))
+        and (mask is None or runs)  # runs: the spec's key mask as one run per row
         and position_bias is None
         and s_aux is None
         and not softcap
@@ -530,7 +530,7 @@ def _attention(
             value,
             scaling,
             causal,
-            runs if mask is not None else None,
+            runs or None,
             kw.get("window_size", (-1, -1)),
         )
         return out if dt == out_dtype else out.to(out_dtype)
