@@ -162,9 +162,21 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // With the lines prefetched into L2 and no touch pass (DecodeArgs::prefetch_l2,
 // Intel), fp32 takes 4: 0.92x of 3 on Sapphire Rapids, 2 threads (bf16 3 was
 // 1.05-1.06x of 2; bench/NOTES.md, dec6).
+// Those counts are for 16-lane vectors (AVX-512). With 8 lanes (AVX2) a block
+// has twice the inner iterations (about 750 at d = dv = 128, 4 rows), so half
+// the rate covers it: fp32 1 (1.4 lines per iteration would cover all; the
+// hardware prefetcher streams the rest), bf16 and int8 1. On Zen 3, 3 per
+// iteration issued the next block's lines in a burst in the first third of
+// the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
+// process; bench/NOTES.md, zen3). A paged cache at 2 measured no better than
+// at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
+// object (an Intel CPU without AVX-512) halves the same way, to fp32 2: a
+// rule, not measured.
 template <typename KV>
 constexpr int prefetch_per(bool l2) {
-  return sizeof(KV) >= 4 ? (l2 ? 4 : 3) : sizeof(KV) == 2 ? 2 : 1;
+  constexpr int w16 = sizeof(KV) >= 4 ? 3 : sizeof(KV) == 2 ? 2 : 1;  // l1, 16 lanes
+  const int n = (l2 && sizeof(KV) >= 4 ? 4 : w16) * Vec<float>::W;
+  return n <= 16 ? 1 : n / 16;
 }
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
