@@ -4,7 +4,7 @@
     pip wheel --no-deps /tmp/base_src -w /tmp/base_wheel  # its wheel (built as any user would)
     python bench/ab_versions.py --base-wheel /tmp/base_wheel/attn_fast-*.whl \\
         [--threads 2] [--pairs 7] [--cases full|quick|prefill|decode] [--isa avx2] \\
-        [--dtype fp32|bf16|fp16]
+        [--dtype fp32|bf16|fp16] [--kv-cache float32|bfloat16|int8]
 
 The base wheel is unpacked into a temporary folder and imported under another
 name (``attn_fast_base``; the package's imports are relative and its extension
@@ -12,7 +12,9 @@ modules are found by file, so both builds live side by side in one process).
 For each case of the benchmark suite (``--cases``, in ``--dtype``), both builds run
 ``scaled_dot_product_attention`` on the same NumPy inputs, first checked
 against each other (the largest |new - base|, 0 when bit-identical) and the
-float64 oracle on one head, then timed in ABBA order: each pair is one call of
+float64 oracle on one head (``--kv-cache``: one decode step through each
+build's KVCache of that storage, filled with the same tokens; checked against
+each other only), then timed in ABBA order: each pair is one call of
 each, back to back, and its figure is new / base. Printed per case: the
 median ratio of wall time over the pairs with its quartiles, the same for the
 process's CPU time, and each build's median milliseconds. A ratio below 1
@@ -113,6 +115,10 @@ def run_case(case, new, base, pairs, threads):
     if err > (1e-4 if case.dtype == "fp32" else 2e-2):
         raise SystemExit(f"{case.name}: a build is off the float64 oracle by {err:.2e}")
     del o_new, o_base
+    return _time_pairs(calls, pairs, diff)
+
+
+def _time_pairs(calls, pairs, diff):
     wall_r, cpu_r, t_new, t_base = [], [], [], []
     for i in range(pairs):
         order = ("new", "base") if i % 2 == 0 else ("base", "new")  # ABBA
@@ -130,6 +136,30 @@ def run_case(case, new, base, pairs, threads):
     }
 
 
+def run_kv_case(case, new, base, pairs, threads, storage):
+    """One decode step through each build's KVCache of `storage` ("float32",
+    "bfloat16" or "int8"), filled with the same float32 tokens."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
+    v = rng.standard_normal((case.B, case.Hkv, case.Lk, case.d), dtype=np.float32)
+    q = rng.standard_normal((case.B, case.Hq, 1, case.d), dtype=np.float32)
+    calls = {}
+    for name, mod in (("new", new), ("base", base)):
+        mod.set_num_threads(threads)
+        c = mod.KVCache(case.B, case.Hkv, case.d, capacity=case.Lk + 1, dtype=storage)
+        if storage == "bfloat16":
+            import ml_dtypes
+
+            c.append(k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16))
+            qq = q.astype(ml_dtypes.bfloat16)
+        else:
+            c.append(k, v)
+            qq = q
+        calls[name] = lambda c=c, qq=qq: c.attend(qq)
+    diff = float(np.abs(bs._f64(calls["new"]()) - bs._f64(calls["base"]())).max())
+    return _time_pairs(calls, pairs, diff)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-wheel", required=True, help="a wheel of the base build")
@@ -138,6 +168,12 @@ def main(argv=None):
     ap.add_argument("--cases", default="full", help="full, quick, prefill or decode")
     ap.add_argument("--isa", default=None, help="force this ISA in both builds")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument(
+        "--kv-cache",
+        default=None,
+        choices=("float32", "bfloat16", "int8"),
+        help="decode cases through KVCache of this storage instead of sdpa",
+    )
     args = ap.parse_args(argv)
     if args.pairs < 2:
         ap.error(f"--pairs must be >= 2, got {args.pairs}")
@@ -159,7 +195,12 @@ def main(argv=None):
         hdr = f"{'case':34} | {'wall new/base':>22} | {'cpu new/base':>22} | {'new ms':>9} | "
         print(hdr + f"{'base ms':>9} | max|new-base|")
         for case in cases:
-            r = run_case(case, af, base, args.pairs, args.threads)
+            if args.kv_cache:
+                if case.kind != "decode":
+                    continue
+                r = run_kv_case(case, af, base, args.pairs, args.threads, args.kv_cache)
+            else:
+                r = run_case(case, af, base, args.pairs, args.threads)
             w, c = r["wall"], r["cpu"]
             print(
                 f"{case.name:34} | {w[1]:6.3f} [{w[0]:.3f}-{w[2]:.3f}] | "

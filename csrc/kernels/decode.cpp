@@ -43,9 +43,12 @@
 //   compute loops alone stall on every miss (few loads in flight per FMA);
 //   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
-//   int8 rows (2 lines at d = 128) skip the touch pass (0.95x without it).
+//   int8 rows (2 lines at d = 128) skip the touch pass on AVX-512 (0.95x
+//   without it on Zen 5) and take it, with no software prefetch, on AVX2
+//   (0.78-0.93x on Zen 3; prefetch_per).
 //   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
-//   2, int8 1) per inner iteration of the QK / PV loops, enough for the whole
+//   2, int8 1 on AVX-512; fp32 1, bf16 1, int8 0 on AVX2, whose blocks have
+//   twice the inner iterations) per inner iteration of the QK / PV loops, enough for the whole
 //   block, spread over the block's math (a burst of prefetches at the block
 //   start measured worse); the addresses are walked in registers (Pf), not
 //   listed in memory; an int8 block that starts a key group also prefetches
@@ -168,7 +171,8 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // hardware prefetcher streams the rest), bf16 and int8 1. On Zen 3, 3 per
 // iteration issued the next block's lines in a burst in the first third of
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
-// process; bench/NOTES.md, zen3). A paged cache at 2 measured no better than
+// process; bench/NOTES.md, zen3); int8 rows there take none (the touch pass
+// reads the block instead, run_split). A paged cache at 2 measured no better than
 // at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
 // object (an Intel CPU without AVX-512) halves the same way, to fp32 2: a
 // rule, not measured.
@@ -176,6 +180,7 @@ template <typename KV>
 constexpr int prefetch_per(bool l2) {
   constexpr int w16 = sizeof(KV) >= 4 ? 3 : sizeof(KV) == 2 ? 2 : 1;  // l1, 16 lanes
   const int n = (l2 && sizeof(KV) >= 4 ? 4 : w16) * Vec<float>::W;
+  if (sizeof(KV) == 1 && Vec<float>::W == 8 && !l2) return 0;  // the touch pass instead (run_split)
   return n <= 16 ? 1 : n / 16;
 }
 
@@ -412,7 +417,15 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     constexpr int N = decltype(R)::value;
     // 4 rows on AVX-512 (32 registers): 4 vectors per pass, 16 accumulators
     // (half the P broadcasts and passes of 3); the same sums in the same order.
-    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    // 4 rows of int8 on AVX2 (16 registers): 2 vectors per pass. With 3, the
+    // 12 accumulators, 3 widened V vectors and the P broadcast took all 16
+    // registers and GCC kept one accumulator on the stack (a store-to-load
+    // chain per key, found in the disassembly); 2 keep 8 chains, enough for
+    // the 2 FMA pipes: int8 0.93x the time at 32k keys on Zen 3 (paired, in
+    // one process). bf16 keeps 3 (2 measured 1.05-1.06x). The same sums in
+    // the same order (E only groups the columns).
+    constexpr bool int8_avx2 = Vec<T>::W == 8 && sizeof(SV) == 1;
+    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && int8_avx2 ? 2 : decltype(U)::value;
     pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }
@@ -422,7 +435,13 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
 // independent misses in flight.
 template <typename S, typename T = compute_t<S>>
 inline T touch_lines(const S* const* rows, int64_t cols, int64_t len) {
-  if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads matter)
+  if constexpr (sizeof(S) == 1) {  // int8 codes (AVX2 only, see run_split): sum the bytes
+    int32_t t = 0;
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t e = 0; e < len; e += 64) t += rows[c][e];
+    return static_cast<T>(t);
+  } else if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads
+                                                      // matter)
     constexpr int64_t L = 32;
     uint32_t t0 = 0, t1 = 0;
     for (int64_t c = 0; c < cols; ++c) {
@@ -748,8 +767,14 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // a step took 0.95-0.96x the CPU time (bench/NOTES.md, dec4).
     // With the prefetch into L2 (Intel) the pass only costs: fp32 0.93x
     // without it on Sapphire Rapids, bf16 0.95x (bench/NOTES.md, dec6).
-    if constexpr (!Q8)
-      if (!a.prefetch_l2) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
+    // int8 rows on AVX2 (8 lanes; Zen 3) take the pass and no software
+    // prefetch (prefetch_per): 0.78-0.93x the time of the prefetch alone in 6
+    // of 7 paired runs (2 and 1 threads, 4096 and 32768 keys; bench/NOTES.md,
+    // zen3).
+    constexpr bool touch8 = Q8 && Vec<float>::W == 8;
+    if constexpr (!Q8 || touch8)
+      if (!a.prefetch_l2)
+        sc.sink[0] += touch_lines<KV, T>(krow, cols, d) + touch_lines<KV, T>(vrow, cols, dv);
     // The next block's lines, prefetched prefetch_per<KV> per inner iteration
     // of QK / PV (a walk over its rows, see Pf).
     Pf pf{
