@@ -48,8 +48,8 @@
 //   (0.78-0.93x on Zen 3; prefetch_per).
 //   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
 //   2, int8 1 on AVX-512; fp32 1, bf16 1, int8 0 on AVX2, whose blocks have
-//   twice the inner iterations) per inner iteration of the QK / PV loops, enough for the whole
-//   block, spread over the block's math (a burst of prefetches at the block
+//   twice the inner iterations) per inner iteration of the QK / PV loops,
+//   enough for the whole block, spread over the block's math (a burst of prefetches at the block
 //   start measured worse); the addresses are walked in registers (Pf), not
 //   listed in memory; an int8 block that starts a key group also prefetches
 //   the group's scales and offsets.
