@@ -45,7 +45,7 @@
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
 //   int8 rows (2 lines at d = 128) skip the touch pass on AVX-512 (0.95x
 //   without it on Zen 5) and take it, with no software prefetch, on AVX2
-//   (0.78-0.93x on Zen 3; prefetch_per).
+//   (Zen 3: 0.78-0.93x in step runs, 0.97-0.99x at the end; prefetch_per).
 //   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
 //   2, int8 1 on AVX-512; fp32 1, bf16 1, int8 0 on AVX2, whose blocks have
 //   twice the inner iterations) per inner iteration of the QK / PV loops,
@@ -421,8 +421,8 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     // 12 accumulators, 3 widened V vectors and the P broadcast took all 16
     // registers and GCC kept one accumulator on the stack (a store-to-load
     // chain per key, found in the disassembly); 2 keep 8 chains, enough for
-    // the 2 FMA pipes: int8 0.93x the time at 32k keys on Zen 3 (paired, in
-    // one process). bf16 keeps 3 (2 measured 1.05-1.06x). The same sums in
+    // the 2 FMA pipes: the loop alone 0.95x, int8 steps 0.93x at 32k keys on
+    // Zen 3 (paired, in one process). bf16 keeps 3 (2 measured 1.05-1.06x). The same sums in
     // the same order (E only groups the columns).
     constexpr bool int8_avx2 = Vec<T>::W == 8 && sizeof(SV) == 1;
     constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && int8_avx2 ? 2 : decltype(U)::value;
@@ -769,8 +769,8 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // without it on Sapphire Rapids, bf16 0.95x (bench/NOTES.md, dec6).
     // int8 rows on AVX2 (8 lanes; Zen 3) take the pass and no software
     // prefetch (prefetch_per): 0.78-0.93x the time of the prefetch alone in 6
-    // of 7 paired runs (2 and 1 threads, 4096 and 32768 keys; bench/NOTES.md,
-    // zen3).
+    // of 7 paired step runs (2 and 1 threads, 4096 and 32768 keys), but the
+    // final build against the base read 0.97-0.99x (bench/NOTES.md, zen3).
     constexpr bool touch8 = Q8 && Vec<float>::W == 8;
     if constexpr (!Q8 || touch8)
       if (!a.prefetch_l2)

@@ -1,0 +1,207 @@
+// Paired A/B of versions of the split-KV decode kernel (csrc/kernels/decode.cpp)
+// in one process, across commits whose DecodeArgs differ: each version is
+// built into a shared library of its own (this file with -DAB_LIB, against
+// that version's headers), and the driver (this file without it) dlopens them
+// all (RTLD_LOCAL: each keeps its own copy of the kernel) and times them in
+// turn on the same K/V, round after round, the order rotating; per version it
+// prints the median time over the rounds and the median of the per-round
+// ratios to the first library (1 thread or more: ratios taken in the same
+// round see the same machine). Every version's output is compared bit for bit
+// with the first's. One token of 32 query heads against 8 kv heads of L keys,
+// d = dv = 128, AVX2 object, K/V on transparent huge pages.
+//
+//   FL="-O3 -mavx2 -mfma -mf16c -std=c++17 -fopenmp"
+//   mkdir -p /tmp/base && git archive REV csrc | tar -x -C /tmp/base
+//   for t in /tmp/base .; do n=$(basename $(realpath $t)); g++ $FL -fPIC -shared
+//     -fvisibility=hidden -DAB_LIB -I$t -I$t/csrc/include -I$t/csrc/kernels
+//     bench/micro/decode_ab.cpp $t/csrc/interrupt.cpp -o /tmp/dab_$n.so; done  (one line)
+//   g++ -O2 -std=c++17 bench/micro/decode_ab.cpp -ldl -o /tmp/dab
+//   /tmp/dab MODE L THREADS ROUNDS /tmp/dab_base.so /tmp/dab_main.so
+//   MODE: 0 fp32, 1 bf16, 2 int8 (KVCache's layout: keys per channel over
+//   64-slot groups, values per token). A commit before the int8 cache (or the
+//   bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
+#if defined(AB_LIB)
+#define ATTN_ISA_AVX2 1
+#include "csrc/kernels/decode.cpp"
+#include <cmath>
+using namespace attn_fast;
+extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const void* q,
+                                                              const void* k, const void* v, void* o,
+                                                              float* lse, const float* const* sc,
+                                                              long L, int nt) {
+  const int64_t Hq = 32, Hkv = 8, d = 128;
+  auto fill = [&](auto& a) {
+    a.lse = lse;
+    a.B = 1, a.Hq = Hq, a.Hkv = Hkv, a.Lq = 1, a.R = L, a.d = d, a.dv = d;
+    a.sq = {Hq * d, d, d, 1};
+    a.sk = {Hkv * L * d, L * d, d, 1};
+    a.sv = a.sk;
+    a.so = a.sq;
+    a.scale = 1 / std::sqrt(128.0);
+    a.num_threads = nt;
+  };
+#if !defined(AB_FP32_ONLY)
+  if (mode == 1) {
+    DecodeArgs<bf16_t> a;
+    fill(a);
+    a.q = static_cast<const bf16_t*>(q), a.o = static_cast<bf16_t*>(o);
+    a.k = static_cast<const bf16_t*>(k), a.v = static_cast<const bf16_t*>(v);
+    isa_avx2::decode_forward_bf16(a);
+    return 0;
+  }
+#endif
+  DecodeArgs<float> a;
+  fill(a);
+  a.q = static_cast<const float*>(q), a.o = static_cast<float*>(o);
+  if (mode == 2) {
+#if defined(AB_FP32_ONLY)
+    return 1;
+#else
+    a.k8 = static_cast<const int8_t*>(k), a.v8 = static_cast<const int8_t*>(v);
+    a.k_scale = sc[0], a.k_off = sc[1], a.v_scale = sc[2], a.v_off = sc[3], a.kgroup = 64;
+#endif
+  } else if (mode == 0) {
+    a.k = static_cast<const float*>(k), a.v = static_cast<const float*>(v);
+  } else {
+    return 1;
+  }
+  isa_avx2::decode_forward_f32(a);
+  return 0;
+}
+#else
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+typedef int (*Fn)(int, const void*, const void*, const void*, void*, float*, const float* const*,
+                  long, int);
+
+static void* huge_alloc(size_t bytes) {
+  const size_t two = size_t(2) << 20;
+  bytes = (bytes + two - 1) / two * two;
+  void* p = std::aligned_alloc(two, bytes);
+  if (!p) std::abort();
+  madvise(p, bytes, MADV_HUGEPAGE);
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+static double now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static uint16_t bf16_bits(float x) {  // truncation is enough for test data
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+int main(int argc, char** argv) {
+  if (argc < 6) {
+    std::fprintf(stderr, "usage: %s MODE L THREADS ROUNDS LIB.so [LIB.so ...]\n", argv[0]);
+    return 2;
+  }
+  const int mode = std::atoi(argv[1]), th = std::atoi(argv[3]), rounds = std::atoi(argv[4]);
+  const long L = std::atol(argv[2]);
+  if (mode < 0 || mode > 2 || L < 64 || L % 64 || th < 1 || rounds < 1) {
+    std::fprintf(stderr, "MODE 0..2, L a multiple of 64, THREADS and ROUNDS >= 1\n");
+    return 2;
+  }
+  std::vector<Fn> fns;
+  std::vector<std::string> names;
+  for (int i = 5; i < argc; i++) {
+    void* h = dlopen(argv[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      std::fprintf(stderr, "%s\n", dlerror());
+      return 1;
+    }
+    fns.push_back(reinterpret_cast<Fn>(dlsym(h, "dec_run")));
+    names.push_back(argv[i]);
+  }
+  const long Hq = 32, Hkv = 8, d = 128, n = Hkv * L * d;
+  const size_t es = mode == 0 ? 4 : mode == 1 ? 2 : 1;
+  char* k = static_cast<char*>(huge_alloc(n * es));
+  char* v = static_cast<char*>(huge_alloc(n * es));
+  float* q = static_cast<float*>(huge_alloc(Hq * d * 4));
+  float* o = static_cast<float*>(huge_alloc(Hq * d * 4));
+  float* o0 = static_cast<float*>(huge_alloc(Hq * d * 4));
+  float* lse = static_cast<float*>(huge_alloc(Hq * 4));
+  const long ng = Hkv * L / 64 * d;
+  float* sc[4] = {static_cast<float*>(huge_alloc(ng * 4)), static_cast<float*>(huge_alloc(ng * 4)),
+                  static_cast<float*>(huge_alloc(Hkv * L * 4)),
+                  static_cast<float*>(huge_alloc(Hkv * L * 4))};
+  for (long i = 0; i < n; i++) {
+    const float a = ((i * 2654435761u) % 1000) / 1000.f - 0.5f;
+    const float b = ((i * 40503u) % 1000) / 1000.f - 0.5f;
+    if (mode == 0) {
+      reinterpret_cast<float*>(k)[i] = a, reinterpret_cast<float*>(v)[i] = b;
+    } else if (mode == 1) {
+      reinterpret_cast<uint16_t*>(k)[i] = bf16_bits(a);
+      reinterpret_cast<uint16_t*>(v)[i] = bf16_bits(b);
+    } else {
+      reinterpret_cast<int8_t*>(k)[i] = static_cast<int8_t>(a * 250);
+      reinterpret_cast<int8_t*>(v)[i] = static_cast<int8_t>(b * 250);
+    }
+  }
+  for (long i = 0; i < ng; i++) sc[0][i] = 0.004f, sc[1][i] = 0.001f;
+  for (long i = 0; i < Hkv * L; i++) sc[2][i] = 0.004f, sc[3][i] = -0.001f;
+  for (long i = 0; i < Hq * d; i++) {
+    const float a = ((i * 7919u) % 1000) / 1000.f - 0.5f;
+    if (mode == 1)
+      reinterpret_cast<uint16_t*>(q)[i] = bf16_bits(a);
+    else
+      q[i] = a;
+  }
+  const size_t nf = fns.size();
+  if (fns[0](mode, q, k, v, o0, lse, sc, L, th)) {
+    std::fprintf(stderr, "%s cannot run mode %d\n", names[0].c_str(), mode);
+    return 1;
+  }
+  for (size_t j = 0; j < nf; j++) {
+    if (fns[j](mode, q, k, v, o, lse, sc, L, th)) {
+      std::fprintf(stderr, "%s cannot run mode %d\n", names[j].c_str(), mode);
+      return 1;
+    }
+    if (std::memcmp(o, o0, Hq * d * es))
+      std::printf("# %s: output differs from the first's\n", names[j].c_str());
+  }
+  std::vector<std::vector<double> > t(nf), ratio(nf);
+  for (int r = 0; r < rounds; r++) {
+    std::vector<double> tr(nf);
+    for (size_t s = 0; s < nf; s++) {
+      const size_t j = r % 2 == 0 ? (s + r) % nf : (nf - 1 - s + r) % nf;
+      double best = 1e30;
+      for (int rep = 0; rep < 3; rep++) {
+        const double t0 = now();
+        fns[j](mode, q, k, v, o, lse, sc, L, th);
+        best = std::min(best, now() - t0);
+      }
+      tr[j] = best;
+    }
+    for (size_t j = 0; j < nf; j++) t[j].push_back(tr[j]), ratio[j].push_back(tr[j] / tr[0]);
+  }
+  const double bytes = mode == 2 ? Hkv * L * (2.0 * d + 8 + 8.0 * d / 64) : 2.0 * n * es;
+  std::printf("mode %d L %ld threads %d rounds %d (best of 3 calls per round)\n", mode, L, th,
+              rounds);
+  for (size_t j = 0; j < nf; j++) {
+    std::vector<double> a = t[j], b = ratio[j];
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    const double med = a[a.size() / 2];
+    std::printf("%-32s median %.3f ms (%.1f GB/s)  / first: %.3f [%.3f-%.3f]\n", names[j].c_str(),
+                med * 1e3, bytes / med / 1e9, b[b.size() / 2], b[b.size() / 4],
+                b[3 * b.size() / 4]);
+  }
+  return 0;
+}
+#endif
