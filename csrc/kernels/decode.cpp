@@ -49,8 +49,8 @@
 //   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
 //   2, int8 1 on AVX-512; fp32 1, bf16 1, int8 0 on AVX2, whose blocks have
 //   twice the inner iterations) per inner iteration of the QK / PV loops,
-//   enough for the whole block, spread over the block's math (a burst of prefetches at the block
-//   start measured worse); the addresses are walked in registers (Pf), not
+//   enough for the whole block, spread over the block's math (a burst of
+//   prefetches at the block start measured worse); the addresses are walked in registers (Pf), not
 //   listed in memory; an int8 block that starts a key group also prefetches
 //   the group's scales and offsets.
 //   That is the l1 policy, tuned on AMD Zen 3 / Zen 5. On Intel (Sapphire
@@ -172,8 +172,8 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // iteration issued the next block's lines in a burst in the first third of
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
 // process; bench/NOTES.md, zen3); int8 rows there take none (the touch pass
-// reads the block instead, run_split). A paged cache at 2 measured no better than
-// at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
+// reads the block instead, run_split). A paged cache at 2 measured no better
+// than at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
 // object (an Intel CPU without AVX-512) halves the same way, to fp32 2: a
 // rule, not measured.
 template <typename KV>
@@ -422,8 +422,8 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     // registers and GCC kept one accumulator on the stack (a store-to-load
     // chain per key, found in the disassembly); 2 keep 8 chains, enough for
     // the 2 FMA pipes: the loop alone 0.95x, int8 steps 0.93x at 32k keys on
-    // Zen 3 (paired, in one process). bf16 keeps 3 (2 measured 1.05-1.06x). The same sums in
-    // the same order (E only groups the columns).
+    // Zen 3 (paired, in one process). bf16 keeps 3 (2 measured 1.05-1.06x).
+    // The same sums in the same order (E only groups the columns).
     constexpr bool int8_avx2 = Vec<T>::W == 8 && sizeof(SV) == 1;
     constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && int8_avx2 ? 2 : decltype(U)::value;
     pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
@@ -440,8 +440,8 @@ inline T touch_lines(const S* const* rows, int64_t cols, int64_t len) {
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t e = 0; e < len; e += 64) t += rows[c][e];
     return static_cast<T>(t);
-  } else if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads
-                                                      // matter)
+  } else if constexpr (!std::is_same<S, T>::value) {
+    // 16-bit: sum the raw bits (only the loads matter)
     constexpr int64_t L = 32;
     uint32_t t0 = 0, t1 = 0;
     for (int64_t c = 0; c < cols; ++c) {
