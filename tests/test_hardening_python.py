@@ -305,6 +305,9 @@ SIGINT_CODE = """
     import numpy as np
     import attn_fast as af
     from attn_fast import _cyloops, masks, positional
+    # Python keeps SIGINT ignored when it starts with it ignored (a background
+    # job of a shell without job control, `nohup`): ask for KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     af.set_num_threads({threads})
     kind = "{kind}"
     captured = []

@@ -21,7 +21,10 @@ import time
 import pytest
 
 CHILD = r"""
-import sys, time, numpy as np, attn_fast as af
+import signal, sys, time, numpy as np, attn_fast as af
+# Python keeps SIGINT ignored when it starts with it ignored (a background job
+# of a shell without job control, `nohup`): ask for KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 case = sys.argv[1]
 sdpa = af.scaled_dot_product_attention
 one = np.float32(0.5)
