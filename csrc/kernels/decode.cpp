@@ -43,14 +43,14 @@
 //   compute loops alone stall on every miss (few loads in flight per FMA);
 //   in A/B runs on the 2-core Zen 3 the touch pass raised the achieved
 //   bandwidth per CPU-second by about 1.7x for H_q = 32, H_kv = 8 at 32k keys.
-//   int8 rows (2 lines at d = 128) skip the touch pass on AVX-512 (0.95x
-//   without it on Zen 5) and take it, with no software prefetch, on AVX2
-//   (Zen 3: 0.78-0.93x in step runs, 0.97-0.99x at the end; prefetch_per).
+//   int8 rows (2 lines at d = 128) skip the touch pass (0.95x without it on
+//   Zen 5; on Zen 3, 0.75-0.91x with the prefetch below instead; pf_at).
 //   The next block's lines are software-prefetched prefetch_per (fp32 3, bf16
-//   2, int8 1 on AVX-512; fp32 1, bf16 1, int8 0 on AVX2, whose blocks have
-//   twice the inner iterations) per inner iteration of the QK / PV loops,
-//   enough for the whole block, spread over the block's math (a burst of
-//   prefetches at the block start measured worse); the addresses are walked in registers (Pf), not
+//   2, int8 1 on AVX-512; fp32 1, bf16 1 on AVX2, whose blocks have twice the
+//   inner iterations) per inner iteration of the QK / PV loops, enough for
+//   the whole block, spread over the block's math (a burst of prefetches at
+//   the block start measured worse); int8 on AVX2 one every other iteration
+//   of the P V loop only. The addresses are walked in registers (Pf), not
 //   listed in memory; an int8 block that starts a key group also prefetches
 //   the group's scales and offsets.
 //   That is the l1 policy, tuned on AMD Zen 3 / Zen 5. On Intel (Sapphire
@@ -171,8 +171,8 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // hardware prefetcher streams the rest), bf16 and int8 1. On Zen 3, 3 per
 // iteration issued the next block's lines in a burst in the first third of
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
-// process; bench/NOTES.md, zen3); int8 rows there take none (the touch pass
-// reads the block instead, run_split). A paged cache at 2 measured no better
+// process; bench/NOTES.md, zen3); int8 rows there take theirs in the P V loop
+// only, one every other iteration (pf_in_qk / pf_at below). A paged cache at 2 measured no better
 // than at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
 // object (an Intel CPU without AVX-512) halves the same way, to fp32 2: a
 // rule, not measured.
@@ -180,8 +180,25 @@ template <typename KV>
 constexpr int prefetch_per(bool l2) {
   constexpr int w16 = sizeof(KV) >= 4 ? 3 : sizeof(KV) == 2 ? 2 : 1;  // l1, 16 lanes
   const int n = (l2 && sizeof(KV) >= 4 ? 4 : w16) * Vec<float>::W;
-  if (sizeof(KV) == 1 && Vec<float>::W == 8 && !l2) return 0;  // the touch pass instead (run_split)
   return n <= 16 ? 1 : n / 16;
+}
+
+// int8 rows on 8 lanes (AVX2; Zen 3) prefetch the next block in the P V loop
+// only, one line every other iteration (~512 iterations at dv = 128 against 256
+// lines of codes): the next block's lines are requested evenly over the whole
+// P V phase. The other types and widths use both loops at prefetch_per's rate.
+// On Zen 3, against the touch pass with no prefetch (as before): 0.75x the time
+// at 1 x 32768 on one thread, 0.80x on two, 0.84x at 4096 keys, 0.91-0.95x on
+// data in L2 / L3 (L = 256, 2048); the same rate in both loops was 1.05-1.17x,
+// and the whole block requested during QK (bursts or one per iteration) no
+// better (bench/NOTES.md, zen3b). Results are bit-identical (prefetch only).
+template <typename T, typename KV>
+constexpr bool pf_in_qk() {
+  return !(Vec<T>::W == 8 && sizeof(KV) == 1);
+}
+template <typename T, typename KV>
+constexpr bool pf_at(int64_t c) {
+  return pf_in_qk<T, KV>() || (c & 1) != 0;
 }
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
@@ -297,7 +314,7 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      pf_step(pf);
+      if constexpr (pf_in_qk<T, SK>()) pf_step(pf);
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) kx[j] = ldv(kr[j] + e);
       for (int r = 0; r < N; ++r) {
@@ -340,7 +357,7 @@ __attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const S
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
     for (int64_t c = 0; c < cols; ++c) {
-      pf_step(pf);
+      if (pf_at<T, SV>(c)) pf_step(pf);
       const SV* vr = vp[c] + e;
       typename V::R vx[E];
       for (int j = 0; j < E; ++j) vx[j] = ldv(vr + j * W);
@@ -767,12 +784,10 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // a step took 0.95-0.96x the CPU time (bench/NOTES.md, dec4).
     // With the prefetch into L2 (Intel) the pass only costs: fp32 0.93x
     // without it on Sapphire Rapids, bf16 0.95x (bench/NOTES.md, dec6).
-    // int8 rows on AVX2 (8 lanes; Zen 3) take the pass and no software
-    // prefetch (prefetch_per): 0.78-0.93x the time of the prefetch alone in 6
-    // of 7 paired step runs (2 and 1 threads, 4096 and 32768 keys), but the
-    // final build against the base read 0.97-0.99x (bench/NOTES.md, zen3).
-    constexpr bool touch8 = Q8 && Vec<float>::W == 8;
-    if constexpr (!Q8 || touch8)
+    // On AVX2 (Zen 3) the pass read int8 rows better than the prefetch spread
+    // over both loops, but it waits for the block's misses before any math:
+    // their prefetch spread over the P V loop alone overlaps them (pf_at).
+    if constexpr (!Q8)
       if (!a.prefetch_l2)
         sc.sink[0] += touch_lines<KV, T>(krow, cols, d) + touch_lines<KV, T>(vrow, cols, dv);
     // The next block's lines, prefetched prefetch_per<KV> per inner iteration
