@@ -171,11 +171,11 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // hardware prefetcher streams the rest), bf16 and int8 1. On Zen 3, 3 per
 // iteration issued the next block's lines in a burst in the first third of
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
-// process; bench/NOTES.md, zen3); int8 rows there take theirs in the P V loop
-// only, one every other iteration (pf_in_qk / pf_at below). A paged cache at 2 measured no better
-// than at 1 there (1.10-1.11x of contiguous either way). The l2 policy on an 8-lane
-// object (an Intel CPU without AVX-512) halves the same way, to fp32 2: a
-// rule, not measured.
+// process; bench/NOTES.md, zen3); a paged cache at 2 measured no better than
+// at 1 there (1.10-1.11x of contiguous either way). int8 rows on 8 lanes take
+// their prefetches in the P V loop only (pf_in_qk / pf_at below). The l2
+// policy on an 8-lane object (an Intel CPU without AVX-512) halves the same
+// way, to fp32 2: a rule, not measured.
 template <typename KV>
 constexpr int prefetch_per(bool l2) {
   constexpr int w16 = sizeof(KV) >= 4 ? 3 : sizeof(KV) == 2 ? 2 : 1;  // l1, 16 lanes
@@ -193,8 +193,12 @@ constexpr int prefetch_per(bool l2) {
 // and the whole block requested during QK (bursts or one per iteration) no
 // better (bench/NOTES.md, zen3b). Results are bit-identical (prefetch only).
 template <typename T, typename KV>
+constexpr bool int8_on_8_lanes() {
+  return Vec<T>::W == 8 && sizeof(KV) == 1;
+}
+template <typename T, typename KV>
 constexpr bool pf_in_qk() {
-  return !(Vec<T>::W == 8 && sizeof(KV) == 1);
+  return !int8_on_8_lanes<T, KV>();
 }
 template <typename T, typename KV>
 constexpr bool pf_at(int64_t c) {
@@ -441,8 +445,9 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     // the 2 FMA pipes: the loop alone 0.95x, int8 steps 0.93x at 32k keys on
     // Zen 3 (paired, in one process). bf16 keeps 3 (2 measured 1.05-1.06x).
     // The same sums in the same order (E only groups the columns).
-    constexpr bool int8_avx2 = Vec<T>::W == 8 && sizeof(SV) == 1;
-    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && int8_avx2 ? 2 : decltype(U)::value;
+    constexpr int E = N == 4 && Vec<T>::W == 16            ? 4
+                      : N == 4 && int8_on_8_lanes<T, SV>() ? 2
+                                                           : decltype(U)::value;
     pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }
@@ -452,13 +457,7 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
 // independent misses in flight.
 template <typename S, typename T = compute_t<S>>
 inline T touch_lines(const S* const* rows, int64_t cols, int64_t len) {
-  if constexpr (sizeof(S) == 1) {  // int8 codes (AVX2 only, see run_split): sum the bytes
-    int32_t t = 0;
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t e = 0; e < len; e += 64) t += rows[c][e];
-    return static_cast<T>(t);
-  } else if constexpr (!std::is_same<S, T>::value) {
-    // 16-bit: sum the raw bits (only the loads matter)
+  if constexpr (!std::is_same<S, T>::value) {  // 16-bit: sum the raw bits (only the loads matter)
     constexpr int64_t L = 32;
     uint32_t t0 = 0, t1 = 0;
     for (int64_t c = 0; c < cols; ++c) {
@@ -788,8 +787,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // over both loops, but it waits for the block's misses before any math:
     // their prefetch spread over the P V loop alone overlaps them (pf_at).
     if constexpr (!Q8)
-      if (!a.prefetch_l2)
-        sc.sink[0] += touch_lines<KV, T>(krow, cols, d) + touch_lines<KV, T>(vrow, cols, dv);
+      if (!a.prefetch_l2) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
     // The next block's lines, prefetched prefetch_per<KV> per inner iteration
     // of QK / PV (a walk over its rows, see Pf).
     Pf pf{
