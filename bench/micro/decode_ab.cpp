@@ -20,6 +20,11 @@
 //   MODE: 0 fp32, 1 bf16, 2 int8 (KVCache's layout: keys per channel over
 //   64-slot groups, values per token). A commit before the int8 cache (or the
 //   bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
+//   A library named NAME.so@p runs paged (PagedKVCache's layout: one chunk of
+//   L / 64 pages of 64 slots, (pages, 8, 64, d), the pages in a fixed shuffled
+//   order); NAME.so@c runs the paged code path over the contiguous K / V (the
+//   pages of a kv head one after the other, in order). Same values, so every
+//   variant's output is compared bit for bit with the first's as well.
 #if defined(AB_LIB)
 #define ATTN_ISA_AVX2 1
 #include "csrc/kernels/decode.cpp"
@@ -28,8 +33,13 @@ using namespace attn_fast;
 extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const void* q,
                                                               const void* k, const void* v, void* o,
                                                               float* lse, const float* const* sc,
-                                                              long L, int nt) {
+                                                              long L, int nt, const long* table) {
   const int64_t Hq = 32, Hkv = 8, d = 128;
+  // mode + 16: paged, but the pages of a kv head lie one after the other as
+  // in the contiguous cache (table in order; only the codes, the scales are
+  // in the pool's layout): the paged code path over contiguous memory.
+  const bool flat = mode >= 16;
+  mode &= 15;
   auto fill = [&](auto& a) {
     a.lse = lse;
     a.B = 1, a.Hq = Hq, a.Hkv = Hkv, a.Lq = 1, a.R = L, a.d = d, a.dv = d;
@@ -40,12 +50,31 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     a.scale = 1 / std::sqrt(128.0);
     a.num_threads = nt;
   };
+  // Paged (table != null): k / v (and sc) are one chunk of L / 64 pages of 64
+  // slots, (L / 64, Hkv, 64, d); logical block j lives in page table[j].
+  static const void* kc[1];
+  static const void* vc[1];
+  static const float* scc[4][1];
+  auto page = [&](auto& a) {
+    if (!table) return;
+    a.block_table = reinterpret_cast<const int64_t*>(table);
+    a.max_blocks = L / 64, a.block_size = 64, a.chunk_blocks = L / 64;
+    a.sk = flat ? Strides4{64 * d, L * d, d, 1} : Strides4{Hkv * 64 * d, 64 * d, d, 1};
+    a.sv = a.sk;
+    kc[0] = k, vc[0] = v;
+    for (int i = 0; i < 4; i++) scc[i][0] = sc[i];
+  };
 #if !defined(AB_FP32_ONLY)
   if (mode == 1) {
     DecodeArgs<bf16_t> a;
     fill(a);
     a.q = static_cast<const bf16_t*>(q), a.o = static_cast<bf16_t*>(o);
     a.k = static_cast<const bf16_t*>(k), a.v = static_cast<const bf16_t*>(v);
+    page(a);
+    if (table) {
+      a.k_chunks = reinterpret_cast<const bf16_t* const*>(kc);
+      a.v_chunks = reinterpret_cast<const bf16_t* const*>(vc);
+    }
     isa_avx2::decode_forward_bf16(a);
     return 0;
   }
@@ -59,9 +88,21 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
 #else
     a.k8 = static_cast<const int8_t*>(k), a.v8 = static_cast<const int8_t*>(v);
     a.k_scale = sc[0], a.k_off = sc[1], a.v_scale = sc[2], a.v_off = sc[3], a.kgroup = 64;
+    page(a);
+    if (table) {
+      a.k8 = a.v8 = nullptr, a.k_scale = a.k_off = a.v_scale = a.v_off = nullptr;
+      a.k8_chunks = reinterpret_cast<const int8_t* const*>(kc);
+      a.v8_chunks = reinterpret_cast<const int8_t* const*>(vc);
+      a.ks_chunks = scc[0], a.ko_chunks = scc[1], a.vs_chunks = scc[2], a.vo_chunks = scc[3];
+    }
 #endif
   } else if (mode == 0) {
     a.k = static_cast<const float*>(k), a.v = static_cast<const float*>(v);
+    page(a);
+    if (table) {
+      a.k_chunks = reinterpret_cast<const float* const*>(kc);
+      a.v_chunks = reinterpret_cast<const float* const*>(vc);
+    }
   } else {
     return 1;
   }
@@ -82,7 +123,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
 #include <vector>
 
 typedef int (*Fn)(int, const void*, const void*, const void*, void*, float*, const float* const*,
-                  long, int);
+                  long, int, const long*);
 
 static void* huge_alloc(size_t bytes) {
   const size_t two = size_t(2) << 20;
@@ -119,14 +160,20 @@ int main(int argc, char** argv) {
   }
   std::vector<Fn> fns;
   std::vector<std::string> names;
+  std::vector<int> paged;  // 0 contiguous, 1 paged (NAME.so@p), 2 paged in order (NAME.so@c)
   for (int i = 5; i < argc; i++) {
-    void* h = dlopen(argv[i], RTLD_NOW | RTLD_LOCAL);
+    std::string file(argv[i]);
+    if (file.size() > 2 && file[file.size() - 2] == '@') file.resize(file.size() - 2);
+    void* h = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
       std::fprintf(stderr, "%s\n", dlerror());
       return 1;
     }
     fns.push_back(reinterpret_cast<Fn>(dlsym(h, "dec_run")));
     names.push_back(argv[i]);
+    const size_t len = std::strlen(argv[i]);
+    const char* tail = len > 2 ? argv[i] + len - 2 : "";
+    paged.push_back(!std::strcmp(tail, "@p") ? 1 : !std::strcmp(tail, "@c") ? 2 : 0);
   }
   const long Hq = 32, Hkv = 8, d = 128, n = Hkv * L * d;
   const size_t es = mode == 0 ? 4 : mode == 1 ? 2 : 1;
@@ -162,13 +209,58 @@ int main(int argc, char** argv) {
     else
       q[i] = a;
   }
+  // The paged copy (a library named NAME.so@p): L / 64 pages of 64 slots in a
+  // shuffled order (a fixed permutation), the same values as k / v.
+  const long nb = L / 64;
+  std::vector<long> table(nb);
+  for (long j = 0; j < nb; j++) table[j] = j;
+  uint64_t seed = 12345;
+  for (long j = nb - 1; j > 0; j--) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    std::swap(table[j], table[(seed >> 33) % (j + 1)]);
+  }
+  char* kp = static_cast<char*>(huge_alloc(n * es));
+  char* vp = static_cast<char*>(huge_alloc(n * es));
+  float* scp[4] = {static_cast<float*>(huge_alloc(ng * 4)), static_cast<float*>(huge_alloc(ng * 4)),
+                   static_cast<float*>(huge_alloc(Hkv * L * 4)),
+                   static_cast<float*>(huge_alloc(Hkv * L * 4))};
+  for (long h = 0; h < Hkv; h++)
+    for (long j = 0; j < nb; j++) {
+      const long pg = table[j], src = (h * L + j * 64) * d, dst = (pg * Hkv + h) * 64 * d;
+      std::memcpy(kp + dst * es, k + src * es, 64 * d * es);
+      std::memcpy(vp + dst * es, v + src * es, 64 * d * es);
+      std::memcpy(scp[0] + (pg * Hkv + h) * d, sc[0] + (h * nb + j) * d, d * 4);
+      std::memcpy(scp[1] + (pg * Hkv + h) * d, sc[1] + (h * nb + j) * d, d * 4);
+      std::memcpy(scp[2] + (pg * Hkv + h) * 64, sc[2] + h * L + j * 64, 64 * 4);
+      std::memcpy(scp[3] + (pg * Hkv + h) * 64, sc[3] + h * L + j * 64, 64 * 4);
+    }
+  // NAME.so@c: the paged code path over k / v themselves (pages in order,
+  // a kv head's pages one after the other), the scales in the pool's layout.
+  std::vector<long> order(nb);
+  float* sco[4] = {static_cast<float*>(huge_alloc(ng * 4)), static_cast<float*>(huge_alloc(ng * 4)),
+                   static_cast<float*>(huge_alloc(Hkv * L * 4)),
+                   static_cast<float*>(huge_alloc(Hkv * L * 4))};
+  for (long j = 0; j < nb; j++) order[j] = j;
+  for (long h = 0; h < Hkv; h++)
+    for (long j = 0; j < nb; j++) {
+      std::memcpy(sco[0] + (j * Hkv + h) * d, sc[0] + (h * nb + j) * d, d * 4);
+      std::memcpy(sco[1] + (j * Hkv + h) * d, sc[1] + (h * nb + j) * d, d * 4);
+      std::memcpy(sco[2] + (j * Hkv + h) * 64, sc[2] + h * L + j * 64, 64 * 4);
+      std::memcpy(sco[3] + (j * Hkv + h) * 64, sc[3] + h * L + j * 64, 64 * 4);
+    }
+  auto call = [&](size_t j) {
+    return paged[j] == 1   ? fns[j](mode, q, kp, vp, o, lse, scp, L, th, table.data())
+           : paged[j] == 2 ? fns[j](mode + 16, q, k, v, o, lse, sco, L, th, order.data())
+                           : fns[j](mode, q, k, v, o, lse, sc, L, th, nullptr);
+  };
   const size_t nf = fns.size();
-  if (fns[0](mode, q, k, v, o0, lse, sc, L, th)) {
+  if (call(0)) {
     std::fprintf(stderr, "%s cannot run mode %d\n", names[0].c_str(), mode);
     return 1;
   }
+  std::memcpy(o0, o, Hq * d * es);
   for (size_t j = 0; j < nf; j++) {
-    if (fns[j](mode, q, k, v, o, lse, sc, L, th)) {
+    if (call(j)) {
       std::fprintf(stderr, "%s cannot run mode %d\n", names[j].c_str(), mode);
       return 1;
     }
@@ -183,7 +275,7 @@ int main(int argc, char** argv) {
       double best = 1e30;
       for (int rep = 0; rep < 3; rep++) {
         const double t0 = now();
-        fns[j](mode, q, k, v, o, lse, sc, L, th);
+        call(j);
         best = std::min(best, now() - t0);
       }
       tr[j] = best;
