@@ -2,11 +2,12 @@
 
     python bench/bench_paged.py [--threads N] [--rounds 21] [--dtype float32|bfloat16|float16|int8]
                                 [--shapes 1x32768 8x4096] [--ragged 64] [--no-shuffle]
-                                [--clock wall|cpu]
+                                [--block-size 256] [--clock wall|cpu]
 
 Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128; "BxL" is B sequences of L cached tokens.
-For each shape a ``KVCache(B, 8, 128)`` and a ``PagedKVCache(8, 128)`` (64-token blocks)
-hold the same L tokens per sequence; one decode step (q: (B, 32, 1, 128)) is timed on each.
+For each shape a ``KVCache(B, 8, 128)`` and a ``PagedKVCache(8, 128)`` (256-token blocks, the
+default, or ``--block-size``) hold the same L tokens per sequence; one decode step (q: (B, 32,
+1, 128)) is timed on each.
 The paged pool's free list is shuffled first (``--no-shuffle`` keeps it in order), so a
 sequence's blocks lie in random order in the pool, as after many sequences came and went.
 Before timing, the paged result is checked bit for bit against the contiguous one and both
@@ -127,7 +128,9 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["1x32768", "8x4096"])
     p.add_argument("--ragged", type=int, default=64, help="sequences of the ragged batch (0: none)")
     p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--block-size", type=int, default=256, help="token rows per block (PagedKVCache's default)"
+    )
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -202,7 +205,11 @@ def main(argv=None):
         N = args.ragged
         lens = np.geomspace(16, 16384, N).astype(np.int64)
         paged = paged_cache(
-            args.dtype, not args.no_shuffle, rng, int(lens.sum()) + 64 * N, args.block_size
+            args.dtype,
+            not args.no_shuffle,
+            rng,
+            int(lens.sum()) + args.block_size * N,
+            args.block_size,
         )
         ids = [paged.add_sequence() for _ in range(N)]
         for i, n in zip(ids, lens):

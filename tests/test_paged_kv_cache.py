@@ -72,7 +72,7 @@ CONFIGS = [  # Hq, Hkv, d, dv, per-sequence lengths of the first append, then ch
 def test_attend_matches_oracle(isa, rng, Hq, Hkv, d, dv, first, chunks):
     """Ragged lengths from 1 to over three blocks (not multiples of the block size), GQA,
     d in {1, 5, 80, 256}, poisoned outputs; decode steps and short chunks, lse."""
-    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3)
+    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3, block_size=64)
     ids = [cache.add_sequence() for _ in first]
     B, L = len(ids), max(first)
     cache.append(ids, randn(rng, (B, Hkv, L, d)), randn(rng, (B, Hkv, L, dv)), lengths=first)
@@ -91,7 +91,7 @@ def test_attend_matches_oracle(isa, rng, Hq, Hkv, d, dv, first, chunks):
 
 def test_stored_tokens_are_the_appended_ones(rng):
     H, d, dv = 3, 6, 5
-    cache = af.PagedKVCache(H, d, v_head_dim=dv, num_blocks=2)
+    cache = af.PagedKVCache(H, d, v_head_dim=dv, num_blocks=2, block_size=64)
     a, b = cache.add_sequence(), cache.add_sequence()
     ks, vs = {a: [], b: []}, {a: [], b: []}
     for L, lens in [(70, [70, 3]), (1, [1, 1]), (130, [0, 130]), (64, [64, 64])]:
@@ -109,7 +109,7 @@ def test_prefill_chunk_and_non_causal(isa, rng):
     """A long chunk (129 rows, above DECODE_MAX_LQ) runs the decode kernel too; causal=False
     sees every stored key."""
     H, Hq, d = 2, 4, 16
-    cache = af.PagedKVCache(H, d)
+    cache = af.PagedKVCache(H, d, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     cache.append(ids, randn(rng, (2, H, 40, d)), randn(rng, (2, H, 40, d)), lengths=[40, 5])
     k, v = randn(rng, (2, H, 129, d)), randn(rng, (2, H, 129, d))
@@ -123,7 +123,7 @@ def test_prefill_chunk_and_non_causal(isa, rng):
 
 def test_non_contiguous_inputs(isa, rng):
     H, Hq, d, L = 2, 4, 8, 70
-    cache = af.PagedKVCache(H, d)
+    cache = af.PagedKVCache(H, d, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     k = randn(rng, (2, L, H, d)).transpose(0, 2, 1, 3)  # (B, H, L, d) view of (B, L, H, d)
     v = randn(rng, (2, H, d, 2 * L))[..., ::2].transpose(0, 1, 3, 2)[:, :, :L]
@@ -140,7 +140,7 @@ def test_non_contiguous_inputs(isa, rng):
 def test_empty_sequence_and_padding_rows(isa, rng):
     """A sequence with no keys gets zero rows and lse = -inf; so do rows past q_lens."""
     H, d = 1, 4
-    cache = af.PagedKVCache(H, d)
+    cache = af.PagedKVCache(H, d, block_size=64)
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append([a], randn(rng, (1, H, 10, d)), randn(rng, (1, H, 10, d)))
     q = randn(rng, (2, 2, 3, d))
@@ -164,7 +164,7 @@ def test_bit_identical_to_contiguous_cache(isa, rng, name):
     B, H, Hq, d = 3, 2, 8, 32
     lens = [1, 100, 300]
     ref = af.KVCache(B, H, d, dtype=dt)
-    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=4)
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=4, block_size=64)
     ids = [cache.add_sequence() for _ in range(B)]
     k, v = randn(rng, (B, H, 300, d), dt), randn(rng, (B, H, 300, d), dt)
     ref.append(k, v, lengths=lens)
@@ -186,7 +186,7 @@ def test_bit_identical_to_contiguous_cache(isa, rng, name):
 def test_half_dtypes_against_oracle(isa, rng, name):
     dt = DTYPES[name]
     H, Hq, d = 2, 4, 80
-    cache = af.PagedKVCache(H, d, dtype=name)
+    cache = af.PagedKVCache(H, d, dtype=name, block_size=64)
     assert cache.dtype == (np.uint16 if name == "bfloat16" else np.float16)
     ids = [cache.add_sequence() for _ in range(2)]
     cache.append(
@@ -196,6 +196,26 @@ def test_half_dtypes_against_oracle(isa, rng, name):
     o, lse = cache.attend(ids, q, return_lse=True)
     assert o.dtype == dt and lse.dtype == F32
     check_oracle(cache, ids, q, o, lse, [1, 1], name=name)
+
+
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_default_block_size_is_256_and_gives_the_64_row_bits(isa, rng, name):
+    """The default pool (256-row blocks, 64 per chunk) against 64-row blocks: the same decode
+    bits over sequences that span several default blocks."""
+    H, d, lens = 2, 16, [1, 255, 600, 257]
+    f32 = DTYPES["float32"]
+    k, v = randn(rng, (4, H, 600, d), f32), randn(rng, (4, H, 600, d), f32)
+    q = randn(rng, (4, 2 * H, 1, d), f32)
+    default = af.PagedKVCache(H, d, dtype=name)
+    assert (default.block_size, default.num_blocks) == (256, 64)
+    outs = []
+    for cache in (default, af.PagedKVCache(H, d, dtype=name, block_size=64)):
+        ids = [cache.add_sequence() for _ in lens]
+        cache.append(ids, k, v, lengths=lens)
+        cache.append(ids, k[:, :, :1], v[:, :, :1])
+        outs.append(cache.attend(ids, q))
+    assert default.free_blocks == default.num_blocks - sum(-(-(n + 1) // 256) for n in lens)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("block_size", [128, 192])
@@ -217,7 +237,7 @@ def test_rope_on_append_matches_contiguous_cache(rng):
     H, d = 2, 16
     rope = RoPE(d)
     ref = af.KVCache(2, H, d)
-    cache = af.PagedKVCache(H, d)
+    cache = af.PagedKVCache(H, d, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     for L, lens in [(70, [70, 5]), (1, [1, 1]), (3, [3, 3])]:
         k, v = randn(rng, (2, H, L, d)), randn(rng, (2, H, L, d))
@@ -230,7 +250,7 @@ def test_rope_on_append_matches_contiguous_cache(rng):
 def test_torch_in_torch_out(rng):
     torch = pytest.importorskip("torch")
     H, d = 2, 8
-    cache = af.PagedKVCache(H, d, dtype=torch.bfloat16)
+    cache = af.PagedKVCache(H, d, dtype=torch.bfloat16, block_size=64)
     i = cache.add_sequence()
     k = torch.from_numpy(randn(rng, (1, H, 9, d))).to(torch.bfloat16)
     cache.append(i, k, k)
@@ -248,7 +268,7 @@ def test_batch_of_64_ragged_sequences_in_one_call(isa, rng):
     lens = np.unique(np.geomspace(16, 16384, 64).astype(int))
     lens = np.concatenate([lens, 16 + np.arange(64 - len(lens))])[:64]
     assert len(lens) == 64 and lens.min() == 16 and lens.max() == 16384
-    cache = af.PagedKVCache(H, d, num_blocks=512)
+    cache = af.PagedKVCache(H, d, num_blocks=512, block_size=64)
     ids = [cache.add_sequence() for _ in lens]
     for i, n in zip(ids, lens):
         cache.append(i, randn(rng, (1, H, n, d)), randn(rng, (1, H, n, d)))
@@ -266,7 +286,7 @@ def test_batch_of_64_ragged_sequences_in_one_call(isa, rng):
 
 def test_fork_and_diverging_appends_leave_the_parent_unchanged(isa, rng):
     H, Hq, d = 2, 4, 8
-    cache = af.PagedKVCache(H, d, num_blocks=8)
+    cache = af.PagedKVCache(H, d, num_blocks=8, block_size=64)
     p = cache.add_sequence()
     k0, v0 = randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d))  # one full block + 36 rows
     cache.append(p, k0, v0)
@@ -299,7 +319,7 @@ def test_fork_and_diverging_appends_leave_the_parent_unchanged(isa, rng):
 
 def test_fork_at_a_block_boundary_copies_nothing(rng):
     H, d = 1, 4
-    cache = af.PagedKVCache(H, d, num_blocks=8)
+    cache = af.PagedKVCache(H, d, num_blocks=8, block_size=64)
     p = cache.add_sequence()
     cache.append(p, randn(rng, (1, H, 128, d)), randn(rng, (1, H, 128, d)))
     c = cache.fork(p)
@@ -311,7 +331,7 @@ def test_fork_at_a_block_boundary_copies_nothing(rng):
 
 def test_free_then_reuse_blocks(isa, rng):
     H, d = 2, 8
-    cache = af.PagedKVCache(H, d, num_blocks=6, growable=False)
+    cache = af.PagedKVCache(H, d, num_blocks=6, growable=False, block_size=64)
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append([a, b], randn(rng, (2, H, 192, d)), randn(rng, (2, H, 192, d)))
     assert cache.free_blocks == 0
@@ -332,7 +352,7 @@ def test_free_then_reuse_blocks(isa, rng):
 
 def test_pool_grows_by_chunks_without_moving_blocks(rng):
     H, d = 1, 4
-    cache = af.PagedKVCache(H, d, num_blocks=2)
+    cache = af.PagedKVCache(H, d, num_blocks=2, block_size=64)
     i = cache.add_sequence()
     k, v = randn(rng, (1, H, 1000, d)), randn(rng, (1, H, 1000, d))
     cache.append(i, k[:, :, :100], v[:, :, :100])
@@ -348,7 +368,7 @@ def test_pool_grows_by_chunks_without_moving_blocks(rng):
 
 def test_nbytes_is_the_pool_and_used_nbytes_the_held_blocks(rng):
     H, d, dv = 8, 128, 64
-    cache = af.PagedKVCache(H, d, v_head_dim=dv, dtype="bfloat16", num_blocks=64)
+    cache = af.PagedKVCache(H, d, v_head_dim=dv, dtype="bfloat16", num_blocks=64, block_size=64)
     assert cache.nbytes == 64 * H * 64 * (d + dv) * 2
     ids = [cache.add_sequence() for _ in range(3)]
     lens = [1000, 65, 7]
@@ -363,20 +383,20 @@ def test_nbytes_is_the_pool_and_used_nbytes_the_held_blocks(rng):
 
 def test_bad_constructor_arguments():
     with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
-        af.PagedKVCache(1, 4, dtype=np.int32)
+        af.PagedKVCache(1, 4, dtype=np.int32, block_size=64)
     with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
-        af.PagedKVCache(1, 4, dtype="float8")
+        af.PagedKVCache(1, 4, dtype="float8", block_size=64)
     with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
         af.PagedKVCache(1, 4, block_size=100)
     with pytest.raises(ValueError, match="num_blocks"):
-        af.PagedKVCache(1, 4, num_blocks=0)
+        af.PagedKVCache(1, 4, num_blocks=0, block_size=64)
     with pytest.raises(ValueError, match="head_dim"):
-        af.PagedKVCache(1, 0)
+        af.PagedKVCache(1, 0, block_size=64)
 
 
 def test_pool_exhausted_with_a_fixed_pool_changes_nothing(rng):
     H, d = 1, 4
-    cache = af.PagedKVCache(H, d, num_blocks=2, growable=False)
+    cache = af.PagedKVCache(H, d, num_blocks=2, growable=False, block_size=64)
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append(a, randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d)))
     keys = cache.keys(a)
@@ -389,7 +409,7 @@ def test_pool_exhausted_with_a_fixed_pool_changes_nothing(rng):
 
 
 def test_block_table_overflow(rng):
-    cache = af.PagedKVCache(1, 4, max_seq_len=128)
+    cache = af.PagedKVCache(1, 4, max_seq_len=128, block_size=64)
     i = cache.add_sequence()
     cache.append(i, randn(rng, (1, 1, 120, 4)), randn(rng, (1, 1, 120, 4)))
     with pytest.raises(ValueError, match="block table overflow.*max_seq_len = 128"):
@@ -398,7 +418,7 @@ def test_block_table_overflow(rng):
 
 
 def test_unknown_and_freed_sequences(rng):
-    cache = af.PagedKVCache(1, 4)
+    cache = af.PagedKVCache(1, 4, block_size=64)
     a = cache.add_sequence()
     x = randn(rng, (1, 1, 2, 4))
     with pytest.raises(ValueError, match="unknown sequence 5"):
@@ -424,7 +444,7 @@ def test_unknown_and_freed_sequences(rng):
 
 def test_mismatched_shapes_and_dtypes(rng):
     H, d = 2, 8
-    cache = af.PagedKVCache(H, d, v_head_dim=6)
+    cache = af.PagedKVCache(H, d, v_head_dim=6, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     k, v = randn(rng, (2, H, 3, d)), randn(rng, (2, H, 3, 6))
     with pytest.raises(ValueError, match=r"k has shape \(1, 2, 3, 8\), expected"):
@@ -522,7 +542,7 @@ def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
     """Random operations against a model (each sequence's token list): stored keys and values,
     block accounting (every block free or held, reference counts = holders) and attention."""
     H, d = 1, 3
-    cache = af.PagedKVCache(H, d, num_blocks=4)
+    cache = af.PagedKVCache(H, d, num_blocks=4, block_size=64)
     model = {}  # seq_id -> (keys (H, n, d), values (H, n, d))
     empty = np.zeros((H, 0, d), F32)
     for _ in range(150):
@@ -552,7 +572,7 @@ def test_random_add_append_fork_free_keep_every_sequence_intact(isa, rng):
 def test_int8_attend_matches_oracle_on_dequantised(isa, rng, Hq, Hkv, d, dv, first, chunks):
     """int8 pages: the kernel against the float64 oracle on the dequantised K/V (``keys`` /
     ``values``), ragged lengths, decode steps and chunks, poisoned outputs."""
-    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3, dtype="int8")
+    cache = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=3, dtype="int8", block_size=64)
     assert cache.io_dtype == F32
     ids = [cache.add_sequence() for _ in first]
     B, L = len(ids), max(first)
@@ -573,7 +593,7 @@ def test_int8_bit_identical_to_contiguous_int8_cache(isa, rng):
     B, H, Hq, d = 3, 2, 8, 32
     lens = [1, 100, 300]
     ref = af.KVCache(B, H, d, dtype="int8")
-    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=2)
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=2, block_size=64)
     ids = [cache.add_sequence() for _ in range(B)]
     k, v = randn(rng, (B, H, 300, d)), randn(rng, (B, H, 300, d))
     ref.append(k, v, lengths=lens)
@@ -594,7 +614,7 @@ def test_int8_bit_identical_to_contiguous_int8_cache(isa, rng):
 
 def test_int8_fork_copy_on_write_and_free(isa, rng):
     H, d = 2, 8
-    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=4)
+    cache = af.PagedKVCache(H, d, dtype="int8", num_blocks=4, block_size=64)
     p = cache.add_sequence()
     k0, v0 = randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d))
     cache.append(p, k0, v0)
@@ -620,7 +640,7 @@ def test_int8_fork_copy_on_write_and_free(isa, rng):
 
 def test_int8_errors_and_bytes(rng):
     H, d = 2, 128
-    cache = af.PagedKVCache(H, d, dtype=np.int8, num_blocks=4)
+    cache = af.PagedKVCache(H, d, dtype=np.int8, num_blocks=4, block_size=64)
     i = cache.add_sequence()
     with pytest.raises(TypeError, match="an int8 cache takes float32 k, v and q"):
         cache.append(i, randn(rng, (1, H, 2, d), np.float16), randn(rng, (1, H, 2, d)))
@@ -716,7 +736,7 @@ def test_window_matches_oracle_and_releases_blocks(isa, rng, window, bs, first, 
 def test_window_memory_stays_bounded_in_a_fixed_pool(isa, rng):
     """A long generation with a window in a pool too small for the whole history."""
     H, d, w = 2, 8, 70
-    cache = af.PagedKVCache(H, d, num_blocks=2 * 3, growable=False, window=w)
+    cache = af.PagedKVCache(H, d, num_blocks=2 * 3, growable=False, window=w, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     for _ in range(400):  # 400 tokens: 7 blocks each without the window, 12 for both
         cache.append(ids, randn(rng, (2, H, 1, d)), randn(rng, (2, H, 1, d)))
@@ -736,7 +756,7 @@ def test_window_every_storage_type(isa, rng, name):
     H, Hq, d, w = 2, 4, 16, 90
     dt = "int8" if name == "int8" else DTYPES[name]
     io = F32 if name == "int8" else DTYPES[name]
-    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=2, window=w)
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=2, window=w, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     ref = af.KVCache(2, H, d, dtype=dt, window=w, ring=256)
     for c, lens in [(150, [150, 33]), *[(1, [1, 1])] * 80, (3, [3, 3])]:
@@ -764,7 +784,7 @@ def test_window_after_fork(isa, rng):
     """fork then window: both sequences release the shared blocks as they pass them (a
     block returns to the pool only when neither holds it); each matches the oracle."""
     H, d, w = 2, 8, 40
-    cache = af.PagedKVCache(H, d, num_blocks=8, window=w)
+    cache = af.PagedKVCache(H, d, num_blocks=8, window=w, block_size=64)
     a = cache.add_sequence()
     ka, va = randn(rng, (1, H, 150, d)), randn(rng, (1, H, 150, d))
     cache.append(a, ka, va)
@@ -797,7 +817,7 @@ def test_window_after_fork(isa, rng):
 
 def test_window_attend_reaching_back_to_released_blocks_raises(isa, rng):
     H, d = 1, 4
-    cache = af.PagedKVCache(H, d, window=8)
+    cache = af.PagedKVCache(H, d, window=8, block_size=64)
     i = cache.add_sequence()
     cache.append(i, randn(rng, (1, H, 100, d)), randn(rng, (1, H, 100, d)))
     cache.append(i, randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d)))  # releases block 0
@@ -810,7 +830,7 @@ def test_window_attend_reaching_back_to_released_blocks_raises(isa, rng):
 @pytest.mark.parametrize("bad, err", [(0, ValueError), (-3, ValueError), (2.5, TypeError)])
 def test_bad_window(bad, err):
     with pytest.raises(err, match="window"):
-        af.PagedKVCache(1, 4, window=bad)
+        af.PagedKVCache(1, 4, window=bad, block_size=64)
 
 
 # ---------------------------------------------------------------- truncate and positions
@@ -824,7 +844,7 @@ def test_truncate_across_a_shared_block(isa, rng, name):
     H, d = 2, 16
     dt = "int8" if name == "int8" else DTYPES[name]
     io = F32 if name == "int8" else DTYPES[name]
-    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=8)
+    cache = af.PagedKVCache(H, d, dtype=dt, num_blocks=8, block_size=64)
     a = cache.add_sequence()
     k0, v0 = randn(rng, (1, H, 150, d), io), randn(rng, (1, H, 150, d), io)
     cache.append(a, k0, v0)
@@ -868,8 +888,8 @@ def test_truncate_equals_a_fresh_cache_and_matches_kvcache(isa, rng):
     """truncate then append gives what a cache that never held the dropped tokens gives,
     bit for bit (float32), and KVCache.truncate's result."""
     H, d = 2, 8
-    cache = af.PagedKVCache(H, d, num_blocks=4)
-    fresh = af.PagedKVCache(H, d, num_blocks=4)
+    cache = af.PagedKVCache(H, d, num_blocks=4, block_size=64)
+    fresh = af.PagedKVCache(H, d, num_blocks=4, block_size=64)
     ref = af.KVCache(2, H, d)
     ids, fids = [cache.add_sequence() for _ in range(2)], [fresh.add_sequence() for _ in range(2)]
     k, v = randn(rng, (2, H, 200, d)), randn(rng, (2, H, 200, d))
@@ -892,7 +912,7 @@ def test_truncate_equals_a_fresh_cache_and_matches_kvcache(isa, rng):
 
 def test_truncate_with_a_window(isa, rng):
     H, d, w = 1, 4, 10
-    cache = af.PagedKVCache(H, d, window=w)
+    cache = af.PagedKVCache(H, d, window=w, block_size=64)
     i = cache.add_sequence()
     cache.append(i, randn(rng, (1, H, 130, d)), randn(rng, (1, H, 130, d)))
     cache.append(i, randn(rng, (1, H, 1, d)), randn(rng, (1, H, 1, d)))  # keys 64 .. 130 stored
@@ -908,7 +928,7 @@ def test_truncate_with_a_window(isa, rng):
 
 
 def test_truncate_errors(rng):
-    cache = af.PagedKVCache(1, 4)
+    cache = af.PagedKVCache(1, 4, block_size=64)
     i = cache.add_sequence()
     cache.append(i, randn(rng, (1, 1, 5, 4)), randn(rng, (1, 1, 5, 4)))
     with pytest.raises(ValueError, match="to 6 tokens: it holds 5"):
@@ -933,7 +953,7 @@ def test_rope_on_append_every_storage_type(rng, name):
     rope = RoPE(d)
     dt = "int8" if name == "int8" else DTYPES[name]
     io = F32 if name == "int8" else DTYPES[name]
-    cache = af.PagedKVCache(H, d, dtype=dt, window=w)
+    cache = af.PagedKVCache(H, d, dtype=dt, window=w, block_size=64)
     i = cache.add_sequence()
     allk = []
     for L in (70, 1, 3, 60, 1):
@@ -956,7 +976,7 @@ def test_rope_on_append_every_storage_type(rng, name):
 
 def test_paged_layer_caches_share_one_id_space(isa, rng):
     H, d, layers = 2, 8, 3
-    caches = af.PagedLayerCaches(layers, H, d, num_blocks=4, window=[None, 70, None])
+    caches = af.PagedLayerCaches(layers, H, d, num_blocks=4, window=[None, 70, None], block_size=64)
     assert len(caches) == layers and caches[1].window == 70 and caches[-1].window is None
     a, b = caches.add_sequence(), caches.add_sequence()
     assert caches.seq_ids == [a, b] and all(c.seq_ids == [a, b] for c in caches)
@@ -982,7 +1002,7 @@ def test_paged_layer_caches_share_one_id_space(isa, rng):
 
 
 def test_paged_layer_caches_errors(rng):
-    caches = af.PagedLayerCaches(2, 1, 4, window=[None, 8])
+    caches = af.PagedLayerCaches(2, 1, 4, window=[None, 8], block_size=64)
     with pytest.raises(IndexError, match="layer index 2 out of range for 2 layers"):
         caches[2]
     with pytest.raises(IndexError, match="layer index -3 out of range"):
@@ -990,11 +1010,11 @@ def test_paged_layer_caches_errors(rng):
     with pytest.raises(TypeError, match="layer index must be an int"):
         caches["0"]
     with pytest.raises(ValueError, match="window has 3 entries but there are 2 layers"):
-        af.PagedLayerCaches(2, 1, 4, window=[None, 8, 8])
+        af.PagedLayerCaches(2, 1, 4, window=[None, 8, 8], block_size=64)
     with pytest.raises(ValueError, match="num_layers"):
-        af.PagedLayerCaches(0, 1, 4)
+        af.PagedLayerCaches(0, 1, 4, block_size=64)
     with pytest.raises(ValueError, match="window"):
-        af.PagedLayerCaches(2, 1, 4, window=[0, 8])
+        af.PagedLayerCaches(2, 1, 4, window=[0, 8], block_size=64)
     i = caches.add_sequence()
     for c in caches:
         c.append(i, randn(rng, (1, 1, 130, 4)), randn(rng, (1, 1, 130, 4)))
@@ -1015,8 +1035,8 @@ def test_paged_layer_caches_errors(rng):
     with pytest.raises(RuntimeError, match="different ids"):
         caches.add_sequence()
     with pytest.raises(TypeError, match="stores"):
-        af.PagedLayerCaches(2, 1, 4, dtype="complex64")
-    f16 = af.PagedLayerCaches(2, 1, 4, dtype="float16")
+        af.PagedLayerCaches(2, 1, 4, dtype="complex64", block_size=64)
+    f16 = af.PagedLayerCaches(2, 1, 4, dtype="float16", block_size=64)
     j = f16.add_sequence()
     with pytest.raises(TypeError, match="float16"):  # a float32 chunk for a float16 layer
         f16[1].append(j, randn(rng, (1, 1, 2, 4)), randn(rng, (1, 1, 2, 4)))
@@ -1030,7 +1050,7 @@ def test_random_ops_with_truncate_and_windows(isa, rng, window):
     with reference count = holders, truncate fails exactly when the window's keys before n
     were released (and then changes nothing); attention against the oracle at the end."""
     H, d, bs = 1, 3, 64
-    cache = af.PagedKVCache(H, d, num_blocks=4, window=window)
+    cache = af.PagedKVCache(H, d, num_blocks=4, window=window, block_size=64)
     model = {}  # seq_id -> full history (keys (H, pos, d), values (H, pos, d))
     empty = np.zeros((H, 0, d), F32)
     for _ in range(150):
@@ -1074,7 +1094,7 @@ def test_window_non_causal_and_non_contiguous(isa, rng):
     """causal=False with a window: the window still bounds the left side; transposed views
     of k, v and q."""
     H, Hq, d, w = 2, 4, 16, 20
-    cache = af.PagedKVCache(H, d, window=w)
+    cache = af.PagedKVCache(H, d, window=w, block_size=64)
     ids = [cache.add_sequence() for _ in range(2)]
     k = randn(rng, (2, 100, H, d)).transpose(0, 2, 1, 3)
     v = randn(rng, (2, d, H, 100)).transpose(0, 2, 3, 1)

@@ -79,7 +79,7 @@ def test_greedy_matches_sdpa_and_the_contiguous_cache(kind, counted, rng):
         model, "attn_fast", ids, am, new, cache=af_hf.AttnFastCache(model.config), do_sample=False
     )
     counted.update(attend=0, paged=0, dense=0)
-    cache = af_cache.AttnFastPagedCache(model.config)
+    cache = af_cache.AttnFastPagedCache(model.config, block_size=64)
     got_ids, got_logits = generate(model, "attn_fast", ids, am, new, cache=cache, do_sample=False)
     assert torch.equal(got_ids, ref_ids)
     assert torch.equal(got_ids, flat_ids)
@@ -110,10 +110,10 @@ def test_reduced_precision_storage(storage, counted, rng):
     ids, am = left_padded(2, 12, [0, 4], rng)
     new = 10
     ref_ids, ref_logits = generate(model, "sdpa", ids, am, new, do_sample=False)
-    cache = af_cache.AttnFastPagedCache(model.config, dtype=storage)
+    cache = af_cache.AttnFastPagedCache(model.config, dtype=storage, block_size=64)
     got_ids, got_logits = generate(model, "attn_fast", ids, am, new, cache=cache, do_sample=False)
     pool = cache.layers[0].kv.cache
-    assert pool.dtype == PagedKVCache(1, 1, dtype=storage).dtype
+    assert pool.dtype == PagedKVCache(1, 1, dtype=storage, block_size=64).dtype
     assert cache.nbytes == sum(layer.kv.cache.nbytes for layer in cache.layers)
     diff, steps = compared_diff(ref_ids, ref_logits, got_ids, got_logits, 12)
     assert diff <= TOL.get(storage, 0.25), (storage, diff, steps)
@@ -128,9 +128,9 @@ def test_bfloat16_model_stores_its_dtype(rng):
     ids, am = left_padded(2, 12, [0, 4], rng)
     flat = af_hf.AttnFastCache(model.config)
     ref_ids, ref_logits = generate(model, "attn_fast", ids, am, 8, cache=flat, do_sample=False)
-    cache = af_cache.AttnFastPagedCache(model.config)
+    cache = af_cache.AttnFastPagedCache(model.config, block_size=64)
     got_ids, got_logits = generate(model, "attn_fast", ids, am, 8, cache=cache, do_sample=False)
-    assert cache.layers[0].kv.dtype == PagedKVCache(1, 1, dtype="bfloat16").dtype
+    assert cache.layers[0].kv.dtype == PagedKVCache(1, 1, dtype="bfloat16", block_size=64).dtype
     diff, steps = compared_diff(ref_ids, ref_logits, got_ids, got_logits, 12)
     assert diff <= TOL_BF16_MODEL, (diff, steps)
 
@@ -144,7 +144,7 @@ def test_int8_token_agreement_with_float32(rng):
         ids, am = left_padded(4, 16, [0, 3, 7, 11], rng)
         runs = []
         for storage in ("float32", "int8"):
-            cache = af_cache.AttnFastPagedCache(model.config, dtype=storage)
+            cache = af_cache.AttnFastPagedCache(model.config, dtype=storage, block_size=64)
             runs.append(generate(model, "attn_fast", ids, am, 24, cache=cache, do_sample=False))
         (f_ids, _), (q_ids, _) = runs
         agree += int((q_ids[:, 16:] == f_ids[:, 16:]).sum())
@@ -166,7 +166,7 @@ def test_beam_search_forks(kind, storage, rng):
         model.set_attn_implementation("sdpa")
         ref = model.generate(input_ids=ids, attention_mask=am, **kw)
         model.set_attn_implementation("attn_fast")
-        cache = af_cache.AttnFastPagedCache(model.config, dtype=storage)
+        cache = af_cache.AttnFastPagedCache(model.config, dtype=storage, block_size=64)
         got = model.generate(input_ids=ids, attention_mask=am, cache=cache, **kw)
     if storage is None:
         assert torch.equal(got, ref)
@@ -183,7 +183,7 @@ def test_reorder_crop_and_reset():
     model = make("llama")
     model.set_attn_implementation("attn_fast")
     ids, am = left_padded(3, 8, [0, 2, 5])
-    cache = af_cache.AttnFastPagedCache(model.config)
+    cache = af_cache.AttnFastPagedCache(model.config, block_size=64)
     _step(model, ids, cache, am)
     kv = cache.layers[0].kv
     np.testing.assert_array_equal(kv.lengths, [8, 6, 3])
@@ -197,7 +197,7 @@ def test_reorder_crop_and_reset():
     tok = torch.tensor([[5], [6], [7]])
     am2 = torch.cat([am[idx], torch.ones(3, 1, dtype=am.dtype)], 1)
     got = _step(model, tok, cache, am2)
-    fresh = af_cache.AttnFastPagedCache(model.config)
+    fresh = af_cache.AttnFastPagedCache(model.config, block_size=64)
     _step(model, ids[idx], fresh, am[idx])
     torch.testing.assert_close(got, _step(model, tok, fresh, am2), rtol=0, atol=1e-6)
     # crop: drop the last token and feed it again -> the same logits
@@ -219,7 +219,7 @@ def test_assisted_generation_crops(rng):
     ids, am = left_padded(1, 9, [0], rng)
     ref_ids, _ = generate(model, "sdpa", ids, am, 10, do_sample=False)
     model.set_attn_implementation("attn_fast")
-    cache = af_cache.AttnFastPagedCache(model.config)
+    cache = af_cache.AttnFastPagedCache(model.config, block_size=64)
     with torch.no_grad():
         got = model.generate(
             input_ids=ids,
@@ -237,21 +237,25 @@ def test_assisted_generation_crops(rng):
 def test_bad_construction_and_misuse():
     config = make("llama").config
     with pytest.raises(TypeError, match="model's config"):
-        af_cache.AttnFastPagedCache(None)
+        af_cache.AttnFastPagedCache(None, block_size=64)
     with pytest.raises(TypeError, match="dtype"):
-        af_cache.AttnFastPagedCache(config, dtype="complex64")
+        af_cache.AttnFastPagedCache(config, dtype="complex64", block_size=64)
     with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
         af_cache.AttnFastPagedCache(config, block_size=32)
     with pytest.raises(ValueError, match="num_blocks"):
-        af_cache.AttnFastPagedCache(config, num_blocks=0)
+        af_cache.AttnFastPagedCache(config, num_blocks=0, block_size=64)
     model = make("llama")
     ids, am = left_padded(1, 5, [0])
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="attn_fast attention implementation only"):
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=am, cache=af_cache.AttnFastPagedCache(config))
+            model(
+                input_ids=ids,
+                attention_mask=am,
+                cache=af_cache.AttnFastPagedCache(config, block_size=64),
+            )
     model.set_attn_implementation("attn_fast")
-    cache = af_cache.AttnFastPagedCache(model.config)
+    cache = af_cache.AttnFastPagedCache(model.config, block_size=64)
     with pytest.raises(ValueError, match="left padding only"):
         with torch.no_grad():
             am_r = torch.tensor([[1, 1, 1, 1, 0]])

@@ -36,6 +36,16 @@ range at the same places); chunks longer than ``DECODE_MAX_LQ`` = 4 tokens
 also run the decode kernel here (the contiguous cache switches to the tiled
 prefill kernel), so those agree to float32 rounding.
 
+The default block size, 256 tokens, is set by the memory system rather than
+the kernel: a block of one kv head is one run of bytes, and runs in random
+places read slower than one stream (on Zen 3 a pure read of shuffled 8 KiB
+runs took 1.09-1.48x the time of the same bytes in order, 32 KiB runs
+1.05-1.10x). With 64-token blocks an int8 run is 8 KiB (d = 128) and a paged
+decode step took 1.10-1.27x the contiguous cache's time, with 256 1.02-1.05x
+(bfloat16: 1.04-1.10x and 0.99-1.03x; bench/NOTES.md, "paged block size").
+Smaller blocks waste less on short sequences (each holds one partly filled
+block) and share prefixes more finely (``fork``): pass block_size=64 for those.
+
 Sharing (``fork``): a forked sequence shares all of its parent's blocks; a
 block's reference count says how many sequences hold it. Full blocks are
 never written again, so they stay shared; the partly filled last block is
@@ -141,10 +151,11 @@ class PagedKVCache:
     ----------
     num_kv_heads : int, H_kv.
     head_dim : int, d (keys and queries).
-    block_size : int, token rows per block (default 64); a multiple of 64,
-        the decode kernel's key block.
-    num_blocks : int, blocks per pool chunk (default 256): the pool starts
-        with one chunk and grows by one chunk at a time.
+    block_size : int, token rows per block (default 256); a multiple of 64,
+        the decode kernel's key block (module docstring: why 256).
+    num_blocks : int, blocks per pool chunk (default 64, 16384 tokens at the
+        default block size): the pool starts with one chunk and grows by one
+        chunk at a time.
     v_head_dim : int, dv (default: head_dim).
     dtype : storage dtype: float32 (default), float64, or "float16" /
         "bfloat16" (np.float16, ml_dtypes.bfloat16, torch dtypes too),
@@ -181,8 +192,8 @@ class PagedKVCache:
         self,
         num_kv_heads: int,
         head_dim: int,
-        block_size: int = 64,
-        num_blocks: int = 256,
+        block_size: int = 256,
+        num_blocks: int = 64,
         v_head_dim: int | None = None,
         dtype: DTypeLike | str = np.float32,
         growable: bool = True,

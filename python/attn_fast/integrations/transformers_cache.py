@@ -461,7 +461,7 @@ class AttnFastPagedLayer(AttnFastLayer):
     storage type, int8 included) instead of copying them.
     """
 
-    def __init__(self, dtype=None, window=None, block_size=64, num_blocks=64, owner=None):
+    def __init__(self, dtype=None, window=None, block_size=256, num_blocks=16, owner=None):
         super().__init__(dtype=dtype, window=window, owner=owner)
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
@@ -502,9 +502,11 @@ class AttnFastPagedCache(AttnFastCache):
         "int8" (8-bit codes, float32 chunks and queries), ... or a
         torch/NumPy dtype; None = the model's dtype.
 
-    block_size : token rows per block (a multiple of 64; default 64).
+    block_size : token rows per block (a multiple of 64; default 256, as
+        PagedKVCache's).
 
-    num_blocks : blocks per pool chunk (default 64; the pool grows by chunks).
+    num_blocks : blocks per pool chunk (default 16, 4096 tokens at the
+        default block size; the pool grows by chunks).
 
     Notes
     -----
@@ -519,7 +521,7 @@ class AttnFastPagedCache(AttnFastCache):
     the rest; ``crop`` truncates each sequence.
     """
 
-    def __init__(self, config, dtype=None, block_size=64, num_blocks=64):
+    def __init__(self, config, dtype=None, block_size=256, num_blocks=16):
         if config is None or not hasattr(config, "get_text_config"):
             raise TypeError(
                 "AttnFastPagedCache needs the model's config (model.config), got "
