@@ -104,6 +104,23 @@ def test_greedy_matches_sdpa_and_the_contiguous_cache(kind, counted, rng):
     print(f"paged {kind}: max|Δ logits| = {diff:.2e}")
 
 
+def test_default_blocks_give_the_64_row_tokens(rng):
+    """The default pool (256-row blocks, 16 per chunk) generates what 64-row blocks do."""
+    model = make("llama")
+    ids, am = left_padded(2, 70, [0, 9], rng)
+    out = []
+    for cache in (
+        af_cache.AttnFastPagedCache(model.config),
+        af_cache.AttnFastPagedCache(model.config, block_size=64),
+    ):
+        got, logits = generate(model, "attn_fast", ids, am, 8, cache=cache, do_sample=False)
+        out.append((got, logits, cache.layers[0].kv.cache))
+    assert (out[0][2].block_size, out[0][2].num_blocks) == (256, 16)
+    assert out[1][2].block_size == 64
+    assert torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1])
+
+
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"])
 def test_reduced_precision_storage(storage, counted, rng):
     model = make("llama")
