@@ -42,7 +42,7 @@ places read slower than one stream (on Zen 3 a pure read of shuffled 8 KiB
 runs took 1.09-1.50x the time of the same bytes in order, 32 KiB runs
 1.05-1.10x; bench/micro/read_runs.cpp). With 64-token blocks an int8 run is
 8 KiB (d = 128) and a paged decode step took 1.05-1.27x the contiguous cache's
-time there, with 256 1.02-1.12x (bfloat16: 1.04-1.15x and 0.99-1.03x;
+time there, with 256 1.02-1.12x (bfloat16: 1.02-1.15x and 0.99-1.03x;
 bench/NOTES.md, "paged block size"). Smaller blocks waste less on short
 sequences (each holds one partly filled block) and share prefixes more finely
 (``fork``): pass block_size=64 for those.
