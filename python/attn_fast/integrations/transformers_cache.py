@@ -50,7 +50,7 @@ append) gets float32 chunks and queries.
 
 Paged storage
 -------------
-``AttnFastPagedCache(model.config, dtype=..., block_size=64)`` is the same
+``AttnFastPagedCache(model.config, dtype=..., block_size=256)`` is the same
 cache with one ``attn_fast.PagedKVCache`` pool per layer, one sequence per
 batch row: the same mask handling, storage types (int8 included) and
 errors. Every chunk, prefill included, runs the split-KV decode kernel
