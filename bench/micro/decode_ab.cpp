@@ -219,35 +219,34 @@ int main(int argc, char** argv) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
     std::swap(table[j], table[(seed >> 33) % (j + 1)]);
   }
+  // The scales of k / v (KVCache's layout) in a pool's layout, logical block j
+  // of kv head h in page tab[j].
+  auto pool_scales = [&](const std::vector<long>& tab, float** dst) {
+    for (int i = 0; i < 4; i++)
+      dst[i] = static_cast<float*>(huge_alloc((i < 2 ? ng : Hkv * L) * 4));
+    for (long h = 0; h < Hkv; h++)
+      for (long j = 0; j < nb; j++) {
+        const long bh = tab[j] * Hkv + h;
+        for (int i = 0; i < 2; i++) std::memcpy(dst[i] + bh * d, sc[i] + (h * nb + j) * d, d * 4);
+        for (int i = 2; i < 4; i++) std::memcpy(dst[i] + bh * 64, sc[i] + h * L + j * 64, 64 * 4);
+      }
+  };
   char* kp = static_cast<char*>(huge_alloc(n * es));
   char* vp = static_cast<char*>(huge_alloc(n * es));
-  float* scp[4] = {static_cast<float*>(huge_alloc(ng * 4)), static_cast<float*>(huge_alloc(ng * 4)),
-                   static_cast<float*>(huge_alloc(Hkv * L * 4)),
-                   static_cast<float*>(huge_alloc(Hkv * L * 4))};
   for (long h = 0; h < Hkv; h++)
     for (long j = 0; j < nb; j++) {
-      const long pg = table[j], src = (h * L + j * 64) * d, dst = (pg * Hkv + h) * 64 * d;
+      const long src = (h * L + j * 64) * d, dst = (table[j] * Hkv + h) * 64 * d;
       std::memcpy(kp + dst * es, k + src * es, 64 * d * es);
       std::memcpy(vp + dst * es, v + src * es, 64 * d * es);
-      std::memcpy(scp[0] + (pg * Hkv + h) * d, sc[0] + (h * nb + j) * d, d * 4);
-      std::memcpy(scp[1] + (pg * Hkv + h) * d, sc[1] + (h * nb + j) * d, d * 4);
-      std::memcpy(scp[2] + (pg * Hkv + h) * 64, sc[2] + h * L + j * 64, 64 * 4);
-      std::memcpy(scp[3] + (pg * Hkv + h) * 64, sc[3] + h * L + j * 64, 64 * 4);
     }
+  float* scp[4];
+  pool_scales(table, scp);
   // NAME.so@c: the paged code path over k / v themselves (pages in order,
   // a kv head's pages one after the other), the scales in the pool's layout.
   std::vector<long> order(nb);
-  float* sco[4] = {static_cast<float*>(huge_alloc(ng * 4)), static_cast<float*>(huge_alloc(ng * 4)),
-                   static_cast<float*>(huge_alloc(Hkv * L * 4)),
-                   static_cast<float*>(huge_alloc(Hkv * L * 4))};
   for (long j = 0; j < nb; j++) order[j] = j;
-  for (long h = 0; h < Hkv; h++)
-    for (long j = 0; j < nb; j++) {
-      std::memcpy(sco[0] + (j * Hkv + h) * d, sc[0] + (h * nb + j) * d, d * 4);
-      std::memcpy(sco[1] + (j * Hkv + h) * d, sc[1] + (h * nb + j) * d, d * 4);
-      std::memcpy(sco[2] + (j * Hkv + h) * 64, sc[2] + h * L + j * 64, 64 * 4);
-      std::memcpy(sco[3] + (j * Hkv + h) * 64, sc[3] + h * L + j * 64, 64 * 4);
-    }
+  float* sco[4];
+  pool_scales(order, sco);
   auto call = [&](size_t j) {
     return paged[j] == 1   ? fns[j](mode, q, kp, vp, o, lse, scp, L, th, table.data())
            : paged[j] == 2 ? fns[j](mode + 16, q, k, v, o, lse, sco, L, th, order.data())

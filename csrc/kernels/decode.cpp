@@ -173,7 +173,7 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
 // process; bench/NOTES.md, zen3); a paged cache at 2 measured no better than
 // at 1 there (1.10-1.11x of contiguous either way). int8 rows on 8 lanes take
-// their prefetches in the P V loop only (pf_in_qk / pf_at below). The l2
+// their prefetches in the P V loop only (int8_on_8_lanes below). The l2
 // policy on an 8-lane object (an Intel CPU without AVX-512) halves the same
 // way, to fp32 2: a rule, not measured.
 template <typename KV>
@@ -197,12 +197,8 @@ constexpr bool int8_on_8_lanes() {
   return Vec<T>::W == 8 && sizeof(KV) == 1;
 }
 template <typename T, typename KV>
-constexpr bool pf_in_qk() {
-  return !int8_on_8_lanes<T, KV>();
-}
-template <typename T, typename KV>
-constexpr bool pf_at(int64_t c) {
-  return pf_in_qk<T, KV>() || (c & 1) != 0;
+constexpr bool pf_at(int64_t c) {  // P V loop, key c
+  return !int8_on_8_lanes<T, KV>() || (c & 1) != 0;
 }
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
@@ -318,7 +314,7 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      if constexpr (pf_in_qk<T, SK>()) pf_step(pf);
+      if constexpr (!int8_on_8_lanes<T, SK>()) pf_step(pf);
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) kx[j] = ldv(kr[j] + e);
       for (int r = 0; r < N; ++r) {

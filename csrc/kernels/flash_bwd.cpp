@@ -422,11 +422,11 @@ void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
       int64_t str[2];
       T* target = dq_target(g, si, h, chunk, str);
       for (int64_t qb = 0; qb < nqb; ++qb) {
+        if (!(sc.qlo[qb] < j0 + cols && sc.qhi[qb] > j0)) continue;
         // Ctrl-C between query tiles too: one key block against all the queries
         // of a long sequence is seconds of work (2^17 rows: 0.1 s here, ~4 s
         // under ASan), and the tile is ~10^4 times the poll's cost.
         if (tok.poll()) return;
-        if (!(sc.qlo[qb] < j0 + cols && sc.qhi[qb] > j0)) continue;
         const int64_t i0 = qb * Br, rows = imin(Br, si.q_len - i0);
         if ((a.layout || a.mask)) {  // skip tiles the user masks leave empty
           bool any = false;
