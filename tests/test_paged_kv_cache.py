@@ -383,15 +383,15 @@ def test_nbytes_is_the_pool_and_used_nbytes_the_held_blocks(rng):
 
 def test_bad_constructor_arguments():
     with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
-        af.PagedKVCache(1, 4, dtype=np.int32, block_size=64)
+        af.PagedKVCache(1, 4, dtype=np.int32)
     with pytest.raises(TypeError, match="float32, float64, float16, bfloat16 or int8"):
-        af.PagedKVCache(1, 4, dtype="float8", block_size=64)
+        af.PagedKVCache(1, 4, dtype="float8")
     with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
         af.PagedKVCache(1, 4, block_size=100)
     with pytest.raises(ValueError, match="num_blocks"):
-        af.PagedKVCache(1, 4, num_blocks=0, block_size=64)
+        af.PagedKVCache(1, 4, num_blocks=0)
     with pytest.raises(ValueError, match="head_dim"):
-        af.PagedKVCache(1, 0, block_size=64)
+        af.PagedKVCache(1, 0)
 
 
 def test_pool_exhausted_with_a_fixed_pool_changes_nothing(rng):
@@ -830,7 +830,7 @@ def test_window_attend_reaching_back_to_released_blocks_raises(isa, rng):
 @pytest.mark.parametrize("bad, err", [(0, ValueError), (-3, ValueError), (2.5, TypeError)])
 def test_bad_window(bad, err):
     with pytest.raises(err, match="window"):
-        af.PagedKVCache(1, 4, window=bad, block_size=64)
+        af.PagedKVCache(1, 4, window=bad)
 
 
 # ---------------------------------------------------------------- truncate and positions
@@ -1010,11 +1010,11 @@ def test_paged_layer_caches_errors(rng):
     with pytest.raises(TypeError, match="layer index must be an int"):
         caches["0"]
     with pytest.raises(ValueError, match="window has 3 entries but there are 2 layers"):
-        af.PagedLayerCaches(2, 1, 4, window=[None, 8, 8], block_size=64)
+        af.PagedLayerCaches(2, 1, 4, window=[None, 8, 8])
     with pytest.raises(ValueError, match="num_layers"):
-        af.PagedLayerCaches(0, 1, 4, block_size=64)
+        af.PagedLayerCaches(0, 1, 4)
     with pytest.raises(ValueError, match="window"):
-        af.PagedLayerCaches(2, 1, 4, window=[0, 8], block_size=64)
+        af.PagedLayerCaches(2, 1, 4, window=[0, 8])
     i = caches.add_sequence()
     for c in caches:
         c.append(i, randn(rng, (1, 1, 130, 4)), randn(rng, (1, 1, 130, 4)))

@@ -254,13 +254,13 @@ def test_assisted_generation_crops(rng):
 def test_bad_construction_and_misuse():
     config = make("llama").config
     with pytest.raises(TypeError, match="model's config"):
-        af_cache.AttnFastPagedCache(None, block_size=64)
+        af_cache.AttnFastPagedCache(None)
     with pytest.raises(TypeError, match="dtype"):
-        af_cache.AttnFastPagedCache(config, dtype="complex64", block_size=64)
+        af_cache.AttnFastPagedCache(config, dtype="complex64")
     with pytest.raises(ValueError, match="block_size must be a multiple of 64"):
         af_cache.AttnFastPagedCache(config, block_size=32)
     with pytest.raises(ValueError, match="num_blocks"):
-        af_cache.AttnFastPagedCache(config, num_blocks=0, block_size=64)
+        af_cache.AttnFastPagedCache(config, num_blocks=0)
     model = make("llama")
     ids, am = left_padded(1, 5, [0])
     model.set_attn_implementation("sdpa")
