@@ -18,7 +18,7 @@
 //   g++ -O2 -std=c++17 bench/micro/decode_ab.cpp -ldl -o /tmp/dab
 //   /tmp/dab MODE L THREADS ROUNDS /tmp/dab_base.so /tmp/dab_main.so
 //   MODE: 0 fp32, 1 bf16, 2 int8 (KVCache's layout: keys per channel over
-//   64-slot groups, values per token). A commit before the int8 cache (or the
+//   64-slot groups, values per token), 3 fp16. A commit before the int8 cache (or the
 //   bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
 //   A library named NAME.so@p runs paged (PagedKVCache's layout: one chunk of
 //   L / 64 pages of 64 slots, (pages, 8, 64, d), the pages in a fixed shuffled
@@ -76,6 +76,19 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
       a.v_chunks = reinterpret_cast<const bf16_t* const*>(vc);
     }
     isa_avx2::decode_forward_bf16(a);
+    return 0;
+  }
+  if (mode == 3) {
+    DecodeArgs<fp16_t> a;
+    fill(a);
+    a.q = static_cast<const fp16_t*>(q), a.o = static_cast<fp16_t*>(o);
+    a.k = static_cast<const fp16_t*>(k), a.v = static_cast<const fp16_t*>(v);
+    page(a);
+    if (table) {
+      a.k_chunks = reinterpret_cast<const fp16_t* const*>(kc);
+      a.v_chunks = reinterpret_cast<const fp16_t* const*>(vc);
+    }
+    isa_avx2::decode_forward_f16(a);
     return 0;
   }
 #endif
@@ -146,6 +159,15 @@ static uint16_t bf16_bits(float x) {  // truncation is enough for test data
   std::memcpy(&u, &x, 4);
   return static_cast<uint16_t>(u >> 16);
 }
+// |x| < 1 to IEEE half by truncation (tiny values flush to zero): test data.
+static uint16_t f16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const int e = static_cast<int>((u >> 23) & 0xff) - 127 + 15;
+  if (e <= 0) return static_cast<uint16_t>(sign);
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(e) << 10) | ((u >> 13) & 0x3ffu));
+}
 
 int main(int argc, char** argv) {
   if (argc < 6) {
@@ -154,8 +176,8 @@ int main(int argc, char** argv) {
   }
   const int mode = std::atoi(argv[1]), th = std::atoi(argv[3]), rounds = std::atoi(argv[4]);
   const long L = std::atol(argv[2]);
-  if (mode < 0 || mode > 2 || L < 64 || L % 64 || th < 1 || rounds < 1) {
-    std::fprintf(stderr, "MODE 0..2, L a multiple of 64, THREADS and ROUNDS >= 1\n");
+  if (mode < 0 || mode > 3 || L < 64 || L % 64 || th < 1 || rounds < 1) {
+    std::fprintf(stderr, "MODE 0..3, L a multiple of 64, THREADS and ROUNDS >= 1\n");
     return 2;
   }
   std::vector<Fn> fns;
@@ -176,7 +198,7 @@ int main(int argc, char** argv) {
     paged.push_back(!std::strcmp(tail, "@p") ? 1 : !std::strcmp(tail, "@c") ? 2 : 0);
   }
   const long Hq = 32, Hkv = 8, d = 128, n = Hkv * L * d;
-  const size_t es = mode == 0 ? 4 : mode == 1 ? 2 : 1;
+  const size_t es = mode == 0 ? 4 : mode == 2 ? 1 : 2;
   char* k = static_cast<char*>(huge_alloc(n * es));
   char* v = static_cast<char*>(huge_alloc(n * es));
   float* q = static_cast<float*>(huge_alloc(Hq * d * 4));
@@ -195,6 +217,9 @@ int main(int argc, char** argv) {
     } else if (mode == 1) {
       reinterpret_cast<uint16_t*>(k)[i] = bf16_bits(a);
       reinterpret_cast<uint16_t*>(v)[i] = bf16_bits(b);
+    } else if (mode == 3) {
+      reinterpret_cast<uint16_t*>(k)[i] = f16_bits(a);
+      reinterpret_cast<uint16_t*>(v)[i] = f16_bits(b);
     } else {
       reinterpret_cast<int8_t*>(k)[i] = static_cast<int8_t>(a * 250);
       reinterpret_cast<int8_t*>(v)[i] = static_cast<int8_t>(b * 250);
@@ -204,8 +229,8 @@ int main(int argc, char** argv) {
   for (long i = 0; i < Hkv * L; i++) sc[2][i] = 0.004f, sc[3][i] = -0.001f;
   for (long i = 0; i < Hq * d; i++) {
     const float a = ((i * 7919u) % 1000) / 1000.f - 0.5f;
-    if (mode == 1)
-      reinterpret_cast<uint16_t*>(q)[i] = bf16_bits(a);
+    if (mode == 1 || mode == 3)
+      reinterpret_cast<uint16_t*>(q)[i] = mode == 1 ? bf16_bits(a) : f16_bits(a);
     else
       q[i] = a;
   }
@@ -257,13 +282,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s cannot run mode %d\n", names[0].c_str(), mode);
     return 1;
   }
-  std::memcpy(o0, o, Hq * d * es);
+  const size_t os = mode == 1 || mode == 3 ? 2 : 4;  // bytes per output element
+  std::memcpy(o0, o, Hq * d * os);
   for (size_t j = 0; j < nf; j++) {
     if (call(j)) {
       std::fprintf(stderr, "%s cannot run mode %d\n", names[j].c_str(), mode);
       return 1;
     }
-    if (std::memcmp(o, o0, Hq * d * es))
+    if (std::memcmp(o, o0, Hq * d * os))
       std::printf("# %s: output differs from the first's\n", names[j].c_str());
   }
   std::vector<std::vector<double> > t(nf), ratio(nf);
