@@ -50,9 +50,11 @@
 //   inner iterations) per inner iteration of the QK / PV loops, enough for
 //   the whole block, spread over the block's math (a burst of prefetches at
 //   the block start measured worse); int8 on AVX2 one every other iteration
-//   of the P V loop only. The addresses are walked in registers (Pf), not
-//   listed in memory; an int8 block that starts a key group also prefetches
-//   the group's scales and offsets.
+//   of the P V loop only; bf16 / fp16 on AVX2 staggered (this block's V rows
+//   during QK, the next block's K rows during P V, no touch pass after a
+//   split's first block: staggered()). The addresses are walked in
+//   registers (Pf), not listed in memory; an int8 block that starts a key
+//   group also prefetches the group's scales and offsets.
 //   That is the l1 policy, tuned on AMD Zen 3 / Zen 5. On Intel (Sapphire
 //   Rapids) it left fp32 at 75 % and bf16 at 67 % of the streaming read: a
 //   prefetcht0 holds one of the core's L1 fill buffers until its line
@@ -200,6 +202,23 @@ template <typename T, typename KV>
 constexpr bool pf_at(int64_t c) {  // P V loop, key c
   return !int8_on_8_lanes<T, KV>() || (c & 1) != 0;
 }
+// 16-bit rows on 8 lanes (AVX2; Zen 3) under the l1 policy prefetch staggered:
+// the QK loop requests this block's V rows, the P V loop the next block's K
+// rows, one line per iteration (~350 and ~380 iterations at d = dv = 128
+// against 256 lines each), and only a split's first block touches its K rows
+// (nothing prefetched them). The lines in flight are half a block's, and
+// L1 (32 KiB on Zen 3, one bf16 block of K and V) holds the rows being read
+// and the rows being fetched instead of two whole blocks. Against the touch
+// pass with the next block's K and V prefetched in both loops: bf16 0.87-0.91x
+// the time (1 x 32768 on one and two threads, 1 x 4096), fp16 0.86-0.89x, paged
+// (64-slot pages) 0.92x; fp32 rows (1024 lines a block) the same way 1.17-1.18x
+// (1.01x on data in L3), int8 rows 1.09-1.40x (with their prefetch in QK at
+// any rate): they keep theirs (bench/NOTES.md, zen3c). Bit-identical
+// (prefetches and loads only).
+template <typename T, typename KV>
+constexpr bool staggered() {
+  return Vec<T>::W == 8 && sizeof(KV) == 2;
+}
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h
 // (imin / imax, SeqInfo / seq_info / row_range, shared with the fused kernels).
@@ -262,6 +281,18 @@ struct Pf {
   int per;
   bool l2;  // prefetcht1 (into L2) instead of prefetcht0
 };
+// Rows r0 .. r0 + rows - 1 of len elements (row stride ld elements) from base,
+// as runs for Pf: one run where the rows are packed, else one per row.
+template <typename KV>
+inline void pf_runs(const KV* base, int64_t r0, int64_t rows, int64_t ld, int64_t len,
+                    const char** run, int64_t* step, int64_t* run_len, int64_t* n) {
+  const int64_t bytes = len * static_cast<int64_t>(sizeof(KV));
+  *run = reinterpret_cast<const char*>(base + r0 * ld);
+  *step = ld * static_cast<int64_t>(sizeof(KV));
+  const bool dense = *step == bytes;
+  *n = dense ? 1 : rows;
+  *run_len = dense ? rows * bytes : bytes;
+}
 // Every 64-byte line of n floats from p (the int8 cache's scales).
 inline void prefetch_lines(const float* p, int64_t n) {
   for (int64_t e = 0; e < n; e += 16) __builtin_prefetch(p + e, 0, 3);
@@ -703,6 +734,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       slot = j0 % a.block_size;
     }
     slot %= a.R;
+    const int64_t slot0 = slot;  // the row slot of key j0
     if constexpr (Q8) {
       // The block's key group: fold its scales into Q, its offsets into qb.
       const T* ks = ks_base + slot / a.kgroup * d;
@@ -782,13 +814,25 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // On AVX2 (Zen 3) the pass read int8 rows better than the prefetch spread
     // over both loops, but it waits for the block's misses before any math:
     // their prefetch spread over the P V loop alone overlaps them (pf_at).
-    if constexpr (!Q8)
-      if (!a.prefetch_l2) sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
+    // 16-bit rows there prefetch staggered (staggered()): the pass only for a
+    // split's first block's K rows.
+    const bool stag = staggered<T, KV>() && !a.prefetch_l2 && !kpack && !vpack;
+    if constexpr (!Q8) {
+      if (stag) {
+        if (j0 == c0) sc.sink[0] += touch_lines(krow, cols, d);
+      } else if (!a.prefetch_l2) {
+        sc.sink[0] += touch_lines(krow, cols, d) + touch_lines(vrow, cols, dv);
+      }
+    }
     // The next block's lines, prefetched prefetch_per<KV> per inner iteration
-    // of QK / PV (a walk over its rows, see Pf).
+    // of QK / PV (a walk over its rows, see Pf); staggered, the next block's
+    // K rows in P V (pf) and this block's V rows in QK (pfv).
     Pf pf{
         nullptr,      nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0, prefetch_per<KV>(a.prefetch_l2),
         a.prefetch_l2};
+    Pf pfv = pf;
+    if (stag)
+      pf_runs(vb, slot0, imin(cols, a.R - slot0), a.sv.l, dv, &pfv.k, &pfv.ks, &pfv.klen, &pfv.kn);
     if (!kpack && !vpack && j0 + cols < c1) {
       int64_t ns = s.k0 + j0 + cols;
       int64_t ncols = imin(kBc, c1 - j0 - cols);
@@ -817,20 +861,11 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
         }
       }
       const int64_t rows = imin(ncols, a.R - ns);  // a ring's wrap ends the walk (a hint only)
-      const int64_t kb = d * static_cast<int64_t>(sizeof(KV)),
-                    vb = dv * static_cast<int64_t>(sizeof(KV));
-      pf.k = reinterpret_cast<const char*>(nkb + ns * a.sk.l);
-      pf.v = reinterpret_cast<const char*>(nvb + ns * a.sv.l);
-      pf.ks = a.sk.l * static_cast<int64_t>(sizeof(KV));
-      pf.vs = a.sv.l * static_cast<int64_t>(sizeof(KV));
-      const bool kdense = pf.ks == kb, vdense = pf.vs == vb;  // rows packed: one run
-      pf.kn = kdense ? 1 : rows;
-      pf.klen = kdense ? rows * kb : kb;
-      pf.vn = vdense ? 1 : rows;
-      pf.vlen = vdense ? rows * vb : vb;
+      pf_runs(nkb, ns, rows, a.sk.l, d, &pf.k, &pf.ks, &pf.klen, &pf.kn);
+      if (!stag) pf_runs(nvb, ns, rows, a.sv.l, dv, &pf.v, &pf.vs, &pf.vlen, &pf.vn);
     }
     // S = Q K^T.
-    qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, &pf);
+    qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, stag ? &pfv : &pf);
     if constexpr (Q8)
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] += sc.qb[r];
