@@ -228,9 +228,9 @@ def _cache_of(rng, dtype, paged, Hkv=2, d=80, lens=(700, 131)):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_prefetch_policies_give_the_same_bits(isa, rng, prefetch, dtype, paged):
-    """l1 (prefetcht0 + touch pass) and l2 (prefetcht1, no touch pass) only change how the
-    next block's lines are requested: the result is bit-identical to the other policy's and
-    matches the oracle on the stored (rounded / dequantised) K/V."""
+    """l1 (prefetcht0 with a touch pass, or staggered) and l2 (prefetcht1, no touch pass)
+    only change how the next block's lines are requested: the result is bit-identical to the
+    other policy's and matches the oracle on the stored (rounded / dequantised) K/V."""
     c, ids, src = _cache_of(rng, dtype, paged)
     q = randn(rng, (2, 8, 1, 80)).astype(src)
 
