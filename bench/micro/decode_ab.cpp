@@ -8,9 +8,14 @@
 // ratios to the first library (1 thread or more: ratios taken in the same
 // round see the same machine). Every version's output is compared bit for bit
 // with the first's. One token of 32 query heads against 8 kv heads of L keys,
-// d = dv = 128, AVX2 object, K/V on transparent huge pages.
+// d = dv = 128, K/V on transparent huge pages. The AVX2 object, or with
+// -DATTN_ISA_AVX512 and the AVX-512 flags the AVX-512 one (the wheel's avx512
+// build: the avx512_bf16 and amx ISAs decode with it too); a library of an ISA
+// the CPU lacks is refused before it runs (dec_isa).
 //
 //   FL="-O3 -mavx2 -mfma -mf16c -std=c++17 -fopenmp"
+//   (AVX-512: FL="-O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma
+//   -mf16c -std=c++17 -fopenmp -DATTN_ISA_AVX512")
 //   mkdir -p /tmp/base && git archive REV csrc | tar -x -C /tmp/base
 //   for t in /tmp/base .; do n=$(basename $(realpath $t)); g++ $FL -fPIC -shared
 //     -fvisibility=hidden -DAB_LIB -I$t -I$t/csrc/include -I$t/csrc/kernels
@@ -18,18 +23,29 @@
 //   g++ -O2 -std=c++17 bench/micro/decode_ab.cpp -ldl -o /tmp/dab
 //   /tmp/dab MODE L THREADS ROUNDS /tmp/dab_base.so /tmp/dab_main.so
 //   MODE: 0 fp32, 1 bf16, 2 int8 (KVCache's layout: keys per channel over
-//   64-slot groups, values per token), 3 fp16. A commit before the int8 cache (or the
-//   bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
+//   64-slot groups, values per token), 3 fp16. A commit before the int8 cache
+//   (or the bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
 //   A library named NAME.so@p runs paged (PagedKVCache's layout: one chunk of
 //   L / 64 pages of 64 slots, (pages, 8, 64, d), the pages in a fixed shuffled
 //   order); NAME.so@c runs the paged code path over the contiguous K / V (the
 //   pages of a kv head one after the other, in order). Same values, so every
 //   variant's output is compared bit for bit with the first's as well.
 #if defined(AB_LIB)
+#if !defined(ATTN_ISA_AVX512)
 #define ATTN_ISA_AVX2 1
+#endif
 #include "csrc/kernels/decode.cpp"
 #include <cmath>
 using namespace attn_fast;
+// The object's ISA, for the driver to check against the CPU before any call
+// (no vector code here).
+extern "C" __attribute__((visibility("default"))) const char* dec_isa() {
+#if defined(ATTN_ISA_AVX512)
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
 extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const void* q,
                                                               const void* k, const void* v, void* o,
                                                               float* lse, const float* const* sc,
@@ -75,7 +91,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
       a.k_chunks = reinterpret_cast<const bf16_t* const*>(kc);
       a.v_chunks = reinterpret_cast<const bf16_t* const*>(vc);
     }
-    isa_avx2::decode_forward_bf16(a);
+    ATTN_NS::decode_forward_bf16(a);
     return 0;
   }
   if (mode == 3) {
@@ -88,7 +104,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
       a.k_chunks = reinterpret_cast<const fp16_t* const*>(kc);
       a.v_chunks = reinterpret_cast<const fp16_t* const*>(vc);
     }
-    isa_avx2::decode_forward_f16(a);
+    ATTN_NS::decode_forward_f16(a);
     return 0;
   }
 #endif
@@ -119,7 +135,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
   } else {
     return 1;
   }
-  isa_avx2::decode_forward_f32(a);
+  ATTN_NS::decode_forward_f32(a);
   return 0;
 }
 #else
@@ -189,6 +205,21 @@ int main(int argc, char** argv) {
     void* h = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
       std::fprintf(stderr, "%s\n", dlerror());
+      return 1;
+    }
+    // Older libraries have no dec_isa: AVX2.
+    typedef const char* (*IsaFn)();
+    const IsaFn isa_fn = reinterpret_cast<IsaFn>(dlsym(h, "dec_isa"));
+    const std::string isa = isa_fn ? isa_fn() : "avx2";
+    __builtin_cpu_init();
+    const bool ok = isa == "avx512"
+                        ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                              __builtin_cpu_supports("avx512vl") &&
+                              __builtin_cpu_supports("avx512dq")
+                        : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!ok) {
+      std::fprintf(stderr, "%s: an %s object, and this CPU lacks %s\n", file.c_str(), isa.c_str(),
+                   isa.c_str());
       return 1;
     }
     fns.push_back(reinterpret_cast<Fn>(dlsym(h, "dec_run")));
