@@ -36,6 +36,7 @@
 #endif
 #include "csrc/kernels/decode.cpp"
 #include <cmath>
+#include <type_traits>
 using namespace attn_fast;
 // The object's ISA, for the driver to check against the CPU before any call
 // (no vector code here).
@@ -81,32 +82,23 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     for (int i = 0; i < 4; i++) scc[i][0] = sc[i];
   };
 #if !defined(AB_FP32_ONLY)
-  if (mode == 1) {
-    DecodeArgs<bf16_t> a;
+  // 16-bit K/V (mode 1 bf16, 3 fp16): the same call in the storage type S.
+  auto run16 = [&](auto* tag, auto forward) {
+    using S = std::remove_pointer_t<decltype(tag)>;
+    DecodeArgs<S> a;
     fill(a);
-    a.q = static_cast<const bf16_t*>(q), a.o = static_cast<bf16_t*>(o);
-    a.k = static_cast<const bf16_t*>(k), a.v = static_cast<const bf16_t*>(v);
+    a.q = static_cast<const S*>(q), a.o = static_cast<S*>(o);
+    a.k = static_cast<const S*>(k), a.v = static_cast<const S*>(v);
     page(a);
     if (table) {
-      a.k_chunks = reinterpret_cast<const bf16_t* const*>(kc);
-      a.v_chunks = reinterpret_cast<const bf16_t* const*>(vc);
+      a.k_chunks = reinterpret_cast<const S* const*>(kc);
+      a.v_chunks = reinterpret_cast<const S* const*>(vc);
     }
-    ATTN_NS::decode_forward_bf16(a);
+    forward(a);
     return 0;
-  }
-  if (mode == 3) {
-    DecodeArgs<fp16_t> a;
-    fill(a);
-    a.q = static_cast<const fp16_t*>(q), a.o = static_cast<fp16_t*>(o);
-    a.k = static_cast<const fp16_t*>(k), a.v = static_cast<const fp16_t*>(v);
-    page(a);
-    if (table) {
-      a.k_chunks = reinterpret_cast<const fp16_t* const*>(kc);
-      a.v_chunks = reinterpret_cast<const fp16_t* const*>(vc);
-    }
-    ATTN_NS::decode_forward_f16(a);
-    return 0;
-  }
+  };
+  if (mode == 1) return run16(static_cast<bf16_t*>(nullptr), ATTN_NS::decode_forward_bf16);
+  if (mode == 3) return run16(static_cast<fp16_t*>(nullptr), ATTN_NS::decode_forward_f16);
 #endif
   DecodeArgs<float> a;
   fill(a);
