@@ -868,7 +868,10 @@ PYBIND11_MODULE(_core, m) {
       py::arg("name"));
   m.def("decode_prefetch",
         [] { return std::string(decode_prefetch() == DecodePrefetch::l2 ? "l2" : "l1"); });
-  m.def("cpu_vendor_intel", &cpu_vendor_intel);
+  m.def("cpu_signature", [] {
+    const CpuSignature s = cpu_signature();
+    return py::make_tuple(s.vendor, s.family, s.model);
+  });
   m.def("available_isas", [] {
     py::list out;
     for (Isa i : available_isas()) out.append(isa_name(i));

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 from helpers import assert_attention, assert_close, poisoned, randn
@@ -253,6 +255,36 @@ def test_prefetch_policies_give_the_same_bits(isa, rng, prefetch, dtype, paged):
         assert_close(o[b], O, np.float32, **t16.get(dtype, {}))
 
 
+def _auto_prefetch():
+    """The policy "auto" documents: l2 on Intel and on AMD Zen 4 (family 19h with
+    AVX-512), l1 elsewhere."""
+    vendor, family, _model = _core.cpu_signature()
+    zen4 = vendor == "AuthenticAMD" and family == 0x19 and "avx512" in _core.available_isas()
+    return "l2" if vendor == "GenuineIntel" or zen4 else "l1"
+
+
+def test_cpu_signature():
+    vendor, family, model = _core.cpu_signature()
+    assert isinstance(vendor, str) and isinstance(family, int) and isinstance(model, int)
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert len(vendor) == 12 and family >= 6 and 0 <= model <= 0xFF
+        try:
+            with open("/proc/cpuinfo") as f:
+                info = f.read()
+        except OSError:
+            return
+        fields = {}
+        for line in info.splitlines():
+            if not line.strip():
+                break  # the first processor's block only
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+        if "vendor_id" in fields:  # Linux prints the same three CPUID values
+            assert fields["vendor_id"] == vendor
+            assert int(fields["cpu family"]) == family
+            assert int(fields["model"]) == model
+
+
 def test_decode_prefetch_setting():
     old = af.get_decode_prefetch()
     try:
@@ -260,13 +292,13 @@ def test_decode_prefetch_setting():
         for name in ("l1", "l2", " L2 "):
             af.set_decode_prefetch(name)
             assert af.get_decode_prefetch() == name.strip().lower()
-        af.set_decode_prefetch("auto")  # by the CPU's vendor
-        assert af.get_decode_prefetch() == ("l2" if _core.cpu_vendor_intel() else "l1")
+        af.set_decode_prefetch("auto")  # by the CPU
+        assert af.get_decode_prefetch() == _auto_prefetch()
         assert af._config.config()["decode_prefetch"] == af.get_decode_prefetch()
         for bad in ("l3", "", None, 2):
             with pytest.raises(ValueError, match="decode prefetch must be one of"):
                 af.set_decode_prefetch(bad)
-        assert af.get_decode_prefetch() == ("l2" if _core.cpu_vendor_intel() else "l1")
+        assert af.get_decode_prefetch() == _auto_prefetch()
     finally:
         af.set_decode_prefetch(old)
 

@@ -30,6 +30,8 @@
 //   order); NAME.so@c runs the paged code path over the contiguous K / V (the
 //   pages of a kv head one after the other, in order). Same values, so every
 //   variant's output is compared bit for bit with the first's as well.
+//   A library built with -DAB_L2 runs the l2 prefetch policy
+//   (DecodeArgs::prefetch_l2), without it the l1 policy, whatever the CPU.
 #if defined(AB_LIB)
 #if !defined(ATTN_ISA_AVX512)
 #define ATTN_ISA_AVX2 1
@@ -66,6 +68,9 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     a.so = a.sq;
     a.scale = 1 / std::sqrt(128.0);
     a.num_threads = nt;
+#if defined(AB_L2)  // the l2 prefetch policy (decode.cpp, DecodeArgs::prefetch_l2)
+    a.prefetch_l2 = true;
+#endif
   };
   // Paged (table != null): k / v (and sc) are one chunk of L / 64 pages of 64
   // slots, (L / 64, Hkv, 64, d); logical block j lives in page table[j].

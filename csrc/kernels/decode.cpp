@@ -62,8 +62,9 @@
 //   The l2 policy (DecodeArgs::prefetch_l2, chosen by dispatch on Intel)
 //   prefetches into L2 (prefetcht1; fp32 4 per iteration) and skips the touch
 //   pass: fp32 0.78-0.80x, bf16 0.76-0.77x the time there, 95-101 % of the
-//   probe. On
-//   Zen 5 L2 prefetches were 1.05-1.23x slower (bench/NOTES.md, dec4, dec6).
+//   probe; on AMD Zen 4 fp32 0.64-0.82x, bf16 0.73-0.85x (dispatch picks it
+//   there too). On Zen 5 L2 prefetches were 1.05-1.23x slower (bench/NOTES.md,
+//   dec4, dec6, zen4).
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
 //   split's first block was 15-30 % slower in paired runs at 4k-32k keys:
@@ -165,8 +166,9 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // cache defeats; on one thread's CPU time 3 (fp32) and 2 (bf16) were 0.86x and
 // 0.90x of 1 contiguous, 3 and 2 the best paged (bench/NOTES.md, dec4).
 // With the lines prefetched into L2 and no touch pass (DecodeArgs::prefetch_l2,
-// Intel), fp32 takes 4: 0.92x of 3 on Sapphire Rapids, 2 threads (bf16 3 was
-// 1.05-1.06x of 2; bench/NOTES.md, dec6).
+// Intel, Zen 4), fp32 takes 4: 0.92x of 3 on Sapphire Rapids, 2 threads (bf16
+// 3 was 1.05-1.06x of 2; bench/NOTES.md, dec6); on Zen 4 fp32 3 and 6 were
+// 1.13-1.24x of 4, bf16 1 1.47-1.52x and 3 1.03-1.07x of 2 (zen4).
 // Those counts are for 16-lane vectors (AVX-512). With 8 lanes (AVX2) a block
 // has twice the inner iterations (about 750 at d = dv = 128, 4 rows), so half
 // the rate covers it: fp32 1 (1.4 lines per iteration would cover all; the

@@ -69,7 +69,8 @@ def set_decode_prefetch(name: str) -> None:
     "l1": ``prefetcht0`` plus a pass that touches each block's lines first
     (tuned on AMD Zen 3 / Zen 5); "l2": ``prefetcht1`` (into L2) and no touch
     pass (tuned on Intel Sapphire Rapids, where the L1 fill buffers cap the
-    misses in flight); "auto" (the default): "l2" on Intel CPUs, "l1"
+    misses in flight; also the faster one on AMD Zen 4); "auto" (the default):
+    "l2" on Intel CPUs and on AMD Zen 4 (CPUID family 19h with AVX-512), "l1"
     elsewhere. Raises ValueError for another name. Affects the whole process;
     the environment variable ATTN_FAST_DECODE_PREFETCH does the same at import.
     """

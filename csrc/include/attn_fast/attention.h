@@ -275,11 +275,16 @@ void reference_forward(const AttnArgs<double>& a);
 
 // The decode kernel's prefetch policy (DecodeArgs::prefetch_l2): l1 or l2 as
 // chosen (set_decode_prefetch, ATTN_FAST_DECODE_PREFETCH at import), or by
-// the CPU's vendor (auto: l2 on GenuineIntel, l1 elsewhere).
+// the CPU (auto: l2 on GenuineIntel and on AMD Zen 4, l1 elsewhere).
 enum class DecodePrefetch : int { auto_ = 0, l1 = 1, l2 = 2 };
 void set_decode_prefetch(DecodePrefetch p);
 DecodePrefetch decode_prefetch();  // the policy in effect: l1 or l2, never auto
-bool cpu_vendor_intel();
+// CPUID's vendor string and display family / model ("", 0, 0 off x86).
+struct CpuSignature {
+  std::string vendor;
+  int family = 0, model = 0;
+};
+CpuSignature cpu_signature();
 
 // Split-KV decode kernel (csrc/kernels/decode.cpp), dispatched per ISA.
 void decode_forward(const DecodeArgs<float>& a);
