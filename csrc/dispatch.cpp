@@ -348,13 +348,14 @@ void set_decode_prefetch(DecodePrefetch p) { g_decode_pf.store(static_cast<int>(
 DecodePrefetch decode_prefetch() {
   const auto p = static_cast<DecodePrefetch>(g_decode_pf.load());
   if (p != DecodePrefetch::auto_) return p;
-  // l2 on Intel and on AMD Zen 4 (family 19h with AVX-512; Zen 3 is family
-  // 19h without it): there it read 0.64-0.82x (fp32) and 0.73-0.85x (bf16) of
-  // the l1 policy's time. l1 on Zen 3 and Zen 5 (family 1Ah), for which it was
-  // tuned (bench/NOTES.md, dec4, dec6, zen4).
+  // l2 on Intel and on AMD Zen 4 (family 19h with the avx512 ISA available;
+  // Zen 3 is family 19h without it): there the AVX-512 decode read 0.64-0.82x
+  // (fp32) and 0.73-0.85x (bf16) of the l1 policy's time. l1 on Zen 3 and Zen 5
+  // (family 1Ah), for which it was tuned (bench/NOTES.md, dec4, dec6, zen4).
   static const DecodePrefetch by_cpu = [] {
     const CpuSignature s = cpu_signature();
-    const bool zen4 = s.vendor == "AuthenticAMD" && s.family == 0x19 && supported(Isa::avx512);
+    const bool zen4 = s.vendor == "AuthenticAMD" && s.family == 0x19 && compiled(Isa::avx512) &&
+                      supported(Isa::avx512);
     return s.vendor == "GenuineIntel" || zen4 ? DecodePrefetch::l2 : DecodePrefetch::l1;
   }();
   return by_cpu;

@@ -257,7 +257,7 @@ def test_prefetch_policies_give_the_same_bits(isa, rng, prefetch, dtype, paged):
 
 def _auto_prefetch():
     """The policy "auto" documents: l2 on Intel and on AMD Zen 4 (family 19h with
-    AVX-512), l1 elsewhere."""
+    the avx512 ISA available), l1 elsewhere."""
     vendor, family, _model = _core.cpu_signature()
     zen4 = vendor == "AuthenticAMD" and family == 0x19 and "avx512" in _core.available_isas()
     return "l2" if vendor == "GenuineIntel" or zen4 else "l1"
