@@ -283,6 +283,7 @@ def test_cpu_signature():
             assert fields["vendor_id"] == vendor
             assert int(fields["cpu family"]) == family
             assert int(fields["model"]) == model
+        assert af._config.config()["cpu_id"] == f"{vendor} family {family:x}h model {model:x}h"
 
 
 def test_decode_prefetch_setting():

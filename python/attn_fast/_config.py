@@ -117,6 +117,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """CPUID's vendor, family and model ("GenuineIntel family 6h model 8fh"), which
+    the decode prefetch's "auto" reads; the model name of a VM is often masked."""
+    vendor, family, model = _core.cpu_signature()
+    return f"{vendor} family {family:x}h model {model:x}h" if vendor else ""
+
+
 def config() -> dict[str, Any]:
     """The configuration as a dict (what show_config prints)."""
     from . import __version__
@@ -129,6 +136,7 @@ def config() -> dict[str, Any]:
         "openmp": _core.openmp_runtime(),
         "num_threads": _core.get_num_threads(),
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
         "amx": _core.amx_status(),
         "decode_prefetch": _core.decode_prefetch(),

@@ -479,6 +479,7 @@ def run(
     result = {
         "machine": {
             "cpu": cfg["cpu"],
+            "cpu_id": cfg["cpu_id"],
             "cores": os.cpu_count(),
             "isa": cfg["isa"],
             "available_isas": cfg["available_isas"],
@@ -494,7 +495,7 @@ def run(
     }
     print(
         f"attn_fast {cfg['version']}  ISA {cfg['isa']}  decode prefetch {cfg['decode_prefetch']}  "
-        f"CPU {cfg['cpu']} ({os.cpu_count()} cores)",
+        f"CPU {cfg['cpu']} ({cfg['cpu_id'] + ', ' if cfg['cpu_id'] else ''}{os.cpu_count()} cores)",
         file=out,
     )
     print("  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v), file=out)
