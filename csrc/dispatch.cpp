@@ -171,6 +171,9 @@ bool compiled(Isa isa) {
   }
 }
 
+// Compiled into this build and runnable on this CPU / OS.
+bool available(Isa isa) { return compiled(isa) && supported(isa); }
+
 bool amx_default_ok();  // the self-check, once (below)
 
 // The tile ISA the default choice considers: amx, or amx_emu standing in for
@@ -294,7 +297,7 @@ std::vector<Isa> compiled_isas() {
 std::vector<Isa> available_isas() {
   std::vector<Isa> out;
   for (Isa i : compiled_isas())
-    if (supported(i)) out.push_back(i);
+    if (available(i)) out.push_back(i);
   return out;
 }
 
@@ -354,8 +357,7 @@ DecodePrefetch decode_prefetch() {
   // (family 1Ah), for which it was tuned (bench/NOTES.md, dec4, dec6, zen4).
   static const DecodePrefetch by_cpu = [] {
     const CpuSignature s = cpu_signature();
-    const bool zen4 = s.vendor == "AuthenticAMD" && s.family == 0x19 && compiled(Isa::avx512) &&
-                      supported(Isa::avx512);
+    const bool zen4 = s.vendor == "AuthenticAMD" && s.family == 0x19 && available(Isa::avx512);
     return s.vendor == "GenuineIntel" || zen4 ? DecodePrefetch::l2 : DecodePrefetch::l1;
   }();
   return by_cpu;

@@ -493,9 +493,10 @@ def run(
         "results": [],
         "notes": [],
     }
+    cpu_about = ", ".join(x for x in (cfg["cpu_id"], f"{os.cpu_count()} cores") if x)
     print(
         f"attn_fast {cfg['version']}  ISA {cfg['isa']}  decode prefetch {cfg['decode_prefetch']}  "
-        f"CPU {cfg['cpu']} ({cfg['cpu_id'] + ', ' if cfg['cpu_id'] else ''}{os.cpu_count()} cores)",
+        f"CPU {cfg['cpu']} ({cpu_about})",
         file=out,
     )
     print("  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v), file=out)
