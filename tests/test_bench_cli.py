@@ -332,3 +332,36 @@ def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
         assert row["name"] in text
     for word in FORBIDDEN:
         assert word not in text, word
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def test_time_interleaved_warms_after_the_pause(monkeypatch):
+    """After each cooldown pause an implementation runs untimed for WARM_S before its timed
+    call (an idle VM wakes up slowly); cooldown=False pauses and warms nothing; long calls
+    (>= WARM_MAX_S) are not warmed once one has been timed."""
+    monkeypatch.setattr(bench_suite, "COOLDOWN_DEFAULT_S", 0.0)
+    monkeypatch.setattr(bench_suite, "WARM_S", 0.02)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(bench_suite.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(bench_suite.time, "sleep", lambda s: None)
+    calls = {"short": 0, "long": 0}
+
+    def make(name, seconds):
+        def fn():
+            calls[name] += 1
+            clock["t"] += seconds
+
+        return fn
+
+    fns = {"short": make("short", 0.005), "long": make("long", 0.3)}
+    samples = bench_suite.time_interleaved(fns, repeats=3, warmup=0)
+    assert samples["short"] == pytest.approx([0.005] * 3)
+    assert samples["long"] == pytest.approx([0.3] * 3)
+    # short: 4 untimed calls (0.02 s) + 1 timed per round; long: 1 untimed call in the
+    # first round only (its length is not known before), then timed calls alone
+    assert calls == {"short": 3 * 5, "long": 1 + 3}
+    calls.update(short=0, long=0)
+    bench_suite.time_interleaved(fns, repeats=3, warmup=0, cooldown=False)
+    assert calls == {"short": 3, "long": 3}
