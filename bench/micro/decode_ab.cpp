@@ -27,11 +27,18 @@
 //   (or the bf16 decode) builds with -DAB_FP32_ONLY and runs mode 0 only.
 //   A library named NAME.so@p runs paged (PagedKVCache's layout: one chunk of
 //   L / 64 pages of 64 slots, (pages, 8, 64, d), the pages in a fixed shuffled
-//   order); NAME.so@c runs the paged code path over the contiguous K / V (the
+//   order; AB_PAGE=P in the environment: pages of P slots, a multiple of 64
+//   dividing L); NAME.so@c runs the paged code path over the contiguous K / V (the
 //   pages of a kv head one after the other, in order). Same values, so every
 //   variant's output is compared bit for bit with the first's as well.
 //   A library built with -DAB_L2 runs the l2 prefetch policy
 //   (DecodeArgs::prefetch_l2), without it the l1 policy, whatever the CPU.
+#include <cstdlib>
+// Slots per page of the paged runs: AB_PAGE, else 64 (the driver checks it).
+static long ab_page() {
+  const char* e = std::getenv("AB_PAGE");
+  return e && *e ? std::atol(e) : 64;
+}
 #if defined(AB_LIB)
 #if !defined(ATTN_ISA_AVX512)
 #define ATTN_ISA_AVX2 1
@@ -72,16 +79,17 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     a.prefetch_l2 = true;
 #endif
   };
-  // Paged (table != null): k / v (and sc) are one chunk of L / 64 pages of 64
-  // slots, (L / 64, Hkv, 64, d); logical block j lives in page table[j].
+  // Paged (table != null): k / v (and sc) are one chunk of L / P pages of P
+  // slots (P = ab_page()), (L / P, Hkv, P, d); logical block j lives in page table[j].
   static const void* kc[1];
   static const void* vc[1];
   static const float* scc[4][1];
   auto page = [&](auto& a) {
     if (!table) return;
     a.block_table = reinterpret_cast<const int64_t*>(table);
-    a.max_blocks = L / 64, a.block_size = 64, a.chunk_blocks = L / 64;
-    a.sk = flat ? Strides4{64 * d, L * d, d, 1} : Strides4{Hkv * 64 * d, 64 * d, d, 1};
+    const long P = ab_page();
+    a.max_blocks = L / P, a.block_size = P, a.chunk_blocks = L / P;
+    a.sk = flat ? Strides4{P * d, L * d, d, 1} : Strides4{Hkv * P * d, P * d, d, 1};
     a.sv = a.sk;
     kc[0] = k, vc[0] = v;
     for (int i = 0; i < 4; i++) scc[i][0] = sc[i];
@@ -262,9 +270,13 @@ int main(int argc, char** argv) {
     else
       q[i] = a;
   }
-  // The paged copy (a library named NAME.so@p): L / 64 pages of 64 slots in a
+  // The paged copy (a library named NAME.so@p): L / P pages of P slots in a
   // shuffled order (a fixed permutation), the same values as k / v.
-  const long nb = L / 64;
+  const long P = ab_page(), nb = L / P;
+  if (P < 64 || P % 64 || L % P) {
+    std::fprintf(stderr, "AB_PAGE must be a multiple of 64 dividing L, got %ld\n", P);
+    return 2;
+  }
   std::vector<long> table(nb);
   for (long j = 0; j < nb; j++) table[j] = j;
   uint64_t seed = 12345;
@@ -279,18 +291,19 @@ int main(int argc, char** argv) {
       dst[i] = static_cast<float*>(huge_alloc((i < 2 ? ng : Hkv * L) * 4));
     for (long h = 0; h < Hkv; h++)
       for (long j = 0; j < nb; j++) {
-        const long bh = tab[j] * Hkv + h;
-        for (int i = 0; i < 2; i++) std::memcpy(dst[i] + bh * d, sc[i] + (h * nb + j) * d, d * 4);
-        for (int i = 2; i < 4; i++) std::memcpy(dst[i] + bh * 64, sc[i] + h * L + j * 64, 64 * 4);
+        const long bh = tab[j] * Hkv + h, gp = P / 64;  // key groups per page
+        for (int i = 0; i < 2; i++)
+          std::memcpy(dst[i] + bh * gp * d, sc[i] + (h * (L / 64) + j * gp) * d, gp * d * 4);
+        for (int i = 2; i < 4; i++) std::memcpy(dst[i] + bh * P, sc[i] + h * L + j * P, P * 4);
       }
   };
   char* kp = static_cast<char*>(huge_alloc(n * es));
   char* vp = static_cast<char*>(huge_alloc(n * es));
   for (long h = 0; h < Hkv; h++)
     for (long j = 0; j < nb; j++) {
-      const long src = (h * L + j * 64) * d, dst = (table[j] * Hkv + h) * 64 * d;
-      std::memcpy(kp + dst * es, k + src * es, 64 * d * es);
-      std::memcpy(vp + dst * es, v + src * es, 64 * d * es);
+      const long src = (h * L + j * P) * d, dst = (table[j] * Hkv + h) * P * d;
+      std::memcpy(kp + dst * es, k + src * es, P * d * es);
+      std::memcpy(vp + dst * es, v + src * es, P * d * es);
     }
   float* scp[4];
   pool_scales(table, scp);

@@ -295,9 +295,22 @@ inline void pf_runs(const KV* base, int64_t r0, int64_t rows, int64_t ld, int64_
   *n = dense ? 1 : rows;
   *run_len = dense ? rows * bytes : bytes;
 }
-// Every 64-byte line of n floats from p (the int8 cache's scales).
-inline void prefetch_lines(const float* p, int64_t n) {
-  for (int64_t e = 0; e < n; e += 16) __builtin_prefetch(p + e, 0, 3);
+// Every 64-byte line of n floats from p (the int8 cache's scales), into L1
+// (prefetcht0), or into L2 (prefetcht1: l2 = a paged cache under the l2
+// policy). A paged cache's scales lie in per-page records of the pool
+// ((block, H_kv, ...)), and the lines fetched into L1 a block ahead were lost
+// there before use: on Zen 4 (decode_ab int8, 2 threads, 64-slot pages
+// shuffled, 5 runs) paged took 1.08-1.14x the contiguous time with t0 and
+// 1.02-1.08x with t1 at 32k keys (1.013x and 1.003x at 4096). The contiguous
+// cache keeps t0 (with t1 it read 0.98-1.02x, noise), as does the l1 policy
+// (Zen 3 / Zen 5: not measured there). bench/NOTES.md, zen4 step 7.
+inline void prefetch_lines(const float* p, int64_t n, bool l2) {
+  for (int64_t e = 0; e < n; e += 16) {
+    if (l2)
+      __builtin_prefetch(p + e, 0, 2);
+    else
+      __builtin_prefetch(p + e, 0, 3);
+  }
 }
 // The next run into at / end; false when none is left.
 inline bool pf_next_run(Pf* p) {
@@ -856,10 +869,11 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
         // prefetcher has no stream for them: paged int8 0.92x with, contiguous
         // 0.96x).
         if (ns % a.kgroup == 0) {
-          prefetch_lines(nks + ns / a.kgroup * d, d);
-          prefetch_lines(nko + ns / a.kgroup * d, d);
-          prefetch_lines(nvs + ns, ncols);
-          prefetch_lines(nvo + ns, ncols);
+          const bool l2s = a.prefetch_l2 && a.block_table != nullptr;
+          prefetch_lines(nks + ns / a.kgroup * d, d, l2s);
+          prefetch_lines(nko + ns / a.kgroup * d, d, l2s);
+          prefetch_lines(nvs + ns, ncols, l2s);
+          prefetch_lines(nvo + ns, ncols, l2s);
         }
       }
       const int64_t rows = imin(ncols, a.R - ns);  // a ring's wrap ends the walk (a hint only)
