@@ -19,6 +19,8 @@
 
 #include <x86intrin.h>
 
+#include "cycles.h"  // cycles_per_tick
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,21 +28,6 @@
 
 using namespace attn_fast;
 using namespace ATTN_NS;
-
-// Core cycles per TSC tick: 4 dependent adds per iteration, one per cycle.
-static double cycles_per_tick() {
-  double best = 0;
-  for (int r = 0; r < 5; ++r) {
-    const long n = 200000000;
-    const unsigned long t0 = __rdtsc();
-    __asm__ volatile(
-        "mov %0, %%rcx\n1: add $1, %%rax\n add $1, %%rax\n add $1, %%rax\n add $1, %%rax\n"
-        " sub $4, %%rcx\n jnz 1b\n" ::"r"(n)
-        : "rax", "rcx", "cc");
-    best = std::max(best, double(n) / double(__rdtsc() - t0));
-  }
-  return best;
-}
 
 constexpr int64_t kD = 128, kCols = 64, kMaxBlocks = 64;
 

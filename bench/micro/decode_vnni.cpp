@@ -30,6 +30,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "cycles.h"  // cycles_per_tick
+
 namespace {
 
 constexpr int kD = 128, kD4 = kD / 4, kBc = 64, kNB = 32, kRows = 4;
@@ -43,20 +45,6 @@ alignas(64) int8_t Qd[3][kRows][kD], Pd[3][kRows][kBc];
 float qsc[kRows], psc[kRows];
 int32_t qsum[kRows], psum[kRows];
 bool digits_on = true;
-
-double cycles_per_tick() {  // a chain of dependent adds, one per cycle
-  double best = 0;
-  for (int r = 0; r < 3; ++r) {
-    const long n = 100000000;
-    const unsigned long t0 = __rdtsc();
-    __asm__ volatile(
-        "mov %0, %%rcx\n1: add $1, %%rax\n add $1, %%rax\n add $1, %%rax\n add $1, %%rax\n"
-        " sub $4, %%rcx\n jnz 1b\n" ::"r"(n)
-        : "rax", "rcx", "cc");
-    best = std::max(best, double(n) / double(__rdtsc() - t0));
-  }
-  return best;
-}
 
 // GCC 12 turns the vpdpbusd intrinsic in these loops into register copies and
 // stack stores each iteration (2.2x the cycles of P V); the instruction itself,
@@ -189,7 +177,7 @@ void check() {
 }  // namespace
 
 int main() {
-  const double cpt = cycles_per_tick();
+  const double cpt = cycles_per_tick(3, 100000000);
   uint32_t st = 12345;  // fresh pseudo-random codes, q, p and scales
   auto rnd = [&st] { return (st = st * 1664525u + 1013904223u) >> 8; };
   for (auto& x : K) x = rnd() & 255;
