@@ -3,11 +3,11 @@
 // threads). Tells how close the loops themselves come to the FMA peak, and
 // how much of the kernel's gap is elsewhere (bench/NOTES.md).
 //
-//   g++ -O3 -mavx2 -mfma -std=c++17 -Icsrc/include -Icsrc/kernels \
-//       bench/micro/kernels.cpp -o /tmp/mk && /tmp/mk
-//   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -std=c++17 \
-//       -DATTN_ISA_AVX512 -Icsrc/include -Icsrc/kernels \
-//       bench/micro/kernels.cpp -o /tmp/mk512 && /tmp/mk512
+//   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -I. -Icsrc/include -Icsrc/kernels \
+//       bench/micro/kernels.cpp csrc/interrupt.cpp -o /tmp/mk && /tmp/mk
+//   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c -std=c++17 \
+//       -DATTN_ISA_AVX512 -I. -Icsrc/include -Icsrc/kernels \
+//       bench/micro/kernels.cpp csrc/interrupt.cpp -o /tmp/mk512 && /tmp/mk512
 //
 // The ISA is the kernel source's (ATTN_ISA_AVX2 unless ATTN_ISA_AVX512 is
 // defined), and so are the tile (kMR x kNR vectors, IsaTraits) and W.
