@@ -412,9 +412,10 @@ std::string openmp_runtime() {
 }
 
 // The entry points: one overload per storage type of each kernel's list
-// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward calls
-// on avx512_bf16 take that object's vdpbf16ps kernel (bf16_dot_forward); every
-// other call of that ISA runs the avx512 object (ATTN_DISPATCH).
+// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward and
+// decode calls on avx512_bf16 take that object's vdpbf16ps kernels
+// (bf16_dot_forward, bf16_dot_decode); every other call of that ISA runs the
+// avx512 object (ATTN_DISPATCH).
 template <typename S>
 inline bool bf16_dot_forward(const AttnArgs<S>&, AttnStats*) {
   return false;
@@ -449,10 +450,29 @@ inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
     if (bf16_dot_forward(a, &st)) return st;      \
     ATTN_DISPATCH(flash_forward_##sfx, a)         \
   }
+// bf16 decode on avx512_bf16 takes that object's kernel (vdpbf16ps Q K^T);
+// amx and amx_emu keep the avx512 one (on Sapphire Rapids vdpbf16ps runs at
+// half the fp32 FMA rate, README).
+template <typename S>
+inline bool bf16_dot_decode(const DecodeArgs<S>&) {
+  return false;
+}
+inline bool bf16_dot_decode(const DecodeArgs<bf16_t>& a) {
+#ifdef ATTN_HAVE_AVX512_BF16
+  if (active_isa() == Isa::avx512_bf16) {
+    isa_avx512_bf16::decode_forward_bf16(a);
+    return true;
+  }
+#endif
+  (void)a;
+  return false;
+}
+
 #define ATTN_DEFINE_DECODE(sfx, S)                           \
   void decode_forward(const DecodeArgs<S>& args) {           \
     DecodeArgs<S> a = args;                                  \
     a.prefetch_l2 = decode_prefetch() == DecodePrefetch::l2; \
+    if (bf16_dot_decode(a)) return;                          \
     ATTN_DISPATCH(decode_forward_##sfx, a)                   \
   }
 #define ATTN_DEFINE_BACKWARD(sfx, S) \

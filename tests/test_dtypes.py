@@ -468,6 +468,42 @@ def test_decode_matches_oracle(isa, rng, src, causal, Lq, Lk, d, dv):
     check_lse(lse, LSE)
 
 
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("d", [1, 5, 31, 32, 33, 80, 256])
+def test_decode_bf16_keys_strided_and_every_row_count(isa, rng, G, d):
+    """bfloat16 decode (on avx512_bf16 its Q K^T is vdpbf16ps on the raw bf16 q and k, the scale
+    on the fp32 scores): K read through a stride along d (packed first) and in place, d not a
+    multiple of the 32-value pairs (a masked tail: the NaN that follows every key row in memory
+    is never read), 1..8 query rows per kv head; lse to fp32 rounding of the oracle's, and the
+    strided and contiguous keys give the same bits."""
+    from attn_fast import _core
+
+    Hkv, Lk, dv = 2, 150, 24
+    q = make(rng.standard_normal((1, Hkv * G, 1, d)), "ml_bf16") if ml_dtypes else None
+    if q is None:
+        pytest.skip("ml_dtypes is not installed")
+    k = make(rng.standard_normal((1, Hkv, Lk, d)), "ml_bf16")
+    v = make(rng.standard_normal((1, Hkv, Lk, dv)), "ml_bf16")
+    wide = np.full((1, Hkv, Lk, 2 * d + 1), np.nan, np.float32)
+    wide[..., : 2 * d : 2] = f64(k)
+    kw = make(wide, "ml_bf16")  # k with a stride of 2 along d, NaN in between and after
+    padded = np.full((1, Hkv, Lk, d + 32), np.nan, np.float32)
+    padded[..., :d] = f64(k)
+    kp = make(padded, "ml_bf16")  # k in place, each row followed by NaN
+    outs = []
+    for keys in (_raw(kw)[..., : 2 * d : 2], _raw(kp)[..., :d], _raw(k)):
+        o = np.full((1, Hkv * G, 1, dv), 0xFFFF, np.uint16)
+        lse = np.full((1, Hkv * G, 1), np.nan, np.float32)
+        _core.decode(_raw(q), keys, _raw(v), o, lse, scale=d**-0.5, causal=False)
+        outs.append((o, lse))
+    O, LSE = orc(f64(q), f64(k).repeat(G, axis=1), f64(v).repeat(G, axis=1), return_lse=True)
+    for o, lse in outs:
+        close(o, O, "ml_bf16")
+        check_lse(lse, LSE)
+    for o, lse in outs[1:]:
+        assert np.array_equal(o, outs[0][0]) and np.array_equal(lse, outs[0][1])
+
+
 @pytest.mark.parametrize("src", SOURCES)
 @pytest.mark.parametrize("split", [0, 64])
 def test_decode_ring_ragged_window(isa, rng, src, split):

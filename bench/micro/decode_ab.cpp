@@ -10,8 +10,10 @@
 // with the first's. One token of 32 query heads against 8 kv heads of L keys,
 // d = dv = 128, K/V on transparent huge pages. The AVX2 object, or with
 // -DATTN_ISA_AVX512 and the AVX-512 flags the AVX-512 one (the wheel's avx512
-// build: the avx512_bf16 and amx ISAs decode with it too); a library of an ISA
-// the CPU lacks is refused before it runs (dec_isa).
+// build: the amx ISAs decode with it too), or with -DATTN_ISA_AVX512_BF16 and
+// -mavx512bf16 added the avx512_bf16 one (mode 1 only: its bf16 decode, QK by
+// vdpbf16ps); a library of an ISA the CPU lacks is refused before it runs
+// (dec_isa).
 //
 //   FL="-O3 -mavx2 -mfma -mf16c -std=c++17 -fopenmp"
 //   (AVX-512: FL="-O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma
@@ -50,7 +52,9 @@ using namespace attn_fast;
 // The object's ISA, for the driver to check against the CPU before any call
 // (no vector code here).
 extern "C" __attribute__((visibility("default"))) const char* dec_isa() {
-#if defined(ATTN_ISA_AVX512)
+#if defined(ATTN_ISA_AVX512_BF16)
+  return "avx512_bf16";
+#elif defined(ATTN_ISA_AVX512)
   return "avx512";
 #else
   return "avx2";
@@ -111,8 +115,13 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     return 0;
   };
   if (mode == 1) return run16(static_cast<bf16_t*>(nullptr), ATTN_NS::decode_forward_bf16);
+#if defined(ATTN_ISA_AVX512_BF16)
+  return 1;  // the avx512_bf16 object decodes bf16 only
+#else
   if (mode == 3) return run16(static_cast<fp16_t*>(nullptr), ATTN_NS::decode_forward_f16);
 #endif
+#endif
+#if !defined(ATTN_ISA_AVX512_BF16)
   DecodeArgs<float> a;
   fill(a);
   a.q = static_cast<const float*>(q), a.o = static_cast<float*>(o);
@@ -142,6 +151,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
   }
   ATTN_NS::decode_forward_f32(a);
   return 0;
+#endif
 }
 #else
 #include <dlfcn.h>
@@ -217,10 +227,11 @@ int main(int argc, char** argv) {
     const IsaFn isa_fn = reinterpret_cast<IsaFn>(dlsym(h, "dec_isa"));
     const std::string isa = isa_fn ? isa_fn() : "avx2";
     __builtin_cpu_init();
-    const bool ok = isa == "avx512"
-                        ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                              __builtin_cpu_supports("avx512vl") &&
-                              __builtin_cpu_supports("avx512dq")
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const bool ok = isa == "avx512_bf16" ? avx512 && __builtin_cpu_supports("avx512bf16")
+                    : isa == "avx512"
+                        ? avx512
                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (!ok) {
       std::fprintf(stderr, "%s: an %s object, and this CPU lacks %s\n", file.c_str(), isa.c_str(),

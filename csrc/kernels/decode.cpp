@@ -94,8 +94,11 @@
 //   (ldv: bf16 by a 16-bit shift, fp16 by F16C); Q once, when its rows are
 //   scaled. S, P, m, l, the partials and the merge are fp32; the merge sums the
 //   splits into an fp32 row (DScratch::Ob) and rounds O once to the storage
-//   type. lse is fp32. No vdpbf16ps path: the avx512_bf16 ISA runs the avx512
-//   object here (dispatch.cpp).
+//   type. lse is fp32. On the avx512_bf16 object (the avx512_bf16 ISA, chosen
+//   where vdpbf16ps outruns fp32 FMA) bf16 keys take Q K^T by vdpbf16ps on the
+//   raw bf16 Q and K (qk_rows_dot: no widening of K, half the instructions;
+//   the scale multiplies the fp32 scores); P V stays fp32 FMA (P is never
+//   rounded to bf16). Every other type of that ISA runs the avx512 object.
 //   int8 K/V (KVCache(dtype="int8"), DecodeArgs<float>::k8; run_split's KV =
 //   int8_t): codes are sign-extended and converted to fp32 in registers (ldv);
 //   the scales never touch the d-long loops. Keys x = q8 * ks + ko per channel
@@ -388,6 +391,80 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
   }
 }
 
+// bf16 keys on the avx512_bf16 object (dot_keys below): S[r][c] = scale *
+// <Q[r], K_c> with Q the raw bf16 query rows (Qw, ldq bf16 values per row,
+// zero-padded to a multiple of 32) and K_c bf16 rows, by vdpbf16ps on pairs
+// along d (2 W products per instruction, twice the fp32 FMA's multiply-adds;
+// no widening of K). The products of two bf16 values are exact in fp32 and
+// accumulate in fp32, as the fp32 path's; the scale multiplies the fp32 sum
+// (not Q), a different rounding than (scale Q) . K. vdpbf16ps treats bf16
+// subnormal inputs and fp32 subnormal results as zero (|x| < 2^-126: scores
+// that small change no softmax). A d tail (d % 32) is a masked load of K
+// (lanes past d never read). The prefetch walk steps twice per 32 dims, the
+// rate per dimension of the fp32-compute path. Same key passes and reduction
+// trees as qk_rows.
+#if defined(ATTN_ISA_AVX512_BF16)
+template <int N, int KC>
+__attribute__((flatten)) inline void qk_rows_dot(const uint16_t* Qw, int64_t ldq,
+                                                 const bf16_t* const* kp, int64_t cols, int64_t d,
+                                                 float scale, float* S, int64_t lds, Pf* pf) {
+  using V = Vec<float>;
+  using D = DotBf16;
+  constexpr int NK = N * KC;
+  constexpr int64_t P = 2 * V::W;  // bf16 values per vdpbf16ps operand
+  const int64_t dfull = d / P * P, rest = d - dfull;
+  int64_t c = 0;
+  for (; c + KC <= cols; c += KC) {
+    const uint16_t* kr[KC];
+    for (int j = 0; j < KC; ++j) kr[j] = reinterpret_cast<const uint16_t*>(kp[c + j]);
+    typename V::R acc[NK];
+    for (int i = 0; i < NK; ++i) acc[i] = V::zero();
+    for (int64_t e = 0; e < dfull; e += P) {
+      pf_step(pf);
+      pf_step(pf);
+      D::B kx[KC];
+      for (int j = 0; j < KC; ++j) kx[j] = D::load_row(kr[j] + e);
+      for (int r = 0; r < N; ++r) {
+        const D::B qv = D::load_row(Qw + r * ldq + e);
+        for (int j = 0; j < KC; ++j) acc[r * KC + j] = D::dot(acc[r * KC + j], qv, kx[j]);
+      }
+    }
+    if (rest) {
+      pf_step(pf);
+      D::B kx[KC];
+      for (int j = 0; j < KC; ++j) kx[j] = D::load_row(kr[j] + dfull, rest);
+      for (int r = 0; r < N; ++r) {
+        const D::B qv = D::load_row(Qw + r * ldq + dfull);
+        for (int j = 0; j < KC; ++j) acc[r * KC + j] = D::dot(acc[r * KC + j], qv, kx[j]);
+      }
+    }
+    alignas(64) float sums[NK];
+    if constexpr (NK == 16) {
+      V::store(sums, V::hsum16(acc));
+    } else {
+      int i = 0;
+      for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
+      for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
+    }
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < KC; ++j) S[r * lds + c + j] = sums[r * KC + j] * scale;
+  }
+  if constexpr (KC > 1) {
+    if (c < cols) qk_rows_dot<N, 1>(Qw, ldq, kp + c, cols - c, d, scale, S + c, lds, pf);
+  }
+}
+#endif
+// Whether run_split takes qk_rows_dot: bf16 queries and keys on the
+// avx512_bf16 object (the ISA chosen where vdpbf16ps outruns fp32 FMA).
+template <typename S, typename KV>
+constexpr bool dot_keys() {
+#if defined(ATTN_ISA_AVX512_BF16)
+  return std::is_same<S, bf16_t>::value && std::is_same<KV, bf16_t>::value;
+#else
+  return false;
+#endif
+}
+
 // O[r][e0:e1] += sum_c P[r][c] V_c[e0:e1] for N rows, E vectors of dv per
 // pass (N * E accumulators kept in registers across the keys). Returns the
 // first column not done (a multiple of E*W past e0).
@@ -472,6 +549,17 @@ void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t 
     qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
 }
+
+#if defined(ATTN_ISA_AVX512_BF16)
+inline void qk_dispatch_dot(int nr, const uint16_t* Qw, int64_t ldq, const bf16_t* const* kp,
+                            int64_t cols, int64_t d, float scale, float* S, int64_t lds, Pf* pf) {
+  by_rows(nr, [&](auto R, auto U) {
+    constexpr int N = decltype(R)::value;
+    constexpr int KC = N == 4 ? 4 : decltype(U)::value;  // as qk_dispatch on 16 lanes
+    qk_rows_dot<N, KC>(Qw, ldq, kp, cols, d, scale, S, lds, pf);
+  });
+}
+#endif
 
 template <typename T, typename SV>
 void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv,
@@ -692,14 +780,22 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
   const SeqInfo s = seq_info(a, g.b);
   const int nr = static_cast<int>(g.nr);
 
-  // Rows: scaled Q, per-row ranges.
+  // Rows: scaled Q (dot_keys: the raw bf16 rows, 2 dp values per row of Qs's
+  // storage, zero-padded; the scale multiplies S), per-row ranges.
+  constexpr bool DOT = dot_keys<S, KV>();
   const T scale = static_cast<T>(a.scale);
   for (int r = 0; r < nr; ++r) {
     const int64_t row = g.r0 + r, i = row / G, h = hk * G + row % G;
     const S* src = a.q + g.b * a.sq.b + h * a.sq.h + i * a.sq.l;
-    T* dst = sc.Qs + r * dp;
-    for (int64_t e = 0; e < d; ++e) dst[e] = ld(src + e * a.sq.d) * scale;
-    for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
+    if constexpr (DOT) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(sc.Qs + r * dp);
+      for (int64_t e = 0; e < d; ++e) std::memcpy(dst + e, src + e * a.sq.d, sizeof(uint16_t));
+      for (int64_t e = d; e < 2 * dp; ++e) dst[e] = 0;
+    } else {
+      T* dst = sc.Qs + r * dp;
+      for (int64_t e = 0; e < d; ++e) dst[e] = ld(src + e * a.sq.d) * scale;
+      for (int64_t e = d; e < dp; ++e) dst[e] = T(0);
+    }
     row_range(a, s, i, &sc.lo[r], &sc.hi[r]);
     mp[r] = NEG_INF<T>;
     lp[r] = T(0);
@@ -881,7 +977,13 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       if (!stag) pf_runs(nvb, ns, rows, a.sv.l, dv, &pf.v, &pf.vs, &pf.vlen, &pf.vn);
     }
     // S = Q K^T.
-    qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, stag ? &pfv : &pf);
+#if defined(ATTN_ISA_AVX512_BF16)
+    if constexpr (DOT)
+      qk_dispatch_dot(nr, reinterpret_cast<const uint16_t*>(sc.Qs), 2 * dp, krow, cols, d, scale,
+                      sc.S, kBc, stag ? &pfv : &pf);
+    else
+#endif
+      qk_dispatch<T, KV>(nr, Q8 ? sc.Qg : sc.Qs, dp, krow, cols, d, sc.S, kBc, stag ? &pfv : &pf);
     if constexpr (Q8)
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] += sc.qb[r];
@@ -1156,10 +1258,16 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
 
 }  // namespace
 
+#if defined(ATTN_ISA_AVX512_BF16)
+// The avx512_bf16 object: the bf16 decode with its vdpbf16ps Q K^T
+// (qk_rows_dot); every other storage type of that ISA runs the avx512 object.
+void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<bf16_t>(a); }
+#else
 void decode_forward_f32(const DecodeArgs<float>& a) { decode_impl<float>(a); }
 void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<double>(a); }
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<bf16_t>(a); }
 void decode_forward_f16(const DecodeArgs<fp16_t>& a) { decode_impl<fp16_t>(a); }
+#endif
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

@@ -219,6 +219,12 @@ struct DotBf16 {
   using B = __m512bh;
   static B load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static B set1(uint32_t pair) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); }
+  // 2 W consecutive bf16 values (pairs along the row), all of them or the first
+  // n < 2 W (the rest zero; masked lanes are not read).
+  static B load_row(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static B load_row(const uint16_t* p, int64_t n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+  }
   // acc + a[2k] b[2k] + a[2k+1] b[2k+1] per lane k, in fp32 (products exact).
   static Vec<float>::R dot(Vec<float>::R acc, B a, B b) { return _mm512_dpbf16_ps(acc, a, b); }
   // 2 W floats (lo, then hi) rounded to bf16 (vcvtne2ps2bf16) and stored as 2 W values.

@@ -31,8 +31,9 @@ def set_isa(name: str) -> None:
     the OS and a one-time self-check allow it, see ``show_config()``) or
     "amx_emu" (the amx kernel with its tile operations emulated by vdpbf16ps:
     runs wherever avx512_bf16 does, slower; for tests, never the default).
-    On avx512_bf16, amx and amx_emu every call other than the bfloat16 forward
-    runs the avx512 kernels.
+    On avx512_bf16 every call other than the bfloat16 forward and the bfloat16
+    decode (its Q K^T by vdpbf16ps) runs the avx512 kernels; on amx and amx_emu
+    every call other than the bfloat16 forward.
 
     Raises ValueError for an unknown name and RuntimeError when this CPU/OS
     (CPUID and XCR0; for amx also Linux's tile-data permission) or this build

@@ -289,7 +289,7 @@ CpuSignature cpu_signature();
 // Split-KV decode kernel (csrc/kernels/decode.cpp), dispatched per ISA.
 void decode_forward(const DecodeArgs<float>& a);
 void decode_forward(const DecodeArgs<double>& a);
-void decode_forward(const DecodeArgs<bf16_t>& a);  // every avx512 flavour runs the avx512 kernel
+void decode_forward(const DecodeArgs<bf16_t>& a);  // avx512_bf16: vdpbf16ps Q K^T
 void decode_forward(const DecodeArgs<fp16_t>& a);
 
 // Streaming-read bandwidth probe: `threads` threads each read their share of
