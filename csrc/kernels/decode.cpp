@@ -350,6 +350,20 @@ __attribute__((always_inline)) inline void pf_step(Pf* p) {
 // Rapids, 2 threads; a different summation order, so other bits than hsum4).
 // flatten: everything inlined (GCC's inliner otherwise may leave Vec::hsum4 a
 // call in the key loop: 1.25-1.65x slower steps, seen once in an A/B).
+// The NK dot-product accumulators of a key pass reduced to NK sums: 16 of 16
+// lanes (4 rows x 4 keys on AVX-512) in one tree, else four at a time.
+template <typename T, int NK>
+__attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R* acc, T* sums) {
+  using V = Vec<T>;
+  if constexpr (NK == 16 && V::W == 16) {
+    V::store(sums, V::hsum16(acc));
+  } else {
+    int i = 0;
+    for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
+    for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
+  }
+}
+
 template <typename T, typename SK, int N, int KC>
 __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK* const* kp,
                                              int64_t cols, int64_t d, T* S, int64_t lds, Pf* pf) {
@@ -372,13 +386,7 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
       }
     }
     alignas(64) T sums[NK];
-    if constexpr (NK == 16 && W == 16) {  // 4 rows x 4 keys on AVX-512: one tree
-      V::store(sums, V::hsum16(acc));
-    } else {
-      int i = 0;
-      for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
-      for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
-    }
+    reduce_dots<T, NK>(acc, sums);
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) {
         T x = sums[r * KC + j];
@@ -439,13 +447,7 @@ __attribute__((flatten)) inline void qk_rows_dot(const uint16_t* Qw, int64_t ldq
       }
     }
     alignas(64) float sums[NK];
-    if constexpr (NK == 16) {
-      V::store(sums, V::hsum16(acc));
-    } else {
-      int i = 0;
-      for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
-      for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
-    }
+    reduce_dots<float, NK>(acc, sums);
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) S[r * lds + c + j] = sums[r * KC + j] * scale;
   }
