@@ -309,3 +309,59 @@ def test_property_cache_equals_full_causal(B, Hkv, G, L, d, window, chunks, seed
         check(o, lse, O[:, :, t : t + c], LSE[:, :, t : t + c])
         t += c
     assert len(cache) == L
+
+
+# ---------------------------------------------------------------- huge-page storage
+
+
+def test_huge_arrays_are_zeroed_aligned_views_of_one_mapping():
+    """_huge_arrays: arrays of >= 2 MiB together share one mapping whose start is 2 MiB-aligned
+    (each array on a 64-byte boundary, zero-filled, writable, C-contiguous, the shapes and dtypes
+    asked); arrays that fill less than a huge page are plain separate np.zeros arrays."""
+    import mmap
+
+    from attn_fast.kv_cache import _huge_arrays
+
+    specs = [((3, 5, 7), np.float32), ((1 << 20,), np.int8), ((4, 1 << 18), np.uint16)]
+    arrays = _huge_arrays(specs)
+    for a, (shape, dt) in zip(arrays, specs):
+        assert a.shape == shape and a.dtype == dt and a.flags.c_contiguous and a.flags.writeable
+        assert not a.any()
+        assert a.__array_interface__["data"][0] % 64 == 0
+        a[...] = 1  # writable to the last element
+    assert [int(a.sum()) for a in arrays] == [3 * 5 * 7, 1 << 20, 1 << 20]
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        addr = [a.__array_interface__["data"][0] for a in arrays]
+        assert addr[0] % (2 << 20) == 0
+        assert addr[0] < addr[1] < addr[2] < addr[0] + (4 << 20)  # one mapping, in order
+        assert not np.shares_memory(arrays[0], arrays[1])
+    small = _huge_arrays([((8,), np.float32), ((2, 3), np.int8)])
+    assert [a.shape for a in small] == [(8,), (2, 3)] and not any(a.any() for a in small)
+    assert all(a.base is None for a in small)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_caches_big_enough_live_on_one_mapping(dtype):
+    """A KVCache and a PagedKVCache chunk of several MiB keep their arrays in one mapping (the
+    huge-page layout of _huge_arrays), still separate arrays to the kernel: results equal a
+    small cache's, which uses plain arrays."""
+    import mmap
+
+    rng = np.random.default_rng(7)
+    H, d, n = 2, 64, 300
+    k, v = rng.standard_normal((2, 1, H, n, d), dtype=np.float32)
+    q = rng.standard_normal((1, 4, 1, d), dtype=np.float32)
+    big = af.KVCache(1, H, d, capacity=8192, dtype=dtype)
+    small = af.KVCache(1, H, d, capacity=n, dtype=dtype)
+    paged = af.PagedKVCache(H, d, dtype=dtype, num_blocks=64)
+    for c in (big, small):
+        c.append(k, v)
+    seq = paged.add_sequence()
+    paged.append([seq], k, v)
+    want = np.asarray(small.attend(q))
+    assert np.array_equal(np.asarray(big.attend(q)), want)
+    assert np.array_equal(np.asarray(paged.attend([seq], q)), want)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big._k.base is not None and big._k.base is big._v.base
+        assert paged._kc[0].base is paged._vc[0].base
+        assert big._k.__array_interface__["data"][0] % (2 << 20) == 0

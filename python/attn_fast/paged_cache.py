@@ -86,6 +86,15 @@ results are then float32 (``io_dtype``); ``append`` quantises in C++
 (``_core.kv_quant_append`` per block), keeping each sequence's open key group
 in float32 (a staging tail of 64 x d floats per kv head, copied by ``fork``);
 ``keys`` / ``values`` return the dequantised values ``attend`` reads.
+
+Huge pages (Linux): a chunk's arrays (K and V; int8: the codes, scales and
+offsets) are views of one anonymous mapping on transparent huge pages
+(``kv_cache._huge_arrays``). The int8 scales of a sequence's blocks lie in
+per-block records a few KiB apart in pool order, so on 4 KiB pages nearly
+every block of a decode step touched new pages of them: on AMD Zen 4 paged
+int8 decode took 1.05-1.09x the contiguous cache's time with NumPy's
+allocations (the scale arrays under its 4 MiB huge-page threshold), about
+1.0x this way (bench/NOTES.md, zen4 step 10).
 """
 
 from __future__ import annotations
@@ -116,6 +125,7 @@ from .kv_cache import (
     _cache_dtype_error,
     _check_chunk4,
     _check_query,
+    _huge_arrays,
     _per_seq,
 )
 from .masks import MaskArgs
@@ -245,13 +255,21 @@ class PagedKVCache:
         C, H, bs = self.chunk_blocks, self.num_kv_heads, self.block_size
         first = self.num_blocks
         for _ in range(n_chunks):
-            self._kc.append(np.empty((C, H, bs, self.head_dim), dtype=self.dtype))
-            self._vc.append(np.empty((C, H, bs, self.v_head_dim), dtype=self.dtype))
             if self._q8:  # x = code * scale + off: keys per (group, channel), values per slot
-                for pool in (self._ksc, self._koc):
-                    pool.append(np.zeros((C, H, bs // KGROUP, self.head_dim), np.float32))
-                for pool in (self._vsc, self._voc):
-                    pool.append(np.zeros((C, H, bs), np.float32))
+                # One mapping per chunk on huge pages, the scales first (_huge_arrays).
+                ks = ((C, H, bs // KGROUP, self.head_dim), np.float32)
+                vs = ((C, H, bs), np.float32)
+                kc = ((C, H, bs, self.head_dim), I8)
+                vc = ((C, H, bs, self.v_head_dim), I8)
+                arrays = _huge_arrays([ks, ks, vs, vs, kc, vc])
+                pools = (self._ksc, self._koc, self._vsc, self._voc, self._kc, self._vc)
+            else:
+                kc = ((C, H, bs, self.head_dim), self.dtype)
+                vc = ((C, H, bs, self.v_head_dim), self.dtype)
+                arrays = _huge_arrays([kc, vc])
+                pools = (self._kc, self._vc)
+            for pool, a in zip(pools, arrays):
+                pool.append(a)
         last = self.num_blocks
         self._ref = np.concatenate([self._ref, np.zeros(last - first, dtype=np.int64)])
         self._free = list(range(last - 1, first - 1, -1)) + self._free
