@@ -497,13 +497,61 @@ __attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const S
   return e;
 }
 
+// bf16 V rows on AVX-512: pv_cols with each pair of W-lane accumulators
+// holding the even and the odd columns of 2 W (Vec::load_bf16_eo: one load,
+// a shift and a mask per 2 W values instead of two widening loads and two
+// shifts; O's columns are split on the pass's load and merged on its store).
+// The same products summed in the same order per column: bit-identical to
+// pv_cols. EP pairs (2 EP vectors of dv) per pass, the passes of pv_cols<E =
+// 2 EP>, so the prefetch walk sees the same calls. Returns the first column
+// not done.
+#if defined(ATTN_ISA_AVX512)
+template <int N, int EP>
+__attribute__((flatten)) inline int64_t pv_cols_eo(const float* P, int64_t ldp,
+                                                   const bf16_t* const* vp, int64_t cols,
+                                                   int64_t e0, int64_t e1, float* O, int64_t ldo,
+                                                   Pf* pf) {
+  using V = Vec<float>;
+  constexpr int W = V::W, NE = N * EP;
+  int64_t e = e0;
+  for (; e + 2 * EP * W <= e1; e += 2 * EP * W) {
+    typename V::R ev[NE], od[NE];
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < EP; ++j)
+        V::load_eo(O + r * ldo + e + 2 * j * W, &ev[r * EP + j], &od[r * EP + j]);
+    for (int64_t c = 0; c < cols; ++c) {
+      pf_step(pf);
+      const uint16_t* vr = reinterpret_cast<const uint16_t*>(vp[c]) + e;
+      typename V::R xe[EP], xo[EP];
+      for (int j = 0; j < EP; ++j) V::load_bf16_eo(vr + 2 * j * W, &xe[j], &xo[j]);
+      for (int r = 0; r < N; ++r) {
+        const typename V::R p = V::set1(P[r * ldp + c]);
+        for (int j = 0; j < EP; ++j) {
+          ev[r * EP + j] = V::fma(p, xe[j], ev[r * EP + j]);
+          od[r * EP + j] = V::fma(p, xo[j], od[r * EP + j]);
+        }
+      }
+    }
+    for (int r = 0; r < N; ++r)
+      for (int j = 0; j < EP; ++j)
+        V::store_eo(O + r * ldo + e + 2 * j * W, ev[r * EP + j], od[r * EP + j]);
+  }
+  return e;
+}
+#endif
+
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
 template <typename T, typename SV, int N, int E>
 inline void pv_rows(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, int64_t dv, T* O,
                     int64_t ldo, Pf* pf) {
   constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
-  int64_t e = pv_cols<T, SV, N, E>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
+  int64_t e = 0;
+#if defined(ATTN_ISA_AVX512)
+  if constexpr (std::is_same<SV, bf16_t>::value && std::is_same<T, float>::value && E % 2 == 0)
+    e = pv_cols_eo<N, E / 2>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
+#endif
+  e = pv_cols<T, SV, N, E>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   if constexpr (E > 1) e = pv_cols<T, SV, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   for (; e < dv; ++e)
     for (int r = 0; r < N; ++r) {

@@ -166,6 +166,26 @@ struct Vec<float> : VecMath<float>, HalfScalar {
   static R load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // 2 W bf16 values as their even (elements 0, 2, .., 2 W - 2) and odd
+  // elements in fp32, from one load: a shift and a mask, no widening shuffle.
+  static void load_bf16_eo(const uint16_t* p, R* even, R* odd) {
+    const __m512i w = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  // 2 W floats in order <-> their even and odd elements (as load_bf16_eo).
+  static void load_eo(const float* p, R* even, R* odd) {
+    const R lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    *even = _mm512_permutex2var_ps(lo, ie, hi);
+    *odd = _mm512_permutex2var_ps(lo, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), hi);
+  }
+  static void store_eo(float* p, R even, R odd) {
+    const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, il, odd));
+    _mm512_storeu_ps(p + 16,
+                     _mm512_permutex2var_ps(even, _mm512_add_epi32(il, _mm512_set1_epi32(8)), odd));
+  }
   static void store_bf16(uint16_t* p, R x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
