@@ -255,20 +255,16 @@ class PagedKVCache:
         C, H, bs = self.chunk_blocks, self.num_kv_heads, self.block_size
         first = self.num_blocks
         for _ in range(n_chunks):
+            # One mapping per chunk on huge pages (_huge_arrays), int8's scales first.
+            kc = ((C, H, bs, self.head_dim), self.dtype)
+            vc = ((C, H, bs, self.v_head_dim), self.dtype)
+            specs, pools = [kc, vc], [self._kc, self._vc]
             if self._q8:  # x = code * scale + off: keys per (group, channel), values per slot
-                # One mapping per chunk on huge pages, the scales first (_huge_arrays).
                 ks = ((C, H, bs // KGROUP, self.head_dim), np.float32)
                 vs = ((C, H, bs), np.float32)
-                kc = ((C, H, bs, self.head_dim), I8)
-                vc = ((C, H, bs, self.v_head_dim), I8)
-                arrays = _huge_arrays([ks, ks, vs, vs, kc, vc])
-                pools = (self._ksc, self._koc, self._vsc, self._voc, self._kc, self._vc)
-            else:
-                kc = ((C, H, bs, self.head_dim), self.dtype)
-                vc = ((C, H, bs, self.v_head_dim), self.dtype)
-                arrays = _huge_arrays([kc, vc])
-                pools = (self._kc, self._vc)
-            for pool, a in zip(pools, arrays):
+                specs = [ks, ks, vs, vs] + specs
+                pools = [self._ksc, self._koc, self._vsc, self._voc] + pools
+            for pool, a in zip(pools, _huge_arrays(specs)):
                 pool.append(a)
         last = self.num_blocks
         self._ref = np.concatenate([self._ref, np.zeros(last - first, dtype=np.int64)])
