@@ -1,6 +1,6 @@
 """The kernel toolkit of issue 17: the per-thread scratch arena, the tile-class
 numbering shared by C++ and Python, the one read-bandwidth probe and the
-bit-identity script (bench/bit_identity.py) that guards refactors of csrc/."""
+bit-identity script (bench/guards/bit_identity.py) that guards refactors of csrc/."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import attn_fast as af
 from attn_fast import _core, masks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "bit_identity.py")
+SCRIPT = os.path.join(ROOT, "bench", "guards", "bit_identity.py")
 
 
 def _inputs(rng, B, H, Lq, Lk, d, dv, dtype):

@@ -1,4 +1,5 @@
-"""bench/bench_hf.py and bench/token_agreement.py: they run, and what they check holds.
+"""bench/benchmarks/bench_hf.py and bench/accuracy/token_agreement.py: they run, and what they
+check holds.
 
 Tiny shapes, one repeat: the figures mean nothing and no timing is asserted;
 the tests check the scripts' own correctness logic (tokens compared with the
@@ -22,15 +23,16 @@ from attn_fast import KVCache  # noqa: E402
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+def _load(folder, name):
+    path = os.path.join(BENCH, folder, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-ta = _load("token_agreement")
-bh = _load("bench_hf")
+ta = _load("accuracy", "token_agreement")
+bh = _load("benchmarks", "bench_hf")
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])

@@ -1190,7 +1190,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
   // calling thread, as in the prefill kernel. Waking a team costs more than it
   // saves, and in a model that also calls NumPy's BLAS between attention
   // calls the two libraries' idle-spinning workers fight over the cores:
-  // bench/bench_generate.py decoded 2.8x slower with a team per step.
+  // bench/benchmarks/bench_generate.py decoded 2.8x slower with a team per step.
   if (work < kSerialWork) nt = 1;
 
   // Every allocation is checked: a failure is std::bad_alloc (MemoryError),

@@ -4,7 +4,7 @@
 the readable reference and call the compiled version when ``USE_CYTHON`` is
 true (the default). Set the environment variable ``ATTN_FAST_NUMPY_LOOPS=1``
 before import, or assign ``attn_fast._loops.USE_CYTHON = False``, to run the
-NumPy formulas instead (tests and ``bench/bench_cython.py`` compare both).
+NumPy formulas instead (tests and ``bench/benchmarks/bench_cython.py`` compare both).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tokens/s of TinyTransformerLM.generate with the KV cache vs without it.
 
-    python bench/bench_generate.py                       # 4 layers, D 256, 8 heads, 2 kv heads,
-                                                         # prompt 512, 128 new tokens, greedy
-    python bench/bench_generate.py --threads 1 --new 64
+    python bench/benchmarks/bench_generate.py            # 4 layers, D 256, 8 heads, 2 kv heads,
+                                              # prompt 512, 128 new tokens, greedy
+    python bench/benchmarks/bench_generate.py --threads 1 --new 64
 
 "with cache": prefill the prompt once into a LayerCaches, then one token per
 step (each step attends one query to the cached keys).

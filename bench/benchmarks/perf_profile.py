@@ -9,8 +9,8 @@ loop: a loop with vpslld and FMAs) and prints each one's share of the
 samples inside the extension. Shares do not depend on how many other
 processes share the cores, unlike wall or CPU time.
 
-    python bench/perf_profile.py 64            # (1, 4, 2048, 64) non-causal
-    python bench/perf_profile.py 128 --causal
+    python bench/benchmarks/perf_profile.py 64            # (1, 4, 2048, 64) non-causal
+    python bench/benchmarks/perf_profile.py 128 --causal
 """
 
 from __future__ import annotations

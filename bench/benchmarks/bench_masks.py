@@ -13,7 +13,7 @@ Every result is checked against the float64 oracle (on a slice) before it is
 timed. Times are medians of --repeats runs after one warm-up. GFLOP/s count
 the useful work only: 4·d per visible (query, key) pair (QKᵀ and PV).
 
-    python bench/bench_masks.py [--threads N] [--repeats R] [--quick]
+    python bench/benchmarks/bench_masks.py [--threads N] [--repeats R] [--quick]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Scaling study: time and peak memory vs sequence length for the attention family.
 
-    python bench/scaling.py            # L = 512 ... 65536, about 5-10 min on 2 cores
-    python bench/scaling.py --quick    # L = 256 ... 2048, a smoke test (< 1 min)
+    python bench/benchmarks/scaling.py            # L = 512 ... 65536, about 5-10 min on 2 cores
+    python bench/benchmarks/scaling.py --quick    # L = 256 ... 2048, a smoke test (< 1 min)
 
 Cases (B = 1, H heads, d = dv = 64, float32, self-attention Lq = Lk = L):
     textbook       the chapter in NumPy: S = QKᵀ/√d, softmax, ·V (L×L matrix)
@@ -351,7 +351,7 @@ def main():
         "and one thread keeps a shared machine's scheduling noise out of them)",
     )
     ap.add_argument("--timeout", type=int, default=600, help="per (case, L) subprocess")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     ap.add_argument("--png", action="append", default=[], help="extra path for the plot")
     args = ap.parse_args()
 

@@ -1,6 +1,6 @@
 """Greedy-token agreement of TinyTransformerLM with an int8 KV cache vs a float32 one.
 
-    python bench/kv_int8_agreement.py [--prompts 8] [--prompt 256] [--new 64]
+    python bench/accuracy/kv_int8_agreement.py [--prompts 8] [--prompt 256] [--new 64]
 
 A randomly initialised TinyTransformerLM (4 layers, D = 256, 8 heads, 2 kv
 heads, vocab 4096, RoPE) prefills each random prompt into a LayerCaches and

@@ -1,8 +1,8 @@
 """Bit-identity check of the decode kernel over a fixed set of calls.
 
-``python bench/decode_bitident.py save FILE`` writes the fp32/fp64 outputs (O and lse) of a
+``python bench/guards/decode_bitident.py save FILE`` writes the fp32/fp64 outputs (O and lse) of a
 fixed, seeded set of ``_core.decode`` calls, on every ISA this CPU runs, to FILE (.npz);
-``python bench/decode_bitident.py check FILE`` recomputes them and reports any array that is
+``python bench/guards/decode_bitident.py check FILE`` recomputes them and reports any array that is
 not bit-for-bit identical. Used for refactors that must not change results (issue #17).
 """
 

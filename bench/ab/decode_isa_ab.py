@@ -1,6 +1,6 @@
 """bf16 decode, the avx512 kernel against the avx512_bf16 one (vdpbf16ps Q K^T), in one process.
 
-    python bench/decode_isa_ab.py [--threads 2] [--rounds 15] [--shapes 1x4096 1x32768 8x4096]
+    python bench/ab/decode_isa_ab.py [--threads 2] [--rounds 15] [--shapes 1x4096 1x32768 8x4096]
 
 A ``KVCache(B, 8, 128)`` in float32 and one in bfloat16 hold the same L tokens per sequence
 (H_q = 32, GQA 4); one decode step (q: (B, 32, 1, 128)) is timed three ways per round, the
@@ -14,14 +14,20 @@ Needs a CPU with AVX512-BF16 (the ISA's own check refuses otherwise).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import numpy as np
-from bench_paged import HKV, HQ, best_time, check, tokens
 
 import attn_fast as af
 from attn_fast._checks import BF16
 from attn_fast._config import config
+
+# bench_paged.py (its shapes, check and timer) is a sibling folder's script, not a package.
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+from bench_paged import HKV, HQ, best_time, check, tokens  # noqa: E402
 
 
 def main(argv=None):

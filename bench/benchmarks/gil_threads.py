@@ -4,7 +4,7 @@ The GIL is released inside the kernel, so two Python threads calling at once
 run on two cores. Each call is kept single-threaded (set_num_threads(1)) so
 that any speed-up comes from the Python threads alone.
 
-    python bench/gil_threads.py [--calls 400] [--shape 1,4,256,64]
+    python bench/benchmarks/gil_threads.py [--calls 400] [--shape 1,4,256,64]
 """
 
 from __future__ import annotations

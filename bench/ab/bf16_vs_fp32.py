@@ -1,6 +1,6 @@
 """bf16 / fp16 vs fp32 attn_fast in one run: medians of interleaved repetitions.
 
-    python bench/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16] [--threads 1] [--sleep 0.1]
+    python bench/ab/bf16_vs_fp32.py [--reps 7] [--isa avx512_bf16] [--threads 1] [--sleep 0.1]
 
 Each line: shape, causal, ISA, threads, median ms per dtype and the fp32/x
 ratio. Every dtype is first checked against the float64 oracle on a slice.

@@ -8,7 +8,7 @@ a digest of every output's bytes (arrays, lse, KernelStats). Two runs of
 the same build print the same lines; run it before and after a change of
 the Python layer, on each ISA, and diff::
 
-    ATTN_FAST_ISA=avx512 python bench/seam_bitcheck.py > after.txt
+    ATTN_FAST_ISA=avx512 python bench/guards/seam_bitcheck.py > after.txt
     diff before.txt after.txt        # no output: bit-identical
 
 The calls validate nothing themselves (the test suite does); this only

@@ -1,7 +1,8 @@
 """The Cython loops (attn_fast._cyloops) vs the NumPy formulas they replace.
 
-    python bench/bench_cython.py              # one line per function, then the tiny LM decode step
-    python bench/bench_cython.py --quick      # smaller shapes, fewer repeats
+    python bench/benchmarks/bench_cython.py          # one line per function, then the
+                                                     # tiny LM decode step
+    python bench/benchmarks/bench_cython.py --quick  # smaller shapes, fewer repeats
 
 Each line first checks that both paths agree (to float32 rounding), then
 times each one: best of ``--repeat`` wall-clock runs after a warm-up (the

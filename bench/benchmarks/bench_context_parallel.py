@@ -1,7 +1,7 @@
 """Ring attention on this host: per-rank compute, communication and their overlap, P = 1, 2, 4.
 
-    python bench/bench_context_parallel.py                    # L = 8192, H = 4, d = 64, causal
-    python bench/bench_context_parallel.py --seq-len 4096 --ps 1,2 --reps 3
+    python bench/benchmarks/bench_context_parallel.py         # L = 8192, H = 4, d = 64, causal
+    python bench/benchmarks/bench_context_parallel.py --seq-len 4096 --ps 1,2 --reps 3
 
 For each P, P ranks are forked (after the imports, before any compute) into one
 gloo group on 127.0.0.1, and each rank first checks a small ring call against

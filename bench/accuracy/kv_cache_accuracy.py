@@ -1,6 +1,6 @@
 """Accuracy of each KVCache storage type against the float32 cache (issue #20).
 
-    python bench/kv_cache_accuracy.py [--length 4096] [--batch 1]
+    python bench/accuracy/kv_cache_accuracy.py [--length 4096] [--batch 1]
 
 Shapes: H_q = 32, H_kv = 8, d = dv = 128, one query token after L cached
 ones. Two kinds of keys: plain N(0, 1), and "LLM-like" keys with a per-channel

@@ -1,9 +1,9 @@
 """Forward + backward of attn_fast against torch SDPA's CPU backward.
 
-    python bench/bench_backward.py              # quick: 2 prefill shapes x causal, ~1 min
-    python bench/bench_backward.py --full       # every prefill shape of the suite
-    python bench/bench_backward.py --threads 2 --repeats 5 --no-memory
-    python bench/bench_backward.py --dtype bfloat16   # 16-bit rows (float16 too)
+    python bench/benchmarks/bench_backward.py             # quick: 2 prefill shapes x causal, ~1 min
+    python bench/benchmarks/bench_backward.py --full      # every prefill shape of the suite
+    python bench/benchmarks/bench_backward.py --threads 2 --repeats 5 --no-memory
+    python bench/benchmarks/bench_backward.py --dtype bfloat16  # 16-bit rows (float16 too)
 
 For each prefill case of the benchmark suite (attn_fast.bench_suite,
 float32): first checks that both give the same gradients (relative error

@@ -1,8 +1,8 @@
 """Paged vs contiguous KV cache decode: the same tokens, the same run, paired rounds.
 
-    python bench/bench_paged.py [--threads N] [--rounds 21] [--dtype float32|bfloat16|float16|int8]
-                                [--shapes 1x32768 8x4096] [--ragged 64] [--no-shuffle]
-                                [--block-size 256] [--clock wall|cpu]
+    python bench/benchmarks/bench_paged.py [--threads N] [--rounds 21]
+        [--dtype float32|bfloat16|float16|int8] [--shapes 1x32768 8x4096] [--ragged 64]
+        [--no-shuffle] [--block-size 256] [--clock wall|cpu]
 
 Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128; "BxL" is B sequences of L cached tokens.
 For each shape a ``KVCache(B, 8, 128)`` and a ``PagedKVCache(8, 128)`` (256-token blocks, the

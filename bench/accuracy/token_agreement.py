@@ -1,8 +1,9 @@
 """Greedy token agreement: a reduced-precision KV cache against the float32 cache.
 
-    python bench/token_agreement.py                  # bfloat16 and float16 caches, both models
-    python bench/token_agreement.py --dtype int8     # any storage dtype KVCache accepts
-    python bench/token_agreement.py --models hf --prompts 16 --new 64
+    python bench/accuracy/token_agreement.py               # bfloat16 and float16 caches,
+                                                           # both models
+    python bench/accuracy/token_agreement.py --dtype int8  # any storage dtype KVCache accepts
+    python bench/accuracy/token_agreement.py --models hf --prompts 16 --new 64
 
 For each model, B prompts of random tokens generate N tokens greedily twice:
 with a float32 KV cache (the reference) and with a cache stored in --dtype.

@@ -1,6 +1,6 @@
 """The benchmark suite's timing with and without its warm-up after the cooldown pause.
 
-    python bench/warm_ab.py [--threads 2] [--runs 4] [--repeats 5]
+    python bench/ab/warm_ab.py [--threads 2] [--runs 4] [--repeats 5]
 
 For a few short cases (decode, and the smallest prefill), attn_fast and torch are timed with
 the suite's own ``prepare`` and ``time_interleaved``, alternating runs with the warm-up off

@@ -1,9 +1,9 @@
 """End-to-end forward time of a small transformers model: "sdpa" vs "attn_fast".
 
-    python bench/bench_hf.py                 # default cases, all threads
-    python bench/bench_hf.py --threads 1 --repeats 3
-    python bench/bench_hf.py --dtype bf16    # the model in bfloat16 (or fp16), both columns
-    python bench/bench_hf.py --quick         # shorter cases (L = 256, a 128-token prompt)
+    python bench/benchmarks/bench_hf.py               # default cases, all threads
+    python bench/benchmarks/bench_hf.py --threads 1 --repeats 3
+    python bench/benchmarks/bench_hf.py --dtype bf16  # the model in bf16 (or fp16), both columns
+    python bench/benchmarks/bench_hf.py --quick       # shorter cases (L = 256, a 128-token prompt)
 
 The model is a Llama-style decoder built from a random config (no download):
 hidden 512, 8 query heads and 2 key/value heads of dim 64 (GQA), 4 layers,

@@ -2,7 +2,7 @@
 
     git archive REV | tar -x -C /tmp/base_src             # the base commit's tree
     pip wheel --no-deps /tmp/base_src -w /tmp/base_wheel  # its wheel (built as any user would)
-    python bench/ab_versions.py --base-wheel /tmp/base_wheel/attn_fast-*.whl \\
+    python bench/ab/ab_versions.py --base-wheel /tmp/base_wheel/attn_fast-*.whl \\
         [--threads 2] [--pairs 7] [--cases full|quick|prefill|decode] [--isa avx2] \\
         [--dtype fp32|bf16|fp16] [--kv-cache float32|bfloat16|int8]
 

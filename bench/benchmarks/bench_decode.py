@@ -1,7 +1,7 @@
 """Decode (one token against a KV cache) and prefill latency: attn_fast vs torch SDPA.
 
-    python bench/bench_decode.py [--threads N] [--lengths 1024 4096 16384 32768]
-                                 [--batches 1 8] [--png bench/decode.png] [--dtype bf16|fp16|int8]
+    python bench/benchmarks/bench_decode.py [--threads N] [--lengths 1024 4096 16384 32768]
+        [--batches 1 8] [--png bench/tables/decode.png] [--dtype bf16|fp16|int8]
 
 Shapes: H_q = 32, H_kv = 8 (GQA), d = dv = 128, float32. For each batch B and
 cache length L, a KVCache is filled with L tokens and one decode step
@@ -50,6 +50,9 @@ from attn_fast import _core, reference
 from attn_fast._checks import BF16, bf16_bits, from_float, to_float
 from attn_fast._config import config
 from attn_fast.bench import settle, time_runs
+
+# The committed plot and tables live in bench/tables/ (bench/README.md).
+TABLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tables")
 
 HQ, HKV, D = 32, 8, 128
 
@@ -112,7 +115,7 @@ def main(argv=None):
     p.add_argument(
         "--prefill-max", type=int, default=4096, help="longest prefill timed for the plot"
     )
-    p.add_argument("--png", default=os.path.join(os.path.dirname(__file__), "decode.png"))
+    p.add_argument("--png", default=os.path.join(TABLES, "decode.png"))
     p.add_argument("--no-torch", action="store_true")
     p.add_argument(
         "--dtype",

@@ -4,10 +4,10 @@ Each call's outputs are hashed (sha256 of dtype, shape and the C-order bytes),
 so a refactor of the C++ kernels can show that it changed no bit of any
 result on any instruction set. Usage:
 
-    python bench/bit_identity.py                    # the active ISA, JSON to stdout
-    python bench/bit_identity.py --isa all --out bench/bit_identity_base.json
-    python bench/bit_identity.py --check bench/bit_identity_base.json
-    python bench/bit_identity.py --isa all --merge bench/bit_identity_base.json
+    python bench/guards/bit_identity.py                    # the active ISA, JSON to stdout
+    python bench/guards/bit_identity.py --isa all --out bench/guards/bit_identity_base.json
+    python bench/guards/bit_identity.py --check bench/guards/bit_identity_base.json
+    python bench/guards/bit_identity.py --isa all --merge bench/guards/bit_identity_base.json
 
 ``--isa all`` runs every ISA this CPU and build support (amx_emu included
 wherever AVX512-BF16 runs), each in its own subprocess with ``ATTN_FAST_ISA``
