@@ -354,7 +354,7 @@ DecodePrefetch decode_prefetch() {
   // l2 on Intel and on AMD Zen 4 (family 19h with the avx512 ISA available;
   // Zen 3 is family 19h without it): there the AVX-512 decode read 0.64-0.82x
   // (fp32) and 0.73-0.85x (bf16) of the l1 policy's time. l1 on Zen 3 and Zen 5
-  // (family 1Ah), for which it was tuned (bench/NOTES.md, dec4, dec6, zen4).
+  // (family 1Ah), for which it was tuned (bench/notes_archive.md, dec4, dec6, zen4).
   static const DecodePrefetch by_cpu = [] {
     const CpuSignature s = cpu_signature();
     const bool zen4 = s.vendor == "AuthenticAMD" && s.family == 0x19 && available(Isa::avx512);

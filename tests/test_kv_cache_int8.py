@@ -130,7 +130,7 @@ def test_error_against_float32_is_half_a_step(rng):
     assert (np.abs(c8.values(0) - v[0]).max(-1) <= 0.5 * vstep * (1 + 1e-3) + 1e-6).all()
     q = randn(rng, (B, Hq, 1, d))
     err = np.abs(c8.attend(q) - c32.attend(q)).max()
-    assert err < 2e-2  # measured ~3e-3 at this shape (bench/NOTES.md, int8 accuracy)
+    assert err < 2e-2  # measured ~3e-3 at this shape (bench/notes_archive.md, int8 accuracy)
 
 
 def test_ragged_lengths_and_padding_rows(isa, rng):

@@ -5,7 +5,7 @@
 For a few short cases (decode, and the smallest prefill), attn_fast and torch are timed with
 the suite's own ``prepare`` and ``time_interleaved``, alternating runs with the warm-up off
 (``WARM_MAX_S = 0``: only the pause) and on (the default), and the medians of each printed
-with the torch / attn_fast ratio. What it showed: bench/NOTES.md, zen4 step 6.
+with the torch / attn_fast ratio. What it showed: bench/notes_archive.md, zen4 step 6.
 """
 
 from __future__ import annotations

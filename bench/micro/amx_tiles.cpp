@@ -4,7 +4,7 @@
 // (K or V) resident in L1 or streamed from L2, against the tile peak of 16
 // cycles per TDPBF16PS (16 x 16 x 32 multiply-adds: 1024 FLOPs per cycle).
 // The answer to "is the tile path limited by the tiles, their loads, or the
-// fp32 work between them" (bench/NOTES.md, amx5).
+// fp32 work between them" (bench/notes_archive.md, amx5).
 //
 //   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx2 \
 //       -mfma -mf16c -mamx-tile -mamx-bf16 -DATTN_ISA_AVX512 -DATTN_ISA_AVX512_BF16 \

@@ -1,7 +1,7 @@
 // The split-KV decode kernel outside Python: one token of 32 query heads
 // against 8 kv heads of L cached keys (d = dv = 128, fp32), one thread,
 // K/V on transparent huge pages as NumPy's large arrays are. Reports the
-// best and median K+V bytes read per second (bench/NOTES.md, "Decode").
+// best and median K+V bytes read per second (bench/notes_archive.md, issue3b-decode).
 //
 //   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -Icsrc/include -Icsrc/kernels \
 //       bench/micro/decode.cpp csrc/interrupt.cpp -o /tmp/md && /tmp/md 32768 20

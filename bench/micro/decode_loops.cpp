@@ -6,7 +6,7 @@
 // TSC. Against the FMA floor (4 rows x d / W FMAs per key in each loop; one
 // 512-bit FMA per cycle on Zen 4, two on Zen 5 / Sapphire Rapids, two 256-bit
 // on Zen 3) it tells how much of a compute-bound decode step (int8) the loops
-// themselves take, and how much the rest (bench/NOTES.md, zen4 step 2).
+// themselves take, and how much the rest (bench/notes_archive.md, zen4 step 2).
 //
 //   AVX-512: g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c
 //     -std=c++17 -DATTN_ISA_AVX512 -I. -Icsrc/include -Icsrc/kernels

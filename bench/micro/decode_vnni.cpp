@@ -1,5 +1,5 @@
 // A measurement, not a kernel: what an exact AVX-512-VNNI int8 decode step
-// would cost on this CPU (issue #20's int8 >= 3x target; bench/NOTES.md,
+// would cost on this CPU (issue #20's int8 >= 3x target; bench/notes_archive.md,
 // zen4 step 5). Standalone intrinsics, no library code.
 //
 // The layout it assumes (not the cache's today): key codes in 16-slot column

@@ -1,7 +1,7 @@
 // The decode kernel's read pattern without its arithmetic: per kv head, per
 // 64-key block, the block's K rows then its V rows (d = 128, fp32), one
 // 32-byte load per 64-byte line, one thread. With bench/micro/decode.cpp it
-// separates memory time from compute time (bench/NOTES.md, "Decode").
+// separates memory time from compute time (bench/notes_archive.md, issue3b-decode).
 //
 //   g++ -O2 -mavx2 -std=c++17 bench/micro/read_pattern.cpp -o /tmp/rp && /tmp/rp 32768
 #include <immintrin.h>

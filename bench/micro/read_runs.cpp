@@ -3,7 +3,7 @@
 // and went), then shuffled with a software prefetch of the next run (or the
 // one after) spread over the current run's loads: what scattered runs cost the
 // memory system with no arithmetic, and whether a prefetch distance recovers it
-// (bench/NOTES.md, "paged block size"). THREADS threads split the runs.
+// (bench/notes_archive.md, "paged block size"). THREADS threads split the runs.
 //
 //   g++ -O2 -mavx2 -fopenmp -std=c++17 bench/micro/read_runs.cpp -o /tmp/rr
 //   for r in 8192 16384 32768 65536; do /tmp/rr $r 2; done

@@ -63,7 +63,7 @@
 //   prefetches into L2 (prefetcht1; fp32 4 per iteration) and skips the touch
 //   pass: fp32 0.78-0.80x, bf16 0.76-0.77x the time there, 95-101 % of the
 //   probe; on AMD Zen 4 fp32 0.64-0.82x, bf16 0.73-0.85x (dispatch picks it
-//   there too). On Zen 5 L2 prefetches were 1.05-1.23x slower (bench/NOTES.md,
+//   there too). On Zen 5 L2 prefetches were 1.05-1.23x slower (bench/notes_archive.md,
 //   dec4, dec6, zen4).
 //   An alternative that prefetched each next-block line from inside the loop
 //   reading the matching line (K during QK, V during PV) and touched only a
@@ -75,7 +75,7 @@
 //   1.03-1.16x in paired runs, together with exp2_neg and 2048-key splits.
 //   On AVX-512 (32 registers) 4 rows use 4 keys per QK pass and 4 vectors per
 //   PV pass (16 chains; bf16 0.86-0.89x, int8 0.93-0.95x of 3 / 3, the same
-//   sums in the same order: bench/NOTES.md, dec4 step 5).
+//   sums in the same order: bench/notes_archive.md, dec4 step 5).
 //
 // Masks: bottom-right (or top-left) causal and window_left/right on logical
 //   key indices, exactly as AttnArgs documents (kv_lens / q_lens per sequence).
@@ -167,10 +167,10 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // One per iteration for every type (the former rule for the contiguous cache)
 // left the rest to the hardware prefetcher, which the next page of a paged
 // cache defeats; on one thread's CPU time 3 (fp32) and 2 (bf16) were 0.86x and
-// 0.90x of 1 contiguous, 3 and 2 the best paged (bench/NOTES.md, dec4).
+// 0.90x of 1 contiguous, 3 and 2 the best paged (bench/notes_archive.md, dec4).
 // With the lines prefetched into L2 and no touch pass (DecodeArgs::prefetch_l2,
 // Intel, Zen 4), fp32 takes 4: 0.92x of 3 on Sapphire Rapids, 2 threads (bf16
-// 3 was 1.05-1.06x of 2; bench/NOTES.md, dec6); on Zen 4 fp32 3 and 6 were
+// 3 was 1.05-1.06x of 2; bench/notes_archive.md, dec6); on Zen 4 fp32 3 and 6 were
 // 1.13-1.24x of 4, bf16 1 1.47-1.52x and 3 1.03-1.07x of 2 (zen4).
 // Those counts are for 16-lane vectors (AVX-512). With 8 lanes (AVX2) a block
 // has twice the inner iterations (about 750 at d = dv = 128, 4 rows), so half
@@ -178,7 +178,7 @@ constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
 // hardware prefetcher streams the rest), bf16 and int8 1. On Zen 3, 3 per
 // iteration issued the next block's lines in a burst in the first third of
 // the block: 1.17x the time of 1 at 2 threads, 1.22x at one (paired, in one
-// process; bench/NOTES.md, zen3); a paged cache at 2 measured no better than
+// process; bench/notes_archive.md, zen3); a paged cache at 2 measured no better than
 // at 1 there (1.10-1.11x of contiguous either way). int8 rows on 8 lanes take
 // their prefetches in the P V loop only (int8_on_8_lanes below). The l2
 // policy on an 8-lane object (an Intel CPU without AVX-512) halves the same
@@ -198,7 +198,7 @@ constexpr int prefetch_per(bool l2) {
 // at 1 x 32768 on one thread, 0.80x on two, 0.84x at 4096 keys, 0.91-0.95x on
 // data in L2 / L3 (L = 256, 2048); the same rate in both loops was 1.05-1.17x,
 // and the whole block requested during QK (bursts or one per iteration) no
-// better (bench/NOTES.md, zen3b). Results are bit-identical (prefetch only).
+// better (bench/notes_archive.md, zen3b). Results are bit-identical (prefetch only).
 template <typename T, typename KV>
 constexpr bool int8_on_8_lanes() {
   return Vec<T>::W == 8 && sizeof(KV) == 1;
@@ -218,7 +218,7 @@ constexpr bool pf_at(int64_t c) {  // P V loop, key c
 // the time (1 x 32768 on one and two threads, 1 x 4096), fp16 0.86-0.89x, paged
 // (64-slot pages) 0.92x; fp32 rows (1024 lines a block) the same way 1.17-1.18x
 // (1.01x on data in L3), int8 rows 1.09-1.40x (with their prefetch in QK at
-// any rate): they keep theirs (bench/NOTES.md, zen3c). Bit-identical
+// any rate): they keep theirs (bench/notes_archive.md, zen3c). Bit-identical
 // (prefetches and loads only).
 template <typename T, typename KV>
 constexpr bool staggered() {
@@ -306,7 +306,7 @@ inline void pf_runs(const KV* base, int64_t r0, int64_t rows, int64_t ld, int64_
 // shuffled, 5 runs) paged took 1.08-1.14x the contiguous time with t0 and
 // 1.02-1.08x with t1 at 32k keys (1.013x and 1.003x at 4096). The contiguous
 // cache keeps t0 (with t1 it read 0.98-1.02x, noise), as does the l1 policy
-// (Zen 3 / Zen 5: not measured there). bench/NOTES.md, zen4 step 7.
+// (Zen 3 / Zen 5: not measured there). bench/notes_archive.md, zen4 step 7.
 inline void prefetch_lines(const float* p, int64_t n, bool l2) {
   for (int64_t e = 0; e < n; e += 16) {
     if (l2)
@@ -901,7 +901,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       const T* ks = ks_base + slot / a.kgroup * d;
       const T* ko = ko_base + slot / a.kgroup * d;
       // In W-lane vectors: the dependent scalar chain of the bias sum was a
-      // tenth of an int8 step (bench/NOTES.md, int8 decode profile).
+      // tenth of an int8 step (bench/notes_archive.md, int8 decode profile).
       using V = Vec<T>;
       constexpr int W = V::W;
       for (int r = 0; r < nr; ++r) {
@@ -969,9 +969,9 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
     // loop with many loads in flight (as a streaming read does): the misses
     // overlap, and QK / PV below then hit L1/L2. Not for int8 rows (2 lines
     // each at d = 128): the prefetch below covers them, and without the pass
-    // a step took 0.95-0.96x the CPU time (bench/NOTES.md, dec4).
+    // a step took 0.95-0.96x the CPU time (bench/notes_archive.md, dec4).
     // With the prefetch into L2 (Intel) the pass only costs: fp32 0.93x
-    // without it on Sapphire Rapids, bf16 0.95x (bench/NOTES.md, dec6).
+    // without it on Sapphire Rapids, bf16 0.95x (bench/notes_archive.md, dec6).
     // On AVX2 (Zen 3) the pass read int8 rows better than the prefetch spread
     // over both loops, but it waits for the block's misses before any math:
     // their prefetch spread over the P V loop alone overlaps them (pf_at).

@@ -69,7 +69,7 @@
 //   of a head (Lk * (d + dv) * 4 bytes) sit in L2/L3 and are streamed once
 //   per query block, so Br = 96 when they exceed 2 MiB (long sequences; on
 //   AVX-512 from 2 MiB).
-//   Why these sizes (the measurements behind them): bench/NOTES.md,
+//   Why these sizes (the measurements behind them): bench/notes_archive.md,
 //   "Tuning history moved out of the kernel essays".
 //
 // Threads: OpenMP over work units, dynamic schedule: whole (sequence, kv head)
@@ -117,7 +117,7 @@
 //   strip. A V block with an inf/NaN takes the guarded product (AMX
 //   multiplies 0 x NaN = NaN). The tile plan, layouts and numerics are in
 //   kernels/amx_tiles.h; the tile registers are configured once per thread
-//   in forward_impl's parallel region (AmxTiles). Measured: bench/NOTES.md,
+//   in forward_impl's parallel region (AmxTiles). Measured: bench/notes_archive.md,
 //   "amx5". Steps 1-7 of process_item are the same code on every path.
 //
 // Nothing here touches Python or the C++ standard containers (see seq.h for
@@ -1520,7 +1520,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   if (a.B <= 0 || a.Hq <= 0) return total;
   // The AMX path's fixed costs per key block and row (the O strips through the
   // C tiles, the rescale, the row max) halve at Bc = 512, and a 96-row Q block
-  // halves the K/V tile loads per product: measured, bench/NOTES.md (amx5).
+  // halves the K/V tile loads per product: measured, bench/notes_archive.md (amx5).
   int64_t Bc = round_up(a.block_k > 0 ? a.block_k : (amx_path<S>() ? 512 : 256), kNR * W);
   // A tile never outgrows the problem or 4096 (a huge block_k from a caller
   // must not size the per-thread scratch).
@@ -1530,7 +1530,8 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
   // exceed 2 MiB (beyond L2, from L3 or memory) a taller Q block halves that
   // traffic per FLOP. The AVX-512 objects count exactly 2 MiB (a whole 2 MiB
   // L2, scratch aside) as long too: 2-4 % on Sapphire Rapids, neutral on Zen 5;
-  // AVX2 keeps the strict test (Br = 96 measured 4 % slower there, NOTES).
+  // AVX2 keeps the strict test (Br = 96 measured 4 % slower there:
+  // bench/notes_archive.md, fp18 step 3).
   const int64_t kv_bytes = a.Lk * (a.d + dvp) * static_cast<int64_t>(sizeof(T));
   const bool long_kv =
       kv_bytes > (int64_t(2) << 20) || (Vec<float>::W == 16 && kv_bytes == (int64_t(2) << 20));

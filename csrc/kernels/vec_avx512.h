@@ -69,7 +69,7 @@ struct Vec<float> : VecMath<float>, HalfScalar {
   }
   // The sums of sixteen registers as one: lane i = the sum of a[i]'s lanes.
   // A transpose-and-add tree, 30 shuffles and 15 adds where four hsum4 take
-  // 4 x 20 uops (decode.cpp's 4-row x 4-key QK: bench/NOTES.md, dec6).
+  // 4 x 20 uops (decode.cpp's 4-row x 4-key QK: bench/notes_archive.md, dec6).
   //   1. unpacklo/hi_ps of a pair: per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3];
   //   2. unpacklo/hi_pd of two of those: per lane [x, y, z, w] partial sums;
   //   3., 4. shuffle_f32x4 and add: fold the four 128-bit lanes.

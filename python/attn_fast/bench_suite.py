@@ -373,7 +373,7 @@ COOLDOWN_DEFAULT_S = 0.1
 # milliseconds to run at full speed again: a 2-thread (1, 32/8, 4096) decode
 # step, 1.0-1.1 ms back to back, took 2.0-3.9 ms (median of 11) straight after
 # 0.1 s of sleep and 1.1 ms after 4 untimed calls; (1, 32/8, 32768), 9-10 ms,
-# 0.5-2 ms more (AMD Zen 4 KVM guest, bench/NOTES.md, zen4 step 6). That fixed
+# 0.5-2 ms more (AMD Zen 4 KVM guest, bench/notes_archive.md, zen4 step 6). That fixed
 # wait is not the implementation's and compresses every short row's ratio. So
 # after the pause each implementation first runs untimed for WARM_S (at least
 # one call), unless its calls take WARM_MAX_S or more (the wait is then under

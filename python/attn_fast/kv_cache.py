@@ -114,7 +114,7 @@ def _huge_arrays(specs: list[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
     where its allocation starts (not 2 MiB-aligned), so the scale arrays of a cache stayed on
     4 KiB pages: on AMD Zen 4 an int8 decode step took 0.93-0.95x the time with its arrays on
     huge pages (contiguous cache), and a paged one about 1.0x the contiguous time instead of
-    1.05-1.09x (bench/NOTES.md, zen4 step 10).
+    1.05-1.09x (bench/notes_archive.md, zen4 step 10).
     """
     sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs]
     offs, total = [], 0

@@ -43,7 +43,7 @@ runs took 1.09-1.50x the time of the same bytes in order, 32 KiB runs
 1.05-1.10x; bench/micro/read_runs.cpp). With 64-token blocks an int8 run is
 8 KiB (d = 128) and a paged decode step took 1.05-1.27x the contiguous cache's
 time there, with 256 1.02-1.12x (bfloat16: 1.02-1.15x and 0.99-1.03x;
-bench/NOTES.md, "paged block size"). Smaller blocks waste less on short
+bench/notes_archive.md, "paged block size"). Smaller blocks waste less on short
 sequences (each holds one partly filled block) and share prefixes more finely
 (``fork``): pass block_size=64 for those.
 
@@ -94,7 +94,7 @@ per-block records a few KiB apart in pool order, so on 4 KiB pages nearly
 every block of a decode step touched new pages of them: on AMD Zen 4 paged
 int8 decode took 1.05-1.09x the contiguous cache's time with NumPy's
 allocations (the scale arrays under its 4 MiB huge-page threshold), about
-1.0x this way (bench/NOTES.md, zen4 step 10).
+1.0x this way (bench/notes_archive.md, zen4 step 10).
 """
 
 from __future__ import annotations

@@ -423,7 +423,7 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     What scaled_dot_product_attention would run for this call (Lq = 1 and
     Lk >= DECODE_MIN_LK choose the decode kernel there too: the same bits),
     without its generic argument handling, which cost more than the kernel at
-    a few hundred cached keys (bench/NOTES.md, dec6). query (B, H, 1, d), key
+    a few hundred cached keys (bench/notes_archive.md, dec6). query (B, H, 1, d), key
     (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
     (_attention made sure); the binding checks shapes, strides, dtypes and
     the scale. runs: None (every key valid) or (kv_start, kv_lens) int64 (B,),
