@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from attn_fast import _cyloops, _loops
+from attn_fast._mask_record import summary_numpy
 from attn_fast.kv_cache import KVCache, _write_numpy
 from attn_fast.masks import (
     BLOCK_MASKED,
@@ -19,7 +20,6 @@ from attn_fast.masks import (
     BLOCK_VISIBLE,
     BlockSparse,
     MaskTypeError,
-    _summary_numpy,
     block_summary,
 )
 from attn_fast.positional import RoPE, rope_reference
@@ -342,7 +342,7 @@ def test_block_summary(path, shape, block):
         m[..., : shape[2] // 2, : shape[3] // 3] = True  # some all-visible tiles
         want = _summary_loops(m, block)
         np.testing.assert_array_equal(block_summary(m, block), want)
-        np.testing.assert_array_equal(_summary_numpy(m, block), want)
+        np.testing.assert_array_equal(summary_numpy(m, block), want)
         t = np.ascontiguousarray(m.transpose(0, 1, 3, 2)).transpose(
             0, 1, 3, 2
         )  # column-major tiles
@@ -413,4 +413,4 @@ def test_threads_do_not_change_results():
         af.set_num_threads(saved)
     for a, b in zip(*res):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(res[0][1], _summary_numpy(m, 16))
+    np.testing.assert_array_equal(res[0][1], summary_numpy(m, 16))

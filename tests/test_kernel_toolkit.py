@@ -17,6 +17,7 @@ from oracle import causal_mask, sdpa
 
 import attn_fast as af
 from attn_fast import _core, masks
+from attn_fast._mask_record import summary_numpy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "guards", "bit_identity.py")
@@ -106,7 +107,7 @@ def test_tile_class_numbering_is_shared():
     assert summary[0, 0, 0, 1] == masks.BLOCK_VISIBLE
     assert summary[0, 0, 1, 2] == masks.BLOCK_PARTIAL
     assert summary[0, 0, 0, 0] == masks.BLOCK_MASKED
-    np.testing.assert_array_equal(summary, masks._summary_numpy(m, 4))
+    np.testing.assert_array_equal(summary, summary_numpy(m, 4))
 
 
 def test_kernel_skips_masked_tiles(isa, rng):
