@@ -768,7 +768,7 @@ def test_not_initialised_raises():
 
 
 def test_band_matches_dense_mask():
-    from attn_fast.distributed import _band, _band_pairs
+    from attn_fast._dist_ring import _band, _band_pairs
 
     for nq in range(1, 6):
         for nk in range(1, 6):
@@ -794,7 +794,7 @@ def test_band_matches_dense_mask():
 
 
 def test_merge_matches_merge_attention_states(rng):
-    from attn_fast.distributed import _merge_
+    from attn_fast._dist_ring import _merge_
 
     oa, ob = rng.standard_normal((2, 3, 7, 5))
     la, lb = rng.standard_normal((2, 3, 7)) * 3
@@ -814,9 +814,9 @@ def test_merge_matches_merge_attention_states(rng):
 
 @pytest.mark.parametrize("window", [None, (None, 0), (2, 1), (0, None)])
 def test_local_backward_is_torch_autograd_of_the_block(rng, window):
-    """_local_backward (the fused kernel on NumPy views) gives torch autograd's
+    """local_backward (the fused kernel on NumPy views) gives torch autograd's
     dq, dk, dv for one block."""
-    from attn_fast import distributed as cp
+    from attn_fast._dist_common import local_backward
 
     q, dout = (torch.from_numpy(rng.standard_normal((1, 4, 5, 3))) for _ in range(2))
     k, v = (torch.from_numpy(rng.standard_normal((1, 2, 7, 3))) for _ in range(2))
@@ -825,7 +825,7 @@ def test_local_backward_is_torch_autograd_of_the_block(rng, window):
     out, lse = af.scaled_dot_product_attention(
         q.numpy(), k.numpy(), v.numpy(), return_lse=True, **kw
     )
-    got = cp._local_backward(dout, q, k, v, torch.from_numpy(out), torch.from_numpy(lse), **kw)
+    got = local_backward(dout, q, k, v, torch.from_numpy(out), torch.from_numpy(lse), **kw)
     q2, k2, v2 = (x.clone().requires_grad_() for x in (q, k, v))
     S = q2 @ k2.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.4
     vis = torch.from_numpy(ref.window_mask(5, 7, *(window or (None, None))))

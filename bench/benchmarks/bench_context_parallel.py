@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 import attn_fast as af
+from attn_fast import _dist_ring
 from attn_fast import distributed as cp
+from attn_fast._dist_common import Cfg
 
 
 def _cpu():
@@ -72,7 +74,7 @@ def _compute_alone(q, k, v, cfg):
     qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
     t0, c0 = time.perf_counter(), time.thread_time()
     for step in range(cfg.world):
-        for qs, ks, band, _ in cp._blocks(cfg, n, (cfg.rank - step) % cfg.world):
+        for qs, ks, band, _ in _dist_ring._blocks(cfg, n, (cfg.rank - step) % cfg.world):
             if band is None:
                 continue
             r0, r1, s0, s1, window = band
@@ -81,9 +83,9 @@ def _compute_alone(q, k, v, cfg):
                 kn[:, :, ks + s0 : ks + s1],
                 vn[:, :, ks + s0 : ks + s1],
                 return_lse=True,
-                **cp._sdpa_kwargs(cfg, window),
+                **_dist_ring._sdpa_kwargs(cfg, window),
             )
-            cp._merge_(
+            _dist_ring._merge_(
                 o[:, :, qs + r0 : qs + r1],
                 lse[:, :, qs + r0 : qs + r1],
                 torch.from_numpy(ob),
@@ -93,12 +95,14 @@ def _compute_alone(q, k, v, cfg):
 
 
 def _comm_alone(k, v, cfg):
-    bufs = [cp._pack(k, v), None]
+    bufs = [_dist_ring._pack(k, v), None]
     bufs[1] = torch.empty_like(bufs[0])
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(cfg.world - 1):
-        cp._wait(cp._exchange(cfg, bufs[step % 2], bufs[(step + 1) % 2], cp._TAG_KV))
+        _dist_ring._wait(
+            _dist_ring._exchange(cfg, bufs[step % 2], bufs[(step + 1) % 2], _dist_ring._TAG_KV)
+        )
     return time.perf_counter() - t0
 
 
@@ -123,7 +127,7 @@ def _rank(rank, P, port, a, layout, queue):
         n = a.seq_len // P
         g = torch.Generator().manual_seed(1 + rank)
         q, k, v = (torch.randn((a.batch, a.heads, n, a.head_dim), generator=g) for _ in range(3))
-        cfg = cp._Cfg(True, 1 / a.head_dim**0.5, False, None, layout, None, rank, P)
+        cfg = Cfg(True, 1 / a.head_dim**0.5, False, None, layout, None, rank, P)
         ring, comp, wait, alone, cpu, comm = [], [], [], [], [], []
         for rep in range(a.reps + 1):  # the first is a warm-up
             dist.barrier()
