@@ -15,7 +15,7 @@ import pytest
 from helpers import assert_close
 
 import attn_fast as af
-from attn_fast import demo
+from attn_fast import _demo_plot, demo
 from attn_fast import reference as ref
 from attn_fast.__main__ import main as cli_main
 
@@ -250,7 +250,7 @@ def test_plot_writes_png(tmp_path, capsys):
 
 def test_plot_falls_back_to_english_without_cjk_font(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(demo, "find_cjk_font", lambda text=None: None)
+    monkeypatch.setattr(_demo_plot, "find_cjk_font", lambda text=None: None)
     buf = io.StringIO()
     path = tmp_path / "en.png"
     # pytest turns warnings into errors: a CJK label drawn without a font would fail here
@@ -267,13 +267,13 @@ def test_found_cjk_font_has_the_glyphs():
     pytest.importorskip("matplotlib")
     from matplotlib import font_manager
 
-    name = demo.find_cjk_font()
+    name = _demo_plot.find_cjk_font()
     if name is None:
         pytest.skip("no CJK font on this machine")
     path = font_manager.findfont(
         font_manager.FontProperties(family=name), fallback_to_default=False
     )
-    assert demo._font_has(path, "猫追红色激光点")
+    assert _demo_plot._font_has(path, "猫追红色激光点")
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_path):
@@ -305,37 +305,37 @@ def test_placeholder_font_is_not_a_cjk_font(monkeypatch):
     dejavu = font_manager.findfont(
         font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False
     )
-    assert demo._font_has(
+    assert _demo_plot._font_has(
         dejavu, "éü√ᵀ①"
     )  # a real font with real glyphs passes (the check can say yes)
-    assert not demo._font_has(dejavu, "猫")  # and one without the glyph does not
+    assert not _demo_plot._font_has(dejavu, "猫")  # and one without the glyph does not
     lr = _placeholder_fonts()
     if not lr:
         assert tuple(int(x) for x in matplotlib.__version__.split(".")[:2]) < (3, 11)
         pytest.skip("this matplotlib ships no Last Resort font")
     for f in lr:
-        assert not demo._font_has(f.fname, "猫追红色激光点")
+        assert not _demo_plot._font_has(f.fname, "猫追红色激光点")
     # rejected by its glyphs (one box for a whole block), not only by its name
-    monkeypatch.setattr(demo, "_is_placeholder_family", lambda name: False)
+    monkeypatch.setattr(_demo_plot, "_is_placeholder_family", lambda name: False)
     for f in lr:
-        assert not demo._font_has(f.fname, "猫追红色激光点")
+        assert not _demo_plot._font_has(f.fname, "猫追红色激光点")
     # a font list of DejaVu and Last Resort only has no CJK font
     monkeypatch.setattr(
         font_manager.fontManager,
         "ttflist",
         [f for f in font_manager.fontManager.ttflist if f.fname == dejavu] + lr,
     )
-    assert demo.find_cjk_font() is None
+    assert _demo_plot.find_cjk_font() is None
 
 
 def test_found_cjk_font_is_real():
     pytest.importorskip("matplotlib")
     from matplotlib import font_manager
 
-    name = demo.find_cjk_font()
+    name = _demo_plot.find_cjk_font()
     if name is None:
         # nothing found: then matplotlib knows none of the usual CJK families either
-        known = {f.name for f in font_manager.fontManager.ttflist} & set(demo._CJK_FAMILIES)
+        known = {f.name for f in font_manager.fontManager.ttflist} & set(_demo_plot._CJK_FAMILIES)
         assert not known, known
         pytest.skip("no CJK font on this machine")
     assert "last resort" not in name.lower()
@@ -381,12 +381,12 @@ def test_plot_zh_without_cjk_font_uses_english_labels(tmp_path, monkeypatch, cap
     dejavu = font_manager.findfont(
         font_manager.FontProperties(family="DejaVu Sans"), fallback_to_default=False
     )
-    assert demo._font_has(dejavu, "".join(texts))  # every glyph drawn is a real DejaVu glyph
+    assert _demo_plot._font_has(dejavu, "".join(texts))  # every glyph drawn is a real DejaVu glyph
 
 
 def test_plot_zh_with_cjk_font_uses_chinese_labels(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
-    if demo.find_cjk_font() is None:
+    if _demo_plot.find_cjk_font() is None:
         pytest.skip("no CJK font on this machine (apt install fonts-noto-cjk to run this)")
     texts = _figure_texts(monkeypatch)
     assert cli_main(["demo", "--lang", "zh", "--plot", str(tmp_path / "zh.png")]) == 0
@@ -451,7 +451,7 @@ def test_step_numbers_run_in_order(lang, causal):
 def test_zh_text_uses_full_width_punctuation():
     buf = io.StringIO()
     demo.run(lang="zh", causal=True, file=buf)
-    texts = [buf.getvalue(), *demo.PLOT_TEXT["zh"].values()]
+    texts = [buf.getvalue(), *_demo_plot.PLOT_TEXT["zh"].values()]
     han = "[\u3400-\u9fff]"  # ideographs (not the full-width punctuation itself)
     ascii_next_to_cjk = re.compile(rf"{han}[:,;?!()]|[:,;?!()]{han}")
     for text in texts:
