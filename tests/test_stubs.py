@@ -186,3 +186,31 @@ def test_public_api_is_annotated(modname):
     mod = importlib.import_module(modname)
     missing = {name: m for name, f in public_callables(mod) if (m := unannotated(f))}
     assert missing == {}
+
+
+def stub_tuple_return(name, fn_name):
+    """The element annotations of a ``-> tuple[...]`` return in stub `name`, as source text."""
+    tree = ast.parse((PKG / f"{name}.pyi").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn_name]
+    ret = fn.returns
+    assert isinstance(ret, ast.Subscript) and ast.unparse(ret.value) == "tuple", ast.unparse(ret)
+    elts = ret.slice.elts if isinstance(ret.slice, ast.Tuple) else [ret.slice]
+    return [ast.unparse(e) for e in elts]
+
+
+def test_core_stub_tuple_returns_match_the_binding():
+    """A tuple the stub promises has the length and element types the binding returns."""
+    import numpy as np
+
+    q = np.zeros((1, 1, 3, 4), np.float32)
+    o = np.empty_like(q)
+    calls = {
+        "forward": lambda: _core.forward(q, q, q, o, scale=0.5),
+        "cpu_signature": _core.cpu_signature,
+    }
+    for fn_name, call in calls.items():
+        want = stub_tuple_return("_core", fn_name)
+        got = call()
+        assert isinstance(got, tuple) and len(got) == len(want), (fn_name, got, want)
+        for value, ann in zip(got, want):
+            assert type(value).__name__ == ann, (fn_name, value, ann)
