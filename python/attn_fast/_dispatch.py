@@ -163,20 +163,25 @@ def decode_step(
     k: np.ndarray,
     v: np.ndarray,
     o: np.ndarray,
+    lse: np.ndarray | None = None,
     *,
     scale: float,
     causal: bool = False,
     window: tuple[int, int] = (-1, -1),
-    kv_start: np.ndarray | None = None,
+    q_lens: np.ndarray | None = None,
     kv_lens: np.ndarray | None = None,
+    kv_start: np.ndarray | None = None,
 ) -> None:
-    """The decode kernel with only the arguments a generated token needs, writing o.
+    """The decode kernel with only the structural arguments, writing o (and lse).
 
     ``attend(DECODE, ...)`` for callers that build no MaskArgs record (the
-    transformers backend's one-token fast path, where the record and its
-    keyword scan cost about as much as a 512-key kernel call): causal, a
-    (left, right) window (-1 = unbounded), kv_start / kv_lens (B,) int64.
-    Shapes, strides, dtypes and the scale are checked by the binding.
+    fast paths of ``KVCache.attend`` and of the transformers backend, where
+    the record and its keyword scan cost about as much as a 512-key kernel
+    call): causal, a (left, right) window (-1 = unbounded), q_lens / kv_lens /
+    kv_start (B,) int64. The binding gets exactly the keywords
+    ``MaskArgs(...).kernel_kwargs()`` would give it (only those set), so the
+    results are the same bits. Shapes, strides, dtypes and the scale are
+    checked by the binding.
     """
     kw = {}
     if causal:
@@ -185,9 +190,11 @@ def decode_step(
         kw["window_left"] = window[0]
     if window[1] >= 0:
         kw["window_right"] = window[1]
+    if q_lens is not None:
+        kw["q_lens"] = q_lens
     if kv_lens is not None:
         kw["kv_lens"] = kv_lens
-    _core.decode(q, k, v, o, None, scale=scale, kv_start=kv_start, **kw)
+    _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
 
 
 def attend(
