@@ -125,7 +125,7 @@ def profile_one(calls, n=2000, top=14):
         total = sum(v[2] for v in st.stats.values())
         out.write(f"--- {name}: {total / n * 1e6:.1f} µs/call under cProfile; top by tottime\n")
         rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
-        for (fn, line, func), (cc, nc, tt, ct, _) in rows:
+        for (fn, line, func), (_cc, nc, tt, ct, _) in rows:
             where = f"{fn.split('/')[-1]}:{line}({func})"
             out.write(
                 f"  {tt / n * 1e6:7.2f} µs tot {ct / n * 1e6:7.2f} µs cum {nc / n:5.1f}x  {where}\n"

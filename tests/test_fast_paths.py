@@ -217,7 +217,7 @@ def test_kv_cache_fast_against_oracle(isa, rng):
     B, Hkv, Hq, d, w = 1, 2, 4, 16, 9
     c = af.KVCache(B, Hkv, d, window=w)
     ks, vs = [], []
-    for t in range(30):
+    for _ in range(30):
         k, v = randn(rng, (B, Hkv, 1, d)), randn(rng, (B, Hkv, 1, d))
         ks.append(k)
         vs.append(v)
@@ -279,6 +279,7 @@ def test_kv_cache_fast_same_errors(rng):
                 c.attend(bq)
             errs.append((type(e.value), str(e.value)))
         assert errs[0] == errs[1]
+
     # Rows the cache cannot serve, with a plan for that very query shape: more query rows
     # than stored keys (after truncate), and keys a window ring has dropped.
     def short(c, q3):
@@ -314,9 +315,7 @@ def test_kv_cache_fast_same_errors(rng):
 # ---------------------------------------------------------------- the torch op
 
 
-@pytest.mark.parametrize(
-    "shape", [(1, 9, 3, 1, 16, 64), (1, 8, 2, 1, 300, 32), (2, 4, 4, 5, 9, 7)]
-)
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 16, 64), (1, 8, 2, 1, 300, 32), (2, 4, 4, 5, 9, 7)])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
 def test_torch_direct_same_bits(isa, rng, monkeypatch, shape, dtype):
     import attn_fast.torch as aft
