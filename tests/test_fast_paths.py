@@ -386,3 +386,40 @@ def test_torch_direct_same_errors(rng, monkeypatch, bad):
             aft.scaled_dot_product_attention(*args)
         errs.append((type(e.value), str(e.value)))
     assert errs[0] == errs[1]
+
+
+def test_sdpa_plan_with_out(rng, monkeypatch):
+    """out= (a transposed torch view, as the transformers backend passes it): same bits, the
+    caller's object back; an out that aliases q is filled through a temporary; a read-only
+    out raises what the checked path raises."""
+    q, k, v = randn(rng, (2, 6, 1, 8)), randn(rng, (2, 3, 40, 8)), randn(rng, (2, 3, 40, 8))
+    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    bufs = [torch.full((2, 1, 6, 8), float("nan")) for _ in range(3)]
+    F._PLANS.clear()
+    ref = af.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    calls = _count_checks(monkeypatch)
+    for buf in bufs:
+        o = buf.transpose(1, 2)
+        got = af.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True, out=o)
+        assert got is o
+        assert torch.equal(o, ref)
+    assert len(calls) == 1  # the first out= call planned, the next two took the plan
+
+    a = randn(rng, (1, 2, 1, 8))
+    expect = sdpa(a, a, a)
+    for _ in range(2):  # checked, then planned
+        x = a.copy()
+        af.scaled_dot_product_attention(x, x, x, out=x)
+        np.testing.assert_allclose(x, expect, **tol(np.float32))
+
+    errs = []
+    for planned in (False, True):
+        F._PLANS.clear()
+        o = np.empty((2, 6, 1, 8), np.float32)
+        if planned:
+            af.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=o)
+        o.flags.writeable = False
+        with pytest.raises(ValueError) as e:
+            af.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=o)
+        errs.append(str(e.value))
+    assert errs[0] == errs[1] and "read-only" in errs[0]

@@ -27,6 +27,7 @@ from . import _dispatch, masks
 from ._checks import (
     HALF_DTYPES,
     Output,
+    alias_safe,
     as_float_array,
     bf16_bits,
     check_bool,
@@ -235,36 +236,30 @@ def _check_dropout(dropout_p: Any) -> float:
     return p
 
 
-# Plans of plain calls (no mask object, options or out; 4-D arrays): the key holds
-# everything the checked path's acceptance and choices depended on (each array's
-# kind, shape and strides via _checks.fast_view, is_causal, enable_gqa, scale), the
-# plan what it decided (kernel, mask record, checked scale, output shape and dtype).
-# A call with a known key runs the same kernel call without the checks; the first
-# call of a key always takes the checked path, so bad input raises there as before.
+# Plans of plain calls (no mask object or options; 4-D arrays; out= or not): the
+# key holds everything the checked path's acceptance and choices depended on (each
+# array's kind, shape and strides via _checks.fast_view, is_causal, enable_gqa,
+# scale), the plan what it decided (kernel, mask record, checked scale, output shape
+# and dtype). A call with a known key runs the same kernel call without the checks
+# (out's writeability and its overlap with the inputs are still looked at, as they
+# depend on more than the key); the first call of a key takes the checked path, so
+# bad input raises there as before.
 _PLANS: dict = {}
 _MAX_PLANS = 256
 
 
-def _plain_key(q: Any, k: Any, v: Any, is_causal: bool, enable_gqa: bool, scale: Any) -> Any:
-    """The plan key of a plain call, or None when an input is not a fast-path kind."""
-    fq, fk, fv = fast_view(q), fast_view(k), fast_view(v)
-    if fq is None or fk is None or fv is None:
-        return None
-    qa, ka, va = fq[0], fk[0], fv[0]
-    return (
-        fq[1],
-        qa.shape,
-        qa.strides,
-        fk[1],
-        ka.shape,
-        ka.strides,
-        fv[1],
-        va.shape,
-        va.strides,
-        is_causal,
-        enable_gqa,
-        scale,
-    ), (qa, ka, va)
+def _plain_key(
+    q: Any, k: Any, v: Any, out: Any, is_causal: bool, enable_gqa: bool, scale: Any
+) -> Any:
+    """(key, views) of a plain call, or None when an array is not a fast-path kind."""
+    views, key = [], [is_causal, enable_gqa, scale]
+    for x in (q, k, v) if out is None else (q, k, v, out):
+        f = fast_view(x)
+        if f is None:
+            return None
+        views.append(f[0])
+        key += (f[1], f[0].shape, f[0].strides)
+    return tuple(key), views
 
 
 def _store_plan(plan_key: Any, plan: tuple) -> None:
@@ -273,15 +268,27 @@ def _store_plan(plan_key: Any, plan: tuple) -> None:
     _PLANS[plan_key[0]] = plan
 
 
-def _run_plan(plan: tuple, plan_key: Any, like: Any, scale: float | None) -> Any:
-    """The kernel call a checked call of the same key made, on this call's arrays."""
+def _run_plan(plan: tuple, plan_key: Any, like: Any, out: Any, scale: float | None) -> Any:
+    """The kernel call a checked call of the same key made, on this call's arrays; None when
+    `out` is read-only (the checked path raises)."""
     kernel, mask, checked_scale, shape, dtype = plan
     scale = checked_scale if scale is None else scale
-    q, k, v = plan_key[1]
-    o = np.empty(shape, dtype=dtype)
+    views = plan_key[1]
+    q, k, v = views[:3]
+    target = None
+    if out is None:
+        o = np.empty(shape, dtype=dtype)
+    else:
+        if not views[3].flags.writeable:
+            return None
+        o, target = alias_safe(views[3], q, k, v)
     if o.size:
         _dispatch.attend(kernel, q, k, v, o, None, scale=scale, mask=mask)
-    return to_input_kind(o, like)
+    if out is None:
+        return to_input_kind(o, like)
+    if target is not None:
+        target[...] = o
+    return out
 
 
 def scaled_dot_product_attention(
@@ -419,7 +426,6 @@ def scaled_dot_product_attention(
         and return_lse is False
         and return_weights is False
         and return_stats is False
-        and out is None
         and window_size is None
         and softcap is None
         and alibi_slopes is None
@@ -428,10 +434,12 @@ def scaled_dot_product_attention(
         and block_q == 0
         and block_k == 0
     ):
-        plan_key = _plain_key(q, k, v, is_causal, enable_gqa, scale)
+        plan_key = _plain_key(q, k, v, out, is_causal, enable_gqa, scale)
         plan = _PLANS.get(plan_key[0]) if plan_key is not None else None
         if plan is not None:
-            return _run_plan(plan, plan_key, q, scale)
+            res = _run_plan(plan, plan_key, q, out, scale)
+            if res is not None:
+                return res
     q, k, v = _qkv_names(q, k, v, query, key, value)
     _check_dropout(dropout_p)
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")

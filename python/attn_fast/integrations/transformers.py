@@ -88,7 +88,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import _dispatch
 from .. import functional as _functional
-from .._checks import as_array
+from .._checks import as_array, fast_view
 from .._dispatch import DECODE_MIN_LK
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
@@ -353,7 +353,7 @@ def attention_forward(
             "attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly"
         )
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise TypeError(
                 f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only"
             )
@@ -417,6 +417,13 @@ def _decode_shapes_fit(qs, ks, vs):
     )
 
 
+def _view(t, name):
+    """A tensor's memory as NumPy reads it: fast_view's cheap read where it applies, else
+    as_array (which raises what is wrong with it, naming it)."""
+    f = fast_view(t)
+    return f[0] if f is not None else as_array(t, name)
+
+
 def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):
     """One generated token: the decode kernel on the tensors' memory.
 
@@ -438,8 +445,8 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
-    o = as_array(out.transpose(1, 2), "out")
-    q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
+    o = _view(out.transpose(1, 2), "out")
+    q, k, v = _view(query, "query"), _view(key, "key"), _view(value, "value")
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
     _dispatch.decode_step(
         q,
