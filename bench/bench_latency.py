@@ -57,7 +57,7 @@ def entry_points(Hq, Hkv, d, L, seed=0):
     cache = af.KVCache(1, Hkv, d, capacity=L + 64)
     cache.append(k, v)
     mod = _Module()
-    scale = 1.0 / np.sqrt(d)
+    scale = d**-0.5  # a Python float, as transformers passes module.scaling
 
     def hf():
         with torch.no_grad():

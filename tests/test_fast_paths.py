@@ -423,3 +423,30 @@ def test_sdpa_plan_with_out(rng, monkeypatch):
             af.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=o)
         errs.append(str(e.value))
     assert errs[0] == errs[1] and "read-only" in errs[0]
+
+
+# ---------------------------------------------------------------- the short-context rule
+
+
+@pytest.mark.parametrize("Lq", [1, 2, 4])
+@pytest.mark.parametrize("Lk", [1, 7, 63, 64, 129])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_row_decodes_at_any_length(isa, rng, Lq, Lk, dtype):
+    """One query row takes the decode kernel at every Lk, 2 to 4 rows from DECODE_MIN_LK
+    keys on; either side of the rule matches the oracle (causal and not, GQA)."""
+    from attn_fast import _dispatch as D
+    from attn_fast.masks import MaskArgs
+
+    kernel = D.choose_kernel(Lq=Lq, Lk=Lk, mask=MaskArgs())
+    want_decode = Lq == 1 or Lk >= D.DECODE_MIN_LK
+    assert kernel == (D.DECODE if want_decode else D.PREFILL)
+    q, k, v = randn(rng, (2, 6, Lq, 80), dtype), randn(rng, (2, 2, Lk, 80), dtype)
+    v = randn(rng, (2, 2, Lk, 80), dtype)
+    for causal in (False, True):
+        got = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        forced = af.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True, backend="decode" if want_decode else "fused"
+        )
+        assert np.array_equal(got, forced)
+        mask = causal_mask(Lq, Lk) if causal else None
+        np.testing.assert_allclose(got, sdpa(q, k, v, mask=mask), **tol(dtype))

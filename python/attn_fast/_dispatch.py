@@ -33,6 +33,10 @@ PREFILL, DECODE, REFERENCE = "prefill", "decode", "reference"
 # no feature it lacks is asked for; backend="decode" forces it.
 # Crossover measured with H_q=32, H_kv=8, d=128, Lk=4096 (2-core Zen 3): the
 # decode kernel is ~2x faster for Lq <= 4, the tiled kernel from Lq = 8 on.
+# Below DECODE_MIN_LK keys the tiled kernel's fixed cost decides for 2 to 4
+# query rows, but one query row (a generated token) takes the decode kernel at
+# any Lk: 0.05-0.2x the tiled kernel's time at Lk = 1..128 (Zen 4, 1 and 2
+# threads, H_q / H_kv / d = 9 / 3 / 64 and 32 / 8 / 128; bench/NOTES.md, lat).
 DECODE_MAX_LQ = 4
 DECODE_MIN_LK = 64
 
@@ -154,7 +158,7 @@ def choose_kernel(
         return DECODE
     if keys in (KEYS_RING, KEYS_CODES, KEYS_PAGED):
         return DECODE
-    short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lk >= DECODE_MIN_LK)
+    short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lq == 1 or Lk >= DECODE_MIN_LK)
     return DECODE if fits and short else PREFILL
 
 

@@ -89,7 +89,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .. import _dispatch
 from .. import functional as _functional
 from .._checks import as_array, fast_view
-from .._dispatch import DECODE_MIN_LK
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
@@ -404,6 +403,15 @@ def attention_forward(
     return run(), None
 
 
+_STRUCTURAL = _dispatch.MaskArgs(causal=True)  # what choose_kernel reads of a decode step's mask
+
+
+def _one_token_decodes(Lk):
+    """Whether scaled_dot_product_attention runs the decode kernel for one query row
+    against Lk keys with structural masks only (_decode_step then gives its bits)."""
+    return _dispatch.choose_kernel(Lq=1, Lk=Lk, mask=_STRUCTURAL) == _dispatch.DECODE
+
+
 def _decode_shapes_fit(qs, ks, vs):
     """q (B, H, 1, d), k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv), H a multiple of H_kv: what
     _decode_step reads (anything else takes the generic path, whose errors name the shapes)."""
@@ -428,7 +436,7 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     """One generated token: the decode kernel on the tensors' memory.
 
     What scaled_dot_product_attention would run for this call (Lq = 1 and
-    Lk >= DECODE_MIN_LK choose the decode kernel there too: the same bits),
+    _one_token_decodes(Lk) says the decode kernel is chosen there too: the same bits),
     without its generic argument handling, which cost more than the kernel at
     a few hundred cached keys (bench/NOTES.md, dec6). query (B, H, 1, d), key
     (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
@@ -491,7 +499,7 @@ def _attention(
         if spec.window != (-1, -1):
             kw["window_size"] = spec.window
         mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
-        if mask is not None and Lq == 1 and Lk >= DECODE_MIN_LK and spec.window == (-1, -1):
+        if mask is not None and Lq == 1 and _one_token_decodes(Lk) and spec.window == (-1, -1):
             runs = spec.key_runs()  # False unless each row's valid keys are one run
     elif mask is not None:
         if mask.ndim != 4:
@@ -528,7 +536,7 @@ def _attention(
         and position_bias is None
         and s_aux is None
         and not softcap
-        and Lk >= DECODE_MIN_LK
+        and _one_token_decodes(Lk)
         and _decode_shapes_fit(query.shape, key.shape, value.shape)
     ):
         out = _decode_step(
