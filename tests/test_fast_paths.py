@@ -440,7 +440,7 @@ def test_one_row_decodes_at_any_length(isa, rng, Lq, Lk, dtype):
     kernel = D.choose_kernel(Lq=Lq, Lk=Lk, mask=MaskArgs())
     want_decode = Lq == 1 or Lk >= D.DECODE_MIN_LK
     assert kernel == (D.DECODE if want_decode else D.PREFILL)
-    q, k, v = randn(rng, (2, 6, Lq, 80), dtype), randn(rng, (2, 2, Lk, 80), dtype)
+    q, k = randn(rng, (2, 6, Lq, 80), dtype), randn(rng, (2, 2, Lk, 80), dtype)
     v = randn(rng, (2, 2, Lk, 80), dtype)
     for causal in (False, True):
         got = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
