@@ -14,12 +14,15 @@ Entry points, each on the same tensors (B = 1, fp32):
                DynamicCache calls)
     torch      torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)
 
-Each result is first checked against the float64 oracle (and torch's output). Timing:
+Each result is first checked against the float64 oracle. Timing:
 ``--rounds`` rounds; in each round every entry point runs a burst of calls (enough for about
 2 ms), in a rotated order, so the entry points share whatever load the machine has; a
 round's per-call time is the burst's mean, and the table shows the median over rounds and
 each entry point's ratio to torch's median in the same run. The result lines carry the ISA,
-thread count and CPU model.
+thread count and CPU model. ``--clock cpu`` (with ``--threads 1``) times the calling
+thread's CPU time instead of the wall clock: on a machine shared with other jobs the wall
+clock mostly measures the scheduler (a 2-thread OpenMP or ATen team waits for a descheduled
+worker), the CPU time of a one-thread call does not.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def entry_points(Hq, Hkv, d, L, seed=0):
     return calls
 
 
-def time_calls(calls, rounds, burst_s=0.002):
-    """{name: median seconds per call} over `rounds` interleaved rounds."""
+def time_calls(calls, rounds, burst_s=0.002, clock=time.perf_counter):
+    """{name: median seconds per call} over `rounds` interleaved rounds, timed by `clock`."""
     names = list(calls)
     reps = {}
     for n in names:  # size each burst to ~burst_s (after a warm-up)
@@ -103,10 +106,10 @@ def time_calls(calls, rounds, burst_s=0.002):
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             f, m = calls[n], reps[n]
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(m):
                 f()
-            per[n].append((time.perf_counter() - t0) / m)
+            per[n].append((clock() - t0) / m)
     return {n: statistics.median(v) for n, v in per.items()}
 
 
@@ -139,7 +142,18 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each (L = 512)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: perf_counter; cpu: the calling thread's CPU time (time.thread_time), "
+        "which a loaded machine does not inflate; meaningful with --threads 1 only, where "
+        "both libraries run the whole call on the calling thread",
+    )
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu needs --threads 1 (a team's work runs on other threads)")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     af.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     c = config()
@@ -147,7 +161,7 @@ def main(argv=None):
         load = f.read().split()[0]
     print(
         f"attn_fast decode latency | isa {c['isa']} | threads {c['num_threads']} | cpu {c['cpu']}"
-        f" | torch {torch.__version__} | fp32 B=1 Lq=1 | load {load}"
+        f" | torch {torch.__version__} | fp32 B=1 Lq=1 | {args.clock} clock | load {load}"
     )
     names = ("torch", "numpy", "kvcache", "torch_op", "hf")
     print(
@@ -158,7 +172,7 @@ def main(argv=None):
     for Hq, Hkv, d in SHAPES:
         for L in args.lengths:
             calls = entry_points(Hq, Hkv, d, L)
-            med = time_calls(calls, args.rounds)
+            med = time_calls(calls, args.rounds, clock=clock)
             t = med["torch"]
             print(
                 f"{str((Hq, Hkv, d)) + ', ' + str(L):<22}"

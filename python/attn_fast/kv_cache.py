@@ -799,6 +799,8 @@ class KVCache:
 
     def _lengths_ok(self, ql, causal):
         """Whether every query row's keys are still stored (what attend raises about)."""
+        if self.batch == 1 and self.window is None:  # the same test on Python ints (cheaper)
+            return not causal or int(ql[0]) <= int(self._n[0])
         if causal and (ql > self._n).any():
             return False
         if self.window is not None:
@@ -811,10 +813,15 @@ class KVCache:
         wl = -1 if self.window is None else self.window - 1
         if not self._q8:
             start, n = self._start, self._n
-            ring = (start + n > self.capacity).any() or (start != start[0]).any()
+            if self.batch == 1:  # the same tests on Python ints (cheaper)
+                maxn = int(n[0])
+                ring = int(start[0]) + maxn > self.capacity
+            else:
+                maxn = int(n.max())
+                ring = (start + n > self.capacity).any() or (start != start[0]).any()
             kernel = _dispatch.choose_kernel(
                 Lq=q.shape[2],
-                Lk=int(n.max()),
+                Lk=maxn,
                 mask=_CACHE_MASK,
                 keys=_dispatch.KEYS_RING if ring else _dispatch.KEYS_CACHE,
             )
