@@ -113,11 +113,12 @@ def time_calls(calls, rounds, burst_s=0.002, clock=time.perf_counter):
     return {n: statistics.median(v) for n, v in per.items()}
 
 
-def profile_one(calls, n=2000, top=14):
-    """cProfile text of `n` calls of each entry point (tottime per call, µs)."""
+def profile_one(calls, n=2000, top=14, timer=None):
+    """cProfile text of `n` calls of each entry point (tottime per call, µs); timer: the
+    profiler's clock (None: its default wall clock; time.thread_time for --clock cpu)."""
     out = io.StringIO()
     for name, f in calls.items():
-        pr = cProfile.Profile()
+        pr = cProfile.Profile(timer) if timer else cProfile.Profile()
         pr.enable()
         for _ in range(n):
             f()
@@ -183,7 +184,8 @@ def main(argv=None):
     if args.profile:
         for Hq, Hkv, d in SHAPES:
             print(f"\ncProfile, (Hq, Hkv, d) = {(Hq, Hkv, d)}, L = 512")
-            print(profile_one(entry_points(Hq, Hkv, d, 512)))
+            timer = time.thread_time if args.clock == "cpu" else None
+            print(profile_one(entry_points(Hq, Hkv, d, 512), timer=timer))
     return 0
 
 
