@@ -450,3 +450,38 @@ def test_one_row_decodes_at_any_length(isa, rng, Lq, Lk, dtype):
         assert np.array_equal(got, forced)
         mask = causal_mask(Lq, Lk) if causal else None
         np.testing.assert_allclose(got, sdpa(q, k, v, mask=mask), **tol(dtype))
+
+
+def test_kv_cache_append_fast_same_state_and_errors(rng):
+    """append with the key of its last checked chunks skips the checks: the same storage and
+    outputs as checking every chunk; bad chunks raise what the checked path raises."""
+    caches = [af.KVCache(2, 2, 8, capacity=4) for _ in range(2)]
+    for t in range(12):
+        k, v, q = randn(rng, (2, 2, 1, 8)), randn(rng, (2, 2, 1, 8)), randn(rng, (2, 4, 1, 8))
+        outs = []
+        for i, c in enumerate(caches):
+            if i == 1:
+                c._append_key = c._plan_key = None  # the checked path every step
+            c.append(torch.from_numpy(k) if t % 2 else k, v)
+            outs.append(c.attend(q))
+        assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(caches[0]._k, caches[1]._k)
+    assert np.array_equal(caches[0]._v, caches[1]._v)
+    good = randn(rng, (2, 2, 1, 8))
+    for bad_k, bad_v in [
+        (good.astype(np.float64), good),
+        (randn(rng, (2, 2, 1, 6)), good),
+        (good, randn(rng, (2, 2, 2, 8))),
+        (randn(rng, (1, 2, 1, 8)), good),
+        (good.tolist(), good),
+    ]:
+        errs = []
+        for planned in (False, True):
+            c = af.KVCache(2, 2, 8)
+            if planned:
+                c.append(good, good)
+                assert c._append_key is not None
+            with pytest.raises(Exception) as e:
+                c.append(bad_k, bad_v)
+            errs.append((type(e.value), str(e.value)))
+        assert errs[0] == errs[1]

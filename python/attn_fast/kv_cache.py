@@ -374,6 +374,7 @@ class KVCache:
         # (q's kind, shape, strides, scale) of the last attend whose checks passed, and the
         # checked scale: a query with the same key needs none of them again (attend).
         self._plan_key, self._plan_scale = None, 0.0
+        self._append_key = None  # the same for append's k, v chunks
 
     def _alloc(self, cap):
         """Fresh storage of cap slots per sequence (the arrays only; counters untouched)."""
@@ -524,13 +525,23 @@ class KVCache:
         Each row is copied once into the storage (``_cyloops.cache_write``,
         or the NumPy reference ``_write_numpy``). On error nothing changes.
         """
-        k = self._check_chunk(k, "k", self.head_dim)
-        v = self._check_chunk(v, "v", self.v_head_dim)
+        key = None
+        if lengths is None and rope is None:
+            fk, fv = fast_view(k), fast_view(v)
+            if fk is not None and fv is not None:
+                key = (fk[1], fk[0].shape, fk[0].strides, fv[1], fv[0].shape, fv[0].strides)
+        if key is not None and key == self._append_key:
+            k, v = fk[0], fv[0]  # chunks of a layout whose checks passed (attend's _plan_key)
+        else:
+            k = self._check_chunk(k, "k", self.head_dim)
+            v = self._check_chunk(v, "v", self.v_head_dim)
+            if v.shape[2] != k.shape[2]:
+                raise ValueError(
+                    f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
+                )
+            if key is not None:
+                self._append_key = key
         L = k.shape[2]
-        if v.shape[2] != L:
-            raise ValueError(
-                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
-            )
         new = (
             np.full(self.batch, L, dtype=np.int64)
             if lengths is None
