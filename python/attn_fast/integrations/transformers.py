@@ -72,6 +72,7 @@ in float32 inside the op).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -406,6 +407,7 @@ def attention_forward(
 _STRUCTURAL = _dispatch.MaskArgs(causal=True)  # what choose_kernel reads of a decode step's mask
 
 
+@functools.lru_cache(maxsize=4096)
 def _one_token_decodes(Lk):
     """Whether scaled_dot_product_attention runs the decode kernel for one query row
     against Lk keys with structural masks only (_decode_step then gives its bits)."""
