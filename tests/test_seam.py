@@ -104,7 +104,8 @@ def test_alignment_conflict_resolved_only_where_it_coincides():
         (dict(Lq=1, Lk=64), DECODE),
         (dict(Lq=4, Lk=4096), DECODE),
         (dict(Lq=5, Lk=4096), PREFILL),
-        (dict(Lq=1, Lk=63), PREFILL),
+        (dict(Lq=1, Lk=63), DECODE),  # one query row: the decode kernel at any Lk
+        (dict(Lq=2, Lk=63), PREFILL),
         (dict(Lq=1, Lk=63, keys=_dispatch.KEYS_CACHE), DECODE),
         (dict(Lq=64, Lk=63, keys=_dispatch.KEYS_CACHE), PREFILL),
         (dict(Lq=64, Lk=63, keys=_dispatch.KEYS_RING), DECODE),
