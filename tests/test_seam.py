@@ -104,7 +104,8 @@ def test_alignment_conflict_resolved_only_where_it_coincides():
         (dict(Lq=1, Lk=64), DECODE),
         (dict(Lq=4, Lk=4096), DECODE),
         (dict(Lq=5, Lk=4096), PREFILL),
-        (dict(Lq=1, Lk=63), PREFILL),
+        (dict(Lq=1, Lk=63), DECODE),  # one query row: the decode kernel at any Lk
+        (dict(Lq=2, Lk=63), PREFILL),
         (dict(Lq=1, Lk=63, keys=_dispatch.KEYS_CACHE), DECODE),
         (dict(Lq=64, Lk=63, keys=_dispatch.KEYS_CACHE), PREFILL),
         (dict(Lq=64, Lk=63, keys=_dispatch.KEYS_RING), DECODE),
@@ -153,14 +154,16 @@ def test_public_calls_reach_the_kernel_choose_kernel_picks(rng, kernel_calls):
     q, k, v = (rng.standard_normal((1, 2, L, 8)) for L in (1, 100, 100))
     af.scaled_dot_product_attention(q, k, v, is_causal=True)
     af.scaled_dot_product_attention(q, k, v, attn_mask=np.ones((1, 100), bool))
-    af.scaled_dot_product_attention(q, k[:, :, :9], v[:, :, :9])
+    q2 = rng.standard_normal((1, 2, 2, 8))
+    af.scaled_dot_product_attention(q2, k[:, :, :9], v[:, :, :9])  # 2 rows, few keys: tiled
+    af.scaled_dot_product_attention(q, k[:, :, :9], v[:, :, :9])  # one row: decode at any Lk
     cache = af.KVCache(1, 2, 8, capacity=32, dtype=np.float64)
     kc, vc = rng.standard_normal((2, 1, 2, 9, 8))
     cache.append(kc, vc)
     cache.attend(rng.standard_normal((1, 2, 9, 8)))  # prefill-sized chunk
     cache.append(kc[:, :, :1], vc[:, :, :1])
     cache.attend(q)  # a decode step against 10 keys
-    assert kernel_calls == ["decode", "forward", "forward", "forward", "decode"]
+    assert kernel_calls == ["decode", "forward", "forward", "decode", "forward", "decode"]
 
 
 def test_only_the_dispatch_module_calls_the_attention_kernels():

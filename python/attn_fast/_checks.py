@@ -250,6 +250,44 @@ def as_array(x, name):
         raise TypeError(f"{name}: cannot read {type(x).__name__} as an array ({e})") from None
 
 
+# Fast paths (KVCache.attend, scaled_dot_product_attention, the torch op) take
+# the arrays whose metadata a checked call of the same shapes already accepted.
+# These are the input kinds they read; anything else takes the checked path.
+_FAST_NP_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.float16))
+
+
+def fast_view(x):
+    """(view, kind) for a fast path, or None when `x` needs the checked path.
+
+    view: the NumPy array ``as_float_array(x, half=True)`` would return, read
+    without its checks: an exact ``numpy.ndarray`` of float32 / float64 /
+    float16, aligned, or a CPU strided torch tensor that does not require grad
+    (torch.bfloat16 as its uint16 bits, as ``as_array`` reads it). kind: what
+    the checked path's acceptance depended on besides the view's shape and
+    strides (the NumPy dtype, or the torch dtype), for a plan's key. Costs a
+    few attribute reads; never raises for a tensor (None instead).
+    """
+    t = type(x)
+    if t is np.ndarray:
+        if x.dtype in _FAST_NP_DTYPES and x.flags.aligned:
+            return x, x.dtype
+        return None
+    if t in _TORCH_TYPES:
+        try:
+            dt = x.dtype
+            if dt is _torch_attr(x, "bfloat16"):
+                a = x.view(_torch_int16()).numpy().view(np.uint16)
+            else:
+                a = x.numpy()  # raises for grad, non-CPU, sparse, conj / neg bits
+        except (TypeError, RuntimeError):
+            return None
+        if a.dtype in _FAST_NP_DTYPES or a.dtype == BF16:
+            if a.flags.aligned:
+                return a, dt
+        return None
+    return None
+
+
 def _torch_int16():
     import torch
 

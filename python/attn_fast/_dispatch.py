@@ -33,6 +33,10 @@ PREFILL, DECODE, REFERENCE = "prefill", "decode", "reference"
 # no feature it lacks is asked for; backend="decode" forces it.
 # Crossover measured with H_q=32, H_kv=8, d=128, Lk=4096 (2-core Zen 3): the
 # decode kernel is ~2x faster for Lq <= 4, the tiled kernel from Lq = 8 on.
+# Below DECODE_MIN_LK keys the tiled kernel's fixed cost decides for 2 to 4
+# query rows, but one query row (a generated token) takes the decode kernel at
+# any Lk: 0.05-0.2x the tiled kernel's time at Lk = 1..128 (Zen 4, 1 and 2
+# threads, H_q / H_kv / d = 9 / 3 / 64 and 32 / 8 / 128; bench/NOTES.md, lat).
 DECODE_MAX_LQ = 4
 DECODE_MIN_LK = 64
 
@@ -154,7 +158,7 @@ def choose_kernel(
         return DECODE
     if keys in (KEYS_RING, KEYS_CODES, KEYS_PAGED):
         return DECODE
-    short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lk >= DECODE_MIN_LK)
+    short = Lq <= DECODE_MAX_LQ and (keys == KEYS_CACHE or Lq == 1 or Lk >= DECODE_MIN_LK)
     return DECODE if fits and short else PREFILL
 
 
@@ -163,20 +167,25 @@ def decode_step(
     k: np.ndarray,
     v: np.ndarray,
     o: np.ndarray,
+    lse: np.ndarray | None = None,
     *,
     scale: float,
     causal: bool = False,
     window: tuple[int, int] = (-1, -1),
-    kv_start: np.ndarray | None = None,
+    q_lens: np.ndarray | None = None,
     kv_lens: np.ndarray | None = None,
+    kv_start: np.ndarray | None = None,
 ) -> None:
-    """The decode kernel with only the arguments a generated token needs, writing o.
+    """The decode kernel with only the structural arguments, writing o (and lse).
 
     ``attend(DECODE, ...)`` for callers that build no MaskArgs record (the
-    transformers backend's one-token fast path, where the record and its
-    keyword scan cost about as much as a 512-key kernel call): causal, a
-    (left, right) window (-1 = unbounded), kv_start / kv_lens (B,) int64.
-    Shapes, strides, dtypes and the scale are checked by the binding.
+    fast paths of ``KVCache.attend`` and of the transformers backend, where
+    the record and its keyword scan cost about as much as a 512-key kernel
+    call): causal, a (left, right) window (-1 = unbounded), q_lens / kv_lens /
+    kv_start (B,) int64. The binding gets exactly the keywords
+    ``MaskArgs(...).kernel_kwargs()`` would give it (only those set), so the
+    results are the same bits. Shapes, strides, dtypes and the scale are
+    checked by the binding.
     """
     kw = {}
     if causal:
@@ -185,9 +194,11 @@ def decode_step(
         kw["window_left"] = window[0]
     if window[1] >= 0:
         kw["window_right"] = window[1]
+    if q_lens is not None:
+        kw["q_lens"] = q_lens
     if kv_lens is not None:
         kw["kv_lens"] = kv_lens
-    _core.decode(q, k, v, o, None, scale=scale, kv_start=kv_start, **kw)
+    _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
 
 
 def attend(

@@ -120,7 +120,17 @@ def full_cases():
         Case("decode", B, 32, 8, 1, Lk, 128, False)
         for (B, Lk) in ((1, 4096), (1, 32768), (8, 4096))
     ]
+    cases += LATENCY_CASES
     return cases
+
+
+# Latency rows: one generated token against a short cache, where the fixed cost of a
+# call (argument handling, dispatch, the thread team) is most of its time (issue 38;
+# bench/benchmarks/bench_latency.py times every entry point).
+LATENCY_CASES = [
+    Case("decode", 1, 9, 3, 1, 512, 64, False),  # SmolLM2-135M's heads
+    Case("decode", 1, 32, 8, 1, 16, 128, False),
+]
 
 
 def quick_cases():
@@ -130,6 +140,7 @@ def quick_cases():
         for c in (False, True)
     ]
     cases.append(Case("decode", 1, 32, 8, 1, 4096, 128, False))
+    cases.append(LATENCY_CASES[0])
     return cases
 
 

@@ -45,6 +45,7 @@ _OPTIONS = ("window_size", "softcap", "alibi_slopes", "sinks")
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float64) + _HALF
 
 
 def _np(t):
@@ -88,6 +89,41 @@ def _kwargs(
     return kw
 
 
+def _sdpa_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    want_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward on the NumPy layer: (out, lse), lse None unless want_lse (the op wants
+    it for its backward; the direct call of an inference step does not). The kernel
+    writes the same out either way."""
+    kw = _kwargs(
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        sinks,
+    )
+    if not want_lse:
+        return _tensor(_np_sdpa(_np(q), _np(k), _np(v), **kw)), None
+    out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
+    return _tensor(out), _tensor(lse)
+
+
 @torch.library.custom_op("attn_fast::sdpa", mutates_args=(), device_types="cpu")
 def _sdpa_op(
     q: torch.Tensor,
@@ -103,7 +139,10 @@ def _sdpa_op(
     alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
     sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kw = _kwargs(
+    return _sdpa_impl(
+        q,
+        k,
+        v,
         attn_mask,
         is_causal,
         scale,
@@ -114,8 +153,34 @@ def _sdpa_op(
         alibi_slopes,
         sinks,
     )
-    out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
-    return _tensor(out), _tensor(lse)
+
+
+def _direct_ok(tensors: tuple) -> bool:
+    """Whether a call may run ``_sdpa_impl`` directly instead of through the op.
+
+    The op's dispatcher, autograd wrapper and schema checks cost more than a
+    one-token decode kernel (about 100 µs per call, bench/benchmarks/bench_latency.py).
+    They do nothing for plain CPU tensors outside any tracing, transform or
+    mode when no gradient will be asked for: then the direct call gives the
+    same out and raises the same errors (it is the op's own body). Anything
+    else (torch.compile / export tracing, functorch transforms, dispatch or
+    torch-function modes, tensor subclasses such as FakeTensor, tensors off
+    the CPU, a tensor that requires grad with grad mode on) takes the op.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (
+            type(t) is not torch.Tensor or not t.is_cpu or (grad and t.requires_grad)
+        ):
+            return False
+    return True
 
 
 @_sdpa_op.register_fake
@@ -341,6 +406,22 @@ def scaled_dot_product_attention(
         alibi,
         sinks,
     )
+    if _direct_ok((query, key, value, attn_mask, alibi, sinks)):
+        if (
+            attn_mask is None
+            and not args[4]  # is_causal (top-left: a one-row query would see key 0 only)
+            and wl == wr == -1
+            and not args[9]  # softcap
+            and alibi is None
+            and sinks is None
+            and query.dtype in _FLOATS
+            and key.dtype in _FLOATS
+            and value.dtype in _FLOATS
+        ):
+            # Nothing for _kwargs to translate: the NumPy layer on the tensors themselves
+            # (read zero-copy, a tensor back), what _sdpa_impl computes without its views.
+            return _np_sdpa(query, key, value, scale=scale, enable_gqa=args[6])
+        return _sdpa_impl(*args, want_lse=False)[0]
     if torch._C._are_functorch_transforms_active():
         out, _ = _SdpaFunction.apply(*args)
     else:

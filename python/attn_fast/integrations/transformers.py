@@ -72,6 +72,7 @@ in float32 inside the op).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -88,8 +89,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import _dispatch
 from .. import functional as _functional
-from .._checks import as_array
-from .._dispatch import DECODE_MIN_LK
+from .._checks import as_array, fast_view
 from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
@@ -353,7 +353,7 @@ def attention_forward(
             "attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly"
         )
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise TypeError(
                 f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only"
             )
@@ -404,6 +404,16 @@ def attention_forward(
     return run(), None
 
 
+_STRUCTURAL = _dispatch.MaskArgs(causal=True)  # what choose_kernel reads of a decode step's mask
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_token_decodes(Lk):
+    """Whether scaled_dot_product_attention runs the decode kernel for one query row
+    against Lk keys with structural masks only (_decode_step then gives its bits)."""
+    return _dispatch.choose_kernel(Lq=1, Lk=Lk, mask=_STRUCTURAL) == _dispatch.DECODE
+
+
 def _decode_shapes_fit(qs, ks, vs):
     """q (B, H, 1, d), k (B, H_kv, Lk, d), v (B, H_kv, Lk, dv), H a multiple of H_kv: what
     _decode_step reads (anything else takes the generic path, whose errors name the shapes)."""
@@ -417,11 +427,18 @@ def _decode_shapes_fit(qs, ks, vs):
     )
 
 
+def _view(t, name):
+    """A tensor's memory as NumPy reads it: fast_view's cheap read where it applies, else
+    as_array (which raises what is wrong with it, naming it)."""
+    f = fast_view(t)
+    return f[0] if f is not None else as_array(t, name)
+
+
 def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):
     """One generated token: the decode kernel on the tensors' memory.
 
     What scaled_dot_product_attention would run for this call (Lq = 1 and
-    Lk >= DECODE_MIN_LK choose the decode kernel there too: the same bits),
+    _one_token_decodes(Lk) says the decode kernel is chosen there too: the same bits),
     without its generic argument handling, which cost more than the kernel at
     a few hundred cached keys (bench/notes_archive.md, dec6). query (B, H, 1, d), key
     (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
@@ -438,8 +455,8 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
-    o = as_array(out.transpose(1, 2), "out")
-    q, k, v = (as_array(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
+    o = _view(out.transpose(1, 2), "out")
+    q, k, v = _view(query, "query"), _view(key, "key"), _view(value, "value")
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
     _dispatch.decode_step(
         q,
@@ -484,7 +501,7 @@ def _attention(
         if spec.window != (-1, -1):
             kw["window_size"] = spec.window
         mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
-        if mask is not None and Lq == 1 and Lk >= DECODE_MIN_LK and spec.window == (-1, -1):
+        if mask is not None and Lq == 1 and _one_token_decodes(Lk) and spec.window == (-1, -1):
             runs = spec.key_runs()  # False unless each row's valid keys are one run
     elif mask is not None:
         if mask.ndim != 4:
@@ -521,7 +538,7 @@ def _attention(
         and position_bias is None
         and s_aux is None
         and not softcap
-        and Lk >= DECODE_MIN_LK
+        and _one_token_decodes(Lk)
         and _decode_shapes_fit(query.shape, key.shape, value.shape)
     ):
         out = _decode_step(

@@ -1,0 +1,487 @@
+"""The decode fast paths equal the checked paths: the same bits, the same errors.
+
+Fast paths (issue 38): ``scaled_dot_product_attention`` with a plan of a plain
+call (``functional._PLANS``), ``KVCache.attend`` with the key of its last
+checked query (``_plan_key``), the torch op's direct call (``_direct_ok``) and
+the transformers backend built on them. Each test runs a call twice: once on
+the checked path (plans cleared / fast path switched off), once on the fast
+path (a plan from a first call with other data of the same layout), and asks
+for identical outputs, then for identical exceptions on bad input after a plan
+exists. Every result is also checked against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import randn, tol
+from oracle import causal_mask, sdpa, window_mask
+
+import attn_fast as af
+from attn_fast import functional as F
+
+torch = pytest.importorskip("torch")
+
+
+def _fresh(a):
+    """A new array (other memory) holding other values of `a`'s shape, dtype and strides."""
+    b = np.empty_like(a)  # keeps the layout of a C- or F-ordered array
+    b[...] = a[::-1] if a.shape[0] > 1 else -a
+    if b.strides != a.strides:  # a view: rebuild the same view on new memory
+        b = np.lib.stride_tricks.as_strided(np.empty_like(a.base), a.shape, a.strides)
+        b[...] = -a
+    return b
+
+
+def _checked(fn, *args, **kw):
+    """fn(*args, **kw) with every plan of the functional layer cleared (the checked path)."""
+    F._PLANS.clear()
+    return fn(*args, **kw)
+
+
+def _count_checks(monkeypatch):
+    """A list that grows by one per call of check_qkv (the checked path's first step)."""
+    calls = []
+    real = F.check_qkv
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "check_qkv", counting)
+    return calls
+
+
+# ---------------------------------------------------------------- scaled_dot_product_attention
+
+CASES = [
+    # (B, Hq, Hkv, Lq, Lk, d, is_causal): decode shapes on both sides of DECODE_MIN_LK
+    # (the tiled kernel below it, the split-KV kernel above), prefill, odd sizes.
+    (1, 9, 3, 1, 16, 64, False),
+    (1, 9, 3, 1, 129, 64, False),
+    (2, 4, 2, 1, 600, 80, True),
+    (1, 2, 1, 3, 70, 5, True),
+    (2, 3, 3, 7, 7, 1, True),
+    (1, 4, 2, 1, 1, 256, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_sdpa_plan_same_bits(isa, rng, monkeypatch, case, dtype):
+    B, Hq, Hkv, Lq, Lk, d, causal = case
+    q = randn(rng, (B, Hq, Lq, d), dtype)
+    k = randn(rng, (B, Hkv, Lk, d), dtype)
+    v = randn(rng, (B, Hkv, Lk, d), dtype)
+    args = dict(is_causal=causal, enable_gqa=Hkv != Hq)
+    ref = _checked(af.scaled_dot_product_attention, q, k, v, **args)
+    calls = _count_checks(monkeypatch)
+    F._PLANS.clear()
+    af.scaled_dot_product_attention(_fresh(q), _fresh(k), _fresh(v), **args)  # builds the plan
+    assert len(calls) == 1
+    got = af.scaled_dot_product_attention(q, k, v, **args)
+    assert len(calls) == 1, "the second call of the same key should take the plan"
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert np.array_equal(got, ref, equal_nan=True)
+    mask = causal_mask(Lq, Lk) if causal else None
+    want = sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask)
+    t = tol(np.float32) if dtype == np.float16 else tol(dtype)
+    if dtype == np.float16:
+        t = dict(rtol=5e-3, atol=5e-3)
+    np.testing.assert_allclose(got.astype(np.float64), want, **t)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "fortran"])
+def test_sdpa_plan_non_contiguous(rng, monkeypatch, layout):
+    from helpers import relayout
+
+    q, k, v = (
+        relayout(randn(rng, s), layout) for s in ((1, 8, 1, 16), (1, 2, 300, 16), (1, 2, 300, 16))
+    )
+    ref = _checked(af.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    calls = _count_checks(monkeypatch)
+    got = af.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert not calls
+    assert np.array_equal(got, ref)
+    np.testing.assert_allclose(got, sdpa(q, k, v), **tol(np.float32))
+
+
+def test_sdpa_plan_key_separates_layouts(rng, monkeypatch):
+    """A plan of one layout is not used for another (the key holds the strides and kinds)."""
+    q, k, v = randn(rng, (1, 4, 1, 8)), randn(rng, (1, 4, 100, 8)), randn(rng, (1, 4, 100, 8))
+    F._PLANS.clear()
+    af.scaled_dot_product_attention(q, k, v)
+    calls = _count_checks(monkeypatch)
+    af.scaled_dot_product_attention(q, np.asfortranarray(k), v)
+    af.scaled_dot_product_attention(q, k, v, is_causal=True)
+    af.scaled_dot_product_attention(q, k, v, scale=0.5)
+    af.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v))
+    assert len(calls) == 4
+
+
+def _bad_inputs(rng):
+    """(name, q, k, v, kwargs) calls that must raise, each close to a planned plain call."""
+    q, k, v = randn(rng, (1, 4, 1, 8)), randn(rng, (1, 2, 100, 8)), randn(rng, (1, 2, 100, 8))
+    bad = [
+        ("no_gqa_flag", q, k, v, {}),
+        ("k_float64", q, k.astype(np.float64), v, dict(enable_gqa=True)),
+        ("k_head_dim", q, randn(rng, (1, 2, 100, 6)), v, dict(enable_gqa=True)),
+        ("v_length", q, k, randn(rng, (1, 2, 99, 8)), dict(enable_gqa=True)),
+        ("is_causal_int", q, k, v, dict(enable_gqa=True, is_causal=1)),
+        ("scale_nan", q, k, v, dict(enable_gqa=True, scale=float("nan"))),
+        ("scale_huge", q, k, v, dict(enable_gqa=True, scale=1e300)),
+        ("scale_str", q, k, v, dict(enable_gqa=True, scale="0.1")),
+        ("dropout", q, k, v, dict(enable_gqa=True, dropout_p=0.1)),
+        ("q_int", q.astype(np.int32), k, v, dict(enable_gqa=True)),
+        ("q_list", q.tolist(), k, v, dict(enable_gqa=True)),
+        ("heads", randn(rng, (1, 3, 1, 8)), k, v, dict(enable_gqa=True)),
+        ("k_grad", torch.from_numpy(q), torch.from_numpy(k).requires_grad_(), None, {}),
+    ]
+    return (q, k, v), bad
+
+
+@pytest.mark.parametrize("which", range(13))
+def test_sdpa_plan_same_errors(rng, which):
+    (q, k, v), bad = _bad_inputs(rng)
+    name, bq, bk, bv, kw = bad[which]
+    if bv is None:  # torch inputs: the matching torch v
+        bv = torch.from_numpy(v)
+    F._PLANS.clear()
+    with pytest.raises(Exception) as checked:
+        af.scaled_dot_product_attention(bq, bk, bv, **kw)
+    # Plans for the good call and for every layout of the bad call's arrays that exist.
+    af.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if not isinstance(bq, list):
+        try:
+            af.scaled_dot_product_attention(bq, k, v, enable_gqa=True)
+        except Exception:  # noqa: BLE001 - the bad q alone may be refused too
+            pass
+    with pytest.raises(Exception) as fast:
+        af.scaled_dot_product_attention(bq, bk, bv, **kw)
+    assert type(fast.value) is type(checked.value), name
+    assert str(fast.value) == str(checked.value), name
+
+
+def test_sdpa_plan_bounded():
+    F._PLANS.clear()
+    q = np.zeros((1, 1, 1, 4), np.float32)
+    for L in range(1, F._MAX_PLANS + 10):
+        kv = np.zeros((1, 1, L, 4), np.float32)
+        af.scaled_dot_product_attention(q, kv, kv)
+    assert 0 < len(F._PLANS) <= F._MAX_PLANS
+
+
+# ---------------------------------------------------------------- KVCache.attend
+
+
+def _cache_run(cache_args, steps, rng, dtype=np.float32, Hq=6, torch_q=False, fast=True):
+    """Outputs of a decode loop (append one token, attend) after a prompt; fast=False
+    forgets the plan before each attend (the checked path every time)."""
+    B, Hkv, d = cache_args["batch"], cache_args["num_kv_heads"], cache_args["head_dim"]
+    c = af.KVCache(**cache_args)
+    P = steps[0]
+    k0, v0 = randn(rng, (B, Hkv, P, d), dtype), randn(rng, (B, Hkv, P, d), dtype)
+    c.append(k0, v0)
+    outs = []
+    for t in steps[1:]:
+        k1, v1 = randn(rng, (B, Hkv, t, d), dtype), randn(rng, (B, Hkv, t, d), dtype)
+        q = randn(rng, (B, Hq, t, d), dtype)
+        c.append(k1, v1)
+        if not fast:
+            c._plan_key = None
+        qq = torch.from_numpy(q) if torch_q else q
+        o = c.attend(qq)
+        outs.append(np.asarray(o))
+    return outs
+
+
+@pytest.mark.parametrize(
+    "cache_args",
+    [
+        dict(batch=1, num_kv_heads=3, head_dim=64, capacity=64),
+        dict(batch=2, num_kv_heads=2, head_dim=5, capacity=16),
+        dict(batch=1, num_kv_heads=2, head_dim=80, window=20),  # a ring that wraps
+    ],
+)
+@pytest.mark.parametrize("torch_q", [False, True])
+def test_kv_cache_fast_same_bits(isa, rng, cache_args, torch_q):
+    steps = [7, 1, 1, 1, 3, 1, 1, 129, 1]
+    seed = int(rng.integers(1 << 30))
+    got = _cache_run(cache_args, steps, np.random.default_rng(seed), torch_q=torch_q)
+    ref = _cache_run(cache_args, steps, np.random.default_rng(seed), torch_q=torch_q, fast=False)
+    for g, r in zip(got, ref):
+        assert np.array_equal(g, r)
+
+
+def test_kv_cache_fast_against_oracle(isa, rng):
+    B, Hkv, Hq, d, w = 1, 2, 4, 16, 9
+    c = af.KVCache(B, Hkv, d, window=w)
+    ks, vs = [], []
+    for _ in range(30):
+        k, v = randn(rng, (B, Hkv, 1, d)), randn(rng, (B, Hkv, 1, d))
+        ks.append(k)
+        vs.append(v)
+        c.append(k, v)
+        q = randn(rng, (B, Hq, 1, d))
+        o = c.attend(q)
+        K, V = np.concatenate(ks, 2), np.concatenate(vs, 2)
+        L = K.shape[2]
+        want = sdpa(q, K, V, mask=window_mask(1, L, w - 1, 0))
+        np.testing.assert_allclose(o, want, **tol(np.float32))
+
+
+def test_kv_cache_fast_16bit_torch(isa, rng):
+    B, Hkv, Hq, d = 2, 2, 4, 32
+    outs = []
+    for fast in (True, False):
+        r = np.random.default_rng(5)
+        c = af.KVCache(B, Hkv, d, dtype="bfloat16")
+        res = []
+        for t in (100, 1, 1, 1):
+            k = torch.from_numpy(randn(r, (B, Hkv, t, d))).bfloat16()
+            v = torch.from_numpy(randn(r, (B, Hkv, t, d))).bfloat16()
+            q = torch.from_numpy(randn(r, (B, Hq, t, d))).bfloat16()
+            c.append(k, v)
+            if not fast:
+                c._plan_key = None
+            o = c.attend(q)
+            assert o.dtype == torch.bfloat16
+            res.append(o.float().numpy())
+        outs.append(res)
+    for g, r in zip(*outs):
+        assert np.array_equal(g, r)
+
+
+def test_kv_cache_fast_same_errors(rng):
+    """After a plan exists, bad queries and lost keys raise exactly what the checked path does."""
+
+    def make():
+        c = af.KVCache(1, 2, 8, window=4, ring=4, growable=False)
+        c.append(randn(rng, (1, 2, 1, 8)), randn(rng, (1, 2, 1, 8)))
+        return c
+
+    q = randn(rng, (1, 4, 1, 8))
+    bad_q = [
+        q.astype(np.float64),
+        randn(rng, (1, 3, 1, 8)),
+        randn(rng, (1, 4, 1, 6)),
+        randn(rng, (2, 4, 1, 8)),
+        q[0],
+        q.tolist(),
+    ]
+    for bq in bad_q:
+        errs = []
+        for planned in (False, True):
+            c = make()
+            if planned:
+                c.attend(q)
+            with pytest.raises(Exception) as e:
+                c.attend(bq)
+            errs.append((type(e.value), str(e.value)))
+        assert errs[0] == errs[1]
+
+    # Rows the cache cannot serve, with a plan for that very query shape: more query rows
+    # than stored keys (after truncate), and keys a window ring has dropped.
+    def short(c, q3):
+        c.truncate(1)
+
+    def dropped(c, q3):
+        for _ in range(3):
+            c.append(randn(rng, (1, 2, 1, 8)), randn(rng, (1, 2, 1, 8)))
+
+    for lose, L in ((short, 3), (dropped, 6)):
+        errs = []
+        for planned in (False, True):
+            c = af.KVCache(1, 2, 8, window=4, ring=8, growable=False)
+            for _ in range(L):
+                c.append(randn(rng, (1, 2, 1, 8)), randn(rng, (1, 2, 1, 8)))
+            qL = randn(rng, (1, 4, L, 8))
+            if planned:
+                c.attend(qL)
+                assert c._plan_key is not None
+            lose(c, qL)
+            with pytest.raises(ValueError) as e:
+                c.attend(qL)
+            errs.append(str(e.value))
+        assert errs[0] == errs[1]
+    for planned in (False, True):  # scale checked on the checked path, also with a plan
+        c = make()
+        if planned:
+            c.attend(q)
+        with pytest.raises(ValueError, match="overflows"):
+            c.attend(q, scale=1e300)
+
+
+# ---------------------------------------------------------------- the torch op
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 16, 64), (1, 8, 2, 1, 300, 32), (2, 4, 4, 5, 9, 7)])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+def test_torch_direct_same_bits(isa, rng, monkeypatch, shape, dtype):
+    import attn_fast.torch as aft
+
+    B, Hq, Hkv, Lq, Lk, d = shape
+    dt = getattr(torch, dtype)
+    q, k, v = (
+        torch.from_numpy(randn(rng, s)).to(dt)
+        for s in ((B, Hq, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, d))
+    )
+    for causal in (False, True):
+        with torch.no_grad():
+            assert aft._direct_ok((q, k, v))
+            got = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            monkeypatch.setattr(aft, "_direct_ok", lambda ts: False)
+            ref = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            monkeypatch.undo()
+        assert got.dtype == ref.dtype == dt
+        assert torch.equal(got, ref)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True
+        )
+        t = 1e-9 if dt == torch.float64 else 2e-4 if dt == torch.float32 else 3e-2
+        torch.testing.assert_close(got.double(), want, rtol=t, atol=t)
+
+
+def test_torch_direct_not_when_grad_or_tracing(rng):
+    import attn_fast.torch as aft
+
+    q = torch.from_numpy(randn(rng, (1, 2, 1, 4)))
+    assert aft._direct_ok((q, q, None))
+    g = q.clone().requires_grad_()
+    assert not aft._direct_ok((g, q))
+    with torch.no_grad():
+        assert aft._direct_ok((g, q))
+    assert not aft._direct_ok((torch.nn.Parameter(q.clone()), q))  # a subclass
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not aft._direct_ok((q,))
+
+    # Autograd through the op still works (the direct call is never taken with grad).
+    k = torch.from_numpy(randn(rng, (1, 2, 5, 4))).requires_grad_()
+    out = aft.scaled_dot_product_attention(g, k, k)
+    out.sum().backward()
+    assert g.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda q: (q, q.double(), q),
+        lambda q: (q, q[..., :3], q),
+        lambda q: (q.int(), q, q),
+        lambda q: (q, torch.cat([q, q, q], 1), torch.cat([q, q, q], 1)),
+    ],
+)
+def test_torch_direct_same_errors(rng, monkeypatch, bad):
+    import attn_fast.torch as aft
+
+    q = torch.from_numpy(randn(rng, (1, 2, 1, 4)))
+    args = bad(q)
+    errs = []
+    for direct in (True, False):
+        monkeypatch.setattr(aft, "_direct_ok", lambda ts, d=direct: d)
+        with torch.no_grad(), pytest.raises(Exception) as e:
+            aft.scaled_dot_product_attention(*args)
+        errs.append((type(e.value), str(e.value)))
+    assert errs[0] == errs[1]
+
+
+def test_sdpa_plan_with_out(rng, monkeypatch):
+    """out= (a transposed torch view, as the transformers backend passes it): same bits, the
+    caller's object back; an out that aliases q is filled through a temporary; a read-only
+    out raises what the checked path raises."""
+    q, k, v = randn(rng, (2, 6, 1, 8)), randn(rng, (2, 3, 40, 8)), randn(rng, (2, 3, 40, 8))
+    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    bufs = [torch.full((2, 1, 6, 8), float("nan")) for _ in range(3)]
+    F._PLANS.clear()
+    ref = af.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    calls = _count_checks(monkeypatch)
+    for buf in bufs:
+        o = buf.transpose(1, 2)
+        got = af.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True, out=o)
+        assert got is o
+        assert torch.equal(o, ref)
+    assert len(calls) == 1  # the first out= call planned, the next two took the plan
+
+    a = randn(rng, (1, 2, 1, 8))
+    expect = sdpa(a, a, a)
+    for _ in range(2):  # checked, then planned
+        x = a.copy()
+        af.scaled_dot_product_attention(x, x, x, out=x)
+        np.testing.assert_allclose(x, expect, **tol(np.float32))
+
+    errs = []
+    for planned in (False, True):
+        F._PLANS.clear()
+        o = np.empty((2, 6, 1, 8), np.float32)
+        if planned:
+            af.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=o)
+        o.flags.writeable = False
+        with pytest.raises(ValueError) as e:
+            af.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=o)
+        errs.append(str(e.value))
+    assert errs[0] == errs[1] and "read-only" in errs[0]
+
+
+# ---------------------------------------------------------------- the short-context rule
+
+
+@pytest.mark.parametrize("Lq", [1, 2, 4])
+@pytest.mark.parametrize("Lk", [1, 7, 63, 64, 129])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_row_decodes_at_any_length(isa, rng, Lq, Lk, dtype):
+    """One query row takes the decode kernel at every Lk, 2 to 4 rows from DECODE_MIN_LK
+    keys on; either side of the rule matches the oracle (causal and not, GQA)."""
+    from attn_fast import _dispatch as D
+    from attn_fast.masks import MaskArgs
+
+    kernel = D.choose_kernel(Lq=Lq, Lk=Lk, mask=MaskArgs())
+    want_decode = Lq == 1 or Lk >= D.DECODE_MIN_LK
+    assert kernel == (D.DECODE if want_decode else D.PREFILL)
+    q, k = randn(rng, (2, 6, Lq, 80), dtype), randn(rng, (2, 2, Lk, 80), dtype)
+    v = randn(rng, (2, 2, Lk, 80), dtype)
+    for causal in (False, True):
+        got = af.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        forced = af.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True, backend="decode" if want_decode else "fused"
+        )
+        assert np.array_equal(got, forced)
+        mask = causal_mask(Lq, Lk) if causal else None
+        np.testing.assert_allclose(got, sdpa(q, k, v, mask=mask), **tol(dtype))
+
+
+def test_kv_cache_append_fast_same_state_and_errors(rng):
+    """append with the key of its last checked chunks skips the checks: the same storage and
+    outputs as checking every chunk; bad chunks raise what the checked path raises."""
+    caches = [af.KVCache(2, 2, 8, capacity=4) for _ in range(2)]
+    for t in range(12):
+        k, v, q = randn(rng, (2, 2, 1, 8)), randn(rng, (2, 2, 1, 8)), randn(rng, (2, 4, 1, 8))
+        outs = []
+        for i, c in enumerate(caches):
+            if i == 1:
+                c._append_key = c._plan_key = None  # the checked path every step
+            c.append(torch.from_numpy(k) if t % 2 else k, v)
+            outs.append(c.attend(q))
+        assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(caches[0]._k, caches[1]._k)
+    assert np.array_equal(caches[0]._v, caches[1]._v)
+    good = randn(rng, (2, 2, 1, 8))
+    for bad_k, bad_v in [
+        (good.astype(np.float64), good),
+        (randn(rng, (2, 2, 1, 6)), good),
+        (good, randn(rng, (2, 2, 2, 8))),
+        (randn(rng, (1, 2, 1, 8)), good),
+        (good.tolist(), good),
+    ]:
+        errs = []
+        for planned in (False, True):
+            c = af.KVCache(2, 2, 8)
+            if planned:
+                c.append(good, good)
+                assert c._append_key is not None
+            with pytest.raises(Exception) as e:
+                c.append(bad_k, bad_v)
+            errs.append((type(e.value), str(e.value)))
+        assert errs[0] == errs[1]
