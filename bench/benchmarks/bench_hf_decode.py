@@ -1,6 +1,6 @@
 """Time per generated token through transformers after a long prompt: sdpa vs attn_fast.
 
-    python bench/benchmarks/bench_hf_decode.py                                  # P 512 and 4096, fp32 + bf16
+    python bench/benchmarks/bench_hf_decode.py  # P 512 and 4096, fp32 + bf16
     python bench/benchmarks/bench_hf_decode.py --layers 30 --prompt 512 --batch 1 --dtype fp32
     python bench/benchmarks/bench_hf_decode.py --threads 2 --steps 32
 

@@ -1,8 +1,8 @@
 """Per-call latency of one decode step (one query token against L cached keys, GQA).
 
-    python bench/benchmarks/bench_latency.py                     # both shapes, L = 16, 512, 4096, 2 threads
+    python bench/benchmarks/bench_latency.py  # both shapes, L = 16, 512, 4096, 2 threads
     python bench/benchmarks/bench_latency.py --threads 1 --rounds 21
-    python bench/benchmarks/bench_latency.py --profile           # + cProfile of one call of each entry point
+    python bench/benchmarks/bench_latency.py --profile  # + cProfile of one call of each entry point
 
 Entry points, each on the same tensors (B = 1, fp32):
 
