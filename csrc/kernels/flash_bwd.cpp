@@ -113,6 +113,19 @@ inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict B
     for (int n = 0; n < NR; ++n) V::store(C + r * ldc + n * W, acc[r][n]);
 }
 
+// The last rem < kBMR rows of a strip as one rem-row micro-tile: rem
+// independent FMA chains per B vector instead of one (a 1-row tile waits on
+// the FMA latency: 2 ymm chains keep a quarter of two pipes busy). Each C
+// element sums its K terms in the same order whatever the tile's height.
+template <typename T, int NR, bool TA, int R = kBMR - 1>
+inline void gemm_tail(int64_t rem, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K,
+                      T* C, int64_t ldc, bool accumulate) {
+  if constexpr (R >= 1) {
+    if (rem == R) return gemm_micro<T, R, NR, TA>(A, lda, Bm, ldb, K, C, ldc, accumulate);
+    gemm_tail<T, NR, TA, R - 1>(rem, A, lda, Bm, ldb, K, C, ldc, accumulate);
+  }
+}
+
 template <typename T, int NR, bool TA>
 inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K,
                        T* C, int64_t ldc, bool accumulate) {
@@ -120,8 +133,8 @@ inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t 
   int64_t m = 0;
   for (; m + kBMR <= M; m += kBMR)
     gemm_micro<T, kBMR, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
-  for (; m < M; ++m)
-    gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+  if (m < M)
+    gemm_tail<T, NR, TA>(M - m, A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
 }
 
 // C[M][N] (+)= op(A)[M][K] B[K][N], op(A) = A or (TA) A^T stored [K][M];
