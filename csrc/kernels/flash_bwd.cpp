@@ -411,22 +411,23 @@ void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
     // Pack K (rows and transposed) and V^T; zero the accumulators.
     const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
     const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
-    T bad = T(0);
+    // Non-finite test as a flag (a sum of x * 0 would be one serial FMA chain).
+    bool bad = false;
     for (int64_t c = 0; c < Bcp; ++c) {
       T* kr = sc.Kb + c * dp;
       for (int64_t e = 0; e < dp; ++e) {
         const T x = (c < cols && e < d) ? ld(kbase + c * a.sk.l + e * a.sk.d) : T(0);
         kr[e] = x;
         sc.KT[e * Bcp + c] = x;
-        bad += x * T(0);
+        bad |= !std::isfinite(x);
       }
       for (int64_t e = 0; e < dv; ++e) {
         const T x = c < cols ? ld(vbase + c * a.sv.l + e * a.sv.d) : T(0);
         sc.VT[e * Bcp + c] = x;
-        bad += x * T(0);
+        bad |= !std::isfinite(x);
       }
     }
-    const bool nonfinite = bad != T(0) || bad != bad;
+    const bool nonfinite = bad;
     std::memset(sc.dKa, 0, sizeof(T) * Bcp * dp);
     std::memset(sc.dVa, 0, sizeof(T) * Bcp * dvp);
 
