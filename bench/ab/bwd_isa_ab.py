@@ -11,7 +11,10 @@ Printed per case: the median milliseconds and the medians of the per-round ratio
 attn_fast (above 1: attn_fast faster) and of the first ISA against the others. Ratios of one
 round see the same machine, which is why they are trusted where absolute times drift (the
 ISAs' objects share nothing but the process). The gradients of every ISA are checked against
-torch's first. Forcing avx2 on an AVX-512 CPU runs the AVX2 object on that core: it measures
+torch's first. ``--probe``: the backward only, and each call's GFLOP/s (10·B·H·Lq·Lk·d,
+×½ causal) as a share of the FMA probe taken just before and after it (0.15 s each, same
+threads): the share of the machine's peak each backward reaches, which load does not move
+much. Forcing avx2 on an AVX-512 CPU runs the AVX2 object on that core: it measures
 the AVX2 code, not an AVX2-only CPU's memory system or clocks.
 """
 
@@ -29,7 +32,15 @@ from attn_fast import bench_suite as bs
 # bench_backward.py (its cases and timed functions) is a sibling folder's script.
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
 sys.path.insert(0, BENCHMARKS)
-from bench_backward import check, make_bwd_fns, make_fns  # noqa: E402
+from bench_backward import backward_flops, check, make_bwd_fns, make_fns  # noqa: E402
+
+
+def probed(fn, threads, flops):
+    """fn's GFLOP/s over the mean of the FMA probes taken just before and after it."""
+    p0 = af._core.fma_peak_gflops(threads, 0.15)
+    t = timed(fn)
+    p1 = af._core.fma_peak_gflops(threads, 0.15)
+    return flops / t / 1e9 / ((p0 + p1) / 2)
 
 
 def timed(fn):
@@ -46,6 +57,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--full", action="store_true")
+    p.add_argument("--probe", action="store_true", help="backward's share of the FMA probe")
     args = p.parse_args(argv)
     avail = af._core.available_isas()
     for isa in args.isas:
@@ -60,7 +72,8 @@ def main(argv=None):
     names = args.isas + ["torch"]
     head = "  ".join(f"{n + ' ms':>11s}" for n in names)
     ratios = "  ".join(f"{'x ' + n:>10s}" for n in args.isas)
-    print(f"{'case':32s} {'':8s} {head}  {ratios}  {args.isas[0] + '/other':>14s}")
+    if not args.probe:
+        print(f"{'case':32s} {'':8s} {head}  {ratios}  {args.isas[0] + '/other':>14s}")
     shapes = bs.PREFILL_SHAPES if args.full else bs.PREFILL_SHAPES[:2]
     cases = [
         bs.Case("prefill", B, H, H, L, L, d, c) for (B, H, L, d) in shapes for c in (False, True)
@@ -73,6 +86,17 @@ def main(argv=None):
             err = check(run_af, run_torch)
             if not err < 1e-4:
                 raise SystemExit(f"{case.name} on {isa}: gradients differ from torch's ({err:.1e})")
+        if args.probe:
+            share = {n: [] for n in names}
+            for r in range(args.rounds):
+                for n in names[r % len(names) :] + names[: r % len(names)]:
+                    if n != "torch":
+                        af._core.set_isa(n)
+                    fn = bwd_torch if n == "torch" else bwd_af
+                    share[n].append(probed(fn, args.threads, backward_flops(case)))
+            cells = "  ".join(f"{n} {statistics.median(share[n]):4.0%}" for n in names)
+            print(f"{case.name:32s} bwd, share of the FMA probe: {cells}", flush=True)
+            continue
         for label, fa, ft in (("bwd", bwd_af, bwd_torch), ("fwd+bwd", run_af, run_torch)):
             t = {n: [] for n in names}
             for r in range(args.rounds):
