@@ -113,6 +113,19 @@ inline void gemm_micro(const T* __restrict A, int64_t lda, const T* __restrict B
     for (int n = 0; n < NR; ++n) V::store(C + r * ldc + n * W, acc[r][n]);
 }
 
+// The last rem < kBMR rows of a strip as one rem-row micro-tile: rem
+// independent FMA chains per B vector instead of one (a 1-row tile waits on
+// the FMA latency: 2 ymm chains keep a quarter of two pipes busy). Each C
+// element sums its K terms in the same order whatever the tile's height.
+template <typename T, int NR, bool TA, int R = kBMR - 1>
+inline void gemm_tail(int64_t rem, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K,
+                      T* C, int64_t ldc, bool accumulate) {
+  if constexpr (R >= 1) {
+    if (rem == R) return gemm_micro<T, R, NR, TA>(A, lda, Bm, ldb, K, C, ldc, accumulate);
+    gemm_tail<T, NR, TA, R - 1>(rem, A, lda, Bm, ldb, K, C, ldc, accumulate);
+  }
+}
+
 template <typename T, int NR, bool TA>
 inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t ldb, int64_t K,
                        T* C, int64_t ldc, bool accumulate) {
@@ -120,8 +133,8 @@ inline void gemm_strip(int64_t M, const T* A, int64_t lda, const T* Bm, int64_t 
   int64_t m = 0;
   for (; m + kBMR <= M; m += kBMR)
     gemm_micro<T, kBMR, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
-  for (; m < M; ++m)
-    gemm_micro<T, 1, NR, TA>(A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
+  if (m < M)
+    gemm_tail<T, NR, TA>(M - m, A + m * step, lda, Bm, ldb, K, C + m * ldc, ldc, accumulate);
 }
 
 // C[M][N] (+)= op(A)[M][K] B[K][N], op(A) = A or (TA) A^T stored [K][M];
@@ -398,22 +411,23 @@ void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
     // Pack K (rows and transposed) and V^T; zero the accumulators.
     const S* kbase = a.k + si.b * a.sk.b + hk * a.sk.h + (si.k0 + j0) * a.sk.l;
     const S* vbase = a.v + si.b * a.sv.b + hk * a.sv.h + (si.k0 + j0) * a.sv.l;
-    T bad = T(0);
+    // Non-finite test as a flag (a sum of x * 0 would be one serial FMA chain).
+    bool bad = false;
     for (int64_t c = 0; c < Bcp; ++c) {
       T* kr = sc.Kb + c * dp;
       for (int64_t e = 0; e < dp; ++e) {
         const T x = (c < cols && e < d) ? ld(kbase + c * a.sk.l + e * a.sk.d) : T(0);
         kr[e] = x;
         sc.KT[e * Bcp + c] = x;
-        bad += x * T(0);
+        bad |= !std::isfinite(x);
       }
       for (int64_t e = 0; e < dv; ++e) {
         const T x = c < cols ? ld(vbase + c * a.sv.l + e * a.sv.d) : T(0);
         sc.VT[e * Bcp + c] = x;
-        bad += x * T(0);
+        bad |= !std::isfinite(x);
       }
     }
-    const bool nonfinite = bad != T(0) || bad != bad;
+    const bool nonfinite = bad;
     std::memset(sc.dKa, 0, sizeof(T) * Bcp * dp);
     std::memset(sc.dVa, 0, sizeof(T) * Bcp * dvp);
 
