@@ -103,7 +103,7 @@ def close(got, want, dtype, what=""):
     ],
     ids=["plain", "causal", "window", "causal-window-softcap", "alibi"],
 )
-def test_func_matches_oracle(isa, rng, dtype, B, Lq, Lk, H, Hkv, d, opt):
+def test_func_matches_oracle(rng, dtype, B, Lq, Lk, H, Hkv, d, opt):
     q, k, v = (
         gen(rng, (B, Lq, H, d), dtype),
         gen(rng, (B, Lk, Hkv, d), dtype),
@@ -333,7 +333,7 @@ def paged_rows(pool, table, L):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page", [None, 1, 5, 64])
 @pytest.mark.parametrize("Lq,L_new", [(1, 1), (4, 4), (3, 0), (9, 9)])
-def test_kvcache_append_in_place_and_attend(isa, rng, dtype, page, Lq, L_new):
+def test_kvcache_append_in_place_and_attend(rng, dtype, page, Lq, L_new):
     B, L, H, Hkv, d = 3, 70, 4, 2, 16
     kc, vc = gen(rng, (B, L, Hkv, d), dtype), gen(rng, (B, L, Hkv, d), dtype)
     seqlens = torch.tensor([0, 13, 61 - L_new], dtype=torch.int32)
@@ -695,8 +695,9 @@ FA_OUTPUT = [
         [False, True],
         [0.0, 50.0],
     )
-    # CI keeps one slice in eight (every option value still appears); large keeps all
-    if LARGE or zlib.crc32(str(c).encode()) % 8 == 0
+    # a fixed sample of the product (every option value still appears): one case in
+    # sixteen in CI, one in eight with ATTN_FAST_FA_GRID=large
+    if zlib.crc32(str(c).encode()) % (8 if LARGE else 16) == 0
 ]
 
 
@@ -768,7 +769,7 @@ FA_VARLEN = [
         [torch.float16, torch.bfloat16],
         [0.0, 50.0],
     )
-    if LARGE or zlib.crc32(str(c).encode()) % 8 == 1
+    if zlib.crc32(str(c).encode()) % (8 if LARGE else 16) == 1
 ]
 
 
@@ -921,7 +922,7 @@ FA_KVCACHE = [
     and not (c[3] and c[4] is not None)
     and not (c[2] and c[4] is not None)
     and not (c[4] is not None and c[10])
-    and (LARGE or zlib.crc32(str(c).encode()) % 64 == 2)
+    and zlib.crc32(str(c).encode()) % 128 == 2
 ]
 
 
