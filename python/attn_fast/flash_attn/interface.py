@@ -944,17 +944,8 @@ def flash_attn_with_kvcache(
         q = rotate(q.detach(), rotary_cos, rotary_sin, pos_q, bool(rotary_interleaved))
 
     if k is not None and L_new:  # the in-place append: only the new rows are written
-        pos = torch.from_numpy(seqlens).reshape(B, 1) + torch.arange(L_new)
-        with torch.no_grad():
-            if paged:
-                page = k_cache.shape[1]
-                blk = torch.from_numpy(table).gather(1, pos // page)
-                k_cache[blk, pos % page] = k.detach()
-                v_cache[blk, pos % page] = v.detach()
-            else:
-                rows_idx = torch.from_numpy(np.arange(B) if bidx is None else bidx).reshape(B, 1)
-                k_cache[rows_idx, pos] = k.detach()
-                v_cache[rows_idx, pos] = v.detach()
+        _append(k_cache, k, seqlens, bidx, table)
+        _append(v_cache, v, seqlens, bidx, table)
 
     dv = v_cache.shape[3]
     out = torch.empty((B, Lq, H, dv), dtype=q.dtype)
@@ -982,6 +973,27 @@ def flash_attn_with_kvcache(
     if return_softmax_lse:
         return out, torch.from_numpy(lse_np)
     return out
+
+
+def _append(cache: torch.Tensor, x: torch.Tensor, starts, bidx, table) -> None:
+    """cache rows starts[b] .. starts[b] + L_new - 1 of sequence b = x[b], in place: one slice
+    copy per sequence (contiguous) or per page touched (paged). (torch's advanced-index
+    assignment costs tens of milliseconds on a large cache; slice copies cost microseconds.)"""
+    B, n = x.shape[:2]
+    x = x.detach()
+    with torch.no_grad():
+        for b in range(B):
+            s = int(starts[b])
+            if table is None:
+                row = b if bidx is None else int(bidx[b])
+                cache[row, s : s + n].copy_(x[b])
+                continue
+            page, j = cache.shape[1], s
+            while j < s + n:
+                off = j % page
+                m = min(page - off, s + n - j)
+                cache[int(table[b, j // page]), off : off + m].copy_(x[b, j - s : j - s + m])
+                j += m
 
 
 def _cache_attend(q, out, lse, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens):
