@@ -325,8 +325,10 @@ def flash_attn_func(
 ) -> Any:
     """flash-attn's ``flash_attn_func`` on the CPU, differentiable.
 
-    q : (B, Lq, H, d); k : (B, Lk, H_kv, d); v : (B, Lk, H_kv, dv); CPU
-        float16 / bfloat16 / float32 (float64) tensors of one dtype, any
+    Parameters
+    ----------
+    q, k, v : (B, Lq, H, d), (B, Lk, H_kv, d), (B, Lk, H_kv, dv) tensors
+        CPU float16 / bfloat16 / float32 (float64) tensors of one dtype, any
         strides (read in place). H % H_kv == 0 (MQA / GQA).
     dropout_p : must be 0.0 (ValueError otherwise: no dropout here).
     softmax_scale : default 1 / sqrt(d).
@@ -334,12 +336,15 @@ def flash_attn_func(
     window_size : (left, right), -1 = unbounded: query i sees keys in
         [i + Lk - Lq - left, i + Lk - Lq + right].
     softcap : > 0 scores become softcap * tanh(score / softcap); 0 = off.
-    alibi_slopes : (H,) or (B, H): bias -slope * |i + Lk - Lq - j| (no gradient).
+    alibi_slopes : (H,) or (B, H)
+        bias ``-slope * abs(i + Lk - Lq - j)`` (no gradient).
     deterministic : accepted (the backward is always deterministic).
     return_attn_probs : also return softmax_lse (B, H, Lq) float32 and S_dmask
         (an empty tensor: flash-attn 2 fills it only with dropout).
 
-    Returns out (B, Lq, H, dv), a new contiguous tensor of q's dtype (rows that
+    Returns
+    -------
+    out (B, Lq, H, dv), a new contiguous tensor of q's dtype (rows that
     see no key: 0), or (out, softmax_lse, S_dmask). Gradients flow to q, k, v.
     """
     return _attn_dense(
@@ -636,8 +641,10 @@ def flash_attn_varlen_func(
 ) -> Any:
     """flash-attn's ``flash_attn_varlen_func``: packed variable-length sequences.
 
-    q : (total_q, H, d); k : (total_k, H_kv, d); v : (total_k, H_kv, dv);
-        sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s+1] of q and
+    Parameters
+    ----------
+    q, k, v : (total_q, H, d), (total_k, H_kv, d), (total_k, H_kv, dv) tensors
+        Sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s+1] of q and
         cu_seqlens_k[s]:cu_seqlens_k[s+1] of k and v (read as views).
     cu_seqlens_q, cu_seqlens_k : (B + 1,) int32 tensors (any integer dtype).
     max_seqlen_q, max_seqlen_k : ints, at least the longest sequence.
@@ -646,10 +653,15 @@ def flash_attn_varlen_func(
         sequence s's keys are the first cu_seqlens_k[s+1] - cu_seqlens_k[s]
         rows of its blocks. Forward only, no softcap / alibi_slopes
         (NotImplementedError).
-    Other options as in ``flash_attn_func``, applied per sequence (causal
-    and windows aligned bottom-right per sequence; alibi_slopes (H,) or (B, H)).
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+        As in ``flash_attn_func``, applied per sequence (causal and windows
+        aligned bottom-right per sequence; alibi_slopes (H,) or (B, H)).
+    deterministic, return_attn_probs
+        As in ``flash_attn_func``.
 
-    Returns out (total_q, H, dv), or (out, softmax_lse (H, total_q) float32,
+    Returns
+    -------
+    out (total_q, H, dv), or (out, softmax_lse (H, total_q) float32,
     S_dmask (empty)). Differentiable (without block_table).
     """
     return _attn_varlen(
@@ -831,32 +843,40 @@ def flash_attn_with_kvcache(
 ) -> Any:
     """flash-attn's ``flash_attn_with_kvcache``: decoding against a KV cache (no backward).
 
+    Parameters
+    ----------
     q : (B, Lq, H, d); Lq >= 1 query tokens per sequence (decode, chunked
         prefill, speculative verification of Lq drafts).
     k_cache, v_cache : (B_cache, L_cache, H_kv, d) / (.., dv), or with
         block_table a paged pool (num_blocks, page_block_size, H_kv, d / dv),
         any page size. Read in place, never copied.
-    k, v : (B, L_new, H_kv, d / dv) or None: written **in place** into the
-        cache at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1
+    k, v : (B, L_new, H_kv, d / dv) or None
+        Written **in place** into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1
         (after rotary on k), then attended with the rest.
-    rotary_cos, rotary_sin : (L_ro, r / 2) or None (needs k, v): the new k is
-        rotated at its positions cache_seqlens[b] + i; q too, at the same
+    rotary_cos, rotary_sin : (L_ro, r / 2) or None
+        Needs k, v. The new k is rotated at its positions cache_seqlens[b] + i; q too, at the same
         positions when causal or windowed, else all at cache_seqlens[b].
-        rotary_interleaved: pairs (0, 1), (2, 3) ... instead of (0, r/2) ...
-    cache_seqlens : int or (B,) int32: keys already in the cache per sequence;
+    rotary_interleaved : rotate pairs (0, 1), (2, 3) ... instead of (0, r/2) ...
+    cache_seqlens : int or (B,) int32
+        Keys already in the cache per sequence;
         None = the whole cache (L_cache). Sequence b attends to its first
         cache_seqlens[b] + L_new keys.
-    cache_batch_idx : (B,) int32 or None: the cache row of each sequence.
-    cache_leftpad : (B,) int32 or None: sequence b's keys start at this slot
-        (earlier slots are padding).
-    block_table : (B, max_blocks) int32: the blocks of each sequence in order.
+    cache_batch_idx : (B,) int32 or None
+        The cache row of each sequence.
+    cache_leftpad : (B,) int32 or None
+        Sequence b's keys start at this slot (earlier slots are padding).
+    block_table : (B, max_blocks) int32 or None
+        The blocks of each sequence in order.
+    softmax_scale : default 1 / sqrt(d).
     causal, window_size : aligned bottom-right on each sequence's keys.
-    softcap, alibi_slopes ((H,) or (B, H)) : as in ``flash_attn_func``; not
-        with block_table (NotImplementedError).
+    softcap, alibi_slopes : as in ``flash_attn_func``
+        alibi_slopes (H,) or (B, H); neither with block_table (NotImplementedError).
     num_splits : accepted; the split-KV decode kernel sizes its own splits.
     return_softmax_lse : also return lse (B, H, Lq) float32.
 
-    Returns out (B, Lq, H, dv) (a new tensor of q's dtype), or (out, lse).
+    Returns
+    -------
+    out (B, Lq, H, dv) (a new tensor of q's dtype), or (out, lse).
     Rows that see no key: 0 (lse -inf). Not differentiable (as in flash-attn).
     """
     _check_tensor(q, "q", 4, "(batch_size, seqlen, nheads, headdim)")

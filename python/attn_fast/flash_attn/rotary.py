@@ -74,17 +74,24 @@ def apply_rotary_emb(
 ) -> torch.Tensor:
     """flash-attn's ``apply_rotary_emb``: rotary position embedding of x.
 
-    x : (B, L, H, D), or (total, H, D) with ``cu_seqlens`` (B + 1,) (packed
-        sequences, each starting at position 0).
-    cos, sin : (L_ro, r / 2), r <= D: the first r channels are rotated.
-    interleaved : rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of
-        (0, r/2), (1, r/2 + 1), ... (GPT-NeoX).
+    Parameters
+    ----------
+    x : (B, L, H, D), or (total, H, D) with cu_seqlens
+        cu_seqlens (B + 1,): packed sequences, each starting at position 0.
+    cos, sin : (L_ro, r / 2), r <= D
+        The first r channels are rotated.
+    interleaved : rotate pairs (0, 1), (2, 3), ... (GPT-J)
+        instead of (0, r/2), (1, r/2 + 1), ... (GPT-NeoX).
     inplace : write the result into x and return x.
-    seqlen_offsets : int or (B,) tensor: token i of sequence b is at position
-        seqlen_offsets[b] + i (decoding with a KV cache).
+    seqlen_offsets : int or (B,) tensor
+        Token i of sequence b is at position seqlen_offsets[b] + i (decoding
+        with a KV cache).
+    cu_seqlens : (B + 1,) int tensor or None.
     max_seqlen : accepted (flash-attn's kernel grid size); not needed here.
 
-    Returns a new tensor of x's dtype and shape (x itself when inplace).
+    Returns
+    -------
+    A new tensor of x's dtype and shape (x itself when inplace).
     Differentiable with respect to x (not in place).
     """
     if cu_seqlens is None:
