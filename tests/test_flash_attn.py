@@ -929,7 +929,7 @@ FA_KVCACHE = [
     and not (c[3] and c[4] is not None)
     and not (c[2] and c[4] is not None)
     and not (c[4] is not None and c[10])
-    and zlib.crc32(str(c).encode()) % (256 if LARGE else 128) == 2
+    and zlib.crc32(str(c).encode()) % (32 if LARGE else 128) == 2
 ]
 
 
