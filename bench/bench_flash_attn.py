@@ -169,11 +169,26 @@ def main() -> None:
                     decode(dtype, 4, 4096, 2048, 32, 8, 128, args.reps, append),
                 )
             )
+    # tiny calls: the per-call overhead of each entry point (the kernels' work is negligible)
+    rows.append(
+        (
+            "tiny prefill float32 B=1 L=16 H=2 d=64 causal",
+            prefill(torch.float32, 1, 16, 2, 2, 64, 10 * args.reps),
+        )
+    )
+    rows.append(
+        (
+            "tiny decode float32 B=1 n=64 of 128 H=2 d=64",
+            decode(torch.float32, 1, 128, 64, 2, 2, 64, 10 * args.reps, False),
+        )
+    )
     for title, t in rows:
         base = next(iter(t.values()))
         print(f"\n{title}")
         for name, s in t.items():
             print(f"  {name:32s} {s * 1e3:9.3f} ms   x{s / base:5.2f} of flash_attn's")
+    with open("/proc/loadavg") as f:
+        print(f"\nload average (1, 5, 15 min) at the end: {f.read().split()[:3]}")
 
 
 if __name__ == "__main__":

@@ -851,8 +851,9 @@ def flash_attn_with_kvcache(
         block_table a paged pool (num_blocks, page_block_size, H_kv, d / dv),
         any page size. Read in place, never copied.
     k, v : (B, L_new, H_kv, d / dv) or None
-        Written **in place** into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1
-        (after rotary on k), then attended with the rest.
+        Written **in place** into the cache at positions cache_seqlens[b] ..
+        cache_seqlens[b] + L_new - 1 (after rotary on k), then attended with
+        the rest.
     rotary_cos, rotary_sin : (L_ro, r / 2) or None
         Needs k, v. The new k is rotated at its positions cache_seqlens[b] + i; q too, at the same
         positions when causal or windowed, else all at cache_seqlens[b].
@@ -1028,8 +1029,8 @@ def _cache_attend(q, out, lse, k_cache, v_cache, opts, shared, rows, plain, bidx
         keys = _dispatch.KEYS_RING if start is not None else _dispatch.KEYS_CACHE
         kernel = _dispatch.choose_kernel(Lq=Lq, Lk=int(kv_lens.max()), mask=mask, keys=keys)
         k4, v4 = kc[:B], vc[:B]
-        if kernel != _dispatch.DECODE:  # the tiled kernel reads the stored prefix as a view
-            n = int(kv_lens.max())
+        if start is None:  # the stored prefix as a view: the decode kernel splits keys, not
+            n = int(kv_lens.max())  # the cache's empty tail (a ring start needs the whole row)
             k4, v4 = k4[:, :, :n], v4[:, :, :n]
         _dispatch.attend(kernel, q4, k4, v4, o4, lse, scale=opts.scale, mask=mask, kv_start=start)
         return
