@@ -40,11 +40,9 @@ import numpy as np
 import torch
 
 from .. import _dispatch
-from .._checks import as_float_array, as_out_array
 from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
 from ..backward import varlen_attention_backward as _varlen_backward
 from ..functional import _score_args
-from ..functional import scaled_dot_product_attention as _sdpa
 from ..functional import varlen_attention as _varlen
 from ..masks import MaskArgs
 from .rotary import rotate
@@ -208,23 +206,32 @@ def _batches(B: int, rows: torch.Tensor | None, shared: torch.Tensor | None):
 
 
 def _dense_forward(q, k, v, opts, shared, rows, need_lse):
+    """The kernel chosen by ``_dispatch.choose_kernel`` on (B, H, L, d) views, writing a new
+    (B, Lq, H, dv) out through its transpose; what ``attn_fast.scaled_dot_product_attention``
+    runs for the same arguments, without its argument parsing."""
     B, Lq, H, _ = q.shape
     out = torch.empty((B, Lq, H, v.shape[-1]), dtype=q.dtype)
     lse = torch.empty((B, H, Lq), dtype=_lse_dtype(q.dtype)) if need_lse else None
+    if not out.numel() and not (need_lse and lse.numel()):
+        return out, lse
+    q4, k4, v4, o4 = _np4(q, "q"), _np4(k, "k"), _np4(v, "v"), _np4(out, "out")
+    lse4 = lse.numpy() if need_lse else None
+    cdt = np.float64 if q.dtype == torch.float64 else np.float32
+    mask = _mask(opts)
     for sl, slopes in _batches(B, rows, shared):
-        res = _sdpa(
-            _t(q[sl]),
-            _t(k[sl]),
-            _t(v[sl]),
-            is_causal=opts.causal,
-            enable_gqa=True,
-            alibi_slopes=slopes,
-            return_lse=need_lse,
-            out=out[sl].transpose(1, 2),
-            **opts.sdpa_kw(),
+        score = _score_args(H, cdt, opts.softcap, slopes, None)
+        kernel = _dispatch.choose_kernel(Lq=Lq, Lk=k.shape[1], mask=mask, score=score)
+        _dispatch.attend(
+            kernel,
+            q4[sl],
+            k4[sl],
+            v4[sl],
+            o4[sl],
+            None if lse4 is None else lse4[sl],
+            scale=opts.scale,
+            mask=mask,
+            score=score,
         )
-        if need_lse:
-            lse[sl] = res[1]
     return out, lse
 
 
@@ -768,8 +775,13 @@ def _mask(opts: _Opts, **lens: Any) -> MaskArgs:
 
 
 def _np4(x: torch.Tensor, name: str) -> np.ndarray:
-    """(B, L, H, d) tensor -> its (B, H, L, d) NumPy view (bfloat16 as uint16 bits)."""
-    return as_float_array(x.detach().transpose(1, 2), name, half=True)
+    """(B, L, H, d) tensor -> its (B, H, L, d) NumPy view (bfloat16 as its uint16 bits, as
+    the kernels read it). The tensors were checked (CPU, float dtype) by the callers; a
+    view of a tensor is element-aligned, so this never copies."""
+    t = x.detach().transpose(1, 2)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _paged(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
@@ -799,9 +811,7 @@ def _paged(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
         Lq=q4.shape[1], Lk=table.shape[1] * page, mask=mask, keys=_dispatch.KEYS_PAGED
     )
     assert kernel == _dispatch.DECODE
-    _dispatch.attend_paged(
-        _np4(q4, "q"), pages, as_out_array(o4.transpose(1, 2)), lse, scale=opts.scale, mask=mask
-    )
+    _dispatch.attend_paged(_np4(q4, "q"), pages, _np4(o4, "out"), lse, scale=opts.scale, mask=mask)
 
 
 def _seqlens(x: Any, B: int, name: str, upper: int) -> np.ndarray:
@@ -1020,7 +1030,7 @@ def _append(cache: torch.Tensor, x: torch.Tensor, starts, bidx, table) -> None:
 def _cache_attend(q, out, lse, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens):
     """Attention over a contiguous cache (B_cache, L_cache, H_kv, d), read in place."""
     B, Lq, H, _ = q.shape
-    q4, o4 = _np4(q, "q"), as_out_array(out.transpose(1, 2))
+    q4, o4 = _np4(q, "q"), _np4(out, "out")
     kc, vc = _np4(k_cache, "k_cache"), _np4(v_cache, "v_cache")
     if plain and bidx is None:
         # One call over the first B cache rows; padding on the left is a ring start.
