@@ -310,8 +310,10 @@ def _attn_dense(
     _check_heads(H, k.shape[2], d, k.shape[3], tuple(v.shape), tuple(k.shape))
     opts = _Opts.of(d, softmax_scale, causal, window_size, softcap)
     shared, rows = _alibi(alibi_slopes, B, H)
-    need_lse = bool(return_attn_probs) or _wants_grad(q, k, v)
-    out, lse = _FlashAttnFunction.apply(q, k, v, opts, shared, rows, need_lse)
+    if _wants_grad(q, k, v):
+        out, lse = _FlashAttnFunction.apply(q, k, v, opts, shared, rows, True)
+    else:  # inference: no autograd node (apply() costs as much as a small kernel call)
+        out, lse = _dense_forward(q, k, v, opts, shared, rows, bool(return_attn_probs))
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
     return out
