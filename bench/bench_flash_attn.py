@@ -5,7 +5,7 @@
 Rows: prefill (flash_attn_func, causal, GQA) and decode (flash_attn_with_kvcache,
 one query token per sequence against a (B, L_cache, H_kv, d) cache, with and
 without appending the new k, v). Each contender first checks its result against
-the others, then all are timed interleaved (round robin, ``reps`` rounds) and the
+the others, then all are timed interleaved (``reps`` rounds, each in a fresh random order) and the
 median is reported with the ratio to flash_attn's. Each line carries the ISA,
 thread count and CPU model.
 """
@@ -40,8 +40,11 @@ def interleaved(fns: dict, reps: int) -> dict:
     for fn in fns.values():  # warm-up
         fn()
     times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    rng = np.random.default_rng(0)
+    names = list(fns)
+    for _ in range(reps):  # a fresh order each round: no contender always follows torch's
+        for name in rng.permutation(names):  # spinning OpenMP threads, or another's cache
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
