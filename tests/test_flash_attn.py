@@ -950,3 +950,63 @@ def test_fa_grid_kvcache_paged_alibi_is_refused():
             alibi_slopes=torch.ones(1, 2),
             block_table=torch.tensor([[1, 2]], dtype=torch.int32),
         )
+
+
+def _fa_splitkv_case(seqlen_q, seqlen_k, swap, d, causal, local, alibi, dtype):
+    """flash-attn's test_flash_attn_splitkv: few queries against many keys (attn_fast's
+    split-KV decode kernel when no ALiBi), and the swapped shapes."""
+    if swap:
+        seqlen_q, seqlen_k = seqlen_k, seqlen_q
+    torch.random.manual_seed(0)
+    H = 6
+    window = (-1, -1) if not local else tuple(int(x) for x in torch.randint(0, seqlen_k, (2,)))
+    q = torch.randn(1, seqlen_q, H, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, seqlen_k, H, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, seqlen_k, H, d, dtype=dtype, requires_grad=True)
+    slopes = torch.rand(1, H) * 0.3 if alibi else None
+    bias = alibi_bias(slopes, seqlen_q, seqlen_k, causal=causal) if alibi else None
+    out, lse, _ = flash_attn_func(
+        q,
+        k,
+        v,
+        0.0,
+        causal=causal,
+        window_size=window,
+        alibi_slopes=slopes,
+        return_attn_probs=True,
+    )
+    kw = dict(bias=bias, causal=causal, window=window)
+    ref = attention_ref(q, k, v, **kw)
+    pt = attention_ref(q, k, v, upcast=False, reorder=True, **kw)
+    ok, err, bound = within(out, ref, pt, 2, 1e-5)
+    assert ok, f"out: err {err:.3g} > {bound:.3g}"
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    want_pt = torch.autograd.grad(pt, (q, k, v), g)
+    for name, a, b, c in zip("qkv", got, want, want_pt):
+        ok, err, bound = within(a, b, c, 2 if not alibi else 8, 2e-4)
+        assert ok, f"d{name}: err {err:.3g} > {bound:.3g}"
+
+
+FA_SPLITKV = [
+    c
+    for c in itertools.product(
+        [(3, 1024), (1, 339), (64, 800), (3, 799), (128, 128)]
+        if LARGE
+        else [(3, 257), (1, 339), (2, 130)],
+        [False, True],  # swap
+        [32, 59, 128] if LARGE else [32, 59],
+        [False, True],  # causal
+        [False, True],  # local
+        [False, True],  # alibi
+        [torch.float16, torch.bfloat16],
+    )
+    if zlib.crc32(str(c).encode()) % (2 if LARGE else 12) == 1
+]
+
+
+@pytest.mark.parametrize("case", FA_SPLITKV, ids=str)
+def test_fa_grid_splitkv(case):
+    (sq, sk), *rest = case
+    _fa_splitkv_case(sq, sk, *rest)
