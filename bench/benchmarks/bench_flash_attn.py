@@ -1,6 +1,6 @@
 """attn_fast.flash_attn against attn_fast's own entry points and torch SDPA, same run.
 
-    python bench/bench_flash_attn.py [--threads 2] [--reps 15]
+    python bench/benchmarks/bench_flash_attn.py [--threads 2] [--reps 15]
 
 Rows: prefill (flash_attn_func, causal, GQA) and decode (flash_attn_with_kvcache,
 one query token per sequence against a (B, L_cache, H_kv, d) cache, with and
