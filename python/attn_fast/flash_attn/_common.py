@@ -1,0 +1,196 @@
+"""Checks, the option record and kernel plumbing shared by the flash-attn functions (private)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _dispatch
+from ..masks import MaskArgs
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_tensor(x: Any, name: str, ndim: int, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise TypeError(
+            f"{name} is on {x.device}; attn_fast.flash_attn computes on CPU tensors "
+            "(use the real flash-attn on a GPU)"
+        )
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+    return x
+
+
+def same_dtype(**tensors: torch.Tensor | None) -> None:
+    got = {n: t.dtype for n, t in tensors.items() if t is not None}
+    if len(set(got.values())) > 1:
+        desc = ", ".join(f"{n} {str(d).replace('torch.', '')}" for n, d in got.items())
+        raise TypeError(f"q, k, v (and caches) must have one dtype, got {desc}")
+
+
+def check_heads(H: int, Hkv: int, d: int, dk: int, dv_shape: tuple, k_shape: tuple) -> None:
+    if dk != d:
+        raise ValueError(f"k has shape {k_shape} but q has head dim {d}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(
+            f"q has {H} heads and k / v have {Hkv}: the number of query heads must be a "
+            "multiple of the number of key/value heads (MQA / GQA)"
+        )
+    if dv_shape[:-1] != k_shape[:-1]:
+        raise ValueError(f"k has shape {k_shape} but v has shape {dv_shape}")
+
+
+def check_dropout(dropout_p: Any) -> None:
+    if float(dropout_p) != 0.0:
+        raise ValueError(
+            f"dropout_p={dropout_p!r}: attn_fast.flash_attn has no attention dropout; pass "
+            "dropout_p=0.0 (as flash-attn code does in eval mode, e.g. "
+            "dropout_p=self.dropout if self.training else 0.0 with model.eval())"
+        )
+
+
+def window_pair(window_size: Any) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0 or -1 (unbounded), got {window_size!r}")
+    return left, right
+
+
+@dataclass(frozen=True)
+class Opts:
+    """The options every attention call shares, checked once."""
+
+    scale: float
+    causal: bool
+    window: tuple[int | None, int | None] | None  # attn_fast's window_size (None = unbounded)
+    softcap: float | None
+
+    @classmethod
+    def of(cls, d: int, softmax_scale: Any, causal: Any, window_size: Any, softcap: Any) -> Opts:
+        scale = d ** (-0.5) if softmax_scale is None else float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+        left, right = window_pair(window_size)
+        window = None
+        if left >= 0 or right >= 0:
+            window = (left if left >= 0 else None, right if right >= 0 else None)
+        cap = float(softcap)
+        if cap < 0 or not math.isfinite(cap):
+            raise ValueError(f"softcap must be >= 0 (0 = off) and finite, got {softcap!r}")
+        return cls(scale, bool(causal), window, cap if cap > 0 else None)
+
+    def window_lr(self) -> tuple[int, int]:
+        """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
+        left, right = (-1, -1) if self.window is None else self.window
+        left = -1 if left is None else left
+        right = -1 if right is None else right
+        if self.causal:
+            right = 0 if right < 0 else min(right, 0)
+        return left, right
+
+    def sdpa_kw(self) -> dict[str, Any]:
+        return dict(scale=self.scale, window_size=self.window, softcap=self.softcap)
+
+
+def alibi_args(
+    alibi_slopes: Any, B: int, H: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(slopes (H,), None) when one set serves every batch entry, (None, rows (B, H)) when
+    the rows differ (the call then runs once per batch entry), (None, None) when absent."""
+    if alibi_slopes is None:
+        return None, None
+    t = torch.as_tensor(alibi_slopes).detach()
+    if t.device.type != "cpu" or not t.is_floating_point():
+        raise TypeError(f"alibi_slopes must be a float CPU tensor, got {t.dtype} on {t.device}")
+    t = t.to(torch.float32) if t.dtype != torch.float64 else t
+    if t.shape == (H,):
+        return t.contiguous(), None
+    if t.shape == (B, H):
+        if B == 0 or bool((t == t[:1]).all()):
+            return (t[0].contiguous() if B else None), None
+        return None, t
+    raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cu_array(cu: Any, name: str) -> np.ndarray:
+    if isinstance(cu, torch.Tensor):
+        if cu.is_floating_point():
+            raise TypeError(f"{name} must be an int32 tensor, got {cu.dtype}")
+        cu = cu.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(cu), dtype=np.int64)
+
+
+def refuse_grad(name: str, *tensors: torch.Tensor | None) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            f"{name} has no backward here (a paged K/V cache is read by the decode kernel "
+            "only); call it under torch.no_grad() or with tensors that do not require grad"
+        )
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def mask_args(opts: Opts, **lens: Any) -> MaskArgs:
+    left, right = opts.window_lr()
+    return MaskArgs(causal=opts.causal, window_left=left, window_right=right, **lens)
+
+
+def np4(x: torch.Tensor, name: str) -> np.ndarray:
+    """(B, L, H, d) tensor -> its (B, H, L, d) NumPy view (bfloat16 as its uint16 bits, as
+    the kernels read it). The tensors were checked (CPU, float dtype) by the callers; a
+    view of a tensor is element-aligned, so this never copies."""
+    t = x.detach().transpose(1, 2)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
+    """q4 (B, Lq, H, d) against the paged pool through block_table, writing o4 and lse."""
+    table = cu_array(block_table, "block_table")
+    if table.ndim != 2 or table.shape[0] != q4.shape[0]:
+        raise ValueError(
+            f"block_table must be (batch_size, max_num_blocks_per_seq) = ({q4.shape[0]}, ...), "
+            f"got shape {tuple(table.shape)}"
+        )
+    nblocks, page = k_cache.shape[:2]
+    if table.size and (table.min() < 0 or table.max() >= nblocks):
+        raise ValueError(f"block_table holds block ids outside [0, {nblocks})")
+    if (
+        mask.kv_lens is not None
+        and mask.kv_lens.size
+        and mask.kv_lens.max() > table.shape[1] * page
+    ):
+        raise ValueError(
+            f"a sequence of {int(mask.kv_lens.max())} keys does not fit its block_table row of "
+            f"{table.shape[1]} blocks of {page}"
+        )
+    pages = _dispatch.PagedArgs(
+        [np4(k_cache, "k_cache")], [np4(v_cache, "v_cache")], np.ascontiguousarray(table)
+    )
+    kernel = _dispatch.choose_kernel(
+        Lq=q4.shape[1], Lk=table.shape[1] * page, mask=mask, keys=_dispatch.KEYS_PAGED
+    )
+    assert kernel == _dispatch.DECODE
+    _dispatch.attend_paged(np4(q4, "q"), pages, np4(o4, "out"), lse, scale=opts.scale, mask=mask)

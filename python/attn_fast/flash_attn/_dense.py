@@ -1,0 +1,268 @@
+"""flash_attn_func and its packed forms: (B, L, H, d) tensors, forward and backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _dispatch
+from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
+from ..functional import _score_args
+from ._common import (
+    Opts,
+    alibi_args,
+    check_dropout,
+    check_heads,
+    check_tensor,
+    lse_dtype,
+    mask_args,
+    np4,
+    same_dtype,
+    wants_grad,
+)
+
+# ---------------------------------------------------------------- (B, L, H, d) forward / backward
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """(B, L, H, d) -> (B, H, L, d): a view."""
+    return x.detach().transpose(1, 2)
+
+
+def _batches(B: int, rows: torch.Tensor | None, shared: torch.Tensor | None):
+    """(slice, slopes) per kernel call: one call for all, or one per batch entry."""
+    if rows is None:
+        return [(slice(None), shared)]
+    return [(slice(b, b + 1), rows[b]) for b in range(B)]
+
+
+def _dense_forward(q, k, v, opts, shared, rows, need_lse):
+    """The kernel chosen by ``_dispatch.choose_kernel`` on (B, H, L, d) views, writing a new
+    (B, Lq, H, dv) out through its transpose; what ``attn_fast.scaled_dot_product_attention``
+    runs for the same arguments, without its argument parsing."""
+    B, Lq, H, _ = q.shape
+    out = torch.empty((B, Lq, H, v.shape[-1]), dtype=q.dtype)
+    lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else None
+    if not out.numel() and not (need_lse and lse.numel()):
+        return out, lse
+    q4, k4, v4, o4 = np4(q, "q"), np4(k, "k"), np4(v, "v"), np4(out, "out")
+    lse4 = lse.numpy() if need_lse else None
+    cdt = np.float64 if q.dtype == torch.float64 else np.float32
+    mask = mask_args(opts)
+    for sl, slopes in _batches(B, rows, shared):
+        score = _score_args(H, cdt, opts.softcap, slopes, None)
+        kernel = _dispatch.choose_kernel(Lq=Lq, Lk=k.shape[1], mask=mask, score=score)
+        _dispatch.attend(
+            kernel,
+            q4[sl],
+            k4[sl],
+            v4[sl],
+            o4[sl],
+            None if lse4 is None else lse4[sl],
+            scale=opts.scale,
+            mask=mask,
+            score=score,
+        )
+    return out, lse
+
+
+def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
+    B = q.shape[0]
+    grads = None
+    for sl, slopes in _batches(B, rows, shared):
+        g = _sdpa_backward(
+            _t(dout[sl]),
+            _t(q[sl]),
+            _t(k[sl]),
+            _t(v[sl]),
+            _t(out[sl]),
+            lse[sl],
+            is_causal=opts.causal,
+            enable_gqa=True,
+            alibi_slopes=slopes,
+            **opts.sdpa_kw(),
+        )
+        g = [x.transpose(1, 2) for x in g[:3]]
+        if rows is None:
+            return g
+        if grads is None:
+            grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+        for dst, src in zip(grads, g):
+            dst[sl] = src
+    if grads is None:
+        grads = [torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v)]
+    return grads
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """out, lse of (B, L, H, d) q, k, v; backward: attn_fast's fused FlashAttention-2 backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts, shared, rows, need_lse):
+        out, lse = _dense_forward(q, k, v, opts, shared, rows, need_lse)
+        ctx.opts, ctx.shared, ctx.rows = opts, shared, rows
+        if lse is None:
+            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _dense_backward(dout, q, k, v, out, lse, ctx.opts, ctx.shared, ctx.rows)
+        return dq, dk, dv, None, None, None, None
+
+
+def _attn_dense(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    names=("q", "k", "v"),
+):
+    check_dropout(dropout_p)
+    for name, t in zip(names, (q, k, v)):
+        check_tensor(t, name, 4, "(batch_size, seqlen, nheads, headdim)")
+    same_dtype(**dict(zip(names, (q, k, v))))
+    B, Lq, H, d = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"q has shape {tuple(q.shape)} but k has {tuple(k.shape)}: batch differs")
+    check_heads(H, k.shape[2], d, k.shape[3], tuple(v.shape), tuple(k.shape))
+    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
+    shared, rows = alibi_args(alibi_slopes, B, H)
+    if wants_grad(q, k, v):
+        out, lse = _FlashAttnFunction.apply(q, k, v, opts, shared, rows, True)
+    else:  # inference: no autograd node (apply() costs as much as a small kernel call)
+        out, lse = _dense_forward(q, k, v, opts, shared, rows, bool(return_attn_probs))
+    if return_attn_probs:
+        return out, lse, torch.empty(0, dtype=q.dtype)
+    return out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_func`` on the CPU, differentiable.
+
+    Parameters
+    ----------
+    q, k, v : (B, Lq, H, d), (B, Lk, H_kv, d), (B, Lk, H_kv, dv) tensors
+        CPU float16 / bfloat16 / float32 (float64) tensors of one dtype, any
+        strides (read in place). H % H_kv == 0 (MQA / GQA).
+    dropout_p : must be 0.0 (ValueError otherwise: no dropout here).
+    softmax_scale : default 1 / sqrt(d).
+    causal : bottom-right aligned: query i sees keys j <= i + Lk - Lq.
+    window_size : (left, right), -1 = unbounded: query i sees keys in
+        [i + Lk - Lq - left, i + Lk - Lq + right].
+    softcap : > 0 scores become softcap * tanh(score / softcap); 0 = off.
+    alibi_slopes : (H,) or (B, H)
+        bias ``-slope * abs(i + Lk - Lq - j)`` (no gradient).
+    deterministic : accepted (the backward is always deterministic).
+    return_attn_probs : also return softmax_lse (B, H, Lq) float32 and S_dmask
+        (an empty tensor: flash-attn 2 fills it only with dropout).
+
+    Returns
+    -------
+    out (B, Lq, H, dv), a new contiguous tensor of q's dtype (rows that
+    see no key: 0), or (out, softmax_lse, S_dmask). Gradients flow to q, k, v.
+    """
+    return _attn_dense(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """``flash_attn_func`` with kv (B, Lk, 2, H_kv, d) packed: k = kv[:, :, 0] and
+    v = kv[:, :, 1] are read as views. Same options and returns; the gradient of
+    kv is assembled from dk and dv."""
+    check_tensor(kv, "kv", 5, "(batch_size, seqlen, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise ValueError(
+            f"kv must be (batch_size, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}"
+        )
+    return _attn_dense(
+        q,
+        kv[:, :, 0],
+        kv[:, :, 1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+    )
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """``flash_attn_func`` with qkv (B, L, 3, H, d) packed (q, k, v as views; same
+    number of heads). Same options and returns; the gradient of qkv is assembled
+    from dq, dk, dv."""
+    check_tensor(qkv, "qkv", 5, "(batch_size, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise ValueError(
+            f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}"
+        )
+    return _attn_dense(
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+    )

@@ -1,0 +1,353 @@
+"""flash_attn_varlen_func and its packed forms: (total, H, d) tensors with cu_seqlens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..backward import varlen_attention_backward as _varlen_backward
+from ..functional import varlen_attention as _varlen
+from ._common import (
+    Opts,
+    alibi_args,
+    check_dropout,
+    check_heads,
+    check_tensor,
+    cu_array,
+    lse_dtype,
+    mask_args,
+    paged_attend,
+    refuse_grad,
+    same_dtype,
+    wants_grad,
+)
+
+# ---------------------------------------------------------------- varlen
+
+
+def _seq_slices(cu_q: np.ndarray, cu_k: np.ndarray):
+    return [
+        (slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1])))
+        for s in range(cu_q.size - 1)
+    ]
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse):
+    Tq, H, _ = q.shape
+    out = torch.empty((Tq, H, v.shape[-1]), dtype=q.dtype)
+    lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else None
+    kw = dict(causal=opts.causal, return_lse=need_lse, **opts.sdpa_kw())
+    if rows is None:
+        res = _varlen(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            out=out,
+            alibi_slopes=shared,
+            **kw,
+        )
+        if need_lse:
+            lse.copy_(res[1])
+        return out, lse
+    for s, (sq, sk) in enumerate(_seq_slices(cu_q, cu_k)):
+        n, m = sq.stop - sq.start, sk.stop - sk.start
+        res = _varlen(
+            q.detach()[sq],
+            k.detach()[sk],
+            v.detach()[sk],
+            [0, n],
+            [0, m],
+            out=out[sq],
+            alibi_slopes=rows[s],
+            **kw,
+        )
+        if need_lse:
+            lse[:, sq] = res[1]
+    return out, lse
+
+
+def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts, shared, rows):
+    kw = dict(causal=opts.causal, **opts.sdpa_kw())
+    if rows is None:
+        return _varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes=shared, **kw
+        )[:3]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
+    for s, (sq, sk) in enumerate(_seq_slices(cu_q, cu_k)):
+        n, m = sq.stop - sq.start, sk.stop - sk.start
+        g = _varlen_backward(
+            dout[sq],
+            q[sq],
+            k[sk],
+            v[sk],
+            out[sq],
+            lse[:, sq].contiguous(),
+            [0, n],
+            [0, m],
+            alibi_slopes=rows[s],
+            **kw,
+        )
+        dq[sq], dk[sk], dv[sk] = g[0], g[1], g[2]
+    return dq, dk, dv
+
+
+class _FlashAttnVarlenFunction(torch.autograd.Function):
+    """out, lse of packed (total, H, d) q, k, v with cu_seqlens; fused backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse):
+        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse)
+        ctx.args = (cu_q, cu_k, max_q, max_k, opts, shared, rows)
+        if lse is None:
+            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _varlen_backward_all(
+            dout, q.detach(), k.detach(), v.detach(), out, lse, *ctx.args
+        )
+        return (dq, dk, dv) + (None,) * 8
+
+
+def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
+    """Varlen queries against a paged K/V pool (num_blocks, page, H_kv, d): the decode kernel."""
+    if opts.softcap is not None or shared is not None or rows is not None:
+        raise NotImplementedError(
+            "block_table (a paged K/V cache) with softcap or alibi_slopes is not supported: the "
+            "kernel that reads pages in place has no score transforms; pass a contiguous K/V"
+        )
+    Tq, H, d = q.shape
+    B = cu_q.size - 1
+    q_lens = np.diff(cu_q)
+    kv_lens = np.diff(cu_k)
+    Lq = int(q_lens.max(initial=0))
+    if (q_lens == Lq).all():  # every sequence has Lq queries: (B, Lq, H, d) is a view
+        qp = q.detach().reshape(B, Lq, H, d)
+    else:  # pad the queries (not the cache) into (B, Lq, H, d)
+        qp = q.new_zeros((B, Lq, H, d))
+        for s, (sq, _) in enumerate(_seq_slices(cu_q, cu_k)):
+            qp[s, : sq.stop - sq.start] = q.detach()[sq]
+    op = torch.empty((B, Lq, H, v_cache.shape[-1]), dtype=q.dtype)
+    lse_p = np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
+    mask = mask_args(opts, q_lens=q_lens.astype(np.int64), kv_lens=kv_lens.astype(np.int64))
+    paged_attend(qp, op, lse_p if need_lse else None, k_cache, v_cache, block_table, opts, mask)
+    lse = None
+    if (q_lens == Lq).all():
+        out = op.reshape(Tq, H, -1)
+        if need_lse:
+            lse = torch.from_numpy(lse_p).permute(1, 0, 2).reshape(H, Tq)
+    else:
+        out = torch.empty((Tq, H, v_cache.shape[-1]), dtype=q.dtype)
+        lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else None
+        lt = torch.from_numpy(lse_p)
+        for s, (sq, _) in enumerate(_seq_slices(cu_q, cu_k)):
+            n = sq.stop - sq.start
+            out[sq] = op[s, :n]
+            if need_lse:
+                lse[:, sq] = lt[s, :, :n]
+    return out, lse
+
+
+def _attn_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table=None,
+    names=("q", "k", "v"),
+):
+    check_dropout(dropout_p)
+    paged = block_table is not None
+    check_tensor(q, names[0], 3, "(total_q, nheads, headdim)")
+    kv_what = (
+        "(num_blocks, page_block_size, nheads_k, headdim)"
+        if paged
+        else "(total_k, nheads_k, headdim)"
+    )
+    for name, t in zip(names[1:], (k, v)):
+        check_tensor(t, name, 4 if paged else 3, kv_what)
+    same_dtype(**dict(zip(names, (q, k, v))))
+    Tq, H, d = q.shape
+    check_heads(H, k.shape[-2], d, k.shape[-1], tuple(v.shape), tuple(k.shape))
+    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
+    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
+    B = cu_q.size - 1
+    shared, rows = alibi_args(alibi_slopes, B, H)
+    if paged:
+        refuse_grad("flash_attn_varlen_func with block_table", q, k, v)
+        if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
+            raise ValueError(
+                f"cu_seqlens_q {cu_q.tolist()} and cu_seqlens_k {cu_k.tolist()} must be (B + 1,) "
+                f"cumulative lengths, cu_seqlens_q ending at total_q = {Tq}"
+            )
+        if np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0) or cu_k[0] != 0:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
+        out, lse = _varlen_paged(
+            q, k, v, cu_q, cu_k, block_table, opts, shared, rows, bool(return_attn_probs)
+        )
+    else:
+        need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
+        out, lse = _FlashAttnVarlenFunction.apply(
+            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, opts, shared, rows, need_lse
+        )
+    if return_attn_probs:
+        return out, lse, torch.empty(0, dtype=q.dtype)
+    return out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> Any:
+    """flash-attn's ``flash_attn_varlen_func``: packed variable-length sequences.
+
+    Parameters
+    ----------
+    q, k, v : (total_q, H, d), (total_k, H_kv, d), (total_k, H_kv, dv) tensors
+        Sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s+1] of q and
+        cu_seqlens_k[s]:cu_seqlens_k[s+1] of k and v (read as views).
+    cu_seqlens_q, cu_seqlens_k : (B + 1,) int32 tensors (any integer dtype).
+    max_seqlen_q, max_seqlen_k : ints, at least the longest sequence.
+    block_table : (B, max_blocks) int32 or None. When given, k and v are a
+        paged pool (num_blocks, page_block_size, H_kv, d), any page size;
+        sequence s's keys are the first cu_seqlens_k[s+1] - cu_seqlens_k[s]
+        rows of its blocks. Forward only, no softcap / alibi_slopes
+        (NotImplementedError).
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+        As in ``flash_attn_func``, applied per sequence (causal and windows
+        aligned bottom-right per sequence; alibi_slopes (H,) or (B, H)).
+    deterministic, return_attn_probs
+        As in ``flash_attn_func``.
+
+    Returns
+    -------
+    out (total_q, H, dv), or (out, softmax_lse (H, total_q) float32,
+    S_dmask (empty)). Differentiable (without block_table).
+    """
+    return _attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        block_table,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """``flash_attn_varlen_func`` with kv (total_k, 2, H_kv, d) packed (views)."""
+    check_tensor(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return _attn_varlen(
+        q,
+        kv[:, 0],
+        kv[:, 1],
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        names=("q", "kv[:, 0]", "kv[:, 1]"),
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """``flash_attn_varlen_func`` with qkv (total, 3, H, d) packed (views), one
+    cu_seqlens for queries and keys."""
+    check_tensor(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return _attn_varlen(
+        qkv[:, 0],
+        qkv[:, 1],
+        qkv[:, 2],
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+    )
