@@ -194,3 +194,25 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
     )
     assert kernel == _dispatch.DECODE
     _dispatch.attend_paged(np4(q4, "q"), pages, np4(o4, "out"), lse, scale=opts.scale, mask=mask)
+
+
+class KernelFunction(torch.autograd.Function):
+    """out, lse = forward(q, k, v, *args, need_lse) with attn_fast's fused backward,
+    grads = backward(dout, q, k, v, out, lse, *args): one autograd node for the dense and
+    the varlen forms. lse is returned but not differentiable (flash-attn's convention)."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, q, k, v, args, need_lse=True):
+        out, lse = forward(q, k, v, *args, need_lse)
+        ctx.backward_fn, ctx.args = backward, args
+        if lse is None:  # not asked for and no gradient wanted: the backward never runs
+            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backward_fn(dout, q.detach(), k.detach(), v.detach(), out, lse, *ctx.args)
+        return None, None, dq, dk, dv, None, None

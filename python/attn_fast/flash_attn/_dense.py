@@ -11,6 +11,7 @@ from .. import _dispatch
 from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
 from ..functional import _score_args
 from ._common import (
+    KernelFunction,
     Opts,
     alibi_args,
     check_dropout,
@@ -96,26 +97,6 @@ def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
     return grads
 
 
-class _FlashAttnFunction(torch.autograd.Function):
-    """out, lse of (B, L, H, d) q, k, v; backward: attn_fast's fused FlashAttention-2 backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, opts, shared, rows, need_lse):
-        out, lse = _dense_forward(q, k, v, opts, shared, rows, need_lse)
-        ctx.opts, ctx.shared, ctx.rows = opts, shared, rows
-        if lse is None:
-            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _dense_backward(dout, q, k, v, out, lse, ctx.opts, ctx.shared, ctx.rows)
-        return dq, dk, dv, None, None, None, None
-
-
 def _attn_dense(
     q,
     k,
@@ -140,7 +121,9 @@ def _attn_dense(
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
     shared, rows = alibi_args(alibi_slopes, B, H)
     if wants_grad(q, k, v):
-        out, lse = _FlashAttnFunction.apply(q, k, v, opts, shared, rows, True)
+        out, lse = KernelFunction.apply(
+            _dense_forward, _dense_backward, q, k, v, (opts, shared, rows)
+        )
     else:  # inference: no autograd node (apply() costs as much as a small kernel call)
         out, lse = _dense_forward(q, k, v, opts, shared, rows, bool(return_attn_probs))
     if return_attn_probs:

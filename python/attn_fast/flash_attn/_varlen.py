@@ -10,6 +10,7 @@ import torch
 from ..backward import varlen_attention_backward as _varlen_backward
 from ..functional import varlen_attention as _varlen
 from ._common import (
+    KernelFunction,
     Opts,
     alibi_args,
     check_dropout,
@@ -95,28 +96,6 @@ def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts
         )
         dq[sq], dk[sk], dv[sk] = g[0], g[1], g[2]
     return dq, dk, dv
-
-
-class _FlashAttnVarlenFunction(torch.autograd.Function):
-    """out, lse of packed (total, H, d) q, k, v with cu_seqlens; fused backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse):
-        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse)
-        ctx.args = (cu_q, cu_k, max_q, max_k, opts, shared, rows)
-        if lse is None:
-            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _varlen_backward_all(
-            dout, q.detach(), k.detach(), v.detach(), out, lse, *ctx.args
-        )
-        return (dq, dk, dv) + (None,) * 8
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
@@ -207,8 +186,14 @@ def _attn_varlen(
         )
     else:
         need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
-        out, lse = _FlashAttnVarlenFunction.apply(
-            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, opts, shared, rows, need_lse
+        out, lse = KernelFunction.apply(
+            _varlen_forward,
+            _varlen_backward_all,
+            q,
+            k,
+            v,
+            (cu_q, cu_k, max_seqlen_q, max_seqlen_k, opts, shared, rows),
+            need_lse,
         )
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
