@@ -437,6 +437,15 @@ def test_amx_is_the_default_where_it_runs():
 
 
 def test_set_isa_names():
-    assert af._config.ISA_NAMES == ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu")
+    assert af._config.ISA_NAMES == (
+        "scalar",
+        "avx2",
+        "avx512",
+        "avx512_bf16",
+        "amx",
+        "amx_emu",
+        "neon",
+        "neon_bf16",
+    )
     with pytest.raises(ValueError, match="amx_emu"):
         af.set_isa("amx-bf16")

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu", "neon", "neon_bf16")
 
 
 def set_isa(name: str) -> None:
@@ -33,11 +33,15 @@ def set_isa(name: str) -> None:
     runs wherever avx512_bf16 does, slower; for tests, never the default).
     On avx512_bf16 every call other than the bfloat16 forward and the bfloat16
     decode (its Q K^T by vdpbf16ps) runs the avx512 kernels; on amx and amx_emu
-    every call other than the bfloat16 forward.
+    every call other than the bfloat16 forward. On aarch64: "neon" (Advanced
+    SIMD, every ARMv8-A CPU) or "neon_bf16" (FEAT_BF16 + FEAT_I8MM: the
+    bfloat16 forward and decode by BFDOT, everything else as neon; the default
+    where the CPU has them).
 
     Raises ValueError for an unknown name and RuntimeError when this CPU/OS
-    (CPUID and XCR0; for amx also Linux's tile-data permission) or this build
-    does not support it. Affects the whole process; the environment variable
+    (CPUID and XCR0; for amx also Linux's tile-data permission; on aarch64
+    HWCAP/HWCAP2 or macOS's hw.optional.arm sysctls) or this build does not
+    support it. Affects the whole process; the environment variable
     ATTN_FAST_ISA does the same at import.
     """
     name = str(name).strip().lower()
@@ -129,22 +133,26 @@ def config() -> dict[str, Any]:
     """The configuration as a dict (what show_config prints)."""
     from . import __version__
 
-    return {
+    compiled = list(_core.compiled_isas())
+    cfg = {
         "version": __version__,
         "isa": _core.active_isa(),
         "available_isas": list(_core.available_isas()),
-        "compiled_isas": list(_core.compiled_isas()),
+        "compiled_isas": compiled,
         "openmp": _core.openmp_runtime(),
         "num_threads": _core.get_num_threads(),
         "cpu": cpu_model(),
         "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
-        "amx": _core.amx_status(),
+        "amx": _core.amx_status(),  # x86 builds only (removed below on ARM)
         "decode_prefetch": _core.decode_prefetch(),
         "ATTN_FAST_ISA": os.environ.get("ATTN_FAST_ISA", ""),
         "ATTN_FAST_DECODE_PREFETCH": os.environ.get("ATTN_FAST_DECODE_PREFETCH", ""),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
     }
+    if "neon" in compiled:  # an aarch64 build: AMX is an x86 feature
+        del cfg["amx"]
+    return cfg
 
 
 def show_config() -> None:
