@@ -152,6 +152,9 @@ namespace ATTN_NS {
 namespace {
 
 #include "amx_tiles.h"  // the AMX tile plan and ops (amx / amx_emu objects only)
+#if defined(ATTN_ISA_NEON)
+#include "neon_tiles.h"  // the 6 x 4 Q K^T tiles by lane-indexed FMLA / BFDOT (neon objects)
+#endif
 
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
@@ -232,6 +235,10 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
                      const int32_t* __restrict lim = nullptr) {
   using V = Vec<T>;
   constexpr int W = V::W;
+#if defined(ATTN_ISA_NEON)
+  if constexpr (std::is_same<T, float>::value && MR == 6 && NR == 4 && !kMax)
+    return qk_micro_neon_6x4(Qp, d, Kp, S, lds);  // the same sums (neon_tiles.h)
+#endif
   typename V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
@@ -265,6 +272,10 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
   using V = Vec<float>;
   using D = DotBf16;
   constexpr int W = V::W;
+#if defined(ATTN_ISA_NEON_BF16)
+  if constexpr (MR == 6 && NR == 4 && !kMax)
+    return qk_micro_dot_neon_6x4(Qw, d2, Kw, scale, S, lds);  // the same sums (neon_tiles.h)
+#endif
   V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();

@@ -21,7 +21,9 @@
 # Cross-compiling takes about a minute where building inside the emulated root took
 # nine. Not on x86-64 Linux with apt-get: prints SKIP and exits 0 (nothing to emulate
 # with). Environment: ATTN_ARM_ROOT (the root's folder), ATTN_ARM_MIRROR (the Debian
-# mirror, default deb.debian.org), ATTN_FAST_WERROR=0 (build without -Werror).
+# mirror, default deb.debian.org), ATTN_FAST_WERROR=0 (build without -Werror),
+# ATTN_ARM_OPENMP=OFF (build without OpenMP, into build/arm64-noomp: the single-threaded
+# build of a Mac without libomp).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
@@ -140,13 +142,16 @@ fi
 HOSTBIN=$(dirname "$HOSTPY")
 WERROR=ON
 case "${ATTN_FAST_WERROR:-1}" in 0 | off | OFF | no) WERROR=OFF ;; esac
+OPENMP=${ATTN_ARM_OPENMP:-ON}
 BUILD=$REPO/build/arm64
-log "cross-compile with $(aarch64-linux-gnu-g++ --version | head -1), Python $PYVER headers of the root, -Werror $WERROR"
+[ "$OPENMP" = ON ] || BUILD=$REPO/build/arm64-noomp
+log "cross-compile with $(aarch64-linux-gnu-g++ --version | head -1), Python $PYVER headers of the root, -Werror $WERROR, OpenMP $OPENMP"
 t0=$SECONDS
 PATH=$HOSTBIN:$PATH cmake -S "$REPO" -B "$BUILD" -G Ninja -Wno-dev \
   -DCMAKE_TOOLCHAIN_FILE="$REPO/tools/arm/aarch64-linux-gnu.cmake" \
   -DPython_EXECUTABLE="$HOSTPY" -DPython_INCLUDE_DIR="$PYINC" \
-  -DATTN_FAST_WERROR=$WERROR >"$BUILD.configure.log" 2>&1 || { cat "$BUILD.configure.log"; exit 1; }
+  -DCMAKE_CXX_FLAGS="-idirafter $ROOT/usr/include" \
+  -DATTN_FAST_WERROR=$WERROR -DATTN_FAST_OPENMP="$OPENMP" >"$BUILD.configure.log" 2>&1 || { cat "$BUILD.configure.log"; exit 1; }
 PATH=$HOSTBIN:$PATH cmake --build "$BUILD" -j "$(nproc)"
 log "built in $((SECONDS - t0)) s"
 # The package as the wheel would lay it out: the Python sources and the two
