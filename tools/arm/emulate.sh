@@ -198,6 +198,11 @@ for isa in $PATHS; do
     "${SEL[@]}" "${PYTEST_ARGS[@]}" || status=$?
   log "$isa: pytest exit $status after $((SECONDS - t0)) s"
 done
+# The benchmark command an ARM user runs, in its seconds-long form (figures meaningless here).
+log "python -m attn_fast bench --tiny (QEMU_CPU=max): the command runs on aarch64"
+in_root /usr/bin/env QEMU_CPU=max PYTHONPATH=/opt/attn_fast python -m attn_fast bench --tiny \
+  >"$BUILD.bench-tiny.log" 2>&1 || { cat "$BUILD.bench-tiny.log"; status=1; }
+tail -3 "$BUILD.bench-tiny.log"
 # The default path of each emulated CPU (the dispatch's choice, no ATTN_FAST_ISA).
 for cpu in neoverse-n1 max; do
   in_root /usr/bin/env QEMU_CPU=$cpu PYTHONPATH=/opt/attn_fast \
