@@ -285,7 +285,7 @@ def wheel(session: nox.Session) -> None:
 def arm(session: nox.Session) -> None:
     """aarch64 under QEMU user emulation (tools/arm/emulate.sh): an arm64 Debian root
     (debootstrap, cached in .arm/), a cross build with -Werror, the aarch64 objdump guard,
-    and the CI subset (tools/arm/ci_subset.txt) on neon (QEMU_CPU=neoverse-n1) and
+    and the CI subsets (tools/arm/ci_subset_<path>.txt) on neon (QEMU_CPU=neoverse-n1) and
     neon_bf16 (QEMU_CPU=max). Arguments go to the script (``-- --subset all``). Skips with
     a log line where the machine is not x86-64 Linux with apt-get and root or sudo.
     """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 from typing import Any
 
 from . import _core
@@ -111,14 +113,47 @@ def get_num_threads() -> int:
     return _core.get_num_threads()
 
 
+# Arm Ltd. cores by /proc/cpuinfo's "CPU part" (implementer 0x41), for the label of
+# benchmark results on aarch64 Linux, which has no "model name" line.
+_ARM_PARTS = {
+    "0xd0c": "Neoverse N1",
+    "0xd40": "Neoverse V1",
+    "0xd49": "Neoverse N2",
+    "0xd4f": "Neoverse V2",
+    "0xd8e": "Neoverse N3",
+    "0xd84": "Neoverse V3",
+}
+
+
 def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's "model name" (x86), its "CPU part" on
+    aarch64 Linux, sysctl's machdep.cpu.brand_string on macOS ("Apple M2")."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, val = line.partition(":")
+                fields.setdefault(key.strip(), val.strip())
     except OSError:
         pass
+    if fields.get("model name"):
+        return fields["model name"]
+    if "CPU part" in fields:
+        impl, part = fields.get("CPU implementer", "?"), fields["CPU part"]
+        name = _ARM_PARTS.get(part) if impl == "0x41" else None
+        return name or f"ARM implementer {impl} part {part}"
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            if out:
+                return out
+        except (OSError, subprocess.SubprocessError):
+            pass
     return platform.processor() or platform.machine()
 
 
