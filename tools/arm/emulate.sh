@@ -206,7 +206,7 @@ for isa in $PATHS; do
   log "pytest on $isa (QEMU_CPU=$cpu), subset $SUBSET: ${SEL[*]}"
   t0=$SECONDS
   rc=0
-  in_root /usr/bin/env QEMU_CPU=$cpu ATTN_FAST_ISA=$isa PYTHONPATH=/opt/attn_fast \
+  in_root /usr/bin/env QEMU_CPU=$cpu ATTN_FAST_ISA=$isa PYTHONPATH=/opt/attn_fast ATTN_FAST_QEMU_USER=1 \
     HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
     sh -c 'cd /opt/attn_fast && python -c "import attn_fast as af; af.show_config()" &&
            exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"' sh \
