@@ -13,8 +13,8 @@
 #include <cstring>
 
 // Register blocking of the fused kernels' micro-tiles: 6 rows x 4 vectors,
-// 24 accumulators + 4 K vectors + 2 Q vectors (6 rows, used by lane) of the
-// 32 registers.
+// 24 accumulators + 4 K vectors + 3 Q vectors (two k steps of 6 rows, read by
+// lane: neon_tiles.h) of the 32 registers.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 4;
 };
