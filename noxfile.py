@@ -7,6 +7,8 @@
     nox -s lint           ruff check, ruff format --check, clang-format, cython-lint
     nox -s docs           the API reference and guides (Sphinx, warnings are errors) into build/docs
     nox -s wheel          build the wheel, install it in a fresh venv, run the demo outside the tree
+    nox -s arm            aarch64 under QEMU: cross build, the CI subset on neon and neon_bf16
+                          (tools/arm/emulate.sh; nox -s arm -- --subset all for the whole suite)
 
 ``.ci/run`` runs them all, in that order after ``wheel``. Everything comes from PyPI.
 
@@ -277,3 +279,14 @@ def wheel(session: nox.Session) -> None:
         )
         session.run("python", "-m", "attn_fast", "demo", "--causal", silent=True)
         session.log("demo: runs from the wheel (NumPy only)")
+
+
+@nox.session(venv_backend="none")
+def arm(session: nox.Session) -> None:
+    """aarch64 under QEMU user emulation (tools/arm/emulate.sh): an arm64 Debian root
+    (debootstrap, cached in .arm/), a cross build with -Werror, the aarch64 objdump guard,
+    and the CI subsets (tools/arm/ci_subset_<path>.txt) on neon (QEMU_CPU=neoverse-n1) and
+    neon_bf16 (QEMU_CPU=max). Arguments go to the script (``-- --subset all``). Skips with
+    a log line where the machine is not x86-64 Linux with apt-get and root or sudo.
+    """
+    session.run("bash", str(ROOT / "tools/arm/emulate.sh"), *session.posargs, external=True)

@@ -7,6 +7,10 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
 endif()
 
 set(ATTN_X86_64 OFF)
+set(ATTN_AARCH64 OFF)
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(aarch64|arm64|ARM64)$")
+  set(ATTN_AARCH64 ON)  # Linux aarch64 (GCC, Clang), macOS arm64 (Apple clang)
+endif()
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|x64)$")
   set(ATTN_X86_64 ON)
   check_cxx_compiler_flag("-mavx512f -mavx512bw -mavx512vl -mavx512dq" ATTN_HAVE_AVX512_FLAGS)
@@ -14,6 +18,19 @@ endif()
 
 set(ATTN_OPENMP_FOUND OFF)
 if(ATTN_FAST_OPENMP)
+  # macOS: Apple clang has no OpenMP runtime of its own; Homebrew's libomp
+  # (`brew install libomp`, keg-only) is found through its prefix unless the
+  # user named one (OpenMP_ROOT, as a CMake or environment variable).
+  if(APPLE AND NOT DEFINED OpenMP_ROOT AND NOT DEFINED ENV{OpenMP_ROOT})
+    find_program(ATTN_BREW brew)
+    if(ATTN_BREW)
+      execute_process(COMMAND "${ATTN_BREW}" --prefix libomp OUTPUT_VARIABLE _attn_omp
+                      OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _attn_rc ERROR_QUIET)
+      if(_attn_rc EQUAL 0 AND EXISTS "${_attn_omp}/include/omp.h")
+        set(OpenMP_ROOT "${_attn_omp}")
+      endif()
+    endif()
+  endif()
   find_package(OpenMP COMPONENTS CXX)
   if(OpenMP_CXX_FOUND)
     set(ATTN_OPENMP_FOUND ON)

@@ -21,6 +21,15 @@
 #include <pthread.h>
 #define ATTN_POSIX 1
 #endif
+#if defined(__aarch64__) || defined(_M_ARM64)
+#define ATTN_ARM64 1
+#ifdef __linux__
+#include <sys/auxv.h>  // getauxval(AT_HWCAP / AT_HWCAP2)
+#endif
+#ifdef __APPLE__
+#include <sys/sysctl.h>  // sysctlbyname("hw.optional.arm.FEAT_BF16")
+#endif
+#endif
 #ifdef __linux__
 #include <dirent.h>
 #include <sys/syscall.h>
@@ -49,7 +58,40 @@ struct CpuFeatures {
   bool amx = false;          // all of the above, on top of avx512_bf16
   const char* amx_why = "";  // why amx is unavailable ("" when it is available)
   int amx_errno = 0;         // arch_prctl's errno when the permission was refused
+  // aarch64: Advanced SIMD (HWCAP_ASIMD; every ARMv8-A Linux CPU, always on
+  // macOS), and FEAT_BF16 with FEAT_I8MM and FEAT_FP16 (the neon_bf16 object's
+  // -march: HWCAP2_BF16, HWCAP2_I8MM, HWCAP_ASIMDHP; hw.optional.arm.FEAT_BF16,
+  // FEAT_I8MM, FEAT_FP16 on macOS) for neon_bf16.
+  bool neon = false, neon_bf16 = false;
 };
+
+#ifdef ATTN_ARM64
+#ifdef __APPLE__
+bool sysctl_flag(const char* name) {
+  int v = 0;
+  size_t n = sizeof(v);
+  return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
+}
+#endif
+void detect_arm(CpuFeatures* f) {
+#if defined(__linux__)
+  // The bit numbers of the Linux uapi (arch/arm64/include/uapi/asm/hwcap.h),
+  // spelled out so that older C libraries' headers build too.
+  constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapAsimdhp = 1ul << 10;
+  constexpr unsigned long kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f->neon = (hw & kHwcapAsimd) != 0;
+  f->neon_bf16 = f->neon && (hw & kHwcapAsimdhp) && (hw2 & kHwcap2Bf16) && (hw2 & kHwcap2I8mm);
+#elif defined(__APPLE__)
+  f->neon = true;  // every Apple arm64 CPU
+  f->neon_bf16 = sysctl_flag("hw.optional.arm.FEAT_BF16") &&
+                 sysctl_flag("hw.optional.arm.FEAT_I8MM") &&
+                 sysctl_flag("hw.optional.arm.FEAT_FP16");
+#else
+  f->neon = true;  // Advanced SIMD is part of ARMv8-A; no BF16 query on this OS
+#endif
+}
+#endif
 
 // Linux: ask once for the AMX tile-data state (XFEATURE_XTILEDATA = 18) with
 // arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023), then read it back with
@@ -57,7 +99,7 @@ struct CpuFeatures {
 // instruction faults (SIGILL); old kernels, or a sigaltstack too small for the
 // 8 KiB tile state, refuse it. The permission belongs to the process and is
 // inherited by fork()ed children.
-bool request_amx_permission(int* err) {
+[[maybe_unused]] bool request_amx_permission(int* err) {  // x86 only
 #if defined(__linux__) && defined(SYS_arch_prctl)
   constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXtiledata = 18;
   if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0) {
@@ -116,6 +158,9 @@ CpuFeatures detect() {
 #else
   f.amx_why = "not an x86-64 CPU";
 #endif
+#ifdef ATTN_ARM64
+  detect_arm(&f);
+#endif
   return f;
 }
 
@@ -138,6 +183,10 @@ bool supported(Isa isa) {
       return features().amx;
     case Isa::amx_emu:  // the emulated tile ops are vdpbf16ps
       return features().avx512_bf16;
+    case Isa::neon:
+      return features().neon;
+    case Isa::neon_bf16:
+      return features().neon_bf16;
   }
   return false;
 }
@@ -164,6 +213,14 @@ bool compiled(Isa isa) {
 #endif
 #ifdef ATTN_HAVE_AMX_EMU
     case Isa::amx_emu:
+      return true;
+#endif
+#ifdef ATTN_HAVE_NEON
+    case Isa::neon:
+      return true;
+#endif
+#ifdef ATTN_HAVE_NEON_BF16
+    case Isa::neon_bf16:
       return true;
 #endif
     default:
@@ -196,6 +253,11 @@ Isa best_isa() {
   if (best == Isa::avx512 && compiled(Isa::avx512_bf16) && supported(Isa::avx512_bf16) &&
       bf16_dot_preferred())
     best = Isa::avx512_bf16;
+  // aarch64: neon_bf16 wherever FEAT_BF16 + FEAT_I8MM are there (no timing
+  // probe: BFDOT does twice the multiply-adds of an fp32 FMLA per instruction
+  // on every core that has it, and only the bf16 calls leave the neon object).
+  for (Isa i : {Isa::neon, Isa::neon_bf16})
+    if (compiled(i) && supported(i)) best = i;
   return best;
 }
 
@@ -272,6 +334,10 @@ const char* isa_name(Isa isa) {
       return "amx";
     case Isa::amx_emu:
       return "amx_emu";
+    case Isa::neon:
+      return "neon";
+    case Isa::neon_bf16:
+      return "neon_bf16";
   }
   return "?";
 }
@@ -283,13 +349,17 @@ Isa parse_isa(const std::string& name) {
   if (name == "avx512_bf16") return Isa::avx512_bf16;
   if (name == "amx") return Isa::amx;
   if (name == "amx_emu") return Isa::amx_emu;
-  throw std::invalid_argument("unknown ISA '" + name +
-                              "' (expected scalar, avx2, avx512, avx512_bf16, amx or amx_emu)");
+  if (name == "neon") return Isa::neon;
+  if (name == "neon_bf16") return Isa::neon_bf16;
+  throw std::invalid_argument(
+      "unknown ISA '" + name +
+      "' (expected scalar, avx2, avx512, avx512_bf16, amx, amx_emu, neon or neon_bf16)");
 }
 
 std::vector<Isa> compiled_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx, Isa::amx_emu})
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx, Isa::amx_emu,
+                Isa::neon, Isa::neon_bf16})
     if (compiled(i)) out.push_back(i);
   return out;
 }
@@ -316,8 +386,12 @@ void set_active_isa(Isa isa) {
                              "' is not compiled into this build of attn_fast");
   if (!supported(isa))
     throw std::runtime_error(std::string("ISA '") + isa_name(isa) +
-                             "' is not supported by this CPU/OS (CPUID/XCR0)" +
-                             (isa == Isa::amx ? std::string(": ") + amx_status() : ""));
+                             "' is not supported by this CPU/OS (" +
+                             (isa == Isa::neon || isa == Isa::neon_bf16
+                                  ? "HWCAP/HWCAP2 or sysctl hw.optional.arm: neon_bf16 needs "
+                                    "FEAT_BF16, FEAT_I8MM and FEAT_FP16"
+                                  : "CPUID/XCR0") +
+                             ")" + (isa == Isa::amx ? std::string(": ") + amx_status() : ""));
   g_isa.store(static_cast<int>(isa));
 }
 
@@ -439,6 +513,12 @@ inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
     return true;
   }
 #endif
+#ifdef ATTN_HAVE_NEON_BF16
+  if (active_isa() == Isa::neon_bf16) {
+    *st = isa_neon_bf16::flash_forward_bf16(a);
+    return true;
+  }
+#endif
   (void)a;
   (void)st;
   return false;
@@ -461,6 +541,12 @@ inline bool bf16_dot_decode(const DecodeArgs<bf16_t>& a) {
 #ifdef ATTN_HAVE_AVX512_BF16
   if (active_isa() == Isa::avx512_bf16) {
     isa_avx512_bf16::decode_forward_bf16(a);
+    return true;
+  }
+#endif
+#ifdef ATTN_HAVE_NEON_BF16
+  if (active_isa() == Isa::neon_bf16) {
+    isa_neon_bf16::decode_forward_bf16(a);
     return true;
   }
 #endif

@@ -37,6 +37,17 @@ ATTN_AMX_ENTRY_POINTS
 }  // namespace isa_amx
 #endif
 
+#ifdef ATTN_HAVE_NEON
+namespace isa_neon {
+ATTN_ISA_ENTRY_POINTS
+}  // namespace isa_neon
+#endif
+#ifdef ATTN_HAVE_NEON_BF16
+namespace isa_neon_bf16 {
+ATTN_BF16DOT_ENTRY_POINTS
+}  // namespace isa_neon_bf16
+#endif
+
 // Records that a multi-threaded region is about to run outside the kernels'
 // own calls (the probes): the fork guard of dispatch.cpp must know.
 void note_pool_used();
@@ -44,11 +55,13 @@ void note_pool_used();
 }  // namespace attn_fast
 
 // `return isa_<active>::fn(args...)`; avx512_bf16, amx and amx_emu run the
-// avx512 object (their own objects hold only the bf16 forward).
+// avx512 object (their own objects hold only the bf16 forward), neon_bf16 the
+// neon object (its own holds the bf16 forward and decode).
 #define ATTN_DISPATCH(fn, ...)            \
   switch (active_isa()) {                 \
     ATTN_AVX512_CASE(fn, __VA_ARGS__)     \
     ATTN_AVX2_CASE(fn, __VA_ARGS__)       \
+    ATTN_NEON_CASE(fn, __VA_ARGS__)       \
     default:                              \
       return isa_scalar::fn(__VA_ARGS__); \
   }
@@ -68,4 +81,12 @@ void note_pool_used();
     return isa_avx2::fn(__VA_ARGS__);
 #else
 #define ATTN_AVX2_CASE(fn, ...)
+#endif
+#ifdef ATTN_HAVE_NEON
+#define ATTN_NEON_CASE(fn, ...) \
+  case Isa::neon:               \
+  case Isa::neon_bf16:          \
+    return isa_neon::fn(__VA_ARGS__);
+#else
+#define ATTN_NEON_CASE(fn, ...)
 #endif

@@ -142,7 +142,7 @@ void kv_quant_append(const KvQuantArgs& a) {
       }
   if (!finite) throw std::invalid_argument("inf or NaN");
   const int64_t n_heads = a.B * a.Hkv;
-  int nt = a.num_threads > 0 ? a.num_threads : 1;
+  [[maybe_unused]] int nt = a.num_threads > 0 ? a.num_threads : 1;  // OpenMP builds only
   double work = 0;
   for (int64_t b = 0; b < a.B; ++b) work += static_cast<double>(a.count[b]) * a.Hkv * a.G * a.d;
   if (work < kSerialWork) nt = 1;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import oracle
 import pytest
-from helpers import poisoned, qkv, randn, random_bias, random_mask, run_json
+from helpers import needs_rlimit_as, poisoned, qkv, randn, random_bias, random_mask, run_json
 
 import attn_fast as af
 from attn_fast import _core, masks
@@ -493,6 +493,7 @@ except MemoryError:
 """
 
 
+@needs_rlimit_as
 @pytest.mark.skipif(
     "libasan" in __import__("os").environ.get("LD_PRELOAD", ""),
     reason="ASan reserves more address space than the limit",

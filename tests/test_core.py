@@ -285,7 +285,7 @@ def test_misaligned_buffer(rng):
 # ---------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("name", ["scalar", "avx2", "avx512", "neon", "neon_bf16"])
 def test_isa_env_variable(name):
     r = run_python("import attn_fast as af; print(af.get_isa())", ATTN_FAST_ISA=name)
     if name in af._core.available_isas():

@@ -16,6 +16,7 @@ from helpers import (
     assert_attention,
     assert_close,
     assert_lse_close,
+    needs_rlimit_as,
     poisoned,
     qkv,
     randn,
@@ -478,6 +479,7 @@ for name, call in cases.items():
 """
 
 
+@needs_rlimit_as
 @pytest.mark.skipif(
     "libasan" in os.environ.get("LD_PRELOAD", ""),
     reason="ASan reserves more address space than the limit",

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_close, assert_lse_close, poisoned, randn
+from helpers import assert_close, assert_lse_close, needs_rlimit_as, poisoned, randn
 
 import attn_fast as af
 from attn_fast import _core
@@ -65,6 +65,7 @@ except KeyboardInterrupt:
 """
 
 
+@needs_rlimit_as
 @pytest.mark.skipif(ASAN, reason="ASan reserves more address space than the limit")
 @pytest.mark.parametrize("case", ["long_chunk", "broadcast_2_36", "dv_1024"])
 def test_decode_huge_calls_never_crash(case):
@@ -101,6 +102,7 @@ print(repr(float(o.ravel()[0])), repr(float(lse[0])))
 """
 
 
+@needs_rlimit_as
 @pytest.mark.skipif(ASAN, reason="ASan reserves more address space than the limit")
 def test_decode_split_1_over_2_26_keys():
     r = subprocess.run(

@@ -411,7 +411,7 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
 // (lanes past d never read). The prefetch walk steps twice per 32 dims, the
 // rate per dimension of the fp32-compute path. Same key passes and reduction
 // trees as qk_rows.
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
 template <int N, int KC>
 __attribute__((flatten)) inline void qk_rows_dot(const uint16_t* Qw, int64_t ldq,
                                                  const bf16_t* const* kp, int64_t cols, int64_t d,
@@ -460,7 +460,7 @@ __attribute__((flatten)) inline void qk_rows_dot(const uint16_t* Qw, int64_t ldq
 // avx512_bf16 object (the ISA chosen where vdpbf16ps outruns fp32 FMA).
 template <typename S, typename KV>
 constexpr bool dot_keys() {
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
   return std::is_same<S, bf16_t>::value && std::is_same<KV, bf16_t>::value;
 #else
   return false;
@@ -600,7 +600,7 @@ void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t 
   });
 }
 
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
 inline void qk_dispatch_dot(int nr, const uint16_t* Qw, int64_t ldq, const bf16_t* const* kp,
                             int64_t cols, int64_t d, float scale, float* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
@@ -1027,7 +1027,7 @@ void run_split(const DecodeArgs<S>& a, const Group& g, int64_t c0, int64_t c1,
       if (!stag) pf_runs(nvb, ns, rows, a.sv.l, dv, &pf.v, &pf.vs, &pf.vlen, &pf.vn);
     }
     // S = Q K^T.
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
     if constexpr (DOT)
       qk_dispatch_dot(nr, reinterpret_cast<const uint16_t*>(sc.Qs), 2 * dp, krow, cols, d, scale,
                       sc.S, kBc, stag ? &pfv : &pf);
@@ -1308,7 +1308,7 @@ void decode_impl(const DecodeArgs<ST>& a) {  // ST: storage type
 
 }  // namespace
 
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
 // The avx512_bf16 object: the bf16 decode with its vdpbf16ps Q K^T
 // (qk_rows_dot); every other storage type of that ISA runs the avx512 object.
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<bf16_t>(a); }

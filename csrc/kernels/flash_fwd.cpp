@@ -152,6 +152,9 @@ namespace ATTN_NS {
 namespace {
 
 #include "amx_tiles.h"  // the AMX tile plan and ops (amx / amx_emu objects only)
+#if defined(ATTN_ISA_NEON)
+#include "neon_tiles.h"  // the 6 x 4 Q K^T tiles by lane-indexed FMLA / BFDOT (neon objects)
+#endif
 
 // Storage type S of q, k, v, o <-> compute type compute_t<S>. The 16-bit
 // types are read into fp32 where the kernel packs (Q block, K/V panels) and
@@ -232,6 +235,10 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
                      const int32_t* __restrict lim = nullptr) {
   using V = Vec<T>;
   constexpr int W = V::W;
+#if defined(ATTN_ISA_NEON)
+  if constexpr (std::is_same<T, float>::value && MR == 6 && NR == 4 && !kMax)
+    return qk_micro_neon_6x4(Qp, d, Kp, S, lds);  // the same sums (neon_tiles.h)
+#endif
   typename V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
@@ -255,7 +262,7 @@ inline void qk_micro(const T* __restrict Qp, int64_t d, const T* __restrict Kp, 
 // Products are exact in fp32 and accumulate in fp32; the scale (and nothing
 // else) multiplies S in fp32 at the store, so scale * Q is never rounded to
 // bf16. P V stays the fp32 kernel (P is not rounded to bf16 either).
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
 constexpr bool kDotBf16 = true;
 template <int MR, int NR, bool kMax = false>
 inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
@@ -265,6 +272,10 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
   using V = Vec<float>;
   using D = DotBf16;
   constexpr int W = V::W;
+#if defined(ATTN_ISA_NEON_BF16)
+  if constexpr (MR == 6 && NR == 4 && !kMax)
+    return qk_micro_dot_neon_6x4(Qw, d2, Kw, scale, S, lds);  // the same sums (neon_tiles.h)
+#endif
   V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
@@ -1014,7 +1025,7 @@ void qk_tile_max(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_
         }
         lim = lim_buf;
       }
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
       if constexpr (dot_path<S>()) {
         const int64_t d2 = (d + 1) / 2;
         qk_micro_dot<kMR, kNR, true>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
@@ -1071,7 +1082,7 @@ void qk_tile(const AttnArgs<S>& a, Scratch<compute_t<S>>& sc, const compute_t<S>
           continue;
         }
 #endif
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
         if constexpr (dot_path<S>()) {
           const int64_t d2 = (d + 1) / 2;
           qk_micro_dot<kMR, kNR>(reinterpret_cast<const uint32_t*>(sc.Qp) + i * d2, d2,
@@ -1156,7 +1167,7 @@ inline void softmax_row_fused(T* s, int64_t cols, int64_t cols_p, bool have_mx, 
       p = V::exp2_neg(V::mul(V::sub(V::load(s + j), vmn), vl2e));
       p1 = V::exp2_neg(V::mul(V::sub(V::load(s + j + W), vmn), vl2e));
     }
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
     if constexpr (kPairs) {
       // The 2 W weights j .. j + 2W as bf16 at h[j ..]: floats j / 2 .., already read.
       DotBf16::store_pairs(reinterpret_cast<uint16_t*>(s) + j, p, p1);
@@ -1345,7 +1356,7 @@ void pv_tile(Scratch<compute_t<S>>& sc, const compute_t<S>* Vp, int64_t rows, in
     return;
   }
 #endif
-#if defined(ATTN_ISA_AVX512_BF16)
+#if defined(ATTN_DOT_BF16)
   if constexpr (dot_path<S>()) {
     if (nonfinite) {
       pv_block_guarded_dot(sc.S, sc.lds, rows, cols, Vp, Bc, dvp, sc.O);
@@ -1634,7 +1645,7 @@ AttnStats forward_impl(const AttnArgs<S>& a) {
 ATTN_AMX_ENTRY_POINTS
 AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
 void tdpbf16ps_tile(const uint16_t* a, const uint16_t* b, float* c) { amx_tile_product(a, b, c); }
-#elif defined(ATTN_ISA_AVX512_BF16)
+#elif defined(ATTN_DOT_BF16)
 // The avx512_bf16 object holds only the vdpbf16ps bf16 kernel (and, in
 // probes.cpp, its probe loop).
 ATTN_BF16DOT_ENTRY_POINTS

@@ -21,6 +21,14 @@
 #if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
 #include <immintrin.h>
 #endif
+// aarch64 (CMakeLists.txt): ATTN_ISA_NEON (baseline ARMv8-A Advanced SIMD) for
+// every kernel source; flash_fwd.cpp, decode.cpp and probes.cpp once more with
+// ATTN_ISA_NEON and ATTN_ISA_NEON_BF16 (FEAT_BF16 + FEAT_I8MM: BFDOT).
+// ATTN_DOT_BF16 names the objects whose bf16 forward and decode run the pair
+// kernels over DotBf16 (vdpbf16ps on x86, BFDOT on ARM).
+#if defined(ATTN_ISA_AVX512_BF16) || defined(ATTN_ISA_NEON_BF16)
+#define ATTN_DOT_BF16 1
+#endif
 #include "attn_fast/half.h"  // scalar bf16 / fp16 conversions used by the vector headers
 
 #if defined(ATTN_ISA_AMX) || defined(ATTN_ISA_AMX_EMU)
@@ -39,6 +47,12 @@
 #elif defined(ATTN_ISA_AVX512)
 #define ATTN_NS isa_avx512
 #define ATTN_VEC_HEADER "vec_avx512.h"
+#elif defined(ATTN_ISA_NEON_BF16)  // defined together with ATTN_ISA_NEON
+#define ATTN_NS isa_neon_bf16
+#define ATTN_VEC_HEADER "vec_neon.h"
+#elif defined(ATTN_ISA_NEON)
+#define ATTN_NS isa_neon
+#define ATTN_VEC_HEADER "vec_neon.h"
 #elif defined(ATTN_ISA_AVX2)
 #define ATTN_NS isa_avx2
 #define ATTN_VEC_HEADER "vec_avx2.h"

@@ -1,6 +1,6 @@
 // The machine probes' inner loops, compiled once per ISA like the kernels
 // (isa.h): the FP32 FMA peak, the streaming-read bandwidth and, in the
-// avx512_bf16 object, the vdpbf16ps throughput. The timing around them (threads,
+// avx512_bf16 object, the vdpbf16ps throughput (neon_bf16: BFDOT). The timing around them (threads,
 // buffers, clocks) is baseline code: csrc/probes.cpp.
 
 #include <cmath>
@@ -47,6 +47,36 @@ double dpbf16_loop(int64_t iters) {
                                   _mm512_add_ps(c8, c9)));
   const float sink = _mm512_reduce_add_ps(sum);
   return sink == 12345.f ? 0.0 : 2.0 * 10 * 32 * static_cast<double>(iters);
+}
+#elif defined(ATTN_ISA_NEON_BF16)
+ATTN_BF16DOT_ENTRY_POINTS
+
+// 10 independent BFDOT accumulator chains in registers (DotBf16, vec_neon.h);
+// returns the FLOPs done (2 per bf16 pair).
+double dpbf16_loop(int64_t iters) {
+  using V = Vec<float>;
+  using D = DotBf16;
+  const D::B a = D::set1(0x3F803F80u);  // (1.0, 1.0)
+  const D::B b = D::set1(0x33803380u);  // (2^-24, 2^-24)
+  V::R c0 = V::set1(0.f), c1 = V::set1(1e-3f), c2 = V::set1(2e-3f), c3 = V::set1(3e-3f),
+       c4 = V::set1(4e-3f), c5 = V::set1(5e-3f), c6 = V::set1(6e-3f), c7 = V::set1(7e-3f),
+       c8 = V::set1(8e-3f), c9 = V::set1(9e-3f);
+  for (int64_t it = 0; it < iters; ++it) {
+    c0 = D::dot(c0, a, b);
+    c1 = D::dot(c1, a, b);
+    c2 = D::dot(c2, a, b);
+    c3 = D::dot(c3, a, b);
+    c4 = D::dot(c4, a, b);
+    c5 = D::dot(c5, a, b);
+    c6 = D::dot(c6, a, b);
+    c7 = D::dot(c7, a, b);
+    c8 = D::dot(c8, a, b);
+    c9 = D::dot(c9, a, b);
+  }
+  const float sink =
+      V::hsum(V::add(V::add(V::add(c0, c1), V::add(c2, c3)),
+                     V::add(V::add(V::add(c4, c5), V::add(c6, c7)), V::add(c8, c9))));
+  return sink == 12345.f ? 0.0 : 2.0 * 10 * 2 * V::W * static_cast<double>(iters);
 }
 #else
 ATTN_ISA_ENTRY_POINTS

@@ -171,7 +171,8 @@ struct VecMath {
   }
 };
 
-// One 16-bit value <-> fp32, the same on every SIMD ISA (both have F16C):
+#if defined(ATTN_ISA_AVX2) || defined(ATTN_ISA_AVX512)
+// One 16-bit value <-> fp32, the same on every x86 SIMD ISA (both have F16C):
 // bf16 by bit manipulation (attn_fast/half.h: round to nearest even, NaN
 // kept), fp16 by vcvtph2ps / vcvtps2ph. Vec<float> inherits these.
 struct HalfScalar {
@@ -182,3 +183,4 @@ struct HalfScalar {
     return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
+#endif  // x86 (vec_neon.h has its own HalfNeon)

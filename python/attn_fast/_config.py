@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 from typing import Any
 
 from . import _core
@@ -20,7 +22,7 @@ __all__ = [
 ]
 
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16", "amx", "amx_emu", "neon", "neon_bf16")
 
 
 def set_isa(name: str) -> None:
@@ -33,11 +35,15 @@ def set_isa(name: str) -> None:
     runs wherever avx512_bf16 does, slower; for tests, never the default).
     On avx512_bf16 every call other than the bfloat16 forward and the bfloat16
     decode (its Q K^T by vdpbf16ps) runs the avx512 kernels; on amx and amx_emu
-    every call other than the bfloat16 forward.
+    every call other than the bfloat16 forward. On aarch64: "neon" (Advanced
+    SIMD, every ARMv8-A CPU) or "neon_bf16" (FEAT_BF16 + FEAT_I8MM: the
+    bfloat16 forward and decode by BFDOT, everything else as neon; the default
+    where the CPU has them).
 
     Raises ValueError for an unknown name and RuntimeError when this CPU/OS
-    (CPUID and XCR0; for amx also Linux's tile-data permission) or this build
-    does not support it. Affects the whole process; the environment variable
+    (CPUID and XCR0; for amx also Linux's tile-data permission; on aarch64
+    HWCAP/HWCAP2 or macOS's hw.optional.arm sysctls) or this build does not
+    support it. Affects the whole process; the environment variable
     ATTN_FAST_ISA does the same at import.
     """
     name = str(name).strip().lower()
@@ -107,14 +113,47 @@ def get_num_threads() -> int:
     return _core.get_num_threads()
 
 
+# Arm Ltd. cores by /proc/cpuinfo's "CPU part" (implementer 0x41), for the label of
+# benchmark results on aarch64 Linux, which has no "model name" line.
+_ARM_PARTS = {
+    "0xd0c": "Neoverse N1",
+    "0xd40": "Neoverse V1",
+    "0xd49": "Neoverse N2",
+    "0xd4f": "Neoverse V2",
+    "0xd8e": "Neoverse N3",
+    "0xd84": "Neoverse V3",
+}
+
+
 def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's "model name" (x86), its "CPU part" on
+    aarch64 Linux, sysctl's machdep.cpu.brand_string on macOS ("Apple M2")."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, val = line.partition(":")
+                fields.setdefault(key.strip(), val.strip())
     except OSError:
         pass
+    if fields.get("model name"):
+        return fields["model name"]
+    if "CPU part" in fields:
+        impl, part = fields.get("CPU implementer", "?"), fields["CPU part"]
+        name = _ARM_PARTS.get(part) if impl == "0x41" else None
+        return name or f"ARM implementer {impl} part {part}"
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            if out:
+                return out
+        except (OSError, subprocess.SubprocessError):
+            pass
     return platform.processor() or platform.machine()
 
 
@@ -129,22 +168,26 @@ def config() -> dict[str, Any]:
     """The configuration as a dict (what show_config prints)."""
     from . import __version__
 
-    return {
+    compiled = list(_core.compiled_isas())
+    cfg = {
         "version": __version__,
         "isa": _core.active_isa(),
         "available_isas": list(_core.available_isas()),
-        "compiled_isas": list(_core.compiled_isas()),
+        "compiled_isas": compiled,
         "openmp": _core.openmp_runtime(),
         "num_threads": _core.get_num_threads(),
         "cpu": cpu_model(),
         "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
-        "amx": _core.amx_status(),
+        "amx": _core.amx_status(),  # x86 builds only (removed below on ARM)
         "decode_prefetch": _core.decode_prefetch(),
         "ATTN_FAST_ISA": os.environ.get("ATTN_FAST_ISA", ""),
         "ATTN_FAST_DECODE_PREFETCH": os.environ.get("ATTN_FAST_DECODE_PREFETCH", ""),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
     }
+    if "neon" in compiled:  # an aarch64 build: AMX is an x86 feature
+        del cfg["amx"]
+    return cfg
 
 
 def show_config() -> None:

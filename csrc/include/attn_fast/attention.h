@@ -221,7 +221,16 @@ struct DecodeArgs {
 // amx_emu: the same kernel with the tile ops emulated by vdpbf16ps (runs where
 // avx512_bf16 does; never chosen by default: for tests). Every other call of
 // either runs the avx512 kernels.
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4, amx_emu = 5 };
+enum class Isa : int {
+  scalar = 0,
+  avx2 = 1,
+  avx512 = 2,
+  avx512_bf16 = 3,
+  amx = 4,
+  amx_emu = 5,
+  neon = 6,       // aarch64 Advanced SIMD (every ARMv8-A CPU)
+  neon_bf16 = 7,  // aarch64 FEAT_BF16 + FEAT_I8MM: BFDOT bf16 forward and decode
+};
 
 const char* isa_name(Isa isa);
 // ISAs compiled into this build AND supported by this CPU/OS, in ascending order.
