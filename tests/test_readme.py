@@ -6,7 +6,7 @@ The convention, stated at the top of README's tours:
   - a block preceded (on the line just before its fence) by
     `<!-- not-run: REASON -->` is skipped, and REASON must be given;
   - a block that imports torch or transformers is skipped when that package
-    is missing.
+    is missing (a block importing flash_attn, which is built on torch, needs torch).
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def test_readme_block_runs(line, heading, source, reason, tmp_path, monkeypatch)
     for mod in ("torch", "transformers"):
         if re.search(rf"^\s*(import|from)\s+[\w., ]*\b{mod}\b", source, re.MULTILINE):
             pytest.importorskip(mod)
+    if re.search(r"^\s*(import|from)\s+[\w., ]*\bflash_attn\b", source, re.MULTILINE):
+        pytest.importorskip("torch")  # attn_fast.flash_attn is built on torch tensors
     monkeypatch.chdir(tmp_path)  # a block may write files (np.savez ...)
     code = compile(source, f"README.md:{line} ({heading})", "exec")
     exec(code, {"__name__": "__readme__"})  # noqa: S102 - the project's own README
