@@ -475,11 +475,12 @@ def test_mismatched_shapes_and_dtypes(rng):
 
 
 def test_kernel_binding_refuses_what_it_would_read_out_of_bounds(rng):
-    """_core.decode_paged checks the block table, the lengths and the chunks' shapes itself."""
+    """_core.decode with a block table checks the table, the lengths and the chunks' shapes
+    itself."""
     H, d, bs = 1, 4, 64
     kc = [np.zeros((2, H, bs, d), F32), np.zeros((2, H, bs, d), F32)]
     q, o = randn(rng, (1, 1, 1, d)), np.empty((1, 1, 1, d), F32)
-    run = lambda table, n, k=kc, v=kc: _core.decode_paged(  # noqa: E731
+    run = lambda table, n, k=kc, v=kc: _core.decode(  # noqa: E731
         q,
         k,
         v,

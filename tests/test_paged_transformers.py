@@ -53,7 +53,7 @@ def counted(monkeypatch):
         seen["attend"] += 1
 
     return install_call_counters(
-        monkeypatch, pgc.PagedKVCache, seen, on_attend, {"decode_paged": "paged"}
+        monkeypatch, pgc.PagedKVCache, seen, on_attend, {"decode": "paged"}
     )
 
 

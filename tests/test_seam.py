@@ -173,7 +173,7 @@ def test_only_the_dispatch_module_calls_the_attention_kernels():
         for node in ast.walk(ast.parse(path.read_text())):
             if (
                 isinstance(node, ast.Attribute)
-                and node.attr in ("forward", "decode", "backward", "decode_paged")
+                and node.attr in ("forward", "decode", "backward")
                 and isinstance(node.value, ast.Name)
                 and node.value.id == "_core"
             ):

@@ -1,6 +1,6 @@
 """The one seam between the Python layer and the C++ attention kernels.
 
-Every call of ``_core.forward``, ``_core.decode`` (``decode_paged``) and ``_core.backward``
+Every call of ``_core.forward``, ``_core.decode`` (every layout) and ``_core.backward``
 goes through this module, with typed arguments: a ``masks.MaskArgs`` record
 (the visibility rule) and a ``ScoreArgs`` record (softcap, ALiBi slopes,
 sinks) instead of a keyword dict. The kernel is chosen here once, by
@@ -63,15 +63,6 @@ class QuantArgs:
     v_scale: np.ndarray
     v_off: np.ndarray
     kgroup: int
-
-    def kernel_kwargs(self) -> dict[str, Any]:
-        return dict(
-            k_scale=self.k_scale,
-            k_off=self.k_off,
-            v_scale=self.v_scale,
-            v_off=self.v_off,
-            kgroup=self.kgroup,
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,26 +170,17 @@ def decode_step(
     """The decode kernel with only the structural arguments, writing o (and lse).
 
     ``attend(DECODE, ...)`` for callers that build no MaskArgs record (the
-    fast paths of ``KVCache.attend`` and of the transformers backend, where
-    the record and its keyword scan cost about as much as a 512-key kernel
-    call): causal, a (left, right) window (-1 = unbounded), q_lens / kv_lens /
-    kv_start (B,) int64. The binding gets exactly the keywords
-    ``MaskArgs(...).kernel_kwargs()`` would give it (only those set), so the
-    results are the same bits. Shapes, strides, dtypes and the scale are
-    checked by the binding.
+    fast paths of ``KVCache.attend`` and of the transformers backend):
+    causal, a (left, right) window (-1 = unbounded), q_lens / kv_lens /
+    kv_start (B,) int64. The binding's arguments are passed by position
+    (``_core.decode``'s order: no keyword lookups), the values
+    ``attend(DECODE, ...)`` passes for the same record, so the results are
+    the same bits. Shapes, strides, dtypes and the scale are checked by the
+    binding.
     """
-    kw = {}
-    if causal:
-        kw["causal"] = True
-    if window[0] >= 0:
-        kw["window_left"] = window[0]
-    if window[1] >= 0:
-        kw["window_right"] = window[1]
-    if q_lens is not None:
-        kw["q_lens"] = q_lens
-    if kv_lens is not None:
-        kw["kv_lens"] = kv_lens
-    _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
+    _core.decode(
+        q, k, v, o, lse, scale, causal, False, window[0], window[1], q_lens, kv_lens, kv_start
+    )
 
 
 def attend(
@@ -228,12 +210,10 @@ def attend(
     (tiles_computed, tiles_skipped, block_q, block_k); zeros for DECODE.
     The GIL is released while the kernel runs.
     """
-    kw = mask.kernel_kwargs()
     if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
-        if quant is not None:
-            kw.update(quant.kernel_kwargs())
-        _core.decode(q, k, v, o, lse, scale=scale, kv_start=kv_start, **kw)
+        _decode(q, k, v, o, lse, scale, mask, kv_start=kv_start, quant=quant)
         return (0, 0, 0, 0)
+    kw = mask.kernel_kwargs()
     if kv_start is not None or quant is not None:
         raise ValueError(
             "kv_start (a ring of keys) and int8 codes are read by the decode kernel only"
@@ -247,6 +227,31 @@ def attend(
     if score is not PLAIN:
         kw.update(score.kernel_kwargs())
     return tuple(_core.forward(q, k, v, o, lse, scale=scale, **kw))
+
+
+def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant=None):
+    """``_core.decode`` on a decode-only record (causal, alignment, window, lengths): its
+    arguments by position, in the binding's order; k / v arrays, or lists of pool chunks with
+    block_table; quant (a QuantArgs, or a PagedArgs of an int8 pool) the int8 scales."""
+    qa = (quant.k_scale, quant.k_off, quant.v_scale, quant.v_off, quant.kgroup) if quant else ()
+    _core.decode(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        scale,
+        mask.causal,
+        mask.top_left,
+        mask.window_left,
+        mask.window_right,
+        mask.q_lens,
+        mask.kv_lens,
+        kv_start,
+        0,
+        block_table,
+        *qa,
+    )
 
 
 def backward(
@@ -333,22 +338,14 @@ def attend_paged(
     causal / window and the per-sequence q_lens and kv_lens (kv_lens required). The keys
     are read in place through the block table (no gather); the GIL is released.
     """
-    kw = mask.kernel_kwargs()
-    if pages.kgroup:
-        kw.update(
-            k_scale=pages.k_scale,
-            k_off=pages.k_off,
-            v_scale=pages.v_scale,
-            v_off=pages.v_off,
-            kgroup=pages.kgroup,
-        )
-    _core.decode_paged(
+    _decode(
         q,
         pages.k_chunks,
         pages.v_chunks,
         o,
         lse,
+        scale,
+        mask,
         block_table=pages.block_table,
-        scale=scale,
-        **kw,
+        quant=pages if pages.kgroup else None,
     )

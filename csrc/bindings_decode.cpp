@@ -1,0 +1,376 @@
+// The decode kernel's binding: one `decode` for every layout (an array or a
+// KV cache's ring of slots; a paged pool through a block table) and every
+// encoding of the rows (float32, float64, float16, bfloat16 bits, int8 codes
+// with scales). The call's arguments become one DecodeCall, bound once; the
+// layout follows from block_table, the encoding from k's dtype, and one
+// template (decode_t) fills DecodeArgs for the kernel. Also the int8 cache's
+// quantising append, whose layout the int8 encoding reads.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attn_fast/attention.h"
+#include "bindings_common.h"
+
+namespace attn_fast {
+namespace bindings {
+
+namespace {
+
+// The bound arguments of one _core.decode call (kept alive by the caller for
+// the call): k, v are 4-D arrays, or lists of pool chunks when block_table is
+// given; k_scale .. kgroup the int8 encoding's scales (arrays, or lists of
+// chunks for a pool).
+struct DecodeCall {
+  py::array q, o;
+  py::object k, v, lse;
+  double scale;
+  bool causal, top_left;
+  int64_t window_left, window_right;
+  py::object q_lens, kv_lens, kv_start;
+  int64_t split;
+  py::object block_table;
+  py::object k_scale, k_off, v_scale, v_off;
+  int64_t kgroup;
+};
+
+template <typename KV>
+constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
+
+// q (B, Hq, Lq, d), o (B, Hq, Lq, dv) of storage type T and the options.
+template <typename T, typename KV>
+void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c) {
+  if (!has_dtype<T>(c.o))
+    throw py::type_error(kInt8<KV> ? "an int8 cache takes float32 q and o, int8 k and v"
+                                   : "q, k, v, o must share one dtype");
+  if (!c.o.writeable()) throw py::value_error("o is read-only");
+  a.sq = strides4(c.q, "q");
+  a.so = strides4(c.o, "o");
+  a.q = static_cast<const T*>(c.q.data());
+  a.o = static_cast<T*>(py::array(c.o).mutable_data());
+  a.B = c.q.shape(0);
+  a.Hq = c.q.shape(1);
+  a.Lq = c.q.shape(2);
+  a.d = c.q.shape(3);
+  // A scale finite as a double but not in the compute type would turn every
+  // score into inf or NaN: refuse it (the Python layer says so first).
+  if (!(std::fabs(c.scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
+    throw py::value_error("scale = " + py::str(py::float_(c.scale)).cast<std::string>() +
+                          " is out of the range of the inputs' dtype");
+  a.scale = c.scale;
+  a.causal = c.causal;
+  a.top_left = c.top_left;
+  a.window_left = clamp_window(c.window_left);
+  a.window_right = clamp_window(c.window_right);
+}
+
+// Slots: k (B, Hkv, R, d), v (B, Hkv, R, dv), any strides (int8: element
+// stride 1, and the scales (B, Hkv, R / kgroup, d), (B, Hkv, R) contiguous).
+template <typename T, typename KV>
+void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const py::array& v) {
+  if (!has_dtype<KV>(k) || !has_dtype<KV>(v))
+    throw py::type_error(kInt8<KV> ? "an int8 cache takes float32 q and o, int8 k and v"
+                                   : "q, k, v, o must share one dtype");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.Hkv = k.shape(1);
+  a.R = k.shape(2);
+  a.dv = v.shape(3);
+  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
+      v.shape(1) != a.Hkv || c.o.ndim() != 4 || c.o.shape(0) != a.B || c.o.shape(1) != a.Hq ||
+      c.o.shape(2) != a.Lq || c.o.shape(3) != a.dv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  if constexpr (kInt8<KV>) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("int8 k and v need element stride 1 along d");
+    if (c.kgroup < 1 || a.R % c.kgroup != 0)
+      throw py::value_error("kgroup must be >= 1 and divide the slots R");
+    a.kgroup = c.kgroup;
+    const int64_t ng = a.R / c.kgroup;
+    a.k_scale = exact_array<float>(c.k_scale, "k_scale", {a.B, a.Hkv, ng, a.d}, false);
+    a.k_off = exact_array<float>(c.k_off, "k_off", {a.B, a.Hkv, ng, a.d}, false);
+    a.v_scale = exact_array<float>(c.v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
+    a.v_off = exact_array<float>(c.v_off, "v_off", {a.B, a.Hkv, a.R}, false);
+    a.k8 = static_cast<const int8_t*>(k.data());
+    a.v8 = static_cast<const int8_t*>(v.data());
+  } else {
+    a.k = static_cast<const T*>(k.data());
+    a.v = static_cast<const T*>(v.data());
+  }
+}
+
+// A pool's chunk pointers, alive for the call.
+template <typename KV>
+struct Pool {
+  std::vector<const KV*> k, v;
+  std::vector<const float*> ks, ko, vs, vo;  // int8
+};
+
+// The chunks (chunk_blocks, Hkv, block_size, dim) of one list: one dtype KV,
+// one shape (that of chunk 0 of k, with dim) and one set of strides each.
+template <typename KV>
+std::vector<const KV*> pool_chunks(const py::list& chunks, const char* name, int64_t dim,
+                                   const py::array& like, Strides4* st) {
+  std::vector<const KV*> out;
+  for (py::ssize_t c = 0; c < static_cast<py::ssize_t>(chunks.size()); ++c) {
+    auto x = py::cast<py::array>(chunks[c]);
+    if (!has_dtype<KV>(x))
+      throw py::type_error(std::string(name) + " chunks must have " +
+                           (kInt8<KV> ? "int8 codes" : "q's dtype"));
+    if (x.ndim() != 4) throw py::value_error(std::string(name) + " chunks must be 4-D");
+    const Strides4 s = strides4(x, name);
+    if (c == 0) {
+      *st = s;
+    } else if (s.b != st->b || s.h != st->h || s.l != st->l || s.d != st->d) {
+      throw py::value_error(std::string(name) + " chunks must share one set of strides");
+    }
+    if (x.shape(0) != like.shape(0) || x.shape(1) != like.shape(1) || x.shape(2) != like.shape(2) ||
+        x.shape(3) != dim)
+      throw py::value_error(std::string(name) + " chunk " + std::to_string(c) + " has shape " +
+                            shape_of(x) + ", expected (" + std::to_string(like.shape(0)) + ", " +
+                            std::to_string(like.shape(1)) + ", " + std::to_string(like.shape(2)) +
+                            ", " + std::to_string(dim) + ")");
+    out.push_back(static_cast<const KV*>(x.data()));
+  }
+  return out;
+}
+
+// The scale / offset chunks of an int8 pool: one C-contiguous float32 array
+// of this shape per chunk.
+std::vector<const float*> scale_chunks(const py::object& lst, const char* name, size_t n,
+                                       std::initializer_list<int64_t> shape) {
+  if (lst.is_none()) throw py::value_error(std::string(name) + " is required for an int8 pool");
+  auto l = py::cast<py::list>(lst);
+  if (l.size() != n)
+    throw py::value_error(std::string(name) + " must hold one array per pool chunk");
+  std::vector<const float*> out;
+  for (auto item : l)
+    out.push_back(exact_array<float>(py::reinterpret_borrow<py::object>(item), name, shape, false));
+  return out;
+}
+
+// Pages: k, v lists of pool chunks (chunk_blocks, Hkv, block_size, d / dv);
+// block_table C-contiguous int64 (B, max_blocks); kv_lens required, each <=
+// max_blocks * block_size, and the first ceil(kv_lens[b] / block_size)
+// entries of row b name blocks of the pool. Everything the kernel would read
+// out of bounds is checked here.
+template <typename T, typename KV>
+void bind_pages(DecodeArgs<T>& a, const DecodeCall& c, const py::list& kl, const py::list& vl,
+                Pool<KV>* pool) {
+  if (kl.size() == 0 || kl.size() != vl.size())
+    throw py::value_error("k_chunks and v_chunks must be non-empty lists of one length");
+  const auto k0 = py::cast<py::array>(kl[0]);
+  const auto v0 = py::cast<py::array>(vl[0]);
+  pool->k = pool_chunks<KV>(kl, "k", a.d, k0, &a.sk);
+  if (v0.ndim() != 4) throw py::value_error("v chunks must be 4-D");
+  a.dv = v0.shape(3);
+  pool->v = pool_chunks<KV>(vl, "v", a.dv, k0, &a.sv);
+  a.chunk_blocks = k0.shape(0);
+  a.Hkv = k0.shape(1);
+  a.block_size = k0.shape(2);
+  if (a.chunk_blocks < 1 || a.block_size < 1) throw py::value_error("empty pool chunks");
+  if (c.o.ndim() != 4 || c.o.shape(0) != a.B || c.o.shape(1) != a.Hq || c.o.shape(2) != a.Lq ||
+      c.o.shape(3) != a.dv)
+    throw py::value_error("o has shape " + shape_of(c.o) + ", expected (B, Hq, Lq, dv) of q " +
+                          shape_of(c.q) + " and the pool's dv");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  const auto table = py::cast<py::array>(c.block_table);
+  if (!py::isinstance<py::array_t<int64_t>>(table) || !(table.flags() & py::array::c_style) ||
+      table.ndim() != 2 || table.shape(0) != a.B)
+    throw py::value_error("block_table must be a C-contiguous int64 array (B, max_blocks), got " +
+                          shape_of(table));
+  a.max_blocks = table.shape(1);
+  a.R = a.max_blocks * a.block_size;
+  a.block_table = static_cast<const int64_t*>(table.data());
+  if (c.kv_lens.is_none()) throw py::value_error("kv_lens is required for a paged cache");
+  if (!c.kv_start.is_none()) throw py::value_error("kv_start is not read with a block_table");
+  const int64_t* lens = data_of<int64_t>(c.kv_lens, "kv_lens", a.B);
+  const int64_t n_blocks = static_cast<int64_t>(pool->k.size()) * a.chunk_blocks;
+  for (int64_t b = 0; b < a.B; ++b) {
+    if (lens[b] < 0 || lens[b] > a.R)
+      throw py::value_error("kv_lens[" + std::to_string(b) + "] = " + std::to_string(lens[b]) +
+                            " is outside [0, max_blocks * block_size = " + std::to_string(a.R) +
+                            "]");
+    for (int64_t p = 0; p < (lens[b] + a.block_size - 1) / a.block_size; ++p) {
+      const int64_t g = a.block_table[b * a.max_blocks + p];
+      if (g < 0 || g >= n_blocks)
+        throw py::value_error("block_table[" + std::to_string(b) + ", " + std::to_string(p) +
+                              "] = " + std::to_string(g) + " is not a block of the pool of " +
+                              std::to_string(n_blocks));
+    }
+  }
+  if constexpr (kInt8<KV>) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("int8 k and v chunks need element stride 1 along d");
+    if (c.kgroup < 1 || a.block_size % c.kgroup != 0)
+      throw py::value_error("kgroup must be >= 1 and divide the block size");
+    a.kgroup = c.kgroup;
+    const int64_t C = a.chunk_blocks, ng = a.block_size / c.kgroup;
+    const size_t n = pool->k.size();
+    pool->ks = scale_chunks(c.k_scale, "k_scale", n, {C, a.Hkv, ng, a.d});
+    pool->ko = scale_chunks(c.k_off, "k_off", n, {C, a.Hkv, ng, a.d});
+    pool->vs = scale_chunks(c.v_scale, "v_scale", n, {C, a.Hkv, a.block_size});
+    pool->vo = scale_chunks(c.v_off, "v_off", n, {C, a.Hkv, a.block_size});
+    a.k8_chunks = pool->k.data();
+    a.v8_chunks = pool->v.data();
+    a.ks_chunks = pool->ks.data();
+    a.ko_chunks = pool->ko.data();
+    a.vs_chunks = pool->vs.data();
+    a.vo_chunks = pool->vo.data();
+  } else {
+    a.k_chunks = pool->k.data();
+    a.v_chunks = pool->v.data();
+  }
+}
+
+// One decode call with q of storage type T and rows of element type KV (T,
+// or int8_t): the layout's arguments, the lengths, the split, lse, then the
+// kernel with the GIL released.
+template <typename T, typename KV>
+void decode_t(const DecodeCall& c, bool paged) {
+  DecodeArgs<T> a;
+  bind_q_o<T, KV>(a, c);
+  Pool<KV> pool;
+  if (paged) {
+    bind_pages<T, KV>(a, c, py::cast<py::list>(c.k), py::cast<py::list>(c.v), &pool);
+  } else {
+    const auto k = py::cast<py::array>(c.k), v = py::cast<py::array>(c.v);
+    bind_slots<T, KV>(a, c, k, v);
+  }
+  // A split longer than the keys is one split (no c0 + split overflow).
+  a.split = c.split > a.R ? a.R : c.split;
+  a.num_threads = threads_for_call();  // 1 in a forked child of a libgomp process
+  a.q_lens = data_of<int64_t>(c.q_lens, "q_lens", a.B);
+  a.kv_lens = data_of<int64_t>(c.kv_lens, "kv_lens", a.B);
+  a.kv_start = data_of<int64_t>(c.kv_start, "kv_start", a.B);
+  if (a.kv_start)
+    for (int64_t b = 0; b < a.B; ++b)
+      if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
+        throw py::value_error("kv_start entries must lie in [0, R)");
+  a.lse = lse_of<compute_t<T>>(c.lse, a.B * a.Hq * a.Lq, "B * Hq * Lq");
+  {
+    py::gil_scoped_release release;
+    decode_forward(a);
+  }
+  raise_if_interrupted();
+}
+
+// The layout (block_table given: a pool) and the encoding (k's dtype: int8
+// codes, or q's storage type) of a call, then decode_t.
+void decode(const DecodeCall& c) {
+  const bool paged = !c.block_table.is_none();
+  bool int8 = false;
+  if (paged) {
+    const auto kl = py::cast<py::list>(c.k);
+    int8 = kl.size() > 0 && py::isinstance<py::array_t<int8_t>>(kl[0]);
+  } else {
+    int8 = py::isinstance<py::array_t<int8_t>>(c.k);
+  }
+  if (int8) {
+    if (!py::isinstance<py::array_t<float>>(c.q))
+      throw py::type_error("an int8 cache takes float32 q and o, int8 k and v");
+    return decode_t<float, int8_t>(c, paged);
+  }
+  by_dtype(c.q, [&](auto t) {
+    decode_t<typename decltype(t)::type, typename decltype(t)::type>(c, paged);
+  });
+}
+
+// Quantise a float32 chunk into an int8 cache (KvQuantArgs, csrc/kv_quant.cpp).
+void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py::object k_scale,
+                        py::object k_off, py::object v_scale, py::object v_off, py::object stage,
+                        py::object stage_grp, py::object pos0, py::object count,
+                        py::object first_before, py::object first_after) {
+  if (!py::isinstance<py::array_t<float>>(k) || !py::isinstance<py::array_t<float>>(v))
+    throw py::type_error("k and v must be float32");
+  if (k.ndim() != 4 || v.ndim() != 4 || k8.ndim() != 4 || v8.ndim() != 4)
+    throw py::value_error("k, v, k8, v8 must be 4-D");
+  KvQuantArgs a;
+  a.B = k8.shape(0);
+  a.Hkv = k8.shape(1);
+  a.R = k8.shape(2);
+  a.d = k8.shape(3);
+  a.dv = v8.shape(3);
+  a.L = k.shape(2);
+  if (k.shape(0) != a.B || k.shape(1) != a.Hkv || k.shape(3) != a.d || v.shape(0) != a.B ||
+      v.shape(1) != a.Hkv || v.shape(2) != a.L || v.shape(3) != a.dv)
+    throw py::value_error("k, v do not match the cache's (B, Hkv, ., d / dv)");
+  auto sarr = py::cast<py::array>(stage);
+  a.G = sarr.ndim() == 4 ? sarr.shape(2) : 0;
+  if (a.G < 1 || a.G > 512 || a.R % a.G != 0)
+    throw py::value_error("stage must be (B, Hkv, G, d) with 1 <= G <= 512 dividing R");
+  a.k8 = exact_array<int8_t>(k8, "k8", {a.B, a.Hkv, a.R, a.d}, true);
+  a.v8 = exact_array<int8_t>(v8, "v8", {a.B, a.Hkv, a.R, a.dv}, true);
+  a.k_scale = exact_array<float>(k_scale, "k_scale", {a.B, a.Hkv, a.R / a.G, a.d}, true);
+  a.k_off = exact_array<float>(k_off, "k_off", {a.B, a.Hkv, a.R / a.G, a.d}, true);
+  a.v_scale = exact_array<float>(v_scale, "v_scale", {a.B, a.Hkv, a.R}, true);
+  a.v_off = exact_array<float>(v_off, "v_off", {a.B, a.Hkv, a.R}, true);
+  a.stage = exact_array<float>(stage, "stage", {a.B, a.Hkv, a.G, a.d}, true);
+  a.stage_grp = exact_array<int64_t>(stage_grp, "stage_grp", {a.B}, true);
+  a.pos0 = exact_array<int64_t>(pos0, "pos0", {a.B}, false);
+  a.count = exact_array<int64_t>(count, "count", {a.B}, false);
+  a.first_before = exact_array<int64_t>(first_before, "first_before", {a.B}, false);
+  a.first_after = exact_array<int64_t>(first_after, "first_after", {a.B}, false);
+  for (int64_t b = 0; b < a.B; ++b)
+    if (a.count[b] < 0 || a.count[b] > a.L || a.count[b] > a.R || a.pos0[b] < 0 ||
+        a.first_before[b] < 0 || a.first_before[b] > a.pos0[b] ||
+        a.first_after[b] < a.first_before[b] || a.first_after[b] > a.pos0[b] + a.count[b] ||
+        a.pos0[b] + a.count[b] - a.first_after[b] > a.R)
+      throw py::value_error("inconsistent pos0 / count / first_before / first_after");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.k = static_cast<const float*>(k.data());
+  a.v = static_cast<const float*>(v.data());
+  a.num_threads = threads_for_call();
+  try {
+    py::gil_scoped_release release;
+    kv_quant_append(a);
+  } catch (const std::invalid_argument&) {
+    throw py::value_error(
+        "k or v holds inf or NaN: an int8 cache stores finite values only (nothing was stored)");
+  }
+}
+
+}  // namespace
+
+void def_decode(py::module_& m) {
+  m.def(
+      "decode",
+      [](py::array q, py::object k, py::object v, py::array o, py::object lse, double scale,
+         bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+         py::object kv_lens, py::object kv_start, int64_t split, py::object block_table,
+         py::object k_scale, py::object k_off, py::object v_scale, py::object v_off,
+         int64_t kgroup) {
+        decode(DecodeCall{q,       o,       k,        v,           lse,
+                          scale,   causal,  top_left, window_left, window_right,
+                          q_lens,  kv_lens, kv_start, split,       block_table,
+                          k_scale, k_off,   v_scale,  v_off,       kgroup});
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse") = py::none(),
+      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
+      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+      py::arg("kv_start") = py::none(), py::arg("split") = 0, py::arg("block_table") = py::none(),
+      py::arg("k_scale") = py::none(), py::arg("k_off") = py::none(),
+      py::arg("v_scale") = py::none(), py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
+      "Split-KV decode kernel (scale required: its NaN default is refused). k, v: 4-D strided "
+      "arrays (B, Hkv, R, d / dv), a ring of R slots "
+      "with kv_start; or, with block_table (B, max_blocks), lists of pool chunks (chunk_blocks, "
+      "Hkv, block_size, d / dv) read in place. int8 k / v (with k_scale, k_off, v_scale, v_off, "
+      "kgroup: arrays, or lists of chunks for a pool) read an int8 cache.");
+  m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
+        py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
+        py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),
+        py::arg("first_before"), py::arg("first_after"),
+        "Quantise float32 k, v chunks into an int8 KV cache (keys per channel and group, values "
+        "per token); see KvQuantArgs.");
+}
+
+}  // namespace bindings
+}  // namespace attn_fast
