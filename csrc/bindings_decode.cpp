@@ -37,10 +37,13 @@ struct DecodeCall {
   py::object block_table;
   py::object k_scale, k_off, v_scale, v_off;
   int64_t kgroup;
+  std::string fp8;  // "", "e4m3" or "e5m2": uint8 k / v are fp8 codes
 };
 
 template <typename KV>
 constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
+template <typename KV>
+constexpr bool kFp8 = std::is_same<KV, uint8_t>::value;  // e4m3 / e5m2 codes
 
 // q (B, Hq, Lq, d), o (B, Hq, Lq, dv) of storage type T and the options.
 template <typename T, typename KV>
@@ -74,8 +77,9 @@ void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c) {
 template <typename T, typename KV>
 void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const py::array& v) {
   if (!has_dtype<KV>(k) || !has_dtype<KV>(v))
-    throw py::type_error(kInt8<KV> ? "an int8 cache takes float32 q and o, int8 k and v"
-                                   : "q, k, v, o must share one dtype");
+    throw py::type_error(kInt8<KV>  ? "an int8 cache takes float32 q and o, int8 k and v"
+                         : kFp8<KV> ? "fp8 rows take float32 q and o, uint8 codes k and v"
+                                    : "q, k, v, o must share one dtype");
   a.sk = strides4(k, "k");
   a.sv = strides4(v, "v");
   a.Hkv = k.shape(1);
@@ -99,6 +103,14 @@ void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const
     a.v_off = exact_array<float>(c.v_off, "v_off", {a.B, a.Hkv, a.R}, false);
     a.k8 = static_cast<const int8_t*>(k.data());
     a.v8 = static_cast<const int8_t*>(v.data());
+  } else if constexpr (kFp8<KV>) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("fp8 k and v need element stride 1 along d");
+    a.fp8 = c.fp8 == "e4m3" ? 1 : 2;
+    a.k_f8_scale = exact_array<float>(c.k_scale, "k_scale", {a.B, a.Hkv, a.R}, false);
+    a.v_f8_scale = exact_array<float>(c.v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
+    a.k_f8 = static_cast<const uint8_t*>(k.data());
+    a.v_f8 = static_cast<const uint8_t*>(v.data());
   } else {
     a.k = static_cast<const T*>(k.data());
     a.v = static_cast<const T*>(v.data());
@@ -237,9 +249,12 @@ void decode_t(const DecodeCall& c, bool paged) {
   DecodeArgs<T> a;
   bind_q_o<T, KV>(a, c);
   Pool<KV> pool;
-  if (paged) {
+  if constexpr (kFp8<KV>) {
+    if (paged) throw py::value_error("fp8 rows are read from slots only (no block_table)");
+  } else if (paged) {
     bind_pages<T, KV>(a, c, py::cast<py::list>(c.k), py::cast<py::list>(c.v), &pool);
-  } else {
+  }
+  if (!paged) {
     const auto k = py::cast<py::array>(c.k), v = py::cast<py::array>(c.v);
     bind_slots<T, KV>(a, c, k, v);
   }
@@ -271,6 +286,13 @@ void decode(const DecodeCall& c) {
     int8 = kl.size() > 0 && py::isinstance<py::array_t<int8_t>>(kl[0]);
   } else {
     int8 = py::isinstance<py::array_t<int8_t>>(c.k);
+  }
+  if (!c.fp8.empty()) {
+    if (c.fp8 != "e4m3" && c.fp8 != "e5m2")
+      throw py::value_error("fp8 must be 'e4m3' or 'e5m2', got '" + c.fp8 + "'");
+    if (!py::isinstance<py::array_t<float>>(c.q) || !py::isinstance<py::array_t<float>>(c.o))
+      throw py::type_error("fp8 rows take float32 q and o, uint8 codes k and v");
+    return decode_t<float, uint8_t>(c, paged);
   }
   if (int8) {
     if (!py::isinstance<py::array_t<float>>(c.q))
@@ -345,12 +367,13 @@ void def_decode(py::module_& m) {
       [](py::array q, py::object k, py::object v, py::array o, py::object lse, double scale,
          bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
          py::object kv_lens, py::object kv_start, int64_t split, py::object block_table,
-         py::object k_scale, py::object k_off, py::object v_scale, py::object v_off,
-         int64_t kgroup) {
+         py::object k_scale, py::object k_off, py::object v_scale, py::object v_off, int64_t kgroup,
+         std::string fp8) {
         decode(DecodeCall{q,       o,       k,        v,           lse,
                           scale,   causal,  top_left, window_left, window_right,
                           q_lens,  kv_lens, kv_start, split,       block_table,
-                          k_scale, k_off,   v_scale,  v_off,       kgroup});
+                          k_scale, k_off,   v_scale,  v_off,       kgroup,
+                          fp8});
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse") = py::none(),
       py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
@@ -359,11 +382,14 @@ void def_decode(py::module_& m) {
       py::arg("kv_start") = py::none(), py::arg("split") = 0, py::arg("block_table") = py::none(),
       py::arg("k_scale") = py::none(), py::arg("k_off") = py::none(),
       py::arg("v_scale") = py::none(), py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
+      py::arg("fp8") = "",
       "Split-KV decode kernel (scale required: its NaN default is refused). k, v: 4-D strided "
       "arrays (B, Hkv, R, d / dv), a ring of R slots "
       "with kv_start; or, with block_table (B, max_blocks), lists of pool chunks (chunk_blocks, "
       "Hkv, block_size, d / dv) read in place. int8 k / v (with k_scale, k_off, v_scale, v_off, "
-      "kgroup: arrays, or lists of chunks for a pool) read an int8 cache.");
+      "kgroup: arrays, or lists of chunks for a pool) read an int8 cache; uint8 k / v with "
+      "fp8='e4m3' or 'e5m2' and k_scale, v_scale (B, Hkv, R) read fp8 codes with a per-token "
+      "scale.");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

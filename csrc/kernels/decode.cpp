@@ -445,6 +445,10 @@ void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<Bf16DotEncod
 void decode_forward_f32(const DecodeArgs<float>& a) {
   if (a.k8 || a.k8_chunks)
     decode_impl<Int8Encoding>(a);
+  else if (a.fp8 == 1)
+    decode_impl<Fp8Encoding<Fp8E4M3>>(a);
+  else if (a.fp8 == 2)
+    decode_impl<Fp8Encoding<Fp8E5M2>>(a);
   else
     decode_impl<FloatEncoding<float>>(a);
 }

@@ -21,6 +21,7 @@
 //             Bf16DotEncoding    bf16 on the avx512_bf16 / neon_bf16 object:
 //                                Q K^T by the bf16 dot product on raw Q and K
 //             Int8Encoding       int8 codes with fp32 scales (KVCache int8)
+//             Fp8Encoding<F>     e4m3 / e5m2 codes with a per-token fp32 scale
 //   Prefetch  PrefetchPolicy<T, KV> (decode_rows.h).
 //
 // A new encoding is one traits block here (and its arrays in DecodeArgs):
@@ -288,6 +289,108 @@ struct Int8Encoding {
     prefetch_lines(pg.side.vs + slot, cols, l2);
     prefetch_lines(pg.side.vo + slot, cols, l2);
   }
+};
+
+// fp8 codes (e4m3 or e5m2 as uint8) with one fp32 scale per token and kv
+// head: x = decode(code) * scale, decode exact (every fp8 value is an fp32).
+// Rows are widened code by code (decode_fp8: integer field moves, no table);
+// the key scales multiply the block's scores (S = (Q . decode(K)) * ks), the
+// value scales its P V weights (P * vs). Slots layout only.
+struct Fp8E4M3 {
+  uint8_t bits;
+  static float decode(uint8_t b) {
+    const uint32_t s = uint32_t(b >> 7) << 31, e = (b >> 3) & 15u, m = b & 7u;
+    if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+    const uint32_t bits = e == 0 ? 0u : s | ((e + 120u) << 23) | (m << 20);
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return e == 0 ? (s ? -1.0f : 1.0f) * static_cast<float>(m) * 0x1p-9f : x;
+  }
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+  static float decode(uint8_t b) {
+    const uint32_t s = uint32_t(b >> 7) << 31, e = (b >> 2) & 31u, m = b & 3u;
+    const uint32_t bits = e == 31  ? s | 0x7f800000u | (m << 21)
+                          : e == 0 ? 0u
+                                   : s | ((e + 112u) << 23) | (m << 21);
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return e == 0 ? (s ? -1.0f : 1.0f) * static_cast<float>(m) * 0x1p-16f : x;
+  }
+};
+template <typename F>
+inline Vec<float>::R decode_fp8(const F* p) {
+  alignas(64) float t[Vec<float>::W];
+  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::decode(p[i].bits);
+  return Vec<float>::load(t);
+}
+inline Vec<float>::R ldv(const Fp8E4M3* p) { return decode_fp8(p); }
+inline Vec<float>::R ldv(const Fp8E5M2* p) { return decode_fp8(p); }
+inline float ld(const Fp8E4M3* p) { return Fp8E4M3::decode(p->bits); }
+inline float ld(const Fp8E5M2* p) { return Fp8E5M2::decode(p->bits); }
+
+struct Fp8Side {
+  const float* ks;  // (slots,) key / value scales
+  const float* vs;
+};
+template <typename F>
+struct Fp8Encoding {
+  using ST = float;
+  using KV = F;
+  using T = float;
+  using Side = Fp8Side;
+  using Pg = Page<KV, Side>;
+  using Sc = DScratch<float, KV>;
+  struct Blk {
+    const float* ks;  // the block's key / value scales, one per key
+    const float* vs;
+  };
+  static constexpr bool kPacks = false;  // element stride 1 (checked by the binding)
+
+  static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
+    const int64_t bh = b * a.Hkv + hk;
+    return {reinterpret_cast<const F*>(a.k_f8) + b * a.sk.b + hk * a.sk.h,
+            reinterpret_cast<const F*>(a.v_f8) + b * a.sv.b + hk * a.sv.h,
+            {a.k_f8_scale + bh * a.R, a.v_f8_scale + bh * a.R}};
+  }
+  static Pg page(const DecodeArgs<float>&, int64_t, int64_t, int64_t) {
+    return Pg{};  // no fp8 pool: the binding refuses a block_table with fp8 rows
+  }
+  static void load_q(const float* src, int64_t sd, int64_t d, int64_t dp, float scale, float* dst) {
+    FloatEncoding<float>::load_q(src, sd, d, dp, scale, dst);
+  }
+  static int64_t cut(const DecodeArgs<float>&, int64_t, int64_t cols) { return cols; }
+  static void begin(const DecodeArgs<float>&, const Sc&, const Pg&, int64_t, int, int64_t) {}
+  // Row pointers; the scales read in place unless the ring wraps inside the
+  // block (then copied in order).
+  static void rows(const DecodeArgs<float>& a, const Sc& sc, const Pg& pg, int64_t slot,
+                   int64_t cols, bool, bool, Blk* bk) {
+    const bool wraps = slot + cols > a.R;
+    bk->ks = wraps ? sc.pvs : pg.side.ks + slot;
+    bk->vs = wraps ? sc.pvo : pg.side.vs + slot;
+    for (int64_t c = 0; c < cols; ++c) {
+      sc.krow[c] = pg.k + slot * a.sk.l;
+      sc.vrow[c] = pg.v + slot * a.sv.l;
+      if (wraps) {
+        sc.pvs[c] = pg.side.ks[slot];
+        sc.pvo[c] = pg.side.vs[slot];
+      }
+      if (++slot == a.R) slot = 0;
+    }
+  }
+  static void qk(int nr, const Sc& sc, const Blk& bk, int64_t cols, int64_t d, int64_t dp, float,
+                 Pf* pf) {
+    qk_dispatch<float, KV>(nr, sc.Qs, dp, sc.krow, cols, d, sc.S, kBc, pf);
+    for (int r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.ks[c];
+  }
+  static void weight_v(int nr, const Sc& sc, const Blk& bk, int64_t cols, float*, int64_t,
+                       int64_t) {
+    for (int r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.vs[c];
+  }
+  static void prefetch_side(const DecodeArgs<float>&, const Pg&, int64_t, int64_t, bool) {}
 };
 
 // ---- layouts: the page holding key j of sequence b, the block cut at its

@@ -75,6 +75,7 @@ def decode(
     v_scale: np.ndarray | list[np.ndarray] | None = ...,
     v_off: np.ndarray | list[np.ndarray] | None = ...,
     kgroup: int = ...,
+    fp8: str = ...,
 ) -> None: ...
 def kv_quant_append(
     k: np.ndarray,
