@@ -200,9 +200,7 @@ class KVCache(KVStore):
         self._pos = np.zeros(B, dtype=np.int64)  # absolute position of the next token
         self._last_new = np.zeros(B, dtype=np.int64)  # per-sequence length of the last append
         self._last_L = 0  # chunk length of the last append
-        # (q's kind, shape, strides, scale) of the last attend whose checks passed, and the
-        # checked scale: a query with the same key needs none of them again (attend).
-        self._plan_key, self._plan_scale = None, 0.0
+        self._plan_key = None  # attend's fast path (KVStore._planned)
         self._append_key = None  # the same for append's k, v chunks
 
     def _alloc(self, cap):
@@ -536,28 +534,16 @@ class KVCache(KVStore):
         (out, lse). Rows that see no key get zeros and lse = -inf.
         """
         like = q
-        plain = q_lens is None and out is None and return_lse is False
-        fast = fast_view(q) if plain and (scale is None or type(scale) is float) else None
-        key = None if fast is None else (fast[1], fast[0].shape, fast[0].strides, scale)
-        if key is not None and key == self._plan_key:
-            # The query's checks and the scale's passed for this key; the
-            # stored lengths are checked below as on every call (_unseen).
-            q = fast[0]
-            ql = self._default_q_lens(q.shape[2])
+        fq, key = self._planned(q, scale, q_lens is None and out is None and return_lse is False)
+        if fq is not None:  # the stored lengths are checked as on every call
+            ql = self._default_q_lens(fq.shape[2])
             if not self._unseen(ql, self._n, self._pos, causal):
-                o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
-                if o.size:
-                    sc = self._plan_scale if scale is None else scale
-                    self._run(q, o, None, ql, sc, causal, None)
-                return to_input_kind(o, like)
+                return to_input_kind(self._run_planned(fq, ql, scale, causal, None), like)
         q = self._check_q(q)
         ql = self._default_q_lens(q.shape[2]) if q_lens is None else None
-        res, scale = self._attend(
-            q, like, scale, causal, q_lens, return_lse, out, self._n, self._pos, ql, None
+        return self._attend(
+            q, like, scale, causal, q_lens, return_lse, out, self._n, self._pos, ql, None, key
         )
-        if key is not None:
-            self._plan_key, self._plan_scale = key, scale
-        return res
 
     def _default_q_lens(self, Lq):
         """attend's q_lens when none is given: the last append's per-sequence lengths if q
@@ -586,7 +572,8 @@ class KVCache(KVStore):
             if kernel == _dispatch.DECODE:
                 # Split-KV decode kernel: reads the ring in place (logical key j of
                 # sequence b is slot (start[b] + j) mod capacity); the keywords
-                # MaskArgs(...).kernel_kwargs() would give, without the record.
+                # MaskArgs(...).kernel_kwargs() would give, without the record. The
+                # counters go uncopied: the kernel reads them only during the call.
                 _dispatch.decode_step(
                     q,
                     self._k,
@@ -597,8 +584,8 @@ class KVCache(KVStore):
                     causal=bool(causal),
                     window=(wl, -1),
                     q_lens=ql,
-                    kv_lens=n.copy(),
-                    kv_start=start.copy(),
+                    kv_lens=n,
+                    kv_start=start,
                 )
                 return
         mask = _dispatch.MaskArgs(

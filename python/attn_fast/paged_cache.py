@@ -105,7 +105,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from . import _dispatch
-from ._checks import check_int, dtype_name, half_result
+from ._checks import check_int, dtype_name, half_result, to_input_kind
 from ._kv_store import (
     CODED_NAMES,
     KGROUP,
@@ -656,9 +656,13 @@ class PagedKVCache(KVStore):
         """
         like = q
         ids, seqs = self._resolve(seq_ids)
-        q = check_query(
-            q, len(ids), self.num_kv_heads, self.head_dim, self.encoding, "seq_ids names"
-        )
+        B = len(ids)
+        fq, key = self._planned(q, scale, q_lens is None and out is None and return_lse is False)
+        if fq is not None and fq.shape[0] == B:
+            q = fq
+        else:
+            fq = None
+            q = check_query(q, B, self.num_kv_heads, self.head_dim, self.encoding, "seq_ids names")
         Lq = q.shape[2]
         n = np.array([self._stored(s) for s in seqs], dtype=np.int64)
         pos = np.array([s.n for s in seqs], dtype=np.int64)
@@ -667,9 +671,11 @@ class PagedKVCache(KVStore):
             if seqs and all(s.last_L == Lq for s in seqs):
                 ql = np.array([s.last_new for s in seqs], dtype=np.int64)
             else:
-                ql = np.full(len(ids), Lq, dtype=np.int64)
+                ql = np.full(B, Lq, dtype=np.int64)
         sel = (ids, seqs, n)
-        return self._attend(q, like, scale, causal, q_lens, return_lse, out, n, pos, ql, sel)[0]
+        if fq is not None and not self._unseen(ql, n, pos, causal):
+            return to_input_kind(self._run_planned(q, ql, scale, causal, sel), like)
+        return self._attend(q, like, scale, causal, q_lens, return_lse, out, n, pos, ql, sel, key)
 
     def _released(self, first):
         return f"their blocks before positions {first.tolist()} were released"
@@ -691,7 +697,7 @@ class PagedKVCache(KVStore):
         # first * bs for every key and query alike, which bottom-right masks ignore.
         _, seqs, n = sel
         wl = -1 if self.window is None else self.window - 1
-        mask = MaskArgs(causal=causal, q_lens=ql, kv_lens=n, window_left=wl)
+        mask = MaskArgs(causal=bool(causal), q_lens=ql, kv_lens=n, window_left=wl)
         kernel = _dispatch.choose_kernel(
             Lq=q.shape[2], Lk=int(n.max(initial=0)), mask=mask, keys=_dispatch.KEYS_PAGED
         )
