@@ -281,61 +281,6 @@ def encoding_for(dtype: Any) -> Encoding:
     )
 
 
-# ---------------------------------------------------------------- checks
-
-
-def check_chunk(x, name, B, H, dim, enc):
-    """A k / v chunk (B, H, L_new, dim) of enc's io_dtype, read as an array."""
-    x = as_float_array(x, name, half=True)
-    if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
-        raise ValueError(
-            f"{name} has shape {shape_str(x)}, expected "
-            f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
-            f" = ({B}, {H}, L_new, {dim})"
-        )
-    if x.dtype != enc.io_dtype:
-        raise enc.dtype_error(name, x)
-    return x
-
-
-def check_query(q, B, H_kv, d, enc, holds="the cache holds"):
-    """q (B, H_q, L_new, d) of enc's io_dtype with H_q a multiple of H_kv, read as an array.
-
-    holds: how the message names where the B sequences come from."""
-    q = as_float_array(q, "q", half=True)
-    if q.ndim != 4:
-        raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
-    Bq, Hq, Lq, dq = q.shape
-    if Bq != B:
-        raise ValueError(f"q has shape {shape_str(q)}: batch {Bq} but {holds} {B} sequences")
-    if dq != d:
-        raise ValueError(
-            f"q has shape {shape_str(q)}: head dim {dq} but the cache stores keys of dim {d}"
-        )
-    if Hq % H_kv != 0:
-        raise ValueError(
-            f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
-            f"of the cache's {H_kv} kv heads"
-        )
-    if q.dtype != enc.io_dtype:
-        raise enc.dtype_error("q", q)
-    return q
-
-
-def check_rope(rope, d):
-    if rope is not None and not isinstance(rope, RoPE):
-        raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
-    if rope is not None and rope.head_dim != d:
-        raise ValueError(f"rope must be a RoPE with head_dim {d}, got {rope!r}")
-
-
-def chunk_lengths(lengths, B, L):
-    """append's lengths= as (B,) int64 rows per sequence (L each by default)."""
-    if lengths is None:
-        return np.full(B, L, dtype=np.int64)
-    return check_seq_lens(lengths, "lengths", B, L)
-
-
 # ---------------------------------------------------------------- the shared base
 
 
@@ -357,6 +302,60 @@ class KVStore:
     def _set_encoding(self, dtype: Any) -> None:
         self.encoding = enc = encoding_for(dtype)
         self.dtype, self.io_dtype = enc.dtype, enc.io_dtype
+
+    def _check_chunk(self, x, name, B, dim):
+        """A k / v chunk (B, H_kv, L_new, dim) of io_dtype, read as an array."""
+        x = as_float_array(x, name, half=True)
+        H = self.num_kv_heads
+        if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
+            raise ValueError(
+                f"{name} has shape {shape_str(x)}, expected "
+                f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
+                f" = ({B}, {H}, L_new, {dim})"
+            )
+        if x.dtype != self.io_dtype:
+            raise self.encoding.dtype_error(name, x)
+        return x
+
+    def _check_append(self, k, v, B, lengths, rope):
+        """append's arguments checked: (k, v as arrays, (B,) int64 rows per sequence)."""
+        k = self._check_chunk(k, "k", B, self.head_dim)
+        v = self._check_chunk(v, "v", B, self.v_head_dim)
+        L = k.shape[2]
+        if v.shape[2] != L:
+            raise ValueError(
+                f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
+            )
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
+            raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
+        new = np.full(B, L, dtype=np.int64) if lengths is None else None
+        return k, v, check_seq_lens(lengths, "lengths", B, L) if new is None else new
+
+    def _check_query(self, q, B, holds="the cache holds"):
+        """q (B, H_q, L_new, d) of io_dtype with H_q a multiple of H_kv, read as an array.
+
+        holds: how the message names where the B sequences come from."""
+        q = as_float_array(q, "q", half=True)
+        if q.ndim != 4:
+            raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
+        Bq, Hq, Lq, dq = q.shape
+        if Bq != B:
+            raise ValueError(f"q has shape {shape_str(q)}: batch {Bq} but {holds} {B} sequences")
+        if dq != self.head_dim:
+            raise ValueError(
+                f"q has shape {shape_str(q)}: head dim {dq} but the cache stores keys of dim "
+                f"{self.head_dim}"
+            )
+        if Hq % self.num_kv_heads != 0:
+            raise ValueError(
+                f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
+                f"of the cache's {self.num_kv_heads} kv heads"
+            )
+        if q.dtype != self.io_dtype:
+            raise self.encoding.dtype_error("q", q)
+        return q
 
     def _unseen(self, ql, n, pos, causal):
         """0 when every valid query row's keys are stored; 1 when q_lens exceed the stored

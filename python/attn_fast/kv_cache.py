@@ -84,16 +84,7 @@ from ._checks import (
     shape_str,
     to_input_kind,
 )
-from ._kv_store import (
-    KGROUP,  # noqa: F401 (kv_cache.KGROUP: the int8 key group, as documented above)
-    KVStore,
-    LayerStack,
-    check_chunk,
-    check_query,
-    check_rope,
-    chunk_lengths,
-    huge_arrays,
-)
+from ._kv_store import KGROUP, KVStore, LayerStack, huge_arrays  # noqa: F401 (KGROUP)
 from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
@@ -294,12 +285,6 @@ class KVCache(KVStore):
         anchored = (self._pos - self._n) % new_cap
         self._start = anchored if enc.anchored else np.zeros_like(self._start)
 
-    def _check_chunk(self, x, name, dim):
-        return check_chunk(x, name, self.batch, self.num_kv_heads, dim, self.encoding)
-
-    def _check_q(self, q):
-        return check_query(q, self.batch, self.num_kv_heads, self.head_dim, self.encoding)
-
     def append(
         self,
         k: ArrayLike,
@@ -329,19 +314,14 @@ class KVCache(KVStore):
             if fk is not None and fv is not None:
                 key = (fk[1], fk[0].shape, fk[0].strides, fv[1], fv[0].shape, fv[0].strides)
         if key is not None and key == self._append_key:
-            k, v = fk[0], fv[0]  # chunks of a layout whose checks passed (attend's _plan_key)
+            # chunks of a layout whose checks passed (attend's _plan_key), whole, no RoPE
+            k, v = fk[0], fv[0]
+            new = np.full(self.batch, k.shape[2], dtype=np.int64)
         else:
-            k = self._check_chunk(k, "k", self.head_dim)
-            v = self._check_chunk(v, "v", self.v_head_dim)
-            if v.shape[2] != k.shape[2]:
-                raise ValueError(
-                    f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
-                )
+            k, v, new = self._check_append(k, v, self.batch, lengths, rope)
             if key is not None:
                 self._append_key = key
         L = k.shape[2]
-        new = chunk_lengths(lengths, self.batch, L)
-        check_rope(rope, self.head_dim)
         self._make_room(new)
         pos = None  # the positions of the rows to rotate (B, L_new)
         if rope is not None and rope.rotary_dim and L:
@@ -497,7 +477,7 @@ class KVCache(KVStore):
         q: ArrayLike,
         scale: float | None = None,
         causal: bool = True,
-        q_lens: ArrayLike | None = None,
+        q_lens: ArrayLike | int | None = None,
         return_lse: bool = False,
         out: Any = None,
     ) -> Any:
@@ -539,7 +519,7 @@ class KVCache(KVStore):
             ql = self._default_q_lens(fq.shape[2])
             if not self._unseen(ql, self._n, self._pos, causal):
                 return to_input_kind(self._run_planned(fq, ql, scale, causal, None), like)
-        q = self._check_q(q)
+        q = self._check_query(q, self.batch)
         ql = self._default_q_lens(q.shape[2]) if q_lens is None else None
         return self._attend(
             q, like, scale, causal, q_lens, return_lse, out, self._n, self._pos, ql, None, key
@@ -635,9 +615,9 @@ class KVCache(KVStore):
         sliding-window ring: a chunk longer than the ring's room is split.
         """
         like = q
-        q = self._check_q(q)
-        k = self._check_chunk(k, "k", self.head_dim)
-        v = self._check_chunk(v, "v", self.v_head_dim)
+        q = self._check_query(q, self.batch)
+        k = self._check_chunk(k, "k", self.batch, self.head_dim)
+        v = self._check_chunk(v, "v", self.batch, self.v_head_dim)
         # checked before anything is appended
         scale = check_scale(scale, self.head_dim, self.io_dtype)
         L = q.shape[2]

@@ -106,18 +106,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _dispatch
 from ._checks import check_int, dtype_name, half_result, to_input_kind
-from ._kv_store import (
-    CODED_NAMES,
-    KGROUP,
-    PLAIN_NAMES,
-    KVStore,
-    LayerStack,
-    check_chunk,
-    check_query,
-    check_rope,
-    chunk_lengths,
-    huge_arrays,
-)
+from ._kv_store import CODED_NAMES, KGROUP, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
 from .masks import MaskArgs
 from .positional import RoPE
 
@@ -519,14 +508,9 @@ class PagedKVCache(KVStore):
         On error nothing changes.
         """
         ids, seqs = self._resolve(seq_ids, unique=True)
-        B, H, enc = len(ids), self.num_kv_heads, self.encoding
-        k = check_chunk(k, "k", B, H, self.head_dim, enc)
-        v = check_chunk(v, "v", B, H, self.v_head_dim, enc)
+        enc = self.encoding
+        k, v, new = self._check_append(k, v, len(ids), lengths, rope)
         L = k.shape[2]
-        if v.shape[2] != L:
-            raise ValueError(f"k has shape {k.shape} but v has shape {v.shape}: lengths differ")
-        new = chunk_lengths(lengths, B, L)
-        check_rope(rope, self.head_dim)
         n_old = np.array([s.n for s in seqs], dtype=np.int64)
         enc.check_values(k, v, new)
         bs = self.block_size
@@ -617,7 +601,7 @@ class PagedKVCache(KVStore):
         q: ArrayLike,
         scale: float | None = None,
         causal: bool = True,
-        q_lens: ArrayLike | None = None,
+        q_lens: ArrayLike | int | None = None,
         return_lse: bool = False,
         out: Any = None,
     ) -> Any:
@@ -662,7 +646,7 @@ class PagedKVCache(KVStore):
             q = fq
         else:
             fq = None
-            q = check_query(q, B, self.num_kv_heads, self.head_dim, self.encoding, "seq_ids names")
+            q = self._check_query(q, B, "seq_ids names")
         Lq = q.shape[2]
         n = np.array([self._stored(s) for s in seqs], dtype=np.int64)
         pos = np.array([s.n for s in seqs], dtype=np.int64)
