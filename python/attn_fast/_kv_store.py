@@ -104,11 +104,12 @@ class Encoding:
     group = 1
     aux_rows: tuple[int, ...] = ()
     quantised = False  # chunks are encoded in C++ (write), with a staging tail
+    by_dtype = True  # dtype= may name it by its NumPy dtype (not bits standing in for a type)
     copyable = False  # the Cython copy loops (_cyloops.cache_write) take this dtype
 
-    def __init__(self, dtype: Any, names: tuple[str, ...] = ()) -> None:
+    def __init__(self, dtype: Any, names: tuple[str, ...] = (), by_dtype: bool = True) -> None:
         self.dtype = self.io_dtype = np.dtype(dtype)
-        self.names = names
+        self.names, self.by_dtype = names, by_dtype
         self.copyable = self.dtype.kind == "f" and self.dtype.itemsize >= 4
 
     def __repr__(self) -> str:
@@ -249,10 +250,10 @@ class Int8(Encoding):
 
 
 ENCODINGS: list[Encoding] = [
-    Encoding(np.float32),
-    Encoding(np.float64),
+    Encoding(np.float32, ("float32",)),  # names: torch.float32 too
+    Encoding(np.float64, ("float64",)),
     Encoding(F16, ("float16", "half", "fp16")),
-    Encoding(BF16, ("bfloat16", "bf16")),
+    Encoding(BF16, ("bfloat16", "bf16"), by_dtype=False),  # uint16 bits: bfloat16 by name
     Int8(),
 ]
 PLAIN_NAMES = ", ".join(dtype_name(e.dtype) for e in ENCODINGS if not e.quantised)
@@ -260,20 +261,18 @@ CODED_NAMES = ", ".join(dtype_name(e.dtype) for e in ENCODINGS if e.quantised)
 
 
 def encoding_for(dtype: Any) -> Encoding:
-    """The encoding of a cache's dtype=: a name, a NumPy / ml_dtypes / torch dtype.
-    TypeError naming the dtypes there are otherwise."""
-    name = str(dtype).replace("torch.", "")
-    for e in ENCODINGS:
-        if name in e.names:
-            return e
+    """The encoding of a cache's dtype=: one of an encoding's names, its NumPy dtype, or a
+    user-defined NumPy dtype of that name (ml_dtypes: bfloat16), or a torch dtype (by its
+    name). TypeError naming the dtypes there are otherwise."""
+    names = {str(dtype).replace("torch.", "")}
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt is not None and dt.name == "bfloat16":  # ml_dtypes.bfloat16
-        return encoding_for("bfloat16")
+    if dt is not None and dt.isbuiltin == 2:  # a user-defined type (ml_dtypes)
+        names.add(dt.name)
     for e in ENCODINGS:
-        if dt is not None and dt == e.dtype and dt != BF16:  # uint16: bfloat16 by name only
+        if names.intersection(e.names) or (e.by_dtype and dt is not None and dt == e.dtype):
             return e
     plain = PLAIN_NAMES.rsplit(", ", 1)
     raise TypeError(

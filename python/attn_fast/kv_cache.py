@@ -147,7 +147,7 @@ class KVCache(KVStore):
         the 16-bit dtypes; for int8 the codes, scales, offsets and the
         staging tail: capacity x (d + dv + 8 + 8 d / 64) + 256 d bytes per
         sequence and kv head). Storage of 2 MiB or more is one mapping on
-        transparent huge pages (Linux; ``_huge_arrays``), which reserves up
+        transparent huge pages (Linux; ``_kv_store.huge_arrays``), which reserves up
         to 2 MiB more address space than this, never touched.
     io_dtype : the dtype of chunks, queries and results (float32 for int8,
         else ``dtype``).
