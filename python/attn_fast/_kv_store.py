@@ -112,8 +112,13 @@ class Encoding:
         self.names, self.by_dtype = names, by_dtype
         self.copyable = self.dtype.kind == "f" and self.dtype.itemsize >= 4
 
+    @property
+    def label(self) -> str:
+        """The encoding's name in messages (its first dtype= spelling)."""
+        return self.names[0] if self.names else dtype_name(self.dtype)
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({dtype_name(self.dtype)})"
+        return f"{type(self).__name__}({self.label})"
 
     @property
     def anchored(self) -> bool:
@@ -256,8 +261,8 @@ ENCODINGS: list[Encoding] = [
     Encoding(BF16, ("bfloat16", "bf16"), by_dtype=False),  # uint16 bits: bfloat16 by name
     Int8(),
 ]
-PLAIN_NAMES = ", ".join(dtype_name(e.dtype) for e in ENCODINGS if not e.quantised)
-CODED_NAMES = ", ".join(dtype_name(e.dtype) for e in ENCODINGS if e.quantised)
+PLAIN_NAMES = ", ".join(e.label for e in ENCODINGS if not e.quantised)
+CODED_NAMES = ", ".join(e.label for e in ENCODINGS if e.quantised)
 
 
 def encoding_for(dtype: Any) -> Encoding:
