@@ -320,7 +320,7 @@ def test_huge_arrays_are_zeroed_aligned_views_of_one_mapping():
     asked); arrays that fill less than a huge page are plain separate np.zeros arrays."""
     import mmap
 
-    from attn_fast.kv_cache import _huge_arrays
+    from attn_fast._kv_store import huge_arrays as _huge_arrays
 
     specs = [((3, 5, 7), np.float32), ((1 << 20,), np.int8), ((4, 1 << 18), np.uint16)]
     arrays = _huge_arrays(specs)

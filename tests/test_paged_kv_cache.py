@@ -259,6 +259,42 @@ def test_torch_in_torch_out(rng):
     assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape == (1, 4, 1, d)
 
 
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
+def test_planned_attend_equals_the_checked_path(isa, rng, name):
+    """attend's fast path (a query of the layout, kind and scale the last checked call had:
+    KVStore._planned) gives the bits of the checked path, step after step, for any set of
+    sequences; a query of another batch, dtype or layout is checked again."""
+    dt = {"float32": F32, "bfloat16": ml_dtypes.bfloat16, "int8": F32}[name]
+    H, Hq, d = 2, 6, 16
+    caches = [af.PagedKVCache(H, d, dtype=name, block_size=64) for _ in range(2)]
+    ids = [[c.add_sequence() for _ in range(3)] for c in caches]
+    k = randn(rng, (3, H, 70, d), dt)
+    for c, i in zip(caches, ids):
+        c.append(i, k, k, lengths=[70, 5, 64])
+    for step in range(4):
+        k1, q = randn(rng, (3, H, 1, d), dt), randn(rng, (3, Hq, 1, d), dt)
+        sel = [0, 2] if step % 2 else [0, 1, 2]  # another set of sequences, the same layout
+        outs = []
+        for fast, c, i in zip((True, False), caches, ids):
+            c.append(i, k1, k1)
+            if not fast:
+                c._plan_key = None
+            outs.append(c.attend([i[j] for j in sel], q[sel[0] : sel[0] + len(sel)]))
+        # (ml_dtypes bfloat16 arrays are checked every call: fast_view takes NumPy float
+        # arrays and tensors)
+        assert (caches[0]._plan_key is not None) == (name != "bfloat16")
+        np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    c, i = caches[0], ids[0]
+    q = randn(rng, (2, Hq, 1, d), dt)
+    c.attend(i[:2], q)
+    with pytest.raises(ValueError, match="batch 2 but seq_ids names 3"):
+        c.attend(i, q)
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        c.attend(i[:2], q.astype(np.float64))
+    with pytest.raises(ValueError, match="head dim 8"):
+        c.attend(i[:2], np.ascontiguousarray(q[..., :8]))
+
+
 # ---------------------------------------------------------------- many sequences in one call
 
 

@@ -420,17 +420,19 @@ def check_int(x: Any, name: str, minimum: int | None = None, maximum: int | None
 def check_seq_lens(x: Any, name: str, B: int, upper: int | None = None) -> np.ndarray:
     """Per-sequence lengths: an int (the same for every sequence) or a (B,)
     integer array, as a fresh (B,) int64 array (aligned, native, contiguous:
-    the kernels read it raw) with every value in [0, upper].
+    the kernels read it raw) with every value in [0, upper]. The one validator
+    of per-sequence lengths (masks, the caches' q_lens / lengths / n).
 
     ArgumentTypeError (a TypeError and a ValueError) for a non-integer dtype
     (bool and float included), ValueError for a wrong shape or a value out of
-    range (uint64 values beyond int64 included), naming `name` and the shapes.
+    range (uint64 values beyond int64 included), naming `name`, the bound
+    broken and the shapes.
     """
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise ArgumentTypeError(
-            f"{name} must hold integers (an int, or one per sequence: shape ({B},)), "
-            f"got dtype {a.dtype}"
+            f"{name} must hold integers ({name} must be an int, or one per sequence: "
+            f"shape ({B},)), got dtype {a.dtype}"
         )
     if a.size and a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds values beyond int64, max {a.max()}")
@@ -442,8 +444,11 @@ def check_seq_lens(x: Any, name: str, B: int, upper: int | None = None) -> np.nd
         )
     a = a.astype(np.int64)  # a fresh copy
     if a.size and (a.min() < 0 or (upper is not None and a.max() > upper)):
-        where = "be >= 0" if upper is None else f"lie in [0, {upper}]"
-        raise ValueError(f"{name} must {where}, got values in [{a.min()}, {a.max()}]")
+        got = f"got values in [{a.min()}, {a.max()}]"
+        if upper is None:
+            raise ValueError(f"{name} must be >= 0, {got}")
+        broken = ">= 0" if a.min() < 0 else f"<= {upper}"
+        raise ValueError(f"{name} must lie in [0, {upper}], {got} ({name} must be {broken})")
     return a
 
 

@@ -64,208 +64,34 @@ and dequantises in registers.
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _core, _cyloops, _dispatch, _loops
+from . import _cyloops, _dispatch, _loops
 from ._checks import (
     BF16,
-    F16,
-    FLOAT_DTYPES,
-    HALF_DTYPES,
-    alias_safe,
     as_float_array,
     bf16_bits,
     check_int,
-    check_out,
     check_same_dtype,
     check_scale,
+    check_seq_lens,
     compute_dtype,
     dtype_name,
     fast_view,
-    from_float,
-    half_result,
     shape_str,
-    to_float,
     to_input_kind,
 )
+from ._kv_store import KGROUP, KVStore, LayerStack, huge_arrays  # noqa: F401 (KGROUP)
 from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 
-I8 = np.dtype(np.int8)
-KGROUP = 64  # positions per key quantisation group of an int8 cache (the decode key block)
-
-_HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, Linux)
-
-
-def _huge_arrays(specs: list[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
-    """Zero-filled C-contiguous arrays of the given (shape, dtype) specs, in order, each
-    starting on a 64-byte boundary: views of one private anonymous mapping whose start is
-    2 MiB-aligned and whose whole 2 MiB pages are advised for transparent huge pages
-    (MADV_HUGEPAGE), where the platform has it and the arrays fill at least one huge page;
-    else one np.zeros array per spec. A partly filled last huge page is left to 4 KiB pages,
-    so no memory beyond the arrays' own is touched.
-
-    Why: the caches' arrays are read by every decode step, and the int8 scales in small
-    strided pieces. NumPy advises huge pages only for allocations of 4 MiB or more and from
-    where its allocation starts (not 2 MiB-aligned), so the scale arrays of a cache stayed on
-    4 KiB pages: on AMD Zen 4 an int8 decode step took 0.93-0.95x the time with its arrays on
-    huge pages (contiguous cache), and a paged one about 1.0x the contiguous time instead of
-    1.05-1.09x (bench/notes_archive.md, zen4 step 10).
-    """
-    sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs]
-    offs, total = [], 0
-    for n in sizes:
-        offs.append(total)
-        total += -(-n // 64) * 64
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is None or total < _HUGE:
-        return [np.zeros(shape, dt) for shape, dt in specs]
-    # Anonymous and private (a shared mapping would be shmem, which THP leaves alone):
-    # zero-filled, page-aligned.
-    try:
-        m = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE)
-    except OSError as e:  # as NumPy's allocation failure would be
-        raise MemoryError(f"cannot allocate {total} bytes for the cache's arrays: {e}") from e
-    raw = np.frombuffer(m, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % _HUGE
-    try:
-        m.madvise(advise, start, total // _HUGE * _HUGE)
-    except OSError:  # a kernel without THP: the arrays still work on 4 KiB pages
-        pass
-    return [
-        raw[start + o : start + o + n].view(dt).reshape(shape)
-        for (shape, dt), o, n in zip(specs, offs, sizes)
-    ]
-
-
 # What choose_kernel reads of a cache's visibility record: causal / window / lengths,
 # never an element mask (the records _run builds all have that form).
 _CACHE_MASK = _dispatch.MaskArgs(causal=True)
-
-
-def _cache_dtype(dtype):
-    """The storage dtype for KVCache(dtype=...): float32, float64, float16, or BF16 (uint16 bits)
-    for bfloat16 (given as "bfloat16", ml_dtypes.bfloat16 or torch.bfloat16).
-
-    TypeError otherwise.
-    """
-    name = str(dtype).replace("torch.", "")
-    if name == "int8":
-        return I8
-    if name in ("bfloat16", "bf16"):
-        return BF16
-    if name in ("float16", "half", "fp16"):
-        return F16
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is not None and dt.name == "bfloat16":  # ml_dtypes.bfloat16
-        return BF16
-    if dt == I8:
-        return I8
-    if dt == F16:
-        return F16
-    if dt is None or dt not in FLOAT_DTYPES:
-        raise TypeError(
-            "dtype must be float32, float64, float16 or bfloat16 (or int8, quantised), "
-            f"got {dtype!r}"
-        )
-    return dt
-
-
-def _cast_hint(dt):
-    if dt == BF16:
-        return "x.to(torch.bfloat16) / x.astype(ml_dtypes.bfloat16)"
-    return f"x.to(torch.{dt.name}) / x.astype(np.{dt.name})"
-
-
-def _dtype_mismatch(name, x, dtype):
-    """The TypeError for a chunk or query `x` whose dtype is not the cache's `dtype`."""
-    return TypeError(
-        f"{name} has dtype {dtype_name(x.dtype)} "
-        f"but the cache stores {dtype_name(dtype)}; "
-        f"cast it first ({_cast_hint(dtype)})"
-    )
-
-
-def _cache_dtype_error(name, x, q8, dtype):
-    """The TypeError for a chunk or query `x` of the wrong dtype: an int8 cache
-    (q8) takes float32, any other cache its own storage `dtype`."""
-    if q8:
-        return TypeError(
-            f"{name} has dtype {dtype_name(x.dtype)} but an int8 cache takes float32 k, v "
-            "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
-        )
-    return _dtype_mismatch(name, x, dtype)
-
-
-def _check_chunk4(x, name, B, H, dim, io_dtype, dtype_error):
-    """A k / v chunk (B, H, L_new, dim) of io_dtype, read as an array (16-bit accepted).
-
-    dtype_error(name, x) makes the TypeError for another dtype."""
-    x = as_float_array(x, name, half=True)
-    if x.ndim != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != dim:
-        raise ValueError(
-            f"{name} has shape {shape_str(x)}, expected "
-            f"(batch, num_kv_heads, L_new, {'d' if name == 'k' else 'dv'})"
-            f" = ({B}, {H}, L_new, {dim})"
-        )
-    if x.dtype != io_dtype:
-        raise dtype_error(name, x)
-    return x
-
-
-def _check_query(q, B, H_kv, d, io_dtype, dtype_error, holds="the cache holds"):
-    """q (B, H_q, L_new, d) of io_dtype with H_q a multiple of H_kv, read as an array.
-
-    holds: how the message names where the B sequences come from."""
-    q = as_float_array(q, "q", half=True)
-    if q.ndim != 4:
-        raise ValueError(f"q must be (B, H_q, L_new, d), got shape {shape_str(q)}")
-    Bq, Hq, Lq, dq = q.shape
-    if Bq != B:
-        raise ValueError(f"q has shape {shape_str(q)}: batch {Bq} but {holds} {B} sequences")
-    if dq != d:
-        raise ValueError(
-            f"q has shape {shape_str(q)}: head dim {dq} but the cache stores keys of dim {d}"
-        )
-    if Hq % H_kv != 0:
-        raise ValueError(
-            f"q has shape {shape_str(q)}: {Hq} heads is not a multiple "
-            f"of the cache's {H_kv} kv heads"
-        )
-    if q.dtype != io_dtype:
-        raise dtype_error("q", q)
-    return q
-
-
-def _per_seq(x, B, name, upper=None):
-    """An int or (B,) int array -> (B,) int64 array, checked to lie in [0, upper]."""
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(
-            f"{name} must be an int or an integer array of shape ({B},), got dtype {arr.dtype}"
-        )
-    if arr.size and arr.max() > np.iinfo(np.int64).max:  # uint64
-        raise ValueError(f"{name} holds values beyond int64, max {arr.max()}")
-    if arr.ndim == 0:
-        arr = np.full(B, int(arr), dtype=np.int64)
-    elif arr.shape != (B,):
-        raise ValueError(
-            f"{name} must be an int or have shape ({B},) (one per sequence), got shape {arr.shape}"
-        )
-    arr = arr.astype(np.int64)
-    if (arr < 0).any():
-        raise ValueError(f"{name} must be >= 0, got {arr.tolist()}")
-    if upper is not None and (arr > upper).any():
-        raise ValueError(f"{name} must be <= {upper}, got {arr.tolist()}")
-    return arr
 
 
 def _write_numpy(buf, x, first, count):
@@ -287,7 +113,7 @@ def _write_numpy(buf, x, first, count):
             buf[b, :, : c - n1] = x[b, :, n1:c]
 
 
-class KVCache:
+class KVCache(KVStore):
     """Preallocated key/value storage for one attention layer.
 
     Parameters
@@ -321,7 +147,7 @@ class KVCache:
         the 16-bit dtypes; for int8 the codes, scales, offsets and the
         staging tail: capacity x (d + dv + 8 + 8 d / 64) + 256 d bytes per
         sequence and kv head). Storage of 2 MiB or more is one mapping on
-        transparent huge pages (Linux; ``_huge_arrays``), which reserves up
+        transparent huge pages (Linux; ``_kv_store.huge_arrays``), which reserves up
         to 2 MiB more address space than this, never touched.
     io_dtype : the dtype of chunks, queries and results (float32 for int8,
         else ``dtype``).
@@ -345,10 +171,7 @@ class KVCache:
         self.v_head_dim = (
             self.head_dim if v_head_dim is None else check_int(v_head_dim, "v_head_dim", 1)
         )
-        self.dtype = _cache_dtype(dtype)
-        self._half = self.dtype in HALF_DTYPES
-        self._q8 = self.dtype == I8
-        self.io_dtype = np.dtype(np.float32) if self._q8 else self.dtype
+        self._set_encoding(dtype)
         self.growable = bool(growable)
         self.window = None if window is None else check_int(window, "window", 1)
         if self.window is None:
@@ -359,32 +182,28 @@ class KVCache:
             cap = 2 * self.window if ring is None else check_int(ring, "ring", 1)
             if cap < self.window:
                 raise ValueError(f"ring ({cap}) must be >= window ({self.window})")
-        if self._q8:
-            cap = -(-cap // KGROUP) * KGROUP
         B, H = self.batch, self.num_kv_heads
-        self._alloc(cap)
-        if self._q8:  # the staging tail: float32 keys of the group being filled
-            self._stage = np.zeros((B, H, KGROUP, self.head_dim), dtype=np.float32)
-            self._stage_grp = np.full(B, -1, dtype=np.int64)
+        self._alloc(self.encoding.round_slots(cap))
+        # a quantised encoding's staging tail: the float32 keys of the group being filled
+        self._stage, self._stage_grp = self.encoding.stage((B, H), self.head_dim)
         self._start = np.zeros(B, dtype=np.int64)  # ring slot of the oldest stored key
         self._n = np.zeros(B, dtype=np.int64)  # stored keys
         self._pos = np.zeros(B, dtype=np.int64)  # absolute position of the next token
         self._last_new = np.zeros(B, dtype=np.int64)  # per-sequence length of the last append
         self._last_L = 0  # chunk length of the last append
-        # (q's kind, shape, strides, scale) of the last attend whose checks passed, and the
-        # checked scale: a query with the same key needs none of them again (attend).
-        self._plan_key, self._plan_scale = None, 0.0
+        self._plan_key = None  # attend's fast path (KVStore._planned)
         self._append_key = None  # the same for append's k, v chunks
 
     def _alloc(self, cap):
-        """Fresh storage of cap slots per sequence (the arrays only; counters untouched)."""
-        B, H, d, dv = self.batch, self.num_kv_heads, self.head_dim, self.v_head_dim
-        specs = [((B, H, cap, d), self.dtype), ((B, H, cap, dv), self.dtype)]
-        if self._q8:  # codes x = code * scale + off: keys per (group, channel), values per slot
-            specs += [((B, H, cap // KGROUP, d), np.float32)] * 2 + [((B, H, cap), np.float32)] * 2
-            self._k, self._v, self._ks, self._ko, self._vs, self._vo = _huge_arrays(specs)
-        else:
-            self._k, self._v = _huge_arrays(specs)
+        """Fresh storage of cap slots per sequence (the arrays only; counters untouched):
+        K, V and the encoding's aux arrays, (B, H_kv, cap, ...) each."""
+        lead, d, dv = (self.batch, self.num_kv_heads), self.head_dim, self.v_head_dim
+        specs = [(lead + (cap, d), self.dtype), (lead + (cap, dv), self.dtype)]
+        self._k, self._v, *aux = huge_arrays(specs + self.encoding.aux_specs(lead, cap, d, dv))
+        self._aux = tuple(aux)
+
+    def _arrays(self, q):
+        return (q, self._k, self._v, *self._aux)
 
     # ---- state -------------------------------------------------------------
     @property
@@ -401,10 +220,8 @@ class KVCache:
 
     @property
     def nbytes(self):
-        n = self._k.nbytes + self._v.nbytes
-        if self._q8:
-            n += sum(a.nbytes for a in (self._ks, self._ko, self._vs, self._vo, self._stage))
-        return n
+        stage = 0 if self._stage is None else self._stage.nbytes
+        return sum(a.nbytes for a in (self._k, self._v, *self._aux)) + stage
 
     def __len__(self):
         """Tokens appended so far (the longest sequence's, for ragged batches)."""
@@ -427,80 +244,46 @@ class KVCache:
         self._pos[:] = 0
         self._last_new[:] = 0
         self._last_L = 0
-        if self._q8:
+        if self._stage_grp is not None:
             self._stage_grp[:] = -1
 
     def keys(self, b: int) -> np.ndarray:
         """Stored keys of sequence b in position order, (H_kv, lengths[b], d) (a copy if the
         ring wraps); bfloat16 as an ``ml_dtypes.bfloat16`` array when ml_dtypes is importable,
         else its uint16 bits; int8: the dequantised float32 keys (what ``attend`` reads)."""
-        if self._q8:
-            slots = self._slots(b)
-            g = slots // KGROUP
-            return self._k[b][:, slots].astype(np.float32) * self._ks[b][:, g] + self._ko[b][:, g]
-        return half_result(self._gather(self._k, b))
+        return self._decoded("k", self._k[b], tuple(a[b] for a in self._aux), self._rows(b))
 
     def values(self, b: int) -> np.ndarray:
         """Stored values of sequence b in position order, (H_kv, lengths[b], dv) (bfloat16 as
         for keys; int8: the dequantised float32 values)."""
-        if self._q8:
-            slots = self._slots(b)
-            vs, vo = self._vs[b][:, slots, None], self._vo[b][:, slots, None]
-            return self._v[b][:, slots].astype(np.float32) * vs + vo
-        return half_result(self._gather(self._v, b))
+        return self._decoded("v", self._v[b], tuple(a[b] for a in self._aux), self._rows(b))
 
-    def _slots(self, b):
-        """Slots of sequence b's stored keys in position order (int8: position p, slot p mod R)."""
-        return (int(self._start[b]) + np.arange(int(self._n[b]))) % self.capacity
-
-    def _gather(self, buf, b):
+    def _rows(self, b):
+        """Slots of sequence b's stored keys in position order: a slice unless the ring wraps."""
         s, n, R = int(self._start[b]), int(self._n[b]), self.capacity
-        if s + n <= R:
-            return buf[b, :, s : s + n]
-        return np.concatenate([buf[b, :, s:], buf[b, :, : s + n - R]], axis=1)
+        return slice(s, s + n) if s + n <= R else (s + np.arange(n)) % R
 
     # ---- writing ---------------------------------------------------------------
     def _resize(self, new_cap):
-        """Reallocate to new_cap slots per sequence, keys in order from slot 0 (int8: position p
-        in slot p mod new_cap, new_cap rounded up to a multiple of KGROUP)."""
-        if self._q8:
-            return self._resize_q8(-(-new_cap // KGROUP) * KGROUP)
-        B, H = self.batch, self.num_kv_heads
-        k, v = _huge_arrays(
-            [
-                ((B, H, new_cap, self.head_dim), self.dtype),
-                ((B, H, new_cap, self.v_head_dim), self.dtype),
-            ]
-        )
-        for b in range(B):
-            n = int(self._n[b])
-            k[b, :, :n] = self._gather(self._k, b)
-            v[b, :, :n] = self._gather(self._v, b)
-        self._k, self._v = k, v
-        self._start[:] = 0
-
-    def _resize_q8(self, new_cap):
-        old = {a: getattr(self, a) for a in ("_k", "_v", "_ks", "_ko", "_vs", "_vo")}
-        R = self.capacity
+        """Reallocate to new_cap slots per sequence (rounded up to the encoding's group):
+        keys in order from slot 0, or position p in slot p mod new_cap (anchored encodings)."""
+        enc, R = self.encoding, self.capacity
+        new_cap = enc.round_slots(new_cap)
+        old = (self._k, self._v, *self._aux)
         self._alloc(new_cap)
         for b in range(self.batch):
             n, pos = int(self._n[b]), int(self._pos[b])
             p = np.arange(pos - n, pos)
-            so, sn = p % R, p % new_cap
-            for a in ("_k", "_v", "_vs", "_vo"):
-                getattr(self, a)[b][:, sn] = old[a][b][:, so]
-            g = np.unique(p // KGROUP) * KGROUP  # the groups' first positions
-            for a in ("_ks", "_ko"):
-                getattr(self, a)[b][:, (g % new_cap) // KGROUP] = old[a][b][:, (g % R) // KGROUP]
-        self._start = (self._pos - self._n) % new_cap
-
-    def _dtype_error(self, name, x):
-        return _cache_dtype_error(name, x, self._q8, self.dtype)
-
-    def _check_chunk(self, x, name, dim):
-        return _check_chunk4(
-            x, name, self.batch, self.num_kv_heads, dim, self.io_dtype, self._dtype_error
-        )
+            so = (int(self._start[b]) + np.arange(n)) % R  # = p mod R when anchored
+            sn = p % new_cap if enc.anchored else np.arange(n)
+            for a_old, a_new, r in zip(old, (self._k, self._v, *self._aux), (1, 1, *enc.aux_rows)):
+                if r == 1:
+                    a_new[b][:, sn] = a_old[b][:, so]
+                else:  # one entry per group of r positions: move the groups' first positions
+                    g = np.unique(p // r) * r
+                    a_new[b][:, (g % new_cap) // r] = a_old[b][:, (g % R) // r]
+        anchored = (self._pos - self._n) % new_cap
+        self._start = anchored if enc.anchored else np.zeros_like(self._start)
 
     def append(
         self,
@@ -531,26 +314,27 @@ class KVCache:
             if fk is not None and fv is not None:
                 key = (fk[1], fk[0].shape, fk[0].strides, fv[1], fv[0].shape, fv[0].strides)
         if key is not None and key == self._append_key:
-            k, v = fk[0], fv[0]  # chunks of a layout whose checks passed (attend's _plan_key)
+            # chunks of a layout whose checks passed (attend's _plan_key), whole, no RoPE
+            k, v = fk[0], fv[0]
+            new = np.full(self.batch, k.shape[2], dtype=np.int64)
         else:
-            k = self._check_chunk(k, "k", self.head_dim)
-            v = self._check_chunk(v, "v", self.v_head_dim)
-            if v.shape[2] != k.shape[2]:
-                raise ValueError(
-                    f"k has shape {shape_str(k)} but v has shape {shape_str(v)}: lengths differ"
-                )
+            k, v, new = self._check_append(k, v, self.batch, lengths, rope)
             if key is not None:
                 self._append_key = key
         L = k.shape[2]
-        new = (
-            np.full(self.batch, L, dtype=np.int64)
-            if lengths is None
-            else _per_seq(lengths, self.batch, "lengths", L)
-        )
-        if rope is not None and not isinstance(rope, RoPE):
-            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
-        if rope is not None and rope.head_dim != self.head_dim:
-            raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
+        self._make_room(new)
+        pos = None  # the positions of the rows to rotate (B, L_new)
+        if rope is not None and rope.rotary_dim and L:
+            pos = self._pos[:, None] + np.arange(L, dtype=np.int64)
+        if self.encoding.quantised:
+            self._append_coded(k, v, new, rope, pos)
+        else:
+            self._append_plain(k, v, new, rope, pos)
+        self._last_new = new
+        self._last_L = L
+
+    def _make_room(self, new):
+        """Grow the storage (or raise) so that new[b] more rows fit each sequence."""
         R = self.capacity
         if self.window is None:
             need = int((self._n + new).max())
@@ -558,8 +342,7 @@ class KVCache:
                 if not self.growable:
                     raise ValueError(
                         f"appending {new.tolist()} tokens to lengths {self._n.tolist()} "
-                        f"exceeds the fixed capacity {R}"
-                        " (growable=False)"
+                        f"exceeds the fixed capacity {R} (growable=False)"
                     )
                 self._resize(max(2 * R, need))
         else:
@@ -569,51 +352,42 @@ class KVCache:
                 if not self.growable:
                     raise ValueError(
                         f"a chunk of {big} tokens does not fit the ring of {R} slots "
-                        f"with window {self.window}"
-                        f" (at most ring - window + 1 = {room} per append; "
-                        "use forward() or smaller chunks,"
-                        " or growable=True)"
+                        f"with window {self.window} (at most ring - window + 1 = {room} per "
+                        "append; use forward() or smaller chunks, or growable=True)"
                     )
                 self._resize(self.window - 1 + big)
-        R = self.capacity
+
+    def _append_plain(self, k, v, new, rope, pos):
+        """append() for plain storage: copy rows (RoPE fused into the Cython copy)."""
+        R, enc = self.capacity, self.encoding
         first = (self._start + self._n) % R  # first slot to write, per sequence
-        if self._q8:
-            self._append_q8(k, v, new, rope)
-            return
+        cython = _loops.USE_CYTHON and enc.copyable  # the Cython copy is float32/float64 only
+
+        def copy(buf, x):
+            if cython:
+                _cyloops.cache_write(buf, x, first, new, num_threads=_loops.threads())
+            else:
+                _write_numpy(buf, x, first, new)
+
         try:
-            if rope is not None and rope.rotary_dim and L and self._half:
-                pos = self._pos[:, None] + np.arange(L)
-                rk = rope(to_float(k, np.float32), positions=pos, seq_axis=-2)
-                _write_numpy(self._k, from_float(rk, self.dtype), first, new)
-            elif rope is not None and rope.rotary_dim and L:
-                if _loops.USE_CYTHON:
-                    # Row t of sequence b is at position pos[b] + t; beyond RoPE's cached
-                    # table the rows are computed for these B x L positions only.
-                    c, s, idx = rope._rows(
-                        self._pos[:, None] + np.arange(L, dtype=np.int64), self.dtype
-                    )
-                    _cyloops.cache_write(
-                        self._k,
-                        k,
-                        first,
-                        new,
-                        c,
-                        s,
-                        np.ascontiguousarray(idx[:, 0]),
-                        rope.interleaved,
-                        num_threads=_loops.threads(),
-                    )
-                else:
-                    pos = self._pos[:, None] + np.arange(L)
-                    _write_numpy(self._k, rope(k, positions=pos, seq_axis=-2), first, new)
-            elif _loops.USE_CYTHON and not self._half:  # the Cython copy is float32/float64 only
-                _cyloops.cache_write(self._k, k, first, new, num_threads=_loops.threads())
+            if pos is not None and cython:
+                # Row t of sequence b is at position pos[b] + t; beyond RoPE's cached
+                # table the rows are computed for these B x L positions only.
+                c, s, idx = rope._rows(pos, self.dtype)
+                _cyloops.cache_write(
+                    self._k,
+                    k,
+                    first,
+                    new,
+                    c,
+                    s,
+                    np.ascontiguousarray(idx[:, 0]),
+                    rope.interleaved,
+                    num_threads=_loops.threads(),
+                )
             else:
-                _write_numpy(self._k, k, first, new)
-            if _loops.USE_CYTHON and not self._half:
-                _cyloops.cache_write(self._v, v, first, new, num_threads=_loops.threads())
-            else:
-                _write_numpy(self._v, v, first, new)
+                copy(self._k, k if pos is None else enc.rotate(k, rope, pos))
+            copy(self._v, v)
         except KeyboardInterrupt:
             # Ctrl-C inside the copy (the Cython loops check for it between chunks):
             # the counters still say the chunk is not stored. Only a full ring may
@@ -622,41 +396,37 @@ class KVCache:
             self._start = (self._start + over) % R
             self._n = self._n - over
             raise
-        n_new = np.minimum(R, self._n + new)
-        self._start = (self._start + self._n + new - n_new) % R
-        self._n = n_new
-        self._pos += new
-        self._last_new = new
-        self._last_L = L
+        self._advance(new)
 
-    def _append_q8(self, k, v, new, rope):
-        """append() for an int8 cache: quantise in C++ (positions p -> slot p mod R)."""
-        L = k.shape[2]
-        if rope is not None and rope.rotary_dim and L:
-            k = rope(k, positions=self._pos[:, None] + np.arange(L), seq_axis=-2)
-            k = np.asarray(k, dtype=np.float32)
+    def _append_coded(self, k, v, new, rope, pos):
+        """append() for a quantised encoding: encode in C++ (position p -> slot p mod R)."""
+        enc = self.encoding
+        if pos is not None:
+            k = enc.rotate(k, rope, pos)
         n_new = np.minimum(self.capacity, self._n + new)
-        _core.kv_quant_append(
+        first = self._pos - self._n
+        last = self._pos + new - n_new
+        enc.write(
             k,
             v,
             self._k,
             self._v,
-            self._ks,
-            self._ko,
-            self._vs,
-            self._vo,
+            self._aux,
             self._stage,
             self._stage_grp,
-            pos0=self._pos.copy(),
-            count=new,
-            first_before=self._pos - self._n,
-            first_after=self._pos + new - n_new,
+            self._pos.copy(),
+            new,
+            first,
+            last,
         )
-        self._start = (self._pos + new - n_new) % self.capacity
+        self._advance(new)
+
+    def _advance(self, new):
+        """The counters after new[b] rows were stored (the oldest leave a full ring)."""
+        n_new = np.minimum(self.capacity, self._n + new)
+        self._start = (self._start + self._n + new - n_new) % self.capacity
         self._n = n_new
         self._pos = self._pos + new
-        self._last_new = new
-        self._last_L = L
 
     def truncate(self, n: ArrayLike | int) -> None:
         """Roll back to n tokens (int, or (B,) ints): drop every position >= n.
@@ -666,7 +436,7 @@ class KVCache:
         most ``ring - window`` tokens after the ring filled). On error nothing
         changes.
         """
-        n = _per_seq(n, self.batch, "n")
+        n = check_seq_lens(n, "n", self.batch)
         if (n > self._pos).any():
             raise ValueError(
                 f"cannot truncate to {n.tolist()}: beyond the current lengths {self._pos.tolist()}"
@@ -688,7 +458,7 @@ class KVCache:
                 )
         self._n = keep
         self._pos = n.copy()
-        if self._q8:  # position p stays in slot p mod R
+        if self.encoding.anchored:  # position p stays in slot p mod R
             self._start = (n - keep) % self.capacity
         else:
             self._start = np.where(keep == 0, 0, self._start)
@@ -696,9 +466,10 @@ class KVCache:
         self._last_L = 0
 
     # ---- reading ---------------------------------------------------------------
-    def _check_q(self, q):
-        return _check_query(
-            q, self.batch, self.num_kv_heads, self.head_dim, self.io_dtype, self._dtype_error
+    def _released(self, first):
+        return (
+            f"the ring of {self.capacity} slots (a larger one: ring=) holds only positions "
+            f"from {first.tolist()} on"
         )
 
     def attend(
@@ -706,7 +477,7 @@ class KVCache:
         q: ArrayLike,
         scale: float | None = None,
         causal: bool = True,
-        q_lens: ArrayLike | None = None,
+        q_lens: ArrayLike | int | None = None,
         return_lse: bool = False,
         out: Any = None,
     ) -> Any:
@@ -743,63 +514,16 @@ class KVCache:
         (out, lse). Rows that see no key get zeros and lse = -inf.
         """
         like = q
-        plain = q_lens is None and out is None and return_lse is False
-        fast = fast_view(q) if plain and (scale is None or type(scale) is float) else None
-        key = None if fast is None else (fast[1], fast[0].shape, fast[0].strides, scale)
-        if key is not None and key == self._plan_key:
-            # The query's checks and the scale's passed for this key; the
-            # stored lengths are checked below as on every call (_lengths_ok).
-            q = fast[0]
-            ql = self._default_q_lens(q.shape[2])
-            if self._lengths_ok(ql, causal):
-                o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
-                if o.size:
-                    sc = self._plan_scale if scale is None else scale
-                    self._run(q, o, None, ql, sc, causal)
-                return to_input_kind(o, like)
-        q = self._check_q(q)
-        B, Hq, Lq, d = q.shape
-        if q_lens is None:
-            ql = self._default_q_lens(Lq)
-        else:
-            ql = _per_seq(q_lens, B, "q_lens", Lq)
-        if (ql > self._n).any() and causal:
-            raise ValueError(
-                f"q_lens {ql.tolist()} exceed the stored lengths {self._n.tolist()}: "
-                "append the chunk first"
-            )
-        if self.window is not None:
-            # The first query row of sequence b sits at position pos - ql and sees
-            # keys from pos - ql - (window - 1): the ring must still hold them.
-            # Causal or not (causal=False only lifts the right side).
-            first_needed = np.maximum(0, self._pos - ql - (self.window - 1))
-            lost = (ql > 0) & (first_needed < self._pos - self._n)
-            if lost.any():
-                raise ValueError(
-                    f"q_lens {ql.tolist()} reach back to positions {first_needed.tolist()}, "
-                    "but the ring of "
-                    f"{self.capacity} slots holds only positions from "
-                    f"{(self._pos - self._n).tolist()} on "
-                    f"(window {self.window}); attend right after appending the chunk, "
-                    "or use a larger ring"
-                )
-        scale = check_scale(scale, d, self.io_dtype)
-        if key is not None:
-            self._plan_key, self._plan_scale = key, scale
-        shape = (B, Hq, Lq, self.v_head_dim)
-        target = None  # the caller's out when it shares memory with q or the storage
-        if out is None:
-            o = np.empty(shape, dtype=self.io_dtype)
-        else:
-            o, target = alias_safe(check_out(out, shape, self.io_dtype), q, self._k, self._v)
-        lse = np.empty((B, Hq, Lq), dtype=compute_dtype(self.io_dtype)) if return_lse else None
-        if o.size or (lse is not None and lse.size):
-            self._run(q, o, lse, ql, scale, causal)
-        if target is not None:
-            target[...] = o
-        if out is not None:  # the caller's own object back (ndarray or tensor)
-            return (out, to_input_kind(lse, like)) if return_lse else out
-        return to_input_kind((o, lse) if return_lse else o, like)
+        fq, key = self._planned(q, scale, q_lens is None and out is None and return_lse is False)
+        if fq is not None:  # the stored lengths are checked as on every call
+            ql = self._default_q_lens(fq.shape[2])
+            if not self._unseen(ql, self._n, self._pos, causal):
+                return to_input_kind(self._run_planned(fq, ql, scale, causal, None), like)
+        q = self._check_query(q, self.batch)
+        ql = self._default_q_lens(q.shape[2]) if q_lens is None else None
+        return self._attend(
+            q, like, scale, causal, q_lens, return_lse, out, self._n, self._pos, ql, None, key
+        )
 
     def _default_q_lens(self, Lq):
         """attend's q_lens when none is given: the last append's per-sequence lengths if q
@@ -808,21 +532,10 @@ class KVCache:
             return self._last_new.copy()
         return np.full(self.batch, Lq, dtype=np.int64)
 
-    def _lengths_ok(self, ql, causal):
-        """Whether every query row's keys are still stored (what attend raises about)."""
-        if self.batch == 1 and self.window is None:  # the same test on Python ints (cheaper)
-            return not causal or int(ql[0]) <= int(self._n[0])
-        if causal and (ql > self._n).any():
-            return False
-        if self.window is not None:
-            first_needed = np.maximum(0, self._pos - ql - (self.window - 1))
-            if ((ql > 0) & (first_needed < self._pos - self._n)).any():
-                return False
-        return True
-
-    def _run(self, q, o, lse, ql, scale, causal):
+    def _run(self, q, o, lse, ql, scale, causal, sel):
         wl = -1 if self.window is None else self.window - 1
-        if not self._q8:
+        quant = self._aux and self.encoding.quant_args(self._aux)  # what the kernel reads
+        if not quant:
             start, n = self._start, self._n
             if self.batch == 1:  # the same tests on Python ints (cheaper)
                 maxn = int(n[0])
@@ -839,7 +552,8 @@ class KVCache:
             if kernel == _dispatch.DECODE:
                 # Split-KV decode kernel: reads the ring in place (logical key j of
                 # sequence b is slot (start[b] + j) mod capacity); the keywords
-                # MaskArgs(...).kernel_kwargs() would give, without the record.
+                # MaskArgs(...).kernel_kwargs() would give, without the record. The
+                # counters go uncopied: the kernel reads them only during the call.
                 _dispatch.decode_step(
                     q,
                     self._k,
@@ -850,8 +564,8 @@ class KVCache:
                     causal=bool(causal),
                     window=(wl, -1),
                     q_lens=ql,
-                    kv_lens=n.copy(),
-                    kv_start=start.copy(),
+                    kv_lens=n,
+                    kv_start=start,
                 )
                 return
         mask = _dispatch.MaskArgs(
@@ -860,8 +574,7 @@ class KVCache:
             kv_lens=self._n.copy(),
             window_left=wl,
         )
-        if self._q8:  # every chunk length: the split-KV kernel reads the codes in place
-            quant = _dispatch.QuantArgs(self._ks, self._ko, self._vs, self._vo, KGROUP)
+        if quant:  # every chunk length: the split-KV kernel reads the codes in place
             kernel = _dispatch.choose_kernel(
                 Lq=q.shape[2], Lk=int(self._n.max()), mask=mask, keys=_dispatch.KEYS_CODES
             )
@@ -902,12 +615,11 @@ class KVCache:
         sliding-window ring: a chunk longer than the ring's room is split.
         """
         like = q
-        q = self._check_q(q)
-        k = self._check_chunk(k, "k", self.head_dim)
-        v = self._check_chunk(v, "v", self.v_head_dim)
-        scale = check_scale(
-            scale, self.head_dim, self.io_dtype
-        )  # checked before anything is appended
+        q = self._check_query(q, self.batch)
+        k = self._check_chunk(k, "k", self.batch, self.head_dim)
+        v = self._check_chunk(v, "v", self.batch, self.v_head_dim)
+        # checked before anything is appended
+        scale = check_scale(scale, self.head_dim, self.io_dtype)
         L = q.shape[2]
         if k.shape[2] != L or v.shape[2] != L:
             raise ValueError(
@@ -917,9 +629,8 @@ class KVCache:
         step = L if self.window is None else max(1, self.capacity - self.window + 1)
         o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
         lse = np.empty(q.shape[:3], dtype=compute_dtype(self.io_dtype)) if return_lse else None
-        tag = (
-            bf16_bits if self.dtype == BF16 else (lambda x: x)
-        )  # checked arrays back in as bfloat16
+        # checked arrays back in as bfloat16
+        tag = bf16_bits if self.dtype == BF16 else (lambda x: x)
         for t in range(0, max(L, 1), step):
             sl = slice(t, min(L, t + step))
             self.append(tag(k[:, :, sl]), tag(v[:, :, sl]))
@@ -929,33 +640,17 @@ class KVCache:
         return to_input_kind((o, lse) if return_lse else o, like)
 
 
-class LayerCaches:
+class LayerCaches(LayerStack):
     """One KVCache per layer of a model: ``LayerCaches(num_layers, <KVCache args>)``.
 
-    Indexable (``caches[i]``), iterable, ``len()`` = num_layers; ``nbytes``
-    sums all layers; ``reset()`` and ``truncate(n)`` apply to every layer.
+    Indexable (``caches[i]``, IndexError out of range), iterable, ``len()`` =
+    num_layers; ``nbytes`` sums all layers; ``positions`` is layer 0's;
+    ``reset()`` and ``truncate(n)`` apply to every layer.
     """
 
     def __init__(self, num_layers: int, *args: Any, **kwargs: Any) -> None:
         num_layers = check_int(num_layers, "num_layers", 1)
         self._caches = [KVCache(*args, **kwargs) for _ in range(num_layers)]
-
-    def __getitem__(self, i):
-        return self._caches[i]
-
-    def __len__(self):
-        return len(self._caches)
-
-    def __iter__(self):
-        return iter(self._caches)
-
-    @property
-    def nbytes(self):
-        return sum(c.nbytes for c in self._caches)
-
-    @property
-    def positions(self):
-        return self._caches[0].positions
 
     def reset(self) -> None:
         for c in self._caches:

@@ -89,7 +89,7 @@ in float32 (a staging tail of 64 x d floats per kv head, copied by ``fork``);
 
 Huge pages (Linux): a chunk's arrays (K and V; int8: the codes, scales and
 offsets) are views of one anonymous mapping on transparent huge pages
-(``kv_cache._huge_arrays``). The int8 scales of a sequence's blocks lie in
+(``_kv_store.huge_arrays``). The int8 scales of a sequence's blocks lie in
 per-block records a few KiB apart in pool order, so on 4 KiB pages nearly
 every block of a decode step touched new pages of them: on AMD Zen 4 paged
 int8 decode took 1.05-1.09x the contiguous cache's time with NumPy's
@@ -104,36 +104,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _core, _dispatch
-from ._checks import (
-    BF16,
-    alias_safe,
-    check_int,
-    check_out,
-    check_scale,
-    compute_dtype,
-    dtype_name,
-    from_float,
-    half_result,
-    to_float,
-    to_input_kind,
-)
-from .kv_cache import (
-    I8,
-    KGROUP,
-    _cache_dtype,
-    _cache_dtype_error,
-    _check_chunk4,
-    _check_query,
-    _huge_arrays,
-    _per_seq,
-)
+from . import _dispatch
+from ._checks import check_int, dtype_name, half_result, to_input_kind
+from ._kv_store import CODED_NAMES, KGROUP, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
 from .masks import MaskArgs
 from .positional import RoPE
 
 __all__ = ["PagedKVCache", "PagedLayerCaches"]
 
-_SUPPORTED = "float32, float64, float16, bfloat16 or int8"
+_SUPPORTED = f"{PLAIN_NAMES} or {CODED_NAMES}"
 
 
 class _Seq:
@@ -148,14 +127,14 @@ class _Seq:
         self.nblk = nblk
         self.n = n
         self.first = first  # token t lives in row t % bs of block table[t // bs - first]
-        # int8: the float32 keys of the key group being filled (1, H_kv, 64, d) and its group
+        # quantised: the float32 keys of the key group being filled (1, H_kv, 64, d), its group
         self.stage = stage
         self.stage_grp = stage_grp
         self.last_new = 0  # tokens of the last append
         self.last_L = -1  # chunk length of the last append (-1: none since add / fork)
 
 
-class PagedKVCache:
+class PagedKVCache(KVStore):
     """Paged key/value storage for one attention layer, shared by many sequences.
 
     Parameters
@@ -224,24 +203,16 @@ class PagedKVCache:
             )
         self.chunk_blocks = check_int(num_blocks, "num_blocks", 1)
         try:
-            dt = _cache_dtype(dtype)
+            self._set_encoding(dtype)
         except TypeError:
-            dt = None
-        if dt is None:
-            raise TypeError(f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}")
-        self.dtype = dt
-        self._q8 = dt == I8
-        self.io_dtype = np.dtype(np.float32) if self._q8 else dt
+            raise TypeError(f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}") from None
         self.growable = bool(growable)
         self.max_seq_len = None if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
         self.window = None if window is None else check_int(window, "window", 1)
         self._kc: list[np.ndarray] = []
         self._vc: list[np.ndarray] = []
-        # int8: the scale / offset chunks beside the code chunks (empty otherwise)
-        self._ksc: list[np.ndarray] = []
-        self._koc: list[np.ndarray] = []
-        self._vsc: list[np.ndarray] = []
-        self._voc: list[np.ndarray] = []
+        # the encoding's aux chunks beside K/V (int8: scales and offsets), one list per array
+        self._aux: tuple[list[np.ndarray], ...] = tuple([] for _ in self.encoding.aux_rows)
         self._ref = np.zeros(0, dtype=np.int64)  # references per block
         self._free: list[int] = []  # a stack: the lowest ids are taken first
         self._seqs: dict[int, _Seq] = {}
@@ -254,17 +225,12 @@ class PagedKVCache:
         """Add n_chunks chunks of chunk_blocks blocks (the existing ones do not move)."""
         C, H, bs = self.chunk_blocks, self.num_kv_heads, self.block_size
         first = self.num_blocks
+        d, dv = self.head_dim, self.v_head_dim
         for _ in range(n_chunks):
-            # One mapping per chunk on huge pages (_huge_arrays), int8's scales first.
-            kc = ((C, H, bs, self.head_dim), self.dtype)
-            vc = ((C, H, bs, self.v_head_dim), self.dtype)
-            specs, pools = [kc, vc], [self._kc, self._vc]
-            if self._q8:  # x = code * scale + off: keys per (group, channel), values per slot
-                ks = ((C, H, bs // KGROUP, self.head_dim), np.float32)
-                vs = ((C, H, bs), np.float32)
-                specs = [ks, ks, vs, vs] + specs
-                pools = [self._ksc, self._koc, self._vsc, self._voc] + pools
-            for pool, a in zip(pools, _huge_arrays(specs)):
+            # One mapping per chunk on huge pages (huge_arrays), the aux arrays first.
+            specs = self.encoding.aux_specs((C, H), bs, d, dv)
+            specs += [((C, H, bs, d), self.dtype), ((C, H, bs, dv), self.dtype)]
+            for pool, a in zip((*self._aux, self._kc, self._vc), huge_arrays(specs)):
                 pool.append(a)
         last = self.num_blocks
         self._ref = np.concatenate([self._ref, np.zeros(last - first, dtype=np.int64)])
@@ -287,16 +253,21 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def _pools(self):
+        return (self._kc, self._vc, *self._aux)
+
+    def _arrays(self, q):
+        return (q, *(a for pool in self._pools() for a in pool))
+
     @property
     def nbytes(self) -> int:
-        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
-        n = sum(a.nbytes for pool in pools for a in pool)
+        n = sum(a.nbytes for pool in self._pools() for a in pool)
         return n + sum(s.stage.nbytes for s in self._seqs.values() if s.stage is not None)
 
     @property
     def used_nbytes(self) -> int:
-        pools = (self._kc, self._vc, self._ksc, self._koc, self._vsc, self._voc)
-        per_block = sum(pool[0][0].nbytes for pool in pools if pool)
+        per_token = self.encoding.bytes_per_token_head(self.head_dim, self.v_head_dim)
+        per_block = round(self.num_kv_heads * self.block_size * per_token)
         return (self.num_blocks - self.free_blocks) * per_block
 
     # ---- sequences -----------------------------------------------------------
@@ -361,9 +332,7 @@ class PagedKVCache:
         i = self._next_id
         self._next_id += 1
         s = _Seq(np.zeros(8, dtype=np.int64))
-        if self._q8:
-            s.stage = np.zeros((1, self.num_kv_heads, KGROUP, self.head_dim), np.float32)
-            s.stage_grp = np.full(1, -1, dtype=np.int64)
+        s.stage, s.stage_grp = self.encoding.stage((1, self.num_kv_heads), self.head_dim)
         self._seqs[i] = s
         return i
 
@@ -487,36 +456,27 @@ class PagedKVCache:
         (bfloat16 as ``ml_dtypes.bfloat16`` when importable, else its uint16 bits; int8:
         the dequantised float32 keys, what ``attend`` reads). With a window, the keys
         still stored: positions ``positions[seq_id] - lengths[seq_id]`` on."""
-        s = self._seq(seq_id)
-        if self._q8:
-            return self._gather(s, self._dequant_keys, self.head_dim)
-        return half_result(self._gather(s, lambda g: self._block(self._kc, g), self.head_dim))
+        return half_result(self._gather(self._seq(seq_id), "k", self._kc, self.head_dim))
 
     def values(self, seq_id: int) -> np.ndarray:
         """Stored values of one sequence in position order, (H_kv, length, dv), a copy
         (int8: the dequantised float32 values)."""
-        s = self._seq(seq_id)
-        if self._q8:
-            return self._gather(s, self._dequant_values, self.v_head_dim)
-        return half_result(self._gather(s, lambda g: self._block(self._vc, g), self.v_head_dim))
+        return half_result(self._gather(self._seq(seq_id), "v", self._vc, self.v_head_dim))
 
-    def _dequant_keys(self, g):
-        ks = np.repeat(self._block(self._ksc, g), KGROUP, axis=1)
-        ko = np.repeat(self._block(self._koc, g), KGROUP, axis=1)
-        return self._block(self._kc, g).astype(np.float32) * ks + ko
-
-    def _dequant_values(self, g):
-        vs, vo = self._block(self._vsc, g)[..., None], self._block(self._voc, g)[..., None]
-        return self._block(self._vc, g).astype(np.float32) * vs + vo
-
-    def _gather(self, s, block, dim):
-        parts = [block(int(g)) for g in s.table[: s.nblk]]
+    def _gather(self, s, which, pool, dim):
+        """s's stored keys / values (which, from pool) through the encoding, in io form."""
+        parts = [
+            self.encoding.decode(
+                which,
+                self._block(pool, g),
+                tuple(self._block(a, g) for a in self._aux),
+                slice(None),
+            )
+            for g in s.table[: s.nblk].tolist()
+        ]
         if not parts:
             return np.empty((self.num_kv_heads, 0, dim), dtype=self.io_dtype)
         return np.concatenate(parts, axis=1)[:, : self._stored(s)]
-
-    def _dtype_error(self, name, x):
-        return _cache_dtype_error(name, x, self._q8, self.dtype)
 
     # ---- writing -------------------------------------------------------------
     def append(
@@ -548,30 +508,11 @@ class PagedKVCache:
         On error nothing changes.
         """
         ids, seqs = self._resolve(seq_ids, unique=True)
-        B, H = len(ids), self.num_kv_heads
-        k = _check_chunk4(k, "k", B, H, self.head_dim, self.io_dtype, self._dtype_error)
-        v = _check_chunk4(v, "v", B, H, self.v_head_dim, self.io_dtype, self._dtype_error)
+        enc = self.encoding
+        k, v, new = self._check_append(k, v, len(ids), lengths, rope)
         L = k.shape[2]
-        if v.shape[2] != L:
-            raise ValueError(f"k has shape {k.shape} but v has shape {v.shape}: lengths differ")
-        new = (
-            np.full(B, L, dtype=np.int64) if lengths is None else _per_seq(lengths, B, "lengths", L)
-        )
-        if rope is not None and not isinstance(rope, RoPE):
-            raise TypeError(f"rope must be a positional.RoPE, got {type(rope).__name__}")
-        if rope is not None and rope.head_dim != self.head_dim:
-            raise ValueError(f"rope must be a RoPE with head_dim {self.head_dim}, got {rope!r}")
         n_old = np.array([s.n for s in seqs], dtype=np.int64)
-        if self._q8:  # checked before anything changes (kv_quant_append checks only its block)
-            rows = np.arange(L) < new[:, None]  # (B, L): the rows to store
-            if (
-                not (np.isfinite(k).all(-1).all(1) | ~rows).all()
-                or not (np.isfinite(v).all(-1).all(1) | ~rows).all()
-            ):
-                raise ValueError(
-                    "k or v holds inf or NaN: an int8 cache stores finite values only "
-                    "(nothing was stored)"
-                )
+        enc.check_values(k, v, new)
         bs = self.block_size
         drops = self._window_drops(seqs, new)
         stored = np.array([self._stored(s) for s in seqs], dtype=np.int64)
@@ -582,13 +523,7 @@ class PagedKVCache:
                 f"of lengths {stored.tolist()} exceeds max_seq_len = {self.max_seq_len}"
             )
         if rope is not None and rope.rotary_dim and L:  # before the pool changes
-            pos = n_old[:, None] + np.arange(L)
-            if self.dtype in (BF16, np.dtype(np.float16)):
-                k = from_float(
-                    rope(to_float(k, np.float32), positions=pos, seq_axis=-2), self.dtype
-                )
-            else:
-                k = np.asarray(rope(k, positions=pos, seq_axis=-2), dtype=self.io_dtype)
+            k = enc.rotate(k, rope, n_old[:, None] + np.arange(L))
         need = 0  # blocks this append takes from the free list
         for s, c in zip(seqs, new.tolist()):
             if c:
@@ -621,9 +556,8 @@ class PagedKVCache:
             r = s.n % bs
             self._block(self._kc, g)[:, :r] = self._block(self._kc, old)[:, :r]
             self._block(self._vc, g)[:, :r] = self._block(self._vc, old)[:, :r]
-            if self._q8:  # the block's scales and offsets, all of them
-                for pool in (self._ksc, self._koc, self._vsc, self._voc):
-                    self._block(pool, g)[...] = self._block(pool, old)
+            for pool in self._aux:  # the block's aux entries (int8: scales), all of them
+                self._block(pool, g)[...] = self._block(pool, old)
             self._ref[old] -= 1
             s.table[s.nblk - 1] = g
         while s.nblk < total:
@@ -633,32 +567,31 @@ class PagedKVCache:
         while t < c:
             g, r = int(s.table[p // bs - s.first]), p % bs
             m = min(c - t, bs - r)
-            if self._q8:
-                self._quantise(s, g, p, k[None, :, t : t + m], v[None, :, t : t + m])
+            if self.encoding.quantised:
+                self._encode(s, g, p, k[None, :, t : t + m], v[None, :, t : t + m])
             else:
                 self._block(self._kc, g)[:, r : r + m] = k[:, t : t + m]
                 self._block(self._vc, g)[:, r : r + m] = v[:, t : t + m]
             t, p = t + m, p + m
         s.n += c
 
-    def _quantise(self, s, g, p, k, v):
-        """int8: quantise k (1, H_kv, m, d), v (1, H_kv, m, dv) into rows p % bs .. of block g,
-        positions p .., in C++ (``_core.kv_quant_append`` on the block as a one-sequence
-        cache of block_size slots; the sequence's staging tail holds its open key group)."""
+    def _encode(self, s, g, p, k, v):
+        """Quantised: encode k (1, H_kv, m, d), v (1, H_kv, m, dv) into rows p % bs .. of
+        block g, positions p .., as a one-sequence cache of block_size slots (the
+        sequence's staging tail holds its open key group)."""
         first = np.array([p - p % self.block_size], dtype=np.int64)  # the block's first position
-        m = k.shape[2]
-        _core.kv_quant_append(
+        self.encoding.write(
             k,
             v,
-            *(self._block(pool, g)[None] for pool in (self._kc, self._vc)),
-            *(self._block(pool, g)[None] for pool in (self._ksc, self._koc)),
-            *(self._block(pool, g)[None] for pool in (self._vsc, self._voc)),
+            self._block(self._kc, g)[None],
+            self._block(self._vc, g)[None],
+            tuple(self._block(pool, g)[None] for pool in self._aux),
             s.stage,
             s.stage_grp,
-            pos0=np.array([p], dtype=np.int64),
-            count=np.array([m], dtype=np.int64),
-            first_before=first,
-            first_after=first,
+            np.array([p], dtype=np.int64),
+            np.array([k.shape[2]], dtype=np.int64),
+            first,
+            first,
         )
 
     # ---- reading -------------------------------------------------------------
@@ -668,7 +601,7 @@ class PagedKVCache:
         q: ArrayLike,
         scale: float | None = None,
         causal: bool = True,
-        q_lens: ArrayLike | None = None,
+        q_lens: ArrayLike | int | None = None,
         return_lse: bool = False,
         out: Any = None,
     ) -> Any:
@@ -708,57 +641,28 @@ class PagedKVCache:
         like = q
         ids, seqs = self._resolve(seq_ids)
         B = len(ids)
-        q = _check_query(
-            q,
-            B,
-            self.num_kv_heads,
-            self.head_dim,
-            self.io_dtype,
-            self._dtype_error,
-            holds="seq_ids names",
-        )
+        fq, key = self._planned(q, scale, q_lens is None and out is None and return_lse is False)
+        if fq is not None and fq.shape[0] == B:
+            q = fq
+        else:
+            fq = None
+            q = self._check_query(q, B, "seq_ids names")
         Lq = q.shape[2]
         n = np.array([self._stored(s) for s in seqs], dtype=np.int64)
+        pos = np.array([s.n for s in seqs], dtype=np.int64)
+        ql = None
         if q_lens is None:
             if seqs and all(s.last_L == Lq for s in seqs):
                 ql = np.array([s.last_new for s in seqs], dtype=np.int64)
             else:
                 ql = np.full(B, Lq, dtype=np.int64)
-        else:
-            ql = _per_seq(q_lens, B, "q_lens", Lq)
-        if causal and (ql > n).any():
-            raise ValueError(
-                f"q_lens {ql.tolist()} exceed the stored lengths {n.tolist()} of sequences "
-                f"{ids}: append the chunk first"
-            )
-        if self.window is not None:
-            # Query row 0 of sequence b sits at position pos - ql and sees keys from
-            # pos - ql - (window - 1) on (causal or not): they must still be stored.
-            pos = np.array([s.n for s in seqs], dtype=np.int64)
-            needed = np.maximum(0, pos - ql - (self.window - 1))
-            lost = (ql > 0) & (needed < pos - n)
-            if lost.any():
-                raise ValueError(
-                    f"q_lens {ql.tolist()} of sequences {ids} reach back to positions "
-                    f"{needed.tolist()}, but their blocks before positions {(pos - n).tolist()} "
-                    f"were released (window {self.window}); attend right after appending the "
-                    "chunk"
-                )
-        scale = check_scale(scale, self.head_dim, self.io_dtype)
-        shape = (B, q.shape[1], Lq, self.v_head_dim)
-        target = None
-        if out is None:
-            o = np.empty(shape, dtype=self.io_dtype)
-        else:
-            o, target = alias_safe(check_out(out, shape, self.io_dtype), q, *self._kc, *self._vc)
-        lse = np.empty(shape[:3], dtype=compute_dtype(self.io_dtype)) if return_lse else None
-        if o.size or (lse is not None and lse.size):
-            self._run(q, o, lse, seqs, ql, n, scale, bool(causal))
-        if target is not None:
-            target[...] = o
-        if out is not None:
-            return (out, to_input_kind(lse, like)) if return_lse else out
-        return to_input_kind((o, lse) if return_lse else o, like)
+        sel = (ids, seqs, n)
+        if fq is not None and not self._unseen(ql, n, pos, causal):
+            return to_input_kind(self._run_planned(q, ql, scale, causal, sel), like)
+        return self._attend(q, like, scale, causal, q_lens, return_lse, out, n, pos, ql, sel, key)
+
+    def _released(self, first):
+        return f"their blocks before positions {first.tolist()} were released"
 
     def block_table(self, seq_ids: ArrayLike | int) -> np.ndarray:
         """The (B, max_blocks) int64 block table of the sequences seq_ids (row b: the
@@ -772,31 +676,21 @@ class PagedKVCache:
             tab[i, : s.nblk] = s.table[: s.nblk]
         return tab
 
-    def _run(self, q, o, lse, seqs, ql, n, scale, causal):
+    def _run(self, q, o, lse, ql, scale, causal, sel):
         # With a window the table starts at the first held block: positions shift by
         # first * bs for every key and query alike, which bottom-right masks ignore.
+        _, seqs, n = sel
         wl = -1 if self.window is None else self.window - 1
-        mask = MaskArgs(causal=causal, q_lens=ql, kv_lens=n, window_left=wl)
+        mask = MaskArgs(causal=bool(causal), q_lens=ql, kv_lens=n, window_left=wl)
         kernel = _dispatch.choose_kernel(
             Lq=q.shape[2], Lk=int(n.max(initial=0)), mask=mask, keys=_dispatch.KEYS_PAGED
         )
         assert kernel == _dispatch.DECODE
-        pages = _dispatch.PagedArgs(self._kc, self._vc, self._table(seqs))
-        if self._q8:
-            pages = _dispatch.PagedArgs(
-                self._kc,
-                self._vc,
-                pages.block_table,
-                self._ksc,
-                self._koc,
-                self._vsc,
-                self._voc,
-                KGROUP,
-            )
+        pages = self.encoding.paged_args(self._kc, self._vc, self._table(seqs), self._aux)
         _dispatch.attend_paged(q, pages, o, lse, scale=scale, mask=mask)
 
 
-class PagedLayerCaches:
+class PagedLayerCaches(LayerStack):
     """One PagedKVCache per layer of a model, with one sequence id space for all layers.
 
     ``PagedLayerCaches(num_layers, <PagedKVCache args>)``: every layer gets a
@@ -825,27 +719,6 @@ class PagedLayerCaches:
             windows = [window] * num_layers
         self._caches = [PagedKVCache(*args, window=w, **kwargs) for w in windows]
 
-    def __getitem__(self, i: int) -> PagedKVCache:
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"layer index must be an int, got {i!r}")
-        n = len(self._caches)
-        if not -n <= int(i) < n:
-            raise IndexError(f"layer index {int(i)} out of range for {n} layers")
-        return self._caches[int(i)]
-
-    def __len__(self) -> int:
-        return len(self._caches)
-
-    def __iter__(self):
-        return iter(self._caches)
-
-    def __repr__(self) -> str:
-        return f"PagedLayerCaches({len(self)} layers, {self._caches[0]!r})"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._caches)
-
     @property
     def used_nbytes(self) -> int:
         return sum(c.used_nbytes for c in self._caches)
@@ -853,10 +726,6 @@ class PagedLayerCaches:
     @property
     def seq_ids(self) -> list[int]:
         return self._caches[0].seq_ids
-
-    @property
-    def positions(self) -> dict[int, int]:
-        return self._caches[0].positions
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._caches[0]
