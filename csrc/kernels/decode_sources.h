@@ -293,42 +293,60 @@ struct Int8Encoding {
 
 // fp8 codes (e4m3 or e5m2 as uint8) with one fp32 scale per token and kv
 // head: x = decode(code) * scale, decode exact (every fp8 value is an fp32).
-// Rows are widened code by code (decode_fp8: integer field moves, no table);
-// the key scales multiply the block's scores (S = (Q . decode(K)) * ks), the
-// value scales its P V weights (P * vs). Slots layout only.
-struct Fp8E4M3 {
+// The key scales multiply the block's scores (S = (Q . row) * ks * kFold),
+// the value scales its P V weights (P * vs * kFold). Slots layout only.
+//
+// A row is read as fp16 values decode(code) / kFold: an fp8 code's fields
+// moved into fp16's place (e5m2 is fp16's top byte; e4m3's exponent and
+// mantissa sit 7 bits up, bias 7 instead of 15, hence kFold = 2^8), widened by
+// vcvtph2ps where the ISA has F16C. Exact for every code, subnormals included
+// (a power-of-two fold commutes with rounding short of under- or overflow).
+// Caches hold finite codes only (the encoder saturates, non-finite input is
+// refused), so e4m3's NaN code S.1111.111 is not tested for: every ISA reads
+// it as +-480 (no compare and blend per vector); e5m2's inf and
+// NaN codes are fp16's.
+template <int E>
+struct Fp8Format {
   uint8_t bits;
-  static float decode(uint8_t b) {
-    const uint32_t s = uint32_t(b >> 7) << 31, e = (b >> 3) & 15u, m = b & 7u;
-    if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
-    const uint32_t bits = e == 0 ? 0u : s | ((e + 120u) << 23) | (m << 20);
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return e == 0 ? (s ? -1.0f : 1.0f) * static_cast<float>(m) * 0x1p-9f : x;
+  static constexpr float kFold = E == 4 ? 256.0f : 1.0f;
+  // the fp16 bits of decode(b) / kFold
+  static uint16_t half_bits(uint8_t b) {
+    if (E == 5) return static_cast<uint16_t>(b << 8);
+    return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
   }
+  static float decode(uint8_t b) { return fp16_to_f32(half_bits(b)) * kFold; }
 };
-struct Fp8E5M2 {
-  uint8_t bits;
-  static float decode(uint8_t b) {
-    const uint32_t s = uint32_t(b >> 7) << 31, e = (b >> 2) & 31u, m = b & 3u;
-    const uint32_t bits = e == 31  ? s | 0x7f800000u | (m << 21)
-                          : e == 0 ? 0u
-                                   : s | ((e + 112u) << 23) | (m << 21);
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return e == 0 ? (s ? -1.0f : 1.0f) * static_cast<float>(m) * 0x1p-16f : x;
-  }
-};
+using Fp8E4M3 = Fp8Format<4>;
+using Fp8E5M2 = Fp8Format<5>;
+
+// W codes widened: 16-bit lanes of half_bits, then vcvtph2ps (F16C).
 template <typename F>
 inline Vec<float>::R decode_fp8(const F* p) {
+#if defined(__AVX512F__)
+  // sign-extended: e4m3's sign lands in bit 15 of (c << 7), its own bit 14 is cleared
+  const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_slli_epi16(c, 8);
+  if constexpr (F::kFold != 1.0f) {
+    h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(short(0xbf80)));
+  }
+  return _mm512_cvtph_ps(h);
+#elif defined(__AVX2__)
+  const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_slli_epi16(c, 8);
+  if constexpr (F::kFold != 1.0f) {  // as above
+    h = _mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16(short(0xbf80)));
+  }
+  return _mm256_cvtph_ps(h);
+#else
   alignas(64) float t[Vec<float>::W];
-  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::decode(p[i].bits);
+  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::decode(p[i].bits) / F::kFold;
   return Vec<float>::load(t);
+#endif
 }
 inline Vec<float>::R ldv(const Fp8E4M3* p) { return decode_fp8(p); }
 inline Vec<float>::R ldv(const Fp8E5M2* p) { return decode_fp8(p); }
-inline float ld(const Fp8E4M3* p) { return Fp8E4M3::decode(p->bits); }
-inline float ld(const Fp8E5M2* p) { return Fp8E5M2::decode(p->bits); }
+inline float ld(const Fp8E4M3* p) { return Fp8E4M3::decode(p->bits) / Fp8E4M3::kFold; }
+inline float ld(const Fp8E5M2* p) { return Fp8E5M2::decode(p->bits) / Fp8E5M2::kFold; }
 
 struct Fp8Side {
   const float* ks;  // (slots,) key / value scales
@@ -383,12 +401,12 @@ struct Fp8Encoding {
                  Pf* pf) {
     qk_dispatch<float, KV>(nr, sc.Qs, dp, sc.krow, cols, d, sc.S, kBc, pf);
     for (int r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.ks[c];
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.ks[c] * F::kFold;
   }
   static void weight_v(int nr, const Sc& sc, const Blk& bk, int64_t cols, float*, int64_t,
                        int64_t) {
     for (int r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.vs[c];
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.vs[c] * F::kFold;
   }
   static void prefetch_side(const DecodeArgs<float>&, const Pg&, int64_t, int64_t, bool) {}
 };

@@ -61,8 +61,9 @@ class QuantArgs:
     k_scale: np.ndarray
     k_off: np.ndarray
     v_scale: np.ndarray
-    v_off: np.ndarray
+    v_off: np.ndarray | None
     kgroup: int
+    fp8: str = ""  # "e4m3" / "e5m2": uint8 fp8 codes, per-token k_scale / v_scale (no offsets)
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,7 +234,11 @@ def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant
     """``_core.decode`` on a decode-only record (causal, alignment, window, lengths): its
     arguments by position, in the binding's order; k / v arrays, or lists of pool chunks with
     block_table; quant (a QuantArgs, or a PagedArgs of an int8 pool) the int8 scales."""
-    qa = (quant.k_scale, quant.k_off, quant.v_scale, quant.v_off, quant.kgroup) if quant else ()
+    qa = (
+        (quant.k_scale, quant.k_off, quant.v_scale, quant.v_off, quant.kgroup, quant.fp8)
+        if quant
+        else ()
+    )
     _core.decode(
         q,
         k,
@@ -321,6 +326,7 @@ class PagedArgs:
     v_scale: list[np.ndarray] | None = None
     v_off: list[np.ndarray] | None = None
     kgroup: int = 0
+    fp8: str = ""  # no fp8 pools (the paged layout refuses fp8 caches)
 
 
 def attend_paged(

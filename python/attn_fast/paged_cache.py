@@ -106,13 +106,13 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _dispatch
 from ._checks import check_int, dtype_name, half_result, to_input_kind
-from ._kv_store import CODED_NAMES, KGROUP, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
+from ._kv_store import KGROUP, PAGED_CODED_NAMES, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
 from .masks import MaskArgs
 from .positional import RoPE
 
 __all__ = ["PagedKVCache", "PagedLayerCaches"]
 
-_SUPPORTED = f"{PLAIN_NAMES} or {CODED_NAMES}"
+_SUPPORTED = f"{PLAIN_NAMES} or {PAGED_CODED_NAMES}"
 
 
 class _Seq:
@@ -178,6 +178,8 @@ class PagedKVCache(KVStore):
     used_nbytes : int, the bytes of the blocks that some sequence holds.
     """
 
+    layout = "pages"
+
     def __init__(
         self,
         num_kv_heads: int,
@@ -202,10 +204,7 @@ class PagedKVCache(KVStore):
                 f"got {self.block_size}"
             )
         self.chunk_blocks = check_int(num_blocks, "num_blocks", 1)
-        try:
-            self._set_encoding(dtype)
-        except TypeError:
-            raise TypeError(f"PagedKVCache stores {_SUPPORTED}, got dtype={dtype!r}") from None
+        self._set_encoding(dtype, unknown=f"PagedKVCache stores {_SUPPORTED}")
         self.growable = bool(growable)
         self.max_seq_len = None if max_seq_len is None else check_int(max_seq_len, "max_seq_len", 1)
         self.window = None if window is None else check_int(window, "window", 1)
