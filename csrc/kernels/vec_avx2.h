@@ -18,6 +18,7 @@
 // flash_bwd.cpp): MR rows x NR vectors, 12 accumulators of 16 ymm.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 2;
+  static constexpr int kRegs = 16;  // vector registers
 };
 
 template <typename T>

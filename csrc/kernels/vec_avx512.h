@@ -7,6 +7,7 @@
 // Register blocking of the fused kernels' micro-tiles: 24 accumulators of 32 zmm.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 4;
+  static constexpr int kRegs = 32;  // vector registers
 };
 
 template <typename T>

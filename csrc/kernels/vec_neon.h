@@ -17,6 +17,7 @@
 // lane: neon_tiles.h) of the 32 registers.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 4;
+  static constexpr int kRegs = 32;  // vector registers
 };
 
 template <typename T>
