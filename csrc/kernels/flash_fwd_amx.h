@@ -51,17 +51,13 @@ inline void amx_pv_single(Scratch<float>& sc, int64_t i, const uint32_t* Pw, con
 }
 
 // The path's interface to the generic kernel (flash_fwd.cpp, ProductPath).
-struct AmxPath {
-  using S = bf16_t;
-  using T = float;
+struct AmxPath : PairPacking<AmxPlan::kPairs> {
   static constexpr int W = Vec<float>::W;
   static constexpr bool kFuseMax = false;  // the raw path folds its maxima in the tile store
   static constexpr bool kPairs = true, kRaw = true;
   static constexpr int64_t kBlockK = 512;
   static constexpr bool kTallQ = true;
 
-  // Pairs per key and per Q row, padded to whole B tiles (zeros).
-  static int64_t pairs(int64_t d) { return round_up((d + 1) / 2, AmxPlan::kPairs); }
   // Floats per key slot and Q row: the padded pairs need more than d when d < 16.
   static int64_t k_elems(int64_t d) { return imax(d, pairs(d)); }
 
@@ -83,15 +79,6 @@ struct AmxPath {
         dst[k2] = r < rows && 2 * k2 < d ? bf16_pair(src, a.sq.d, 2 * k2, d) : 0u;
     }
   }
-  static void pack_k(const AttnArgs<S>& a, const S* kbase, int64_t cols, int64_t cols_p, T* Kt) {
-    pack_k_pairs(kbase, a.sk.l, a.sk.d, cols, cols_p, a.d, pairs(a.d),
-                 reinterpret_cast<uint32_t*>(Kt));
-  }
-  static bool pack_v(const AttnArgs<S>& a, const S* vbase, int64_t cols, int64_t cols_p, int64_t Bc,
-                     T* Vp) {
-    return pack_v_pairs(a, vbase, cols, cols_p, Bc, reinterpret_cast<uint16_t*>(Vp));
-  }
-
   // raw: S unscaled, with the row maxima folded into sc.rmax when fuse_max.
   template <bool kMax = false>
   static void qk_panel(const AttnArgs<S>& a, Scratch<T>& sc, const T* Kt, int64_t i, int64_t jv,

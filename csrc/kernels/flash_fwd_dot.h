@@ -192,9 +192,8 @@ void pack_q_pairs(const AttnArgs<bf16_t>& a, const bf16_t* qbase, int64_t i0, in
     if (kMR == 6 && a.sq.d == 1) {
       for (int64_t r0 = 0; r0 < rows_p; r0 += 6) {
         uint32_t* dst = Qw + r0 * d2;
-        const int64_t n = imax(0, imin(6, rows - r0));  // real rows of this panel
         const bf16_t* src[6];
-        for (int r = 0; r < 6; ++r) src[r] = qbase + (i0 + r0 + (r < n ? r : 0)) * a.sq.l;
+        const int64_t n = panel_rows6(qbase, a.sq.l, i0 + r0, rows - r0, src);
         int64_t k2 = 0;
         for (; 2 * (k2 + 16) <= d; k2 += 16) {
           typename V::R x[6];
@@ -264,11 +263,25 @@ inline bool pack_v_pairs(const AttnArgs<bf16_t>& a, const bf16_t* vbase, int64_t
   return bad16;
 }
 
-// The path's interface to the generic kernel (flash_fwd.cpp, ProductPath);
-// bf16 storage only. The AMX path (flash_fwd_amx.h) keeps its K and V.
-struct DotPath {
+// K and V of the pair paths, d's pairs padded to a multiple of kPad (DotPath:
+// 1, AmxPath: whole B tiles); bf16 storage only.
+template <int64_t kPad>
+struct PairPacking {
   using S = bf16_t;
   using T = float;
+  static int64_t pairs(int64_t d) { return round_up((d + 1) / 2, kPad); }
+  static void pack_k(const AttnArgs<S>& a, const S* kbase, int64_t cols, int64_t cols_p, T* Kt) {
+    pack_k_pairs(kbase, a.sk.l, a.sk.d, cols, cols_p, a.d, pairs(a.d),
+                 reinterpret_cast<uint32_t*>(Kt));
+  }
+  static bool pack_v(const AttnArgs<S>& a, const S* vbase, int64_t cols, int64_t cols_p, int64_t Bc,
+                     T* Vp) {
+    return pack_v_pairs(a, vbase, cols, cols_p, Bc, reinterpret_cast<uint16_t*>(Vp));
+  }
+};
+
+// The path's interface to the generic kernel (flash_fwd.cpp, ProductPath).
+struct DotPath : PairPacking<1> {
   static constexpr int W = Vec<float>::W;
   // The fused row max and P rounded inside the softmax pass need AVX-512's
   // masked max (fold_row_max): not on the 4-lane BFDOT object.
@@ -277,20 +290,11 @@ struct DotPath {
   static constexpr int64_t kBlockK = 256;
   static constexpr bool kTallQ = false;
 
-  static int64_t pairs(int64_t d) { return (d + 1) / 2; }
   static int64_t k_elems(int64_t d) { return d; }  // d / 2 words fit a d-float slot
 
   static void pack_q(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows, int64_t rows_p,
                      T* Qp) {
     pack_q_pairs(a, qbase, i0, rows, rows_p, reinterpret_cast<uint32_t*>(Qp));
-  }
-  static void pack_k(const AttnArgs<S>& a, const S* kbase, int64_t cols, int64_t cols_p, T* Kt) {
-    pack_k_pairs(kbase, a.sk.l, a.sk.d, cols, cols_p, a.d, pairs(a.d),
-                 reinterpret_cast<uint32_t*>(Kt));
-  }
-  static bool pack_v(const AttnArgs<S>& a, const S* vbase, int64_t cols, int64_t cols_p, int64_t Bc,
-                     T* Vp) {
-    return pack_v_pairs(a, vbase, cols, cols_p, Bc, reinterpret_cast<uint16_t*>(Vp));
   }
 
   template <bool kMax = false>

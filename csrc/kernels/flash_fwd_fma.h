@@ -226,6 +226,16 @@ void pack_k_rows16(const S* kbase, int64_t ldk, int64_t cols, int64_t cols_p, in
   }
 }
 
+// The six source rows of a 6-row Q panel starting at row i (rows past the n
+// real ones point at the first: they are never read as values); returns n.
+template <typename S>
+inline int64_t panel_rows6(const S* qbase, int64_t ldq, int64_t i, int64_t left,
+                           const S* (&src)[6]) {
+  const int64_t n = imax(0, imin(6, left));
+  for (int r = 0; r < 6; ++r) src[r] = qbase + (i + (r < n ? r : 0)) * ldq;
+  return n;
+}
+
 // The Q panels from unit-stride rows, 6-row panels: W columns of the panel's
 // six rows loaded, scaled and interleaved in registers (six stores instead of
 // 6 W scalar ones); the same products as the element loop, so the same bits.
@@ -240,9 +250,8 @@ void pack_q_rows6(const AttnArgs<S>& a, const S* qbase, int64_t i0, int64_t rows
   const typename V::R vs = V::set1(scale);
   for (int64_t r0 = 0; r0 < rows_p; r0 += 6) {
     T* dst = Qp + r0 * d;
-    const int64_t n = imax(0, imin(6, rows - r0));  // real rows of this panel
     const S* src[6];
-    for (int r = 0; r < 6; ++r) src[r] = qbase + (i0 + r0 + (r < n ? r : 0)) * a.sq.l;
+    const int64_t n = panel_rows6(qbase, a.sq.l, i0 + r0, rows - r0, src);
     int64_t e = 0;
     for (; e + W <= d; e += W) {
       typename V::R x[6];
