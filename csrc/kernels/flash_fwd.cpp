@@ -724,7 +724,7 @@ AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf
 void tdpbf16ps_tile(const uint16_t* a, const uint16_t* b, float* c) { amx_tile_product(a, b, c); }
 #elif defined(ATTN_DOT_BF16)
 // The avx512_bf16 object holds only the vdpbf16ps bf16 kernel (and, in
-// probes.cpp, its probe loop).
+// probe_loops.cpp, its probe loop).
 ATTN_BF16DOT_ENTRY_POINTS
 AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a) { return forward_impl<bf16_t>(a); }
 #else

@@ -19,10 +19,6 @@ struct IsaTraits {
   static constexpr int kRegs = 16;  // vector registers
 };
 
-template <typename T>
-struct Vec;
-
-#include "vec_math.h"
 constexpr int kSimdBytes = 32;
 #include "vec_simd.h"
 

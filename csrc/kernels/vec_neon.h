@@ -21,10 +21,6 @@ struct IsaTraits {
   static constexpr int kRegs = 32;  // vector registers
 };
 
-template <typename T>
-struct Vec;
-
-#include "vec_math.h"
 constexpr int kSimdBytes = 16;
 #include "vec_simd.h"
 

@@ -14,14 +14,19 @@
 //   shift_exponent(r[, bias]) = the bits of r (plus bias, as integers)
 //   shifted left by the mantissa width: 2^n from a magic-rounded n
 //
-// Included by the SIMD headers after vec_math.h (VecMath, ExpConsts), inside
-// the kernel source's ISA namespace, with kSimdBytes (the register width in
-// bytes) defined: no static data.
+// Included by the SIMD headers, inside the kernel source's ISA namespace, with
+// kSimdBytes (the register width in bytes) defined; declares Vec<T> and brings
+// in vec_math.h (VecMath, ExpFormat) for them: no static data.
 #pragma once
 
 #include <cstring>
 #include <limits>
 #include <type_traits>
+
+template <typename T>
+struct Vec;
+
+#include "vec_math.h"
 
 // Unsigned integer lanes of the register width (wrapping adds, logical shifts).
 typedef uint32_t SimdU32 __attribute__((vector_size(kSimdBytes)));
@@ -35,8 +40,8 @@ template <typename T>
 struct SimdVec : VecMath<T> {
   static constexpr int W = kSimdBytes / static_cast<int>(sizeof(T));
   using U = std::conditional_t<sizeof(T) == 4, SimdU32, SimdU64>;
-  using Bits = typename ExpConsts<T>::Bits;
-  static constexpr int kMant = std::numeric_limits<T>::digits - 1;  // 23, 52
+  using Bits = typename ExpFormat<T>::Bits;
+  static constexpr int kMant = ExpFormat<T>::kMant;
 
   static auto zero() { return typename Vec<T>::R{}; }
   static auto load(const T* p) {
