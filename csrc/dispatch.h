@@ -1,4 +1,4 @@
-// Private to the baseline-compiled dispatcher (dispatch.cpp, probes.cpp): the
+// Private to the baseline-compiled dispatcher (dispatch.cpp, machine_probes.cpp): the
 // per-ISA entry points of every ISA object in this build, and the switch that
 // calls the active one. Kernel sources never include this.
 #pragma once

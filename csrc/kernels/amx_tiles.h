@@ -323,6 +323,18 @@ struct AmxPvJob {
     const int64_t full = dvp / AmxPlan::kPanel, tails = (dvp % AmxPlan::kPanel) / AmxPlan::kCols;
     return per * (2 * full + tails);
   }
+  // op(C tile, its O address) for the C tiles of the (c0, h) block: tmm0 /
+  // tmm2 the first 16 columns of row panels 0 / 1, tmm1 / tmm3 the next 16
+  // when the strip is full.
+  template <typename Op>
+  static void c_tiles(float* a0, float* a1, bool full, Op op) {
+    op(std::integral_constant<int, 0>{}, a0);
+    op(std::integral_constant<int, 2>{}, a1);
+    if (full) {
+      op(std::integral_constant<int, 1>{}, a0 + AmxPlan::kCols);
+      op(std::integral_constant<int, 3>{}, a1 + AmxPlan::kCols);
+    }
+  }
   // Up to n k-steps (n < 0: all that is left).
   void step(AmxTiles& t, int64_t n) {
     constexpr int64_t kP = AmxPlan::kPanel, kC = AmxPlan::kCols;
@@ -334,12 +346,7 @@ struct AmxPvJob {
       float* a0 = O0 + c0 + h;
       float* a1 = O1 + c0 + h;
       if (!open) {
-        t.load<0>(a0, ldo);
-        t.load<2>(a1, ldo);
-        if (full) {
-          t.load<1>(a0 + kC, ldo);
-          t.load<3>(a1 + kC, ldo);
-        }
+        c_tiles(a0, a1, full, [&](auto c, float* p) { t.load<decltype(c)::value>(p, ldo); });
         c2 = c2lo;
         open = true;
       }
@@ -363,12 +370,7 @@ struct AmxPvJob {
         }
       }
       if (c2 < c2hi) return;  // n ran out inside this (c0, h)
-      t.store<0>(a0, ldo);
-      t.store<2>(a1, ldo);
-      if (full) {
-        t.store<1>(a0 + kC, ldo);
-        t.store<3>(a1 + kC, ldo);
-      }
+      c_tiles(a0, a1, full, [&](auto c, float* p) { t.store<decltype(c)::value>(p, ldo); });
       open = false;
       if (full && h == 0) {
         h = 2 * kC;

@@ -465,6 +465,86 @@ void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
   }
 }
 
+// Pass 1 of the backward: D = rowsum(dO * O) per (sequence, head, row) into
+// g.Dbuf, 0 on rows that see nothing; then dsinks_h = -sum over rows of
+// exp(sink_h - lse) D, in a fixed row order.
+template <typename S>
+void bwd_row_dots(BwdRun<S>& g, int nt) {
+  using T = compute_t<S>;
+  const AttnArgs<S>& a = g.f;
+  const int64_t dv = a.dv, n_sh = a.B * a.Hq;
+  T* Dbuf = g.Dbuf;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t w = 0; w < n_sh; ++w) {
+    const int64_t s = w / a.Hq, h = w % a.Hq;
+    const SeqInfo si = seq_info(a, s);
+    const int64_t lr = lse_row(a, si, h);
+    const S* ob = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
+    const S* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
+    for (int64_t i = 0; i < si.q_rows; ++i) {
+      T acc = T(0);
+      if (i < si.q_len && a.lse[lr + i] != NEG_INF<T>)
+        for (int64_t e = 0; e < dv; ++e)
+          acc += ld(dob + i * g.sdo.l + e * g.sdo.d) * ld(ob + i * a.so.l + e * a.so.d);
+      Dbuf[lr + i] = acc;
+    }
+  }
+  if (a.sinks && g.dsinks) {
+    for (int64_t h = 0; h < a.Hq; ++h) {
+      double acc = 0;
+      for (int64_t s = 0; s < a.B; ++s) {
+        const SeqInfo si = seq_info(a, s);
+        const int64_t lr = lse_row(a, si, h);
+        for (int64_t i = 0; i < si.q_len; ++i) {
+          const T L = a.lse[lr + i], Di = Dbuf[lr + i];
+          if (Di != T(0) || Di != Di) acc += static_cast<double>(std::exp(a.sinks[h] - L) * Di);
+        }
+      }
+      g.dsinks[h] = static_cast<T>(-acc);
+    }
+  }
+}
+
+// Pass 3 of the backward: add the chunks' dQ buffers, in chunk order (16-bit
+// storage: sum the fp32 buffers in the same order, then round into dq once).
+template <typename S>
+void bwd_reduce_dq(const BwdRun<S>& g, int64_t nsplit, int nt) {
+  using T = compute_t<S>;
+  const AttnArgs<S>& a = g.f;
+  const int64_t d = a.d, n_sh = a.B * a.Hq;
+  constexpr bool kNative = Storage<S>::kNative;
+  const T* split_buf = g.split_buf;
+  if constexpr (kNative) {
+    if (nsplit > 1) {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+      for (int64_t w = 0; w < n_sh; ++w) {
+        const int64_t s = w / a.Hq, h = w % a.Hq;
+        const SeqInfo si = seq_info(a, s);
+        T* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+        for (int64_t c = 1; c < nsplit; ++c) {
+          const T* src = split_buf + (c - 1) * g.split_stride + lse_row(a, si, h) * d;
+          for (int64_t i = 0; i < si.q_rows; ++i)
+            for (int64_t e = 0; e < d; ++e) t[i * g.sdq.l + e * g.sdq.d] += src[i * d + e];
+        }
+      }
+    }
+  } else {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_sh; ++w) {
+      const int64_t s = w / a.Hq, h = w % a.Hq;
+      const SeqInfo si = seq_info(a, s);
+      S* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
+      const T* src = split_buf + lse_row(a, si, h) * d;
+      for (int64_t i = 0; i < si.q_rows; ++i)
+        for (int64_t e = 0; e < d; ++e) {
+          T acc = src[i * d + e];
+          for (int64_t c = 1; c < nsplit; ++c) acc += src[c * g.split_stride + i * d + e];
+          put(t + i * g.sdq.l + e * g.sdq.d, acc);
+        }
+    }
+  }
+}
+
 template <typename S>
 void backward_impl(const BwdArgs<S>& g0) {
   using T = compute_t<S>;
@@ -505,38 +585,7 @@ void backward_impl(const BwdArgs<S>& g0) {
       static_cast<double>(a.B) * a.Hq * a.Lq * a.Lk * static_cast<double>(a.d + a.dv) * 2.5;
   if (work < kSerialWork) nt = 1;
 
-  // Pass 1: D = rowsum(dO * O) per (sequence, head, row); 0 on rows that see nothing.
-  const int64_t n_sh = a.B * a.Hq;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-  for (int64_t w = 0; w < n_sh; ++w) {
-    const int64_t s = w / a.Hq, h = w % a.Hq;
-    const SeqInfo si = seq_info(a, s);
-    const int64_t lr = lse_row(a, si, h);
-    const S* ob = a.o + si.b * a.so.b + h * a.so.h + si.q0 * a.so.l;
-    const S* dob = g.dout + si.b * g.sdo.b + h * g.sdo.h + si.q0 * g.sdo.l;
-    for (int64_t i = 0; i < si.q_rows; ++i) {
-      T acc = T(0);
-      if (i < si.q_len && a.lse[lr + i] != NEG_INF<T>)
-        for (int64_t e = 0; e < dv; ++e)
-          acc += ld(dob + i * g.sdo.l + e * g.sdo.d) * ld(ob + i * a.so.l + e * a.so.d);
-      Dbuf[lr + i] = acc;
-    }
-  }
-  // dsinks_h = -sum over rows of exp(sink_h - lse) D, in a fixed row order.
-  if (a.sinks && g.dsinks) {
-    for (int64_t h = 0; h < a.Hq; ++h) {
-      double acc = 0;
-      for (int64_t s = 0; s < a.B; ++s) {
-        const SeqInfo si = seq_info(a, s);
-        const int64_t lr = lse_row(a, si, h);
-        for (int64_t i = 0; i < si.q_len; ++i) {
-          const T L = a.lse[lr + i], Di = Dbuf[lr + i];
-          if (Di != T(0) || Di != Di) acc += static_cast<double>(std::exp(a.sinks[h] - L) * Di);
-        }
-      }
-      g.dsinks[h] = static_cast<T>(-acc);
-    }
-  }
+  bwd_row_dots(g, nt);
 
   // Pass 2: the work items.
   const int64_t n_items = pairs * nsplit;
@@ -566,39 +615,7 @@ void backward_impl(const BwdArgs<S>& g0) {
     throw std::bad_alloc();
   }
 
-  // Pass 3: add the chunks' dQ buffers, in chunk order (16-bit storage: sum
-  // the fp32 buffers in the same order, then round into dq once).
-  if (!tok.cancelled()) {
-    if constexpr (kNative) {
-      if (nsplit > 1) {
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-        for (int64_t w = 0; w < n_sh; ++w) {
-          const int64_t s = w / a.Hq, h = w % a.Hq;
-          const SeqInfo si = seq_info(a, s);
-          T* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
-          for (int64_t c = 1; c < nsplit; ++c) {
-            const T* src = split_buf + (c - 1) * g.split_stride + lse_row(a, si, h) * d;
-            for (int64_t i = 0; i < si.q_rows; ++i)
-              for (int64_t e = 0; e < d; ++e) t[i * g.sdq.l + e * g.sdq.d] += src[i * d + e];
-          }
-        }
-      }
-    } else {
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-      for (int64_t w = 0; w < n_sh; ++w) {
-        const int64_t s = w / a.Hq, h = w % a.Hq;
-        const SeqInfo si = seq_info(a, s);
-        S* t = g.dq + si.b * g.sdq.b + h * g.sdq.h + si.q0 * g.sdq.l;
-        const T* src = split_buf + lse_row(a, si, h) * d;
-        for (int64_t i = 0; i < si.q_rows; ++i)
-          for (int64_t e = 0; e < d; ++e) {
-            T acc = src[i * d + e];
-            for (int64_t c = 1; c < nsplit; ++c) acc += src[c * g.split_stride + i * d + e];
-            put(t + i * g.sdq.l + e * g.sdq.d, acc);
-          }
-      }
-    }
-  }
+  if (!tok.cancelled()) bwd_reduce_dq(g, nsplit, nt);
   std::free(Dbuf);
   std::free(split_buf);
 }

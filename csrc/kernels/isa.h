@@ -1,7 +1,7 @@
 // Per-ISA compilation of a kernel source (flash_fwd.cpp, decode.cpp,
-// flash_bwd.cpp, probes.cpp): the build compiles each once with
+// flash_bwd.cpp, probe_loops.cpp): the build compiles each once with
 // ATTN_ISA_SCALAR, ATTN_ISA_AVX2 or ATTN_ISA_AVX512 defined (CMakeLists.txt);
-// flash_fwd.cpp and probes.cpp once more with ATTN_ISA_AVX512 and
+// flash_fwd.cpp and probe_loops.cpp once more with ATTN_ISA_AVX512 and
 // ATTN_ISA_AVX512_BF16 (the vdpbf16ps bf16 kernel and its probe).
 // flash_fwd.cpp alone twice more with ATTN_ISA_AVX512, ATTN_ISA_AVX512_BF16
 // and ATTN_ISA_AMX or ATTN_ISA_AMX_EMU (the AMX tile bf16 kernel, real or
@@ -22,7 +22,7 @@
 #include <immintrin.h>
 #endif
 // aarch64 (CMakeLists.txt): ATTN_ISA_NEON (baseline ARMv8-A Advanced SIMD) for
-// every kernel source; flash_fwd.cpp, decode.cpp and probes.cpp once more with
+// every kernel source; flash_fwd.cpp, decode.cpp and probe_loops.cpp once more with
 // ATTN_ISA_NEON and ATTN_ISA_NEON_BF16 (FEAT_BF16 + FEAT_I8MM: BFDOT).
 // ATTN_DOT_BF16 names the objects whose bf16 forward and decode run the pair
 // kernels over DotBf16 (vdpbf16ps on x86, BFDOT on ARM).

@@ -46,92 +46,92 @@
   c##r##1 = OP(c##r##1, b1, A, L); \
   c##r##2 = OP(c##r##2, b2, A, L); \
   c##r##3 = OP(c##r##3, b3, A, L);
+// One k step: K vectors b0..b3 loaded from kp, then rows 0-5 of the tile by
+// lanes (A0, L0) .. (A5, L5) of the Q registers.
+#define ATTN_NEON_K_STEP(OP, LD, kp, A0, L0, A1, L1, A2, L2, A3, L3, A4, L4, A5, L5) \
+  b0 = LD(kp);                                                                       \
+  b1 = LD(kp + 4);                                                                   \
+  b2 = LD(kp + 8);                                                                   \
+  b3 = LD(kp + 12);                                                                  \
+  ATTN_NEON_ROW(OP, 0, A0, L0)                                                       \
+  ATTN_NEON_ROW(OP, 1, A1, L1)                                                       \
+  ATTN_NEON_ROW(OP, 2, A2, L2)                                                       \
+  ATTN_NEON_ROW(OP, 3, A3, L3)                                                       \
+  ATTN_NEON_ROW(OP, 4, A4, L4)                                                       \
+  ATTN_NEON_ROW(OP, 5, A5, L5)
 // Two k steps: Q values of k in a0 (rows 0-3) and a1 (rows 4-5, lanes 0-1), of
 // k + 1 in a1 (rows 0-1, lanes 2-3) and a2 (rows 2-5); K of k, then of k + 1.
-#define ATTN_NEON_TWO_STEPS(OP, LD, kp) \
-  b0 = LD(kp);                          \
-  b1 = LD(kp + 4);                      \
-  b2 = LD(kp + 8);                      \
-  b3 = LD(kp + 12);                     \
-  ATTN_NEON_ROW(OP, 0, a0, 0)           \
-  ATTN_NEON_ROW(OP, 1, a0, 1)           \
-  ATTN_NEON_ROW(OP, 2, a0, 2)           \
-  ATTN_NEON_ROW(OP, 3, a0, 3)           \
-  ATTN_NEON_ROW(OP, 4, a1, 0)           \
-  ATTN_NEON_ROW(OP, 5, a1, 1)           \
-  b0 = LD(kp + 16);                     \
-  b1 = LD(kp + 20);                     \
-  b2 = LD(kp + 24);                     \
-  b3 = LD(kp + 28);                     \
-  ATTN_NEON_ROW(OP, 0, a1, 2)           \
-  ATTN_NEON_ROW(OP, 1, a1, 3)           \
-  ATTN_NEON_ROW(OP, 2, a2, 0)           \
-  ATTN_NEON_ROW(OP, 3, a2, 1)           \
-  ATTN_NEON_ROW(OP, 4, a2, 2)           \
-  ATTN_NEON_ROW(OP, 5, a2, 3)
+#define ATTN_NEON_TWO_STEPS(OP, LD, kp)                                  \
+  ATTN_NEON_K_STEP(OP, LD, kp, a0, 0, a0, 1, a0, 2, a0, 3, a1, 0, a1, 1) \
+  ATTN_NEON_K_STEP(OP, LD, kp + 16, a1, 2, a1, 3, a2, 0, a2, 1, a2, 2, a2, 3)
 // The last k of an odd count: Q's 6 values as 4 + 2 (no read past the panel).
 #define ATTN_NEON_ONE_STEP(OP, LD, kp) \
-  b0 = LD(kp);                         \
-  b1 = LD(kp + 4);                     \
-  b2 = LD(kp + 8);                     \
-  b3 = LD(kp + 12);                    \
-  ATTN_NEON_ROW(OP, 0, a0, 0)          \
-  ATTN_NEON_ROW(OP, 1, a0, 1)          \
-  ATTN_NEON_ROW(OP, 2, a0, 2)          \
-  ATTN_NEON_ROW(OP, 3, a0, 3)          \
-  ATTN_NEON_ROW(OP, 4, a1, 0)          \
-  ATTN_NEON_ROW(OP, 5, a1, 1)
+  ATTN_NEON_K_STEP(OP, LD, kp, a0, 0, a0, 1, a0, 2, a0, 3, a1, 0, a1, 1)
 
-#define ATTN_NEON_FMLA(c, b, A, L) vfmaq_laneq_f32(c, b, A, L)
-#define ATTN_NEON_SAME(x) (x)
+// The by-element multiply-add of each tile, on its K / Q vectors B loaded
+// from elements E: FMLA on fp32 values, BFDOT on 32-bit bf16 pairs.
+struct NeonFmla {
+  using E = float;
+  using B = float32x4_t;
+  static B ld(const float* p) { return vld1q_f32(p); }
+  static B ld_half(const float* p) { return vcombine_f32(vld1_f32(p), vdup_n_f32(0.f)); }
+  template <int L>
+  static float32x4_t op(float32x4_t c, B b, B a) {
+    return vfmaq_laneq_f32(c, b, a, L);
+  }
+};
+#if defined(ATTN_ISA_NEON_BF16)
+struct NeonBfdot {
+  using E = uint32_t;
+  using B = bfloat16x8_t;
+  static B ld(const uint32_t* p) { return vreinterpretq_bf16_u32(vld1q_u32(p)); }
+  static B ld_half(const uint32_t* p) {
+    return vreinterpretq_bf16_u32(vcombine_u32(vld1_u32(p), vdup_n_u32(0)));
+  }
+  template <int L>
+  static float32x4_t op(float32x4_t c, B b, B a) {
+    return vbfdotq_laneq_f32(c, b, a, L);
+  }
+};
+#endif
 
-inline void qk_micro_neon_6x4(const float* __restrict Qp, int64_t d, const float* __restrict Kp,
-                              float* __restrict S, int64_t lds) {
+// S[r * lds + c] = out(sum over k of Q[k][r] K[k][c]) for the 6 x 16 tile, by
+// P's multiply-add (d: the k count, in P's elements).
+#define ATTN_NEON_OP(c, b, A, L) P::template op<L>(c, b, A)
+template <typename P, typename Out>
+inline void qk_neon_6x4(const typename P::E* __restrict Qp, int64_t d,
+                        const typename P::E* __restrict Kp, float* __restrict S, int64_t lds,
+                        Out out) {
   ATTN_NEON_ACC(vdupq_n_f32(0.f))
-  float32x4_t b0, b1, b2, b3;
+  typename P::B b0, b1, b2, b3;
   int64_t k = 0;
   for (; k + 2 <= d; k += 2) {
-    const float* q = Qp + k * 6;
-    const float32x4_t a0 = vld1q_f32(q), a1 = vld1q_f32(q + 4), a2 = vld1q_f32(q + 8);
-    ATTN_NEON_TWO_STEPS(ATTN_NEON_FMLA, vld1q_f32, (Kp + k * 16))
+    const typename P::E* q = Qp + k * 6;
+    const typename P::B a0 = P::ld(q), a1 = P::ld(q + 4), a2 = P::ld(q + 8);
+    ATTN_NEON_TWO_STEPS(ATTN_NEON_OP, P::ld, (Kp + k * 16))
   }
   if (k < d) {
-    const float* q = Qp + k * 6;
-    const float32x4_t a0 = vld1q_f32(q), a1 = vcombine_f32(vld1_f32(q + 4), vdup_n_f32(0.f));
-    ATTN_NEON_ONE_STEP(ATTN_NEON_FMLA, vld1q_f32, (Kp + k * 16))
+    const typename P::E* q = Qp + k * 6;
+    const typename P::B a0 = P::ld(q), a1 = P::ld_half(q + 4);
+    ATTN_NEON_ONE_STEP(ATTN_NEON_OP, P::ld, (Kp + k * 16))
   }
-  ATTN_NEON_STORE(ATTN_NEON_SAME)
+  ATTN_NEON_STORE(out)
+}
+
+// qk_micro's 6 x 4 tile: S = Q K^T in fp32.
+inline void qk_micro_neon_6x4(const float* __restrict Qp, int64_t d, const float* __restrict Kp,
+                              float* __restrict S, int64_t lds) {
+  qk_neon_6x4<NeonFmla>(Qp, d, Kp, S, lds, [](float32x4_t x) { return x; });
 }
 
 #if defined(ATTN_ISA_NEON_BF16)
-#define ATTN_NEON_BFDOT(c, b, A, L) vbfdotq_laneq_f32(c, b, A, L)
-inline bfloat16x8_t neon_ld_pairs(const uint32_t* p) {
-  return vreinterpretq_bf16_u32(vld1q_u32(p));
-}
-
 // qk_micro_dot's 6 x 4 tile: S = scale * (Q K^T), Q and K as bf16 pairs.
 inline void qk_micro_dot_neon_6x4(const uint32_t* __restrict Qw, int64_t d2,
                                   const uint32_t* __restrict Kw, float scale, float* __restrict S,
                                   int64_t lds) {
-  ATTN_NEON_ACC(vdupq_n_f32(0.f))
-  bfloat16x8_t b0, b1, b2, b3;
-  int64_t k = 0;
-  for (; k + 2 <= d2; k += 2) {
-    const uint32_t* q = Qw + k * 6;
-    const bfloat16x8_t a0 = neon_ld_pairs(q), a1 = neon_ld_pairs(q + 4), a2 = neon_ld_pairs(q + 8);
-    ATTN_NEON_TWO_STEPS(ATTN_NEON_BFDOT, neon_ld_pairs, (Kw + k * 16))
-  }
-  if (k < d2) {
-    const uint32_t* q = Qw + k * 6;
-    const bfloat16x8_t a0 = neon_ld_pairs(q);
-    const bfloat16x8_t a1 = vreinterpretq_bf16_u32(vcombine_u32(vld1_u32(q + 4), vdup_n_u32(0)));
-    ATTN_NEON_ONE_STEP(ATTN_NEON_BFDOT, neon_ld_pairs, (Kw + k * 16))
-  }
   const float32x4_t vs = vdupq_n_f32(scale);
-  auto scaled = [vs](float32x4_t x) { return vmulq_f32(x, vs); };
-  ATTN_NEON_STORE(scaled)
+  qk_neon_6x4<NeonBfdot>(Qw, d2, Kw, S, lds, [vs](float32x4_t x) { return vmulq_f32(x, vs); });
 }
-#undef ATTN_NEON_BFDOT
 #endif
 
 #undef ATTN_NEON_ACC
@@ -140,5 +140,5 @@ inline void qk_micro_dot_neon_6x4(const uint32_t* __restrict Qw, int64_t d2,
 #undef ATTN_NEON_ROW
 #undef ATTN_NEON_TWO_STEPS
 #undef ATTN_NEON_ONE_STEP
-#undef ATTN_NEON_FMLA
-#undef ATTN_NEON_SAME
+#undef ATTN_NEON_K_STEP
+#undef ATTN_NEON_OP

@@ -42,27 +42,30 @@ struct Storage<float> : NativeStorage<float> {};
 template <>
 struct Storage<double> : NativeStorage<double> {};
 
-// bfloat16: widened by a 16-bit shift.
-template <>
-struct Storage<bf16_t> {
+// The 16-bit types, through Vec<float>'s conversions of their format:
+// bfloat16 widened by a 16-bit shift, IEEE binary16 by F16C where the ISA has
+// it (narrowing: round to nearest even, NaN kept).
+template <typename S>
+struct HalfStorage {
   static constexpr bool kNative = false;
+  static constexpr bool kBf16 = std::is_same<S, bf16_t>::value;
   using V = Vec<float>;
-  static float ld(const bf16_t* p) { return V::from_bf16(p->bits); }
-  static void put(bf16_t* p, float x) { p->bits = V::to_bf16(x); }
-  static V::R load(const bf16_t* p) { return V::load_bf16(bits_of(p)); }
-  static void store(bf16_t* p, V::R x) { V::store_bf16(bits_of(p), x); }
+  static float ld(const S* p) { return kBf16 ? V::from_bf16(p->bits) : V::from_f16(p->bits); }
+  static void put(S* p, float x) { p->bits = kBf16 ? V::to_bf16(x) : V::to_f16(x); }
+  static V::R load(const S* p) {
+    return kBf16 ? V::load_bf16(bits_of(p)) : V::load_f16(bits_of(p));
+  }
+  static void store(S* p, V::R x) {
+    if constexpr (kBf16)
+      V::store_bf16(bits_of(p), x);
+    else
+      V::store_f16(bits_of(p), x);
+  }
 };
-
-// IEEE binary16: F16C where the ISA has it.
 template <>
-struct Storage<fp16_t> {
-  static constexpr bool kNative = false;
-  using V = Vec<float>;
-  static float ld(const fp16_t* p) { return V::from_f16(p->bits); }
-  static void put(fp16_t* p, float x) { p->bits = V::to_f16(x); }
-  static V::R load(const fp16_t* p) { return V::load_f16(bits_of(p)); }
-  static void store(fp16_t* p, V::R x) { V::store_f16(bits_of(p), x); }
-};
+struct Storage<bf16_t> : HalfStorage<bf16_t> {};
+template <>
+struct Storage<fp16_t> : HalfStorage<fp16_t> {};
 
 template <typename S>
 inline compute_t<S> ld(const S* p) {

@@ -1,16 +1,14 @@
 // AVX2 + FMA vectors: 8 floats / 4 doubles per register, 16 registers.
 //
 // The vector layer of one ISA: the register type and its primitives, the
-// tile shapes of the micro-kernels (IsaTraits) and nothing else; the math
-// over the primitives (exp, exp2_neg) is vec_math.h, the same for every ISA.
-// Primitives, per Vec<T> (W lanes of T in one R):
-//   zero set1 load store fma(a, b, c) = a * b + c, mul add sub min max (the
-//   x86 rule: max(a, b) = b when either is NaN); hmax hsum (one register to
-//   a scalar) and hsum4 (four registers to four sums at once);
-//   select_lt(a, b, x, y) = a < b ? x : y, select_nan(a, x, y) = a NaN ? x : y
-//   (lane-wise); shift_exponent(r[, bias]) = the bits of r (plus bias, as
-//   integers) shifted left by the mantissa width: 2^n from a magic-rounded n;
-//   Vec<float> only: W and one 16-bit values (bf16, fp16) to and from fp32.
+// tile shapes of the micro-kernels (IsaTraits) and nothing else. The
+// primitives every SIMD ISA shares (zero load store add sub mul select_lt
+// select_nan shift_exponent) are vec_simd.h, the math over the primitives
+// (exp, exp2_neg) is vec_math.h. Here, per Vec<T> (W lanes of T in one R):
+//   set1, fma(a, b, c) = a * b + c, min max (the x86 rule: max(a, b) = b when
+//   either is NaN); hmax hsum (one register to a scalar) and hsum4 (four
+//   registers to four sums at once); Vec<float> only: W int8 codes and W
+//   16-bit values (bf16, fp16) to and from fp32.
 #pragma once
 #include <immintrin.h>
 
@@ -18,40 +16,19 @@
 // flash_bwd.cpp): MR rows x NR vectors, 12 accumulators of 16 ymm.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 2;
+  static constexpr int kRegs = 16;  // vector registers
 };
 
-template <typename T>
-struct Vec;
-
-#include "vec_math.h"
+constexpr int kSimdBytes = 32;
+#include "vec_simd.h"
 
 template <>
-struct Vec<float> : VecMath<float>, HalfScalar {
-  static constexpr int W = 8;
+struct Vec<float> : SimdVec<float>, HalfScalar {
   using R = __m256;
-  static R zero() { return _mm256_setzero_ps(); }
   static R set1(float x) { return _mm256_set1_ps(x); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
   static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R max(R a, R b) { return _mm256_max_ps(a, b); }
   static R min(R a, R b) { return _mm256_min_ps(a, b); }
-  static R select_lt(R a, R b, R x, R y) {
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
-  }
-  static R select_nan(R a, R x, R y) {
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-  }
-  static R shift_exponent(R r) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(r), 23));
-  }
-  static R shift_exponent(R r, int32_t bias) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(r), _mm256_set1_epi32(bias)), 23));
-  }
   static float hmax(R a) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -103,32 +80,12 @@ struct Vec<float> : VecMath<float>, HalfScalar {
 };
 
 template <>
-struct Vec<double> : VecMath<double> {
-  static constexpr int W = 4;
+struct Vec<double> : SimdVec<double> {
   using R = __m256d;
-  static R zero() { return _mm256_setzero_pd(); }
   static R set1(double x) { return _mm256_set1_pd(x); }
-  static R load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, R x) { _mm256_storeu_pd(p, x); }
   static R fma(R a, R b, R c) { return _mm256_fmadd_pd(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
-  static R add(R a, R b) { return _mm256_add_pd(a, b); }
-  static R sub(R a, R b) { return _mm256_sub_pd(a, b); }
   static R max(R a, R b) { return _mm256_max_pd(a, b); }
   static R min(R a, R b) { return _mm256_min_pd(a, b); }
-  static R select_lt(R a, R b, R x, R y) {
-    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, b, _CMP_LT_OQ));
-  }
-  static R select_nan(R a, R x, R y) {
-    return _mm256_blendv_pd(y, x, _mm256_cmp_pd(a, a, _CMP_UNORD_Q));
-  }
-  static R shift_exponent(R r) {
-    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(r), 52));
-  }
-  static R shift_exponent(R r, int64_t bias) {
-    return _mm256_castsi256_pd(
-        _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(r), _mm256_set1_epi64x(bias)), 52));
-  }
   static double hmax(R a) {
     __m128d x = _mm_max_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
     x = _mm_max_sd(x, _mm_unpackhi_pd(x, x));

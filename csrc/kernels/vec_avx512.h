@@ -1,46 +1,25 @@
 // AVX-512 F/BW/VL/DQ vectors: 16 floats / 8 doubles per register, 32 registers.
-// The primitives of vec_avx2.h (see there), on zmm registers; the math over
-// them is vec_math.h.
+// The primitives of vec_avx2.h (see there), on zmm registers; those every
+// SIMD ISA shares are vec_simd.h, the math over them vec_math.h.
 #pragma once
 #include <immintrin.h>
 
 // Register blocking of the fused kernels' micro-tiles: 24 accumulators of 32 zmm.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 4;
+  static constexpr int kRegs = 32;  // vector registers
 };
 
-template <typename T>
-struct Vec;
-
-#include "vec_math.h"
+constexpr int kSimdBytes = 64;
+#include "vec_simd.h"
 
 template <>
-struct Vec<float> : VecMath<float>, HalfScalar {
-  static constexpr int W = 16;
+struct Vec<float> : SimdVec<float>, HalfScalar {
   using R = __m512;
-  static R zero() { return _mm512_setzero_ps(); }
   static R set1(float x) { return _mm512_set1_ps(x); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R max(R a, R b) { return _mm512_max_ps(a, b); }
   static R min(R a, R b) { return _mm512_min_ps(a, b); }
-  static R select_lt(R a, R b, R x, R y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
-  }
-  static R select_nan(R a, R x, R y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), y, x);
-  }
-  static R shift_exponent(R r) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(r), 23));
-  }
-  static R shift_exponent(R r, int32_t bias) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(r), _mm512_set1_epi32(bias)), 23));
-  }
   // 2^t for t <= 0 (the softmax weights; hides VecMath's exp2_neg): f = t - floor(t)
   // in [0, 1] by vreduceps, 2^f by a degree-6 polynomial (a minimax fit on [0, 1],
   // relative error 1.9e-9, about 1 ulp in float), times 2^floor(t) by vscalefps, which
@@ -202,32 +181,12 @@ struct Vec<float> : VecMath<float>, HalfScalar {
 };
 
 template <>
-struct Vec<double> : VecMath<double> {
-  static constexpr int W = 8;
+struct Vec<double> : SimdVec<double> {
   using R = __m512d;
-  static R zero() { return _mm512_setzero_pd(); }
   static R set1(double x) { return _mm512_set1_pd(x); }
-  static R load(const double* p) { return _mm512_loadu_pd(p); }
-  static void store(double* p, R x) { _mm512_storeu_pd(p, x); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_pd(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
-  static R add(R a, R b) { return _mm512_add_pd(a, b); }
-  static R sub(R a, R b) { return _mm512_sub_pd(a, b); }
   static R max(R a, R b) { return _mm512_max_pd(a, b); }
   static R min(R a, R b) { return _mm512_min_pd(a, b); }
-  static R select_lt(R a, R b, R x, R y) {
-    return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(a, b, _CMP_LT_OQ), y, x);
-  }
-  static R select_nan(R a, R x, R y) {
-    return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(a, a, _CMP_UNORD_Q), y, x);
-  }
-  static R shift_exponent(R r) {
-    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(r), 52));
-  }
-  static R shift_exponent(R r, int64_t bias) {
-    return _mm512_castsi512_pd(
-        _mm512_slli_epi64(_mm512_add_epi64(_mm512_castpd_si512(r), _mm512_set1_epi64(bias)), 52));
-  }
   static double hmax(R a) { return _mm512_reduce_max_pd(a); }
   static double hsum(R a) { return _mm512_reduce_add_pd(a); }
 };

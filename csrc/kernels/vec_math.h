@@ -1,8 +1,8 @@
 // The vector math of the kernels, written once over the Vec<T> primitives of
-// the SIMD headers (vec_avx2.h, vec_avx512.h): exp and exp2_neg for float and
-// double. Included by those headers right after `template <typename T> struct
-// Vec;`, inside the kernel source's ISA namespace (isa.h): no static data.
-// The scalar header (vec_scalar.h) uses libm instead.
+// the SIMD headers (vec_avx2.h, vec_avx512.h, vec_neon.h): exp and exp2_neg
+// for float and double. Included by vec_simd.h right after `template
+// <typename T> struct Vec;`, inside the kernel source's ISA namespace (isa.h):
+// no static data. The scalar header (vec_scalar.h) uses libm instead.
 //
 // Primitives used: zero, set1, add, sub, mul, fma, min, max, select_lt,
 // select_nan, shift_exponent, hsum (see vec_avx2.h for their meaning).
@@ -22,19 +22,36 @@
 //   its coefficients; double keeps the Taylor series of exp, times ln 2.
 #pragma once
 
-// Constants of exp / exp2_neg per compute type.
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+// The constants of exp / exp2_neg that follow from the format of T (IEEE
+// binary32 / binary64): the exponent range, and the magic 1.5 * 2^p (p the
+// mantissa bits) whose addition rounds to an integer n in the low mantissa
+// bits, plus the exponent bias for exp2_neg's shift.
+template <typename T>
+struct ExpFormat {
+  using Bits = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  static constexpr int kMant = std::numeric_limits<T>::digits - 1;        // 23, 52
+  static constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;  // 127, 1023
+  static constexpr T kLog2e = static_cast<T>(1.442695040888963407359924681L);
+  static constexpr T kLn2 = static_cast<T>(0.693147180559945309417232121L);
+  static constexpr T kLo = T(-kBias), kHi = T(kBias + 1), kUnderflow = T(1 - kBias);
+  static constexpr T kMagic = T(3) * T(Bits(1) << (kMant - 1));  // 1.5 * 2^p
+  static constexpr T kMagicBiased = kMagic + T(kBias);
+  // The exponent bias minus the magic's bits (exp_poly's shift_exponent).
+  static constexpr Bits kExpBias =
+      kBias - ((Bits(kMant + kBias) << kMant) | (Bits(1) << (kMant - 1)));
+};
+
+// The polynomials per compute type.
 template <typename T>
 struct ExpConsts;
 
 template <>
-struct ExpConsts<float> {
-  using Bits = int32_t;
-  static constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
-  static constexpr float kLo = -127.f, kHi = 128.f, kUnderflow = -126.f;
-  static constexpr float kMagic = 12582912.f;         // 1.5 * 2^23
-  static constexpr float kMagicBiased = 12583039.f;   // 1.5 * 2^23 + 127
-  static constexpr Bits kExpBias = 127 - 0x4B400000;  // exponent bias minus the magic's bits
-  static constexpr bool kScaleF = false;              // exp2_neg: ln 2 is in its coefficients
+struct ExpConsts<float> : ExpFormat<float> {
+  static constexpr bool kScaleF = false;  // exp2_neg: ln 2 is in its coefficients
   static constexpr int kTaylorN = 7, kExp2N = 7;
   // Horner order, highest degree first.
   static constexpr float taylor(int i) {
@@ -63,13 +80,7 @@ struct ExpConsts<float> {
 };
 
 template <>
-struct ExpConsts<double> {
-  using Bits = int64_t;
-  static constexpr double kLog2e = 1.4426950408889634074, kLn2 = 0.69314718055994530942;
-  static constexpr double kLo = -1023., kHi = 1024., kUnderflow = -1022.;
-  static constexpr double kMagic = 6755399441055744.0;        // 1.5 * 2^52
-  static constexpr double kMagicBiased = 6755399441056767.0;  // 1.5 * 2^52 + 1023
-  static constexpr Bits kExpBias = 1023 - 0x4338000000000000LL;
+struct ExpConsts<double> : ExpFormat<double> {
   static constexpr bool kScaleF = true;  // exp2_neg: f * ln 2, then the Taylor series of exp
   static constexpr int kTaylorN = 13, kExp2N = 13;
   static constexpr double taylor(int i) {

@@ -1,6 +1,7 @@
 // Advanced SIMD (NEON) vectors of ARMv8-A: 4 floats / 2 doubles per register,
 // 32 registers. The primitives of vec_avx2.h (see there for their meaning), on
-// 128-bit registers; the math over them is vec_math.h. Baseline ARMv8-A only:
+// 128-bit registers; those every SIMD ISA shares are vec_simd.h, the math over
+// them vec_math.h. Baseline ARMv8-A only:
 // every aarch64 CPU runs the neon object. The neon_bf16 object (FEAT_BF16,
 // ATTN_ISA_NEON_BF16) adds DotBf16 at the end: BFDOT on bf16 pairs.
 //
@@ -17,12 +18,11 @@
 // lane: neon_tiles.h) of the 32 registers.
 struct IsaTraits {
   static constexpr int kMR = 6, kNR = 4;
+  static constexpr int kRegs = 32;  // vector registers
 };
 
-template <typename T>
-struct Vec;
-
-#include "vec_math.h"
+constexpr int kSimdBytes = 16;
+#include "vec_simd.h"
 
 // One 16-bit value <-> fp32 (attn_fast/half.h: round to nearest even, NaN
 // kept), the scalar tails of the vector conversions below.
@@ -34,28 +34,12 @@ struct HalfNeon {
 };
 
 template <>
-struct Vec<float> : VecMath<float>, HalfNeon {
-  static constexpr int W = 4;
+struct Vec<float> : SimdVec<float>, HalfNeon {
   using R = float32x4_t;
-  static R zero() { return vdupq_n_f32(0.f); }
   static R set1(float x) { return vdupq_n_f32(x); }
-  static R load(const float* p) { return vld1q_f32(p); }
-  static void store(float* p, R x) { vst1q_f32(p, x); }
   static R fma(R a, R b, R c) { return vfmaq_f32(c, a, b); }
-  static R mul(R a, R b) { return vmulq_f32(a, b); }
-  static R add(R a, R b) { return vaddq_f32(a, b); }
-  static R sub(R a, R b) { return vsubq_f32(a, b); }
   static R max(R a, R b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
   static R min(R a, R b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
-  static R select_lt(R a, R b, R x, R y) { return vbslq_f32(vcltq_f32(a, b), x, y); }
-  static R select_nan(R a, R x, R y) { return vbslq_f32(vceqq_f32(a, a), y, x); }
-  static R shift_exponent(R r) {
-    return vreinterpretq_f32_s32(vshlq_n_s32(vreinterpretq_s32_f32(r), 23));
-  }
-  static R shift_exponent(R r, int32_t bias) {
-    return vreinterpretq_f32_s32(
-        vshlq_n_s32(vaddq_s32(vreinterpretq_s32_f32(r), vdupq_n_s32(bias)), 23));
-  }
   static float hmax(R a) {  // the x86 order: (0 max 2, 1 max 3), then the two
     const float32x2_t x = vget_low_f32(max(a, vextq_f32(a, a, 2)));
     const float x0 = vget_lane_f32(x, 0), x1 = vget_lane_f32(x, 1);
@@ -95,28 +79,12 @@ struct Vec<float> : VecMath<float>, HalfNeon {
 };
 
 template <>
-struct Vec<double> : VecMath<double> {
-  static constexpr int W = 2;
+struct Vec<double> : SimdVec<double> {
   using R = float64x2_t;
-  static R zero() { return vdupq_n_f64(0.0); }
   static R set1(double x) { return vdupq_n_f64(x); }
-  static R load(const double* p) { return vld1q_f64(p); }
-  static void store(double* p, R x) { vst1q_f64(p, x); }
   static R fma(R a, R b, R c) { return vfmaq_f64(c, a, b); }
-  static R mul(R a, R b) { return vmulq_f64(a, b); }
-  static R add(R a, R b) { return vaddq_f64(a, b); }
-  static R sub(R a, R b) { return vsubq_f64(a, b); }
   static R max(R a, R b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }
   static R min(R a, R b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
-  static R select_lt(R a, R b, R x, R y) { return vbslq_f64(vcltq_f64(a, b), x, y); }
-  static R select_nan(R a, R x, R y) { return vbslq_f64(vceqq_f64(a, a), y, x); }
-  static R shift_exponent(R r) {
-    return vreinterpretq_f64_s64(vshlq_n_s64(vreinterpretq_s64_f64(r), 52));
-  }
-  static R shift_exponent(R r, int64_t bias) {
-    return vreinterpretq_f64_s64(
-        vshlq_n_s64(vaddq_s64(vreinterpretq_s64_f64(r), vdupq_n_s64(bias)), 52));
-  }
   static double hmax(R a) {
     const double x0 = vgetq_lane_f64(a, 0), x1 = vgetq_lane_f64(a, 1);
     return x0 > x1 ? x0 : x1;

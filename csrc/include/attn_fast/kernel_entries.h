@@ -2,7 +2,7 @@
 //
 // Each ISA object (csrc/kernels/*.cpp compiled with one ISA's flags, see
 // CMakeLists.txt and kernels/isa.h) defines these functions in its namespace
-// attn_fast::isa_<name>; dispatch.cpp and probes.cpp declare them for every
+// attn_fast::isa_<name>; dispatch.cpp and machine_probes.cpp declare them for every
 // ISA compiled into the build and call the active one. Adding a storage type
 // to a kernel is one X(...) line in its list (plus the type's traits block in
 // kernels/storage.h); adding an ISA is one ATTN_ISA_ENTRY_POINTS namespace in
@@ -28,7 +28,7 @@
 #define ATTN_DECLARE_BACKWARD(sfx, S) void flash_backward_##sfx(const BwdArgs<S>& a);
 
 // What every ISA object defines (flash_fwd.cpp, decode.cpp, flash_bwd.cpp,
-// probes.cpp). The probe loops (kernels/probes.cpp): fma_loop runs `iters`
+// probe_loops.cpp). The probe loops (kernels/probe_loops.cpp): fma_loop runs `iters`
 // rounds of 10 independent W-lane FMA chains and returns the FLOPs done;
 // read_loop returns the sum of n floats (any n), read as a stream.
 #define ATTN_ISA_ENTRY_POINTS                \
@@ -39,7 +39,7 @@
   double read_loop(const float* p, int64_t n);
 
 // What the avx512_bf16 object defines (flash_fwd.cpp, decode.cpp and
-// probes.cpp): the vdpbf16ps forward and decode for bf16 storage and its
+// probe_loops.cpp): the vdpbf16ps forward and decode for bf16 storage and its
 // throughput probe (the shape of fma_loop, 2 FLOPs per bf16 pair). Every other
 // call of that ISA runs the avx512 object.
 #define ATTN_BF16DOT_ENTRY_POINTS                          \

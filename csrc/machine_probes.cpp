@@ -1,5 +1,5 @@
 // The machine probes, compiled at the baseline ISA: the timing, threads and
-// buffers around the per-ISA loops of kernels/probes.cpp (fma_loop,
+// buffers around the per-ISA loops of kernels/probe_loops.cpp (fma_loop,
 // read_loop, dpbf16_loop), chosen like every entry point (dispatch.h).
 //   fma_peak_gflops     FP32 FMA peak of `threads` threads (the benchmark's
 //                       roofline for prefill)
