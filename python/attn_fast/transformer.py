@@ -83,55 +83,61 @@ def _compute(dt: np.dtype) -> tuple[Any, Any]:
     return (lambda a: a), float
 
 
-class LayerNorm(_Layer):
+class _Norm(_Layer):
+    """A norm over the last axis (D,) with a weight (D,): ``_normalize`` on x in the
+    compute dtype; 16-bit: computed in float32, rounded once."""
+
+    def __init__(self, dim: int, eps: float, dtype: DTypeLike) -> None:
+        self.eps = check_real(eps, "eps", minimum=0.0)
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
+
+    @property
+    def _dtype(self) -> np.dtype:
+        return self.weight.dtype
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        c, eps = _compute(self._dtype)
+        y = self._normalize(c(x), eps(self.eps), c)
+        return y.astype(self._dtype) if is_half(self._dtype) else y
+
+    def _normalize(self, x: np.ndarray, eps: Any, c: Any) -> np.ndarray:
+        raise NotImplementedError
+
+
+class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,).
 
     x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
     ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
-        self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
+        super().__init__(dim, eps, dtype)
         self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
-
-    @property
-    def _dtype(self) -> np.dtype:
-        return self.weight.dtype
 
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
 
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        c, eps = _compute(self._dtype)
-        xc = c(x) - c(x).mean(axis=-1, keepdims=True)
+    def _normalize(self, x, eps, c):
+        xc = x - x.mean(axis=-1, keepdims=True)
         var = np.mean(xc * xc, axis=-1, keepdims=True)
-        y = xc / np.sqrt(var + eps(self.eps)) * c(self.weight) + c(self.bias)
-        return y.astype(self._dtype) if is_half(self._dtype) else y
+        return xc / np.sqrt(var + eps) * c(self.weight) + c(self.bias)
 
 
-class RMSNorm(_Layer):
+class RMSNorm(_Norm):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,).
 
     x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
     ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
-        self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
-
-    @property
-    def _dtype(self) -> np.dtype:
-        return self.weight.dtype
+        super().__init__(dim, eps, dtype)
 
     def _own(self):
         return {"weight": self.weight}
 
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        c, eps = _compute(self._dtype)
-        xc = c(x)
-        ms = np.mean(xc * xc, axis=-1, keepdims=True)
-        y = xc / np.sqrt(ms + eps(self.eps)) * c(self.weight)
-        return y.astype(self._dtype) if is_half(self._dtype) else y
+    def _normalize(self, x, eps, c):
+        ms = np.mean(x * x, axis=-1, keepdims=True)
+        return x / np.sqrt(ms + eps) * c(self.weight)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
@@ -146,11 +152,9 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-class MLP(_Layer):
-    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F).
-
-    x (…, D) of the weights' dtype; 16-bit: each product and the GELU in
-    float32, each result rounded once."""
+class _FeedForward(_Layer):
+    """A feed-forward D -> F -> D whose weights ``_make`` draws (normal, std
+    1/sqrt(fan_in)) from `rng` (seed or Generator) in `dtype`."""
 
     def __init__(
         self,
@@ -161,6 +165,19 @@ class MLP(_Layer):
     ) -> None:
         gen = as_rng(rng)
         dtype = layer_dtype(dtype)
+        self._make(gen, d_model, d_ff, dtype)
+
+    def _make(self, gen: np.random.Generator, d_model: int, d_ff: int, dtype: np.dtype) -> None:
+        raise NotImplementedError
+
+
+class MLP(_FeedForward):
+    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F).
+
+    x (…, D) of the weights' dtype; 16-bit: each product and the GELU in
+    float32, each result rounded once."""
+
+    def _make(self, gen, d_model, d_ff, dtype):
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
         self.W2 = _init(gen, (d_model, d_ff), dtype)
@@ -179,22 +196,14 @@ class MLP(_Layer):
         return linear(g, self.W2, self.b2)
 
 
-class SwiGLU(_Layer):
+class SwiGLU(_FeedForward):
     """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
 
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
     W_down (D, F). x (…, D) of the weights' dtype; 16-bit: each product and
     the gating in float32, each result rounded once."""
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        rng: int | np.random.Generator | None = None,
-        dtype: DTypeLike = np.float32,
-    ) -> None:
-        gen = as_rng(rng)
-        dtype = layer_dtype(dtype)
+    def _make(self, gen, d_model, d_ff, dtype):
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
         self.W_down = _init(gen, (d_model, d_ff), dtype)
