@@ -18,9 +18,9 @@ import sys
 import numpy as np
 import pytest
 
-from attn_fast import bench, bench_suite
 from attn_fast.__main__ import main as cli_main
 from attn_fast.__main__ import prog_name
+from attn_fast._bench import cases, common, measure, prefill, suite, tables
 from attn_fast.variants import LinearAttentionState, linear_attention
 
 FORBIDDEN = ("issue", "NOT met", "[met]", "targets", "'.[bench]'")
@@ -57,7 +57,7 @@ def _limit_lines(text):
 
 def _suite(tmp_path, capsys, *args):
     assert (
-        bench_suite.main(
+        suite.main(
             ["--quick", "--tiny", "--impls", "attn_fast", "numpy", "--out", str(tmp_path), *args]
         )
         == 0
@@ -117,11 +117,11 @@ def test_plain_bench_honours_omp_num_threads():
 
 
 def test_plain_bench_threads_option(capsys):
-    assert bench.main(["--tiny", "--threads", "1", "--no-numpy"]) == 0
+    assert prefill.main(["--tiny", "--threads", "1", "--no-numpy"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\bthreads 1\b", out)
     rows = [x for x in out.splitlines() if re.match(r"\s*1\s+2\s+64\s+16", x)]
-    assert len(rows) == len(bench.TINY_CASES)
+    assert len(rows) == len(prefill.TINY_CASES)
     assert len([x for x in out.splitlines() if "FMA peak" in x]) == 1  # one peak, used by every row
     for word in FORBIDDEN:
         assert word not in out, word
@@ -159,14 +159,14 @@ def test_suite_threads_option_and_one_peak_per_section(tmp_path, capsys):
 def test_bad_options_exit_2(tmp_path, capsys):
     for argv in (["--threads", "0", "--tiny"], ["--repeats", "0", "--tiny"]):
         with pytest.raises(SystemExit) as e:
-            bench.main(argv)
+            prefill.main(argv)
         assert e.value.code == 2
     for argv in (
         ["--quick", "--tiny", "--threads", "0"],
         ["--quick", "--tiny", "--cases", "no such case"],
     ):
         with pytest.raises(SystemExit) as e:
-            bench_suite.main([*argv, "--out", str(tmp_path)])
+            suite.main([*argv, "--out", str(tmp_path)])
         assert e.value.code == 2
     capsys.readouterr()
 
@@ -182,13 +182,13 @@ def test_plot_legend_lists_only_what_was_measured(tmp_path, capsys):
     for row in res["results"]:
         row["impls"]["onnxruntime"] = {"skipped": "onnxruntime/onnx not installed"}
         row["impls"]["torch"] = {"skipped": "torch not installed"}
-    assert bench_suite.measured_impls(res) == ["attn_fast", "numpy"]
-    fig = bench_suite.plot_figure(res)
+    assert tables.measured_impls(res) == ["attn_fast", "numpy"]
+    fig = tables.plot_figure(res)
     for ax in fig.axes:
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["attn_fast", "numpy"]
     # a peer measured on one case only is in the legend
     res["results"][0]["impls"]["torch"] = {**res["results"][0]["impls"]["numpy"]}
-    fig = bench_suite.plot_figure(res)
+    fig = tables.plot_figure(res)
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
         "attn_fast",
         "numpy",
@@ -200,14 +200,13 @@ def test_plot_legend_lists_only_what_was_measured(tmp_path, capsys):
 
 
 def test_install_hint_names_the_package(monkeypatch, tmp_path, capsys):
-    real = bench_suite._import
+    real = common.import_peer
     monkeypatch.setattr(
-        bench_suite,
-        "_import",
+        common,
+        "import_peer",
         lambda name: None if name in ("torch", "onnxruntime") else real(name),
     )
-    monkeypatch.setattr(bench, "_torch", lambda: None)
-    bench_suite.main(
+    suite.main(
         [
             "--quick",
             "--tiny",
@@ -221,7 +220,7 @@ def test_install_hint_names_the_package(monkeypatch, tmp_path, capsys):
             str(tmp_path),
         ]
     )
-    assert bench.main(["--tiny", "--threads", "1", "--no-numpy"]) == 0
+    assert prefill.main(["--tiny", "--threads", "1", "--no-numpy"]) == 0
     out = capsys.readouterr().out
     hints = [line for line in out.splitlines() if "pip install" in line]
     assert all("pip install 'attn_fast[bench]'" in line for line in hints)
@@ -292,9 +291,9 @@ def test_linear_attention_state_repr_is_short(rng):
 def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
     """bench --dtype bf16|fp16: each case again in that dtype, right after its float32 row;
     attn_fast checked and timed, the float32-only NumPy peer skipped; torch timed when installed."""
-    impls = ["attn_fast", "numpy"] + (["torch"] if bench_suite._import("torch") else [])
+    impls = ["attn_fast", "numpy"] + (["torch"] if common.import_peer("torch") else [])
     assert (
-        bench.main(
+        prefill.main(
             [
                 "--tiny",
                 "--threads",
@@ -315,7 +314,7 @@ def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
     with open(path) as f:
         res = json.load(f)
     names = [r["name"] for r in res["results"]]
-    plain = [c.name for c in bench_suite.tiny_cases()]
+    plain = [c.name for c in cases.tiny_cases()]
     assert names == [n for p in plain for n in (p, f"{p} {dtype}")]
     for row in res["results"]:
         a = row["impls"]["attn_fast"]
@@ -326,8 +325,8 @@ def test_suite_dtype_adds_16bit_rows(tmp_path, capsys, dtype):
                 assert "speedup_attn_fast" in row["impls"]["torch"]
             if row["case"]["kind"] == "decode":  # 2 bytes per K/V element
                 assert (
-                    bench_suite.Case(**row["case"]).kv_bytes * 2
-                    == bench_suite.Case(**{**row["case"], "dtype": "fp32"}).kv_bytes
+                    cases.Case(**row["case"]).kv_bytes * 2
+                    == cases.Case(**{**row["case"], "dtype": "fp32"}).kv_bytes
                 )
         assert row["name"] in text
     for word in FORBIDDEN:
@@ -341,11 +340,11 @@ def test_time_interleaved_warms_after_the_pause(monkeypatch):
     """After each cooldown pause an implementation runs untimed for WARM_S before its timed
     call (an idle VM wakes up slowly); cooldown=False pauses and warms nothing; long calls
     (>= WARM_MAX_S) are not warmed once one has been timed."""
-    monkeypatch.setattr(bench_suite, "COOLDOWN_DEFAULT_S", 0.0)
-    monkeypatch.setattr(bench_suite, "WARM_S", 0.02)
+    monkeypatch.setattr(measure, "COOLDOWN_DEFAULT_S", 0.0)
+    monkeypatch.setattr(measure, "WARM_S", 0.02)
     clock = {"t": 0.0}
-    monkeypatch.setattr(bench_suite.time, "perf_counter", lambda: clock["t"])
-    monkeypatch.setattr(bench_suite.time, "sleep", lambda s: None)
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(measure.time, "sleep", lambda s: None)
     calls = {"short": 0, "long": 0}
 
     def make(name, seconds):
@@ -356,12 +355,12 @@ def test_time_interleaved_warms_after_the_pause(monkeypatch):
         return fn
 
     fns = {"short": make("short", 0.005), "long": make("long", 0.3)}
-    samples = bench_suite.time_interleaved(fns, repeats=3, warmup=0)
+    samples = measure.time_interleaved(fns, repeats=3, warmup=0)
     assert samples["short"] == pytest.approx([0.005] * 3)
     assert samples["long"] == pytest.approx([0.3] * 3)
     # short: 4 untimed calls (0.02 s) + 1 timed per round; long: 1 untimed call in the
     # first round only (its length is not known before), then timed calls alone
     assert calls == {"short": 3 * 5, "long": 1 + 3}
     calls.update(short=0, long=0)
-    bench_suite.time_interleaved(fns, repeats=3, warmup=0, cooldown=False)
+    measure.time_interleaved(fns, repeats=3, warmup=0, cooldown=False)
     assert calls == {"short": 3, "long": 3}

@@ -852,7 +852,7 @@ def test_dense_mask_block_summary_changes_nothing(isa, rng, shape, monkeypatch):
     mask = random_mask(rng, shape, 0.5)
     if len(shape) == 4 and shape[-1] > 1:
         mask[..., 64:160] = False  # whole empty tiles
-    args = af.functional._mask_args(mask, False, None, B, H, Lq, Lk, np.float32)
+    args = af._args.mask_args(mask, False, None, B, H, Lq, Lk, np.float32)
     assert args.layout_bq == M.SUMMARY_BLOCK and args.layout.shape == (B, H, 10, 13)
     o1, s1 = af.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_stats=True)
     monkeypatch.setattr(M, "add_block_summary", lambda kw: kw)

@@ -98,12 +98,13 @@ def test_probes():
 
 
 def test_suite_smoke(tmp_path):
-    from attn_fast import bench_suite as bs
+    from attn_fast._bench import cases as bs
+    from attn_fast._bench.suite import run
 
     cases = [bs.Case("prefill", 1, 2, 2, 64, 64, 16, c) for c in (False, True)]
     cases.append(bs.Case("decode", 1, 4, 2, 1, 50, 16, False))
     with open(tmp_path / "log.txt", "w") as log:
-        res = bs.run(cases, [1], repeats=1, memory=False, impls=("attn_fast", "numpy"), out=log)
+        res = run(cases, [1], repeats=1, memory=False, impls=("attn_fast", "numpy"), out=log)
     assert [r["name"] for r in res["results"]] == [c.name for c in cases]
     for r in res["results"]:
         for impl in ("attn_fast", "numpy"):

@@ -40,8 +40,8 @@ from dataclasses import replace
 import numpy as np
 
 import attn_fast as af
-from attn_fast import bench_suite as bs
 from attn_fast import reference
+from attn_fast._bench import cases as bs
 
 
 def load_base(wheel, where):
@@ -80,7 +80,7 @@ def select_cases(which, dtype):
 def oracle_error(o, case, q, k, v):
     """max |o - float64 oracle| on the first (batch, head), relative to max |oracle|."""
     mask = reference.causal_mask(case.Lq, case.Lk) if case.causal else None
-    q, k, v, o = (bs._f64(x[:1, :1]) for x in (q, k, v, o))
+    q, k, v, o = (bs.f64(x[:1, :1]) for x in (q, k, v, o))
     ref = reference.sdpa(q, k, v, mask=mask)
     return float(np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-30))
 
@@ -110,7 +110,7 @@ def run_case(case, new, base, pairs, threads):
             q, k, v, is_causal=case.causal, enable_gqa=gqa
         )
     o_new, o_base = calls["new"](), calls["base"]()
-    diff = float(np.abs(bs._f64(o_new) - bs._f64(o_base)).max())
+    diff = float(np.abs(bs.f64(o_new) - bs.f64(o_base)).max())
     err = max(oracle_error(o, case, q, k, v) for o in (o_new, o_base))
     if err > (1e-4 if case.dtype == "fp32" else 2e-2):
         raise SystemExit(f"{case.name}: a build is off the float64 oracle by {err:.2e}")
@@ -156,7 +156,7 @@ def run_kv_case(case, new, base, pairs, threads, storage):
             c.append(k, v)
             qq = q
         calls[name] = lambda c=c, qq=qq: c.attend(qq)
-    diff = float(np.abs(bs._f64(calls["new"]()) - bs._f64(calls["base"]())).max())
+    diff = float(np.abs(bs.f64(calls["new"]()) - bs.f64(calls["base"]())).max())
     return _time_pairs(calls, pairs, diff)
 
 

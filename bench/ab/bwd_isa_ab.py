@@ -27,7 +27,7 @@ import sys
 import time
 
 import attn_fast as af
-from attn_fast import bench_suite as bs
+from attn_fast._bench import cases as bs
 
 # bench_backward.py (its cases and timed functions) is a sibling folder's script.
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import attn_fast.bench_suite as bs
-from attn_fast.bench_suite import Case, make_inputs, prepare
+import attn_fast._bench.measure as bs
+from attn_fast._bench.cases import Case, make_inputs
+from attn_fast._bench.peers import prepare
 
 CASES = [
     Case("decode", 1, 32, 8, 1, 4096, 128, False),

@@ -5,7 +5,7 @@
     python bench/benchmarks/bench_backward.py --threads 2 --repeats 5 --no-memory
     python bench/benchmarks/bench_backward.py --dtype bfloat16  # 16-bit rows (float16 too)
 
-For each prefill case of the benchmark suite (attn_fast.bench_suite,
+For each prefill case of the benchmark suite (attn_fast._bench.cases,
 float32): first checks that both give the same gradients (relative error
 of dq, dk, dv), then times, interleaved in the same run (rotating order,
 one call each per round), the medians of
@@ -41,7 +41,8 @@ import time
 import numpy as np
 
 import attn_fast as af
-from attn_fast import bench_suite as bs
+from attn_fast._bench import cases as bs
+from attn_fast._bench.measure import machine_limits, time_interleaved
 
 
 def make_fns(case, threads):
@@ -106,7 +107,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("bench_backward", sys.argv[4])
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 make_fns = mod.make_fns
-from attn_fast.bench_suite import Case
+from attn_fast._bench.cases import Case
 case = Case(**json.loads(sys.argv[1])); threads = int(sys.argv[3])
 fns = dict(zip(("attn_fast", "torch"), make_fns(case, threads)))
 def status(key):
@@ -194,7 +195,7 @@ def training_step_bench(threads, repeats, B=4, L=256, D=256, H=8, layers=4, voca
             losses.setdefault(name, []).append(float(loss.detach()))
 
         steps[name] = step
-    ts = bs.time_interleaved(steps, repeats, warmup=1, cooldown=False)
+    ts = time_interleaved(steps, repeats, warmup=1, cooldown=False)
     return {n: statistics.median(t) for n, t in ts.items()}, losses
 
 
@@ -237,7 +238,7 @@ def half_fns(case, threads, dtype):
 
 
 def half_main(a, cases):
-    peak, _ = bs.machine_limits(a.threads)
+    peak, _ = machine_limits(a.threads)
     print(
         f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | "
         f"{af._config.cpu_model()} | backward in {a.dtype} vs float32 | medians of {a.repeats} "
@@ -251,7 +252,7 @@ def half_main(a, cases):
     )
     for case in cases:
         fns, e = half_fns(case, a.threads, a.dtype)
-        ts = bs.time_interleaved(fns, a.repeats, warmup=1, cooldown=False)
+        ts = time_interleaved(fns, a.repeats, warmup=1, cooldown=False)
         m = {n: statistics.median(t) for n, t in ts.items()}
         gf = backward_flops(case) / m["af16"] / 1e9
         print(
@@ -285,7 +286,7 @@ def main(argv=None):
     ]
     if a.dtype != "float32":
         return half_main(a, cases)
-    peak, _ = bs.machine_limits(a.threads)
+    peak, _ = machine_limits(a.threads)
     print(
         f"attn_fast {af.__version__} | isa {af.get_isa()} | threads {a.threads} | "
         f"{af._config.cpu_model()} | float32 | "
@@ -300,12 +301,12 @@ def main(argv=None):
     for case in cases:
         run_af, run_torch = make_fns(case, a.threads)
         err = check(run_af, run_torch)
-        ts = bs.time_interleaved(
+        ts = time_interleaved(
             {"attn_fast": run_af, "torch": run_torch}, a.repeats, warmup=1, cooldown=False
         )
         med = {n: statistics.median(t) for n, t in ts.items()}
         bwd_af, bwd_torch = make_bwd_fns(case, a.threads)
-        tb = bs.time_interleaved(
+        tb = time_interleaved(
             {"attn_fast": bwd_af, "torch": bwd_torch}, a.repeats, warmup=1, cooldown=False
         )
         mb = {n: statistics.median(t) for n, t in tb.items()}

@@ -47,9 +47,9 @@ import numpy as np
 
 import attn_fast as af
 from attn_fast import _core, reference
+from attn_fast._bench.common import settle, time_runs
 from attn_fast._checks import BF16, bf16_bits, from_float, to_float
 from attn_fast._config import config
-from attn_fast.bench import settle, time_runs
 
 # The committed plot and tables live in bench/tables/ (bench/README.md).
 TABLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tables")

@@ -27,8 +27,8 @@ import numpy as np
 import attn_fast as af
 from attn_fast import masks as M
 from attn_fast import reference as ref
+from attn_fast._bench.common import settle, time_runs
 from attn_fast._config import config
-from attn_fast.bench import settle, time_runs
 
 
 def median_time(fn, repeats, warmup=1):

@@ -35,9 +35,9 @@ import numpy as np
 
 import attn_fast as af
 from attn_fast import _core, reference
+from attn_fast._bench.common import settle
 from attn_fast._checks import BF16, F16, bf16_bits, from_float, to_float
 from attn_fast._config import config
-from attn_fast.bench import settle
 
 HQ, HKV, D = 32, 8, 128
 DTYPES = {

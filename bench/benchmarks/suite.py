@@ -3,7 +3,7 @@
 
 import sys
 
-from attn_fast.bench_suite import main
+from attn_fast._bench.suite import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]

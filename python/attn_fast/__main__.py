@@ -36,7 +36,7 @@ def main(argv=None):
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        from .bench import main as bench_main
+        from ._bench.prefill import main as bench_main
 
         return bench_main(rest, prog=f"{prog} bench")
     if cmd == "config":

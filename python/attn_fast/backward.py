@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _dispatch, masks
+from ._args import block_size, check_varlen, half_mask, mask_args, score_args, varlen_args
 from ._checks import (
     HALF_DTYPES,
     as_float_array,
@@ -39,14 +40,6 @@ from ._checks import (
     shape_str,
     to4,
     to_input_kind,
-)
-from .functional import (
-    _block_size,
-    _half_mask,
-    _mask_args,
-    _score_args,
-    check_varlen,
-    varlen_args,
 )
 
 __all__ = ["scaled_dot_product_attention_backward", "varlen_attention_backward"]
@@ -169,12 +162,12 @@ def scaled_dot_product_attention_backward(
     k, v = as_float_array(k, "k", half=True), as_float_array(v, "v", half=True)
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, q.shape[:-1] + (dv_,), q.shape[:-1])
-    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
+    block_q, block_k = block_size(block_q, "block_q"), block_size(block_k, "block_k")
     cdt = compute_dtype(q.dtype)  # biases, slopes, sinks: float32 for 16-bit q
     if q.dtype in HALF_DTYPES:
-        attn_mask = _half_mask(attn_mask)
-    mask = _mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
-    score = _score_args(Hq, cdt, softcap, alibi_slopes, sinks)
+        attn_mask = half_mask(attn_mask)
+    mask = mask_args(attn_mask, is_causal, window_size, B, Hq, Lq, Lk, cdt)
+    score = score_args(Hq, cdt, softcap, alibi_slopes, sinks)
     kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
     grads = _Grads(q, k, v, Hq, sinks)
     if B * Hq:
@@ -223,9 +216,9 @@ def varlen_attention_backward(
     (Tq, Hq, d), dv_ = q.shape, v.shape[2]
     scale = check_scale(scale, d, q.dtype)
     dout, out, lse = _check_grad_inputs(dout, out, lse, q, (Tq, Hq, dv_), (Hq, Tq))
-    block_q, block_k = _block_size(block_q, "block_q"), _block_size(block_k, "block_k")
+    block_q, block_k = block_size(block_q, "block_q"), block_size(block_k, "block_k")
     mask = varlen_args(causal, window_size)
-    score = _score_args(Hq, compute_dtype(q.dtype), softcap, alibi_slopes, sinks)
+    score = score_args(Hq, compute_dtype(q.dtype), softcap, alibi_slopes, sinks)
     kw = dict(scale=scale, mask=mask, score=score, block_q=block_q, block_k=block_k)
     grads = _Grads(q, k, v, Hq, sinks)
     if cu_q.size > 1 and Hq:

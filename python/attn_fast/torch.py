@@ -30,7 +30,7 @@ Differences from torch's function, on purpose:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,9 +67,20 @@ def _compute_dtype(dtype):
     return torch.float32 if dtype in _HALF else dtype
 
 
+# The nine options that follow q, k, v in both ops (after dout, q, k, v, out, lse in the
+# backward), in this order everywhere: the schemas, _kwargs, the autograd context. An op's
+# body takes them as *opts.
+_OPTS_SCHEMA = (
+    "Tensor? attn_mask, bool is_causal, float scale, bool enable_gqa, SymInt window_left, "
+    "SymInt window_right, float softcap, Tensor? alibi_slopes, Tensor? sinks"
+)
+_N_OPTS = _OPTS_SCHEMA.count(",") + 1
+
+
 def _kwargs(
     attn_mask, is_causal, scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks
 ):
+    """The options as the NumPy layer's keyword arguments."""
     masks = []
     if attn_mask is not None:  # a 16-bit additive mask is exact in float32
         masks.append(_np(attn_mask.float() if attn_mask.dtype in _HALF else attn_mask))
@@ -89,70 +100,25 @@ def _kwargs(
     return kw
 
 
-def _sdpa_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    is_causal: bool,
-    scale: float,
-    enable_gqa: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    want_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _sdpa_impl(q, k, v, *opts, want_lse=True):
     """The forward on the NumPy layer: (out, lse), lse None unless want_lse (the op wants
     it for its backward; the direct call of an inference step does not). The kernel
     writes the same out either way."""
-    kw = _kwargs(
-        attn_mask,
-        is_causal,
-        scale,
-        enable_gqa,
-        window_left,
-        window_right,
-        softcap,
-        alibi_slopes,
-        sinks,
-    )
+    kw = _kwargs(*opts)
     if not want_lse:
         return _tensor(_np_sdpa(_np(q), _np(k), _np(v), **kw)), None
     out, lse = _np_sdpa(_np(q), _np(k), _np(v), return_lse=True, **kw)
     return _tensor(out), _tensor(lse)
 
 
-@torch.library.custom_op("attn_fast::sdpa", mutates_args=(), device_types="cpu")
-def _sdpa_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    is_causal: bool,
-    scale: float,
-    enable_gqa: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _sdpa_impl(
-        q,
-        k,
-        v,
-        attn_mask,
-        is_causal,
-        scale,
-        enable_gqa,
-        window_left,
-        window_right,
-        softcap,
-        alibi_slopes,
-        sinks,
-    )
+@torch.library.custom_op(
+    "attn_fast::sdpa",
+    mutates_args=(),
+    device_types="cpu",
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTS_SCHEMA}) -> (Tensor, Tensor)",
+)
+def _sdpa_op(q, k, v, *opts):
+    return _sdpa_impl(q, k, v, *opts)
 
 
 def _direct_ok(tensors: tuple) -> bool:
@@ -184,76 +150,30 @@ def _direct_ok(tensors: tuple) -> bool:
 
 
 @_sdpa_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    attn_mask,
-    is_causal,
-    scale,
-    enable_gqa,
-    window_left,
-    window_right,
-    softcap,
-    alibi_slopes,
-    sinks,
-):
+def _(q, k, v, *opts):
     lse = q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
 
-@torch.library.custom_op("attn_fast::sdpa_backward", mutates_args=(), device_types="cpu")
-def _sdpa_backward_op(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    is_causal: bool,
-    scale: float,
-    enable_gqa: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-    sinks: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    kw = _kwargs(
-        attn_mask,
-        is_causal,
-        scale,
-        enable_gqa,
-        window_left,
-        window_right,
-        softcap,
-        alibi_slopes,
-        sinks,
-    )
-    res = _np_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse), **kw)
+@torch.library.custom_op(
+    "attn_fast::sdpa_backward",
+    mutates_args=(),
+    device_types="cpu",
+    schema=(
+        "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        f"{_OPTS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def _sdpa_backward_op(dout, q, k, v, out, lse, *opts):
+    sinks = opts[-1]
+    res = _np_backward(_np(dout), _np(q), _np(k), _np(v), _np(out), _np(lse), **_kwargs(*opts))
     dsinks = res[3] if sinks is not None else torch.zeros(0, dtype=_compute_dtype(q.dtype))
     return tuple(_tensor(x) for x in (res[0], res[1], res[2], dsinks))
 
 
 @_sdpa_backward_op.register_fake
-def _(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    attn_mask,
-    is_causal,
-    scale,
-    enable_gqa,
-    window_left,
-    window_right,
-    softcap,
-    alibi_slopes,
-    sinks,
-):
+def _(dout, q, k, v, out, lse, *opts):
+    sinks = opts[-1]
     ns = sinks.shape[0] if sinks is not None else 0
     dsinks = q.new_empty((ns,), dtype=_compute_dtype(q.dtype))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
@@ -269,37 +189,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask, alibi, sinks = ctx.saved_tensors
-    is_causal, scale, enable_gqa, wl, wr, softcap = ctx.opts
     dq, dk, dv, dsinks = _sdpa_backward_op(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        is_causal,
-        scale,
-        enable_gqa,
-        wl,
-        wr,
-        softcap,
-        alibi,
-        sinks,
+        dout.contiguous(), q, k, v, out, lse, attn_mask, *ctx.opts, alibi, sinks
     )
+    # No gradient for the options but sinks (the last).
     return (
-        dq,
-        dk,
-        dv,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        (dsinks.to(sinks.dtype) if sinks is not None else None),
+        (dq, dk, dv)
+        + (None,) * (_N_OPTS - 1)
+        + (dsinks.to(sinks.dtype) if sinks is not None else None,)
     )
 
 

@@ -52,63 +52,92 @@ def _init(gen: np.random.Generator, shape: tuple[int, ...], dtype: DTypeLike) ->
     return (gen.standard_normal(shape) / math.sqrt(shape[-1])).astype(dtype)
 
 
-class LayerNorm(Module):
+class _Layer(Module):
+    """A layer applied to x (…, D) with weights of one dtype (``_dtype``).
+
+    NumPy in, NumPy out: the plain float case computes on x as given. A torch tensor, or
+    any input of a 16-bit layer, is read by ``as_layer_input`` (TypeError naming both
+    dtypes, with a cast hint) and the result comes back in the input's kind (torch in,
+    torch out). ``_forward`` computes on a NumPy array; 16-bit: every product and
+    element-wise step in float32, each result rounded once."""
+
+    @property
+    def _dtype(self) -> np.dtype:
+        raise NotImplementedError
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if not _is_torch_tensor(x) and not is_half(self._dtype):
+            return self._forward(x)
+        what = f"the {type(self).__name__}'s weights"
+        return to_input_kind(self._forward(as_layer_input(x, "x", self._dtype, what)), x)
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _compute(dt: np.dtype) -> tuple[Any, Any]:
+    """(cast, eps type) of the arithmetic of a layer with weights of dtype `dt`: float32
+    for 16-bit weights, the array as it is otherwise."""
+    if is_half(dt):
+        return f32, np.float32
+    return (lambda a: a), float
+
+
+class _Norm(_Layer):
+    """A norm over the last axis (D,) with a weight (D,): ``_normalize`` on x in the
+    compute dtype; 16-bit: computed in float32, rounded once."""
+
+    def __init__(self, dim: int, eps: float, dtype: DTypeLike) -> None:
+        self.eps = check_real(eps, "eps", minimum=0.0)
+        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
+
+    @property
+    def _dtype(self) -> np.dtype:
+        return self.weight.dtype
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        c, eps = _compute(self._dtype)
+        y = self._normalize(c(x), eps(self.eps), c)
+        return y.astype(self._dtype) if is_half(self._dtype) else y
+
+    def _normalize(self, x: np.ndarray, eps: Any, c: Any) -> np.ndarray:
+        raise NotImplementedError
+
+
+class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last axis (D,).
 
     x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
     ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, dtype: DTypeLike = np.float32) -> None:
-        self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
+        super().__init__(dim, eps, dtype)
         self.bias = np.zeros(self.weight.shape, dtype=self.weight.dtype)
 
     def _own(self):
         return {"weight": self.weight, "bias": self.bias}
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if _is_torch_tensor(x) and not is_half(self.weight.dtype):  # torch in, torch out
-            return to_input_kind(
-                self(as_layer_input(x, "x", self.weight.dtype, "the LayerNorm's weights")), x
-            )
-        if is_half(self.weight.dtype):
-            like, x = x, as_layer_input(x, "x", self.weight.dtype, "the LayerNorm's weights")
-            xc = f32(x) - f32(x).mean(axis=-1, keepdims=True)
-            var = np.mean(xc * xc, axis=-1, keepdims=True)
-            y = xc / np.sqrt(var + np.float32(self.eps)) * f32(self.weight) + f32(self.bias)
-            return to_input_kind(y.astype(self.weight.dtype), like)
-        mu = x.mean(axis=-1, keepdims=True)
-        xc = x - mu
+    def _normalize(self, x, eps, c):
+        xc = x - x.mean(axis=-1, keepdims=True)
         var = np.mean(xc * xc, axis=-1, keepdims=True)
-        return xc / np.sqrt(var + self.eps) * self.weight + self.bias
+        return xc / np.sqrt(var + eps) * c(self.weight) + c(self.bias)
 
 
-class RMSNorm(Module):
+class RMSNorm(_Norm):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last axis (D,).
 
     x (…, D) of the weights' dtype; 16-bit: computed in float32, rounded once (NumPy,
     ml_dtypes or torch input; torch in, torch out; another dtype: TypeError with a cast hint)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: DTypeLike = np.float32) -> None:
-        self.eps = check_real(eps, "eps", minimum=0.0)
-        self.weight = np.ones(check_int(dim, "dim", 1), dtype=layer_dtype(dtype))
+        super().__init__(dim, eps, dtype)
 
     def _own(self):
         return {"weight": self.weight}
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if _is_torch_tensor(x) and not is_half(self.weight.dtype):  # torch in, torch out
-            return to_input_kind(
-                self(as_layer_input(x, "x", self.weight.dtype, "the RMSNorm's weights")), x
-            )
-        if is_half(self.weight.dtype):
-            like, x = x, as_layer_input(x, "x", self.weight.dtype, "the RMSNorm's weights")
-            x32 = f32(x)
-            ms = np.mean(x32 * x32, axis=-1, keepdims=True)
-            y = x32 / np.sqrt(ms + np.float32(self.eps)) * f32(self.weight)
-            return to_input_kind(y.astype(self.weight.dtype), like)
+    def _normalize(self, x, eps, c):
         ms = np.mean(x * x, axis=-1, keepdims=True)
-        return x / np.sqrt(ms + self.eps) * self.weight
+        return x / np.sqrt(ms + eps) * c(self.weight)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
@@ -123,11 +152,9 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-class MLP(Module):
-    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F).
-
-    x (…, D) of the weights' dtype; 16-bit: each product and the GELU in
-    float32, each result rounded once."""
+class _FeedForward(_Layer):
+    """A feed-forward D -> F -> D whose weights ``_make`` draws (normal, std
+    1/sqrt(fan_in)) from `rng` (seed or Generator) in `dtype`."""
 
     def __init__(
         self,
@@ -138,68 +165,63 @@ class MLP(Module):
     ) -> None:
         gen = as_rng(rng)
         dtype = layer_dtype(dtype)
+        self._make(gen, d_model, d_ff, dtype)
+
+    def _make(self, gen: np.random.Generator, d_model: int, d_ff: int, dtype: np.dtype) -> None:
+        raise NotImplementedError
+
+
+class MLP(_FeedForward):
+    """GPT-2's feed-forward: W2 · GELU(W1 x + b1) + b2. W1 (F, D), W2 (D, F).
+
+    x (…, D) of the weights' dtype; 16-bit: each product and the GELU in
+    float32, each result rounded once."""
+
+    def _make(self, gen, d_model, d_ff, dtype):
         self.W1 = _init(gen, (d_ff, d_model), dtype)
         self.b1 = np.zeros(d_ff, dtype=dtype)
         self.W2 = _init(gen, (d_model, d_ff), dtype)
         self.b2 = np.zeros(d_model, dtype=dtype)
 
+    @property
+    def _dtype(self) -> np.dtype:
+        return self.W1.dtype
+
     def _own(self):
         return {"W1": self.W1, "b1": self.b1, "W2": self.W2, "b2": self.b2}
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if _is_torch_tensor(x) and not is_half(self.W1.dtype):  # torch in, torch out
-            return to_input_kind(
-                self(as_layer_input(x, "x", self.W1.dtype, "the MLP's weights")), x
-            )
-        if is_half(self.W1.dtype):
-            like, x = x, as_layer_input(x, "x", self.W1.dtype, "the MLP's weights")
-            h = linear(x, self.W1, self.b1)
-            return to_input_kind(linear(gelu(f32(h)).astype(h.dtype), self.W2, self.b2), like)
-        h = x @ self.W1.T
-        h += self.b1
-        y = gelu(h) @ self.W2.T
-        y += self.b2
-        return y
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        h = linear(x, self.W1, self.b1)  # 16-bit: rounded once, as is the GELU below
+        g = gelu(f32(h)).astype(h.dtype) if is_half(h.dtype) else gelu(h)
+        return linear(g, self.W2, self.b2)
 
 
-class SwiGLU(Module):
+class SwiGLU(_FeedForward):
     """Llama's feed-forward: W_down · (SiLU(W_gate x) ⊙ W_up x).
 
     W_gate, W_up (F, D) are two views of one (2F, D) array (one product);
     W_down (D, F). x (…, D) of the weights' dtype; 16-bit: each product and
     the gating in float32, each result rounded once."""
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        rng: int | np.random.Generator | None = None,
-        dtype: DTypeLike = np.float32,
-    ) -> None:
-        gen = as_rng(rng)
-        dtype = layer_dtype(dtype)
+    def _make(self, gen, d_model, d_ff, dtype):
         self._w_gate_up = _init(gen, (2 * d_ff, d_model), dtype)
         self.W_gate, self.W_up = self._w_gate_up[:d_ff], self._w_gate_up[d_ff:]
         self.W_down = _init(gen, (d_model, d_ff), dtype)
         self.d_ff = d_ff
 
+    @property
+    def _dtype(self) -> np.dtype:
+        return self.W_down.dtype
+
     def _own(self):
         return {"W_gate": self.W_gate, "W_up": self.W_up, "W_down": self.W_down}
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if _is_torch_tensor(x) and not is_half(self.W_down.dtype):  # torch in, torch out
-            return to_input_kind(
-                self(as_layer_input(x, "x", self.W_down.dtype, "the SwiGLU's weights")), x
-            )
-        if is_half(self.W_down.dtype):
-            like, x = x, as_layer_input(x, "x", self.W_down.dtype, "the SwiGLU's weights")
-            gu = f32(linear(x, self._w_gate_up))  # (…, 2F), rounded once
-            g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
-            y = linear((silu(g) * u).astype(self.W_down.dtype), self.W_down)
-            return to_input_kind(y, like)
-        gu = x @ self._w_gate_up.T  # (…, 2F)
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        c = _compute(self._dtype)[0]
+        gu = c(linear(x, self._w_gate_up))  # (…, 2F), one product; 16-bit: rounded once
         g, u = gu[..., : self.d_ff], gu[..., self.d_ff :]
-        return (silu(g) * u) @ self.W_down.T
+        a = silu(g) * u
+        return linear(a.astype(self._dtype) if is_half(self._dtype) else a, self.W_down)
 
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from .. import _dispatch
+from .._args import score_args as _score_args
 from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
-from ..functional import _score_args
 from ._common import (
     KernelFunction,
     Opts,

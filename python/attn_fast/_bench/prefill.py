@@ -11,15 +11,15 @@ of that for causal.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 
-from . import _core, reference
-from ._config import config, get_num_threads, set_num_threads
-from .functional import scaled_dot_product_attention
+from .. import _core, reference
+from .._config import config, get_num_threads, set_num_threads
+from ..functional import scaled_dot_product_attention
+from . import common
+from .common import INSTALL_HINT, median_time, numpy_textbook, settle
 
 DEFAULT_CASES = [
     # B, H, L, d, causal
@@ -32,55 +32,6 @@ DEFAULT_CASES = [
 
 # `--tiny`: checks that the command runs, in seconds; the figures mean nothing
 TINY_CASES = [(1, 2, 64, 16, False), (1, 2, 64, 16, True)]
-
-INSTALL_HINT = "pip install 'attn_fast[bench]'"
-
-
-def numpy_textbook(q, k, v, causal):
-    """The chapter's code, batched over (B, H): softmax(QKᵀ/√d) V."""
-    S = q @ np.swapaxes(k, -1, -2) / np.float32(np.sqrt(q.shape[-1]))
-    if causal:
-        L = S.shape[-1]
-        S = np.where(np.tril(np.ones((L, L), dtype=bool)), S, np.float32(-1e9))
-    S = S - S.max(axis=-1, keepdims=True)
-    e = np.exp(S)
-    return (e / e.sum(axis=-1, keepdims=True)) @ v
-
-
-def _torch():
-    try:
-        import torch  # noqa: F401
-
-        return torch
-    except Exception:  # noqa: BLE001 - any import failure means "no peer"
-        return None
-
-
-def time_runs(fn, repeats, warmup=1):
-    """Wall times (s) of `repeats` calls of fn() after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return ts
-
-
-def median_time(fn, repeats, warmup=1):
-    ts = time_runs(fn, repeats, warmup)
-    return statistics.median(ts), min(ts), max(ts)
-
-
-def settle(seconds=0.15):
-    """Wait for other libraries' worker threads to stop spinning.
-
-    After a NumPy matmul (the oracle, the textbook peer) OpenBLAS's threads
-    spin for up to 2^28 cycles (~0.1 s) waiting for more work; onnxruntime's
-    and libgomp's for less. A kernel timed during that window shares the cores
-    with them."""
-    time.sleep(seconds)
 
 
 def check_against_oracle(o, q, k, v, causal):
@@ -113,7 +64,7 @@ def _run(cases, repeats, threads, include_numpy, out, probe_seconds):
     if threads:
         set_num_threads(threads)
     nt = get_num_threads()
-    torch = _torch()
+    torch = common.import_peer("torch")
     if torch is not None:
         torch.set_num_threads(nt)
     cfg = config()
@@ -190,7 +141,7 @@ def main(argv=None, prog=None):
     if (
         "--full" in argv or "--quick" in argv or "--dtype" in argv
     ):  # --dtype: the suite's 16-bit rows
-        from .bench_suite import main as suite_main
+        from .suite import main as suite_main
 
         return suite_main(argv, prog=prog)
     p = argparse.ArgumentParser(
