@@ -313,6 +313,17 @@ def _layer_windows(config, name="AttnFastCache"):
     return windows
 
 
+def _keep_config(cache, config, name):
+    """cache.config = the model's config (TypeError for anything else); the attention
+    implementation it names is checked at the first update of each forward pass."""
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"{name} needs the model's config (model.config), got {type(config).__name__}"
+        )
+    cache.config = config
+    cache._impl_checked = False
+
+
 class AttnFastCache(Cache):
     """A transformers Cache whose layers are ``attn_fast.KVCache`` objects.
 
@@ -339,13 +350,7 @@ class AttnFastCache(Cache):
     """
 
     def __init__(self, config, dtype=None, capacity=256):
-        if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError(
-                "AttnFastCache needs the model's config (model.config), got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
-        self._impl_checked = False
+        _keep_config(self, config, "AttnFastCache")
         layers = []
         for i, window in enumerate(_layer_windows(config)):
             layer = AttnFastLayer(dtype=dtype, window=window, capacity=capacity, owner=self)
@@ -519,13 +524,7 @@ class AttnFastPagedCache(AttnFastCache):
     """
 
     def __init__(self, config, dtype=None, block_size=256, num_blocks=16):
-        if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError(
-                "AttnFastPagedCache needs the model's config (model.config), got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
-        self._impl_checked = False
+        _keep_config(self, config, "AttnFastPagedCache")
         # Bad dtype / block_size / num_blocks raise here, not mid-generate.
         PagedKVCache(
             1,
