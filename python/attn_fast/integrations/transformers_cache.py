@@ -295,6 +295,10 @@ class AttnFastLayer(CacheLayerMixin):
         self.valid = self.valid[idx].copy()
         self.pending = None
 
+    def chunk_dtype(self):
+        """The torch dtype the KVCache takes chunks and queries in (``io_dtype``)."""
+        return self.io_dtype
+
 
 def _layer_windows(config, name="AttnFastCache"):
     """Per decoder layer: None (full attention) or its sliding window."""
