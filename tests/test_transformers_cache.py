@@ -469,3 +469,70 @@ def test_grad_through_cache_raises():
             cache=af_hf.AttnFastCache(model.config),
             use_cache=True,
         )
+
+
+# --------------------------------------------------------------------------- fast paths
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "attn_fast"])
+def test_long_prompt_left_padded_batch_same_tokens_as_sdpa(cache_kind, rng):
+    """Greedy decoding after a 70-token prompt (above the decode kernel's key threshold for
+    short chunks), three rows left-padded differently: transformers' DynamicCache read in place
+    and AttnFastCache both give sdpa's tokens in float32, logits within TOL."""
+    model = make("llama")
+    ids, am = left_padded(3, 70, [0, 9, 41], rng)
+    new = 8
+    ref_ids, ref_logits = generate(model, "sdpa", ids, am, new, do_sample=False)
+    cache = af_hf.AttnFastCache(model.config) if cache_kind == "attn_fast" else None
+    got_ids, got_logits = generate(model, "attn_fast", ids, am, new, cache=cache, do_sample=False)
+    assert torch.equal(got_ids, ref_ids)
+    assert float((got_logits - ref_logits).abs().max()) <= TOL["float32"]
+
+
+def test_implementation_checked_at_every_forward_pass():
+    """The attention-implementation check runs once per forward pass (at layer 0's update),
+    so switching the model away from attn_fast between two passes still raises."""
+    model = make("llama")
+    ids, am = left_padded(1, 6, [0])
+    cache = af_hf.AttnFastCache(model.config)
+    with torch.no_grad():
+        model.set_attn_implementation("attn_fast")
+        model(input_ids=ids, attention_mask=am, cache=cache, use_cache=True)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match="attn_fast attention implementation only.*'sdpa'"):
+            model(
+                input_ids=ids[:, :1], attention_mask=torch.ones(1, 7, dtype=torch.long), cache=cache
+            )
+
+
+def test_mask_padding_derived_once_yet_checked_per_layer():
+    """What a mask's key padding implies is computed once per mask, but each layer still
+    compares it with its own stored counts: a layer whose counts differ raises."""
+    model = make("llama")
+    ids, am = left_padded(2, 7, [0, 3])
+    cache = af_hf.AttnFastCache(model.config)
+    model.set_attn_implementation("attn_fast")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am, cache=cache, use_cache=True)
+        cache.layers[1].valid = cache.layers[1].valid + 1  # as if layer 1 held other tokens
+        am2 = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)
+        with pytest.raises(ValueError, match="valid past tokens"):
+            model(input_ids=ids[:, -1:], attention_mask=am2, cache=cache, use_cache=True)
+
+
+def test_cache_module_does_not_import_the_backend_module():
+    """transformers_cache and transformers meet in _hf_shared (no import cycle): importing the
+    cache module alone leaves the backend module unimported, and the cache recognises the
+    backend by the mark on its attention function."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import attn_fast.integrations.transformers_cache as c; "
+        "print('attn_fast.integrations.transformers' in sys.modules); "
+        "import attn_fast.integrations.transformers as t; "
+        "from attn_fast.integrations._hf_shared import is_backend; "
+        "print(is_backend(t.attention_forward), is_backend(lambda *a: None))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "False"], out

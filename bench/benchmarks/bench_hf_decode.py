@@ -14,8 +14,9 @@ cost is what differs between the columns).
 For each dtype, batch (1, or B > 1 with rows left-padded by up to a quarter of
 the prompt) and prompt length P, each column prefills its own cache with the
 prompt (``logits_to_keep=1``), then runs ``--steps`` greedy one-token forward
-steps, the three columns interleaved step by step so that machine load hits
-them alike. Columns: "sdpa" (transformers' DynamicCache), "attn_fast" (the
+steps, the three columns interleaved step by step (the order rotated at each
+step, so that no column always runs after the same one) so that machine load
+hits them alike. Columns: "sdpa" (transformers' DynamicCache), "attn_fast" (the
 attn_fast backend with DynamicCache: K/V read in place from the cache's
 tensors) and "+cache" (the attn_fast backend with ``AttnFastCache``). Reported:
 the median ms per step, sdpa's time over each attn_fast column's (higher is
@@ -75,8 +76,9 @@ def decode_case(model, B, P, steps, clock=time.perf_counter):
             ).logits
             tok = logits[:, -1:].argmax(-1)
             state[col], toks[col], times[col] = (c, tok, am), [tok], []
-        for _ in range(steps):
-            for col, impl, _cache in bench_hf.GENERATE_IMPLS:
+        cols = list(bench_hf.GENERATE_IMPLS)
+        for s in range(steps):
+            for col, impl, _cache in cols[s % len(cols) :] + cols[: s % len(cols)]:
                 c, tok, a = state[col]
                 a = torch.cat([a, torch.ones(B, 1, dtype=a.dtype)], 1)
                 model.set_attn_implementation(impl)

@@ -12,6 +12,8 @@ Entry points, each on the same tensors (B = 1, fp32):
     hf         the transformers backend's attention function (attention_forward) under
                torch.no_grad(), mask None, is_causal=True (what a decode step of a model with
                DynamicCache calls)
+    hf_sdpa    transformers' own sdpa attention function (sdpa_attention_forward) on the same
+               call: what "hf" replaces in a model (the last column is hf / hf_sdpa)
     torch      torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)
 
 Each result is first checked against the float64 oracle. Timing:
@@ -42,12 +44,21 @@ import attn_fast.torch as aft
 from attn_fast._config import config
 from attn_fast.integrations import transformers as af_hf
 
+try:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError:  # transformers is what af_hf imports: this module exists in every version
+    sdpa_attention_forward = None  # it supports (>= 4.48)
+
 SHAPES = ((9, 3, 64), (32, 8, 128))
 LENGTHS = (16, 512, 4096)
 
 
 class _Module:
     is_causal = True
+    training = False
+
+    def __init__(self, groups):
+        self.num_key_value_groups = groups  # read by transformers' sdpa function
 
 
 def entry_points(Hq, Hkv, d, L, seed=0):
@@ -59,18 +70,23 @@ def entry_points(Hq, Hkv, d, L, seed=0):
     qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
     cache = af.KVCache(1, Hkv, d, capacity=L + 64)
     cache.append(k, v)
-    mod = _Module()
+    mod = _Module(Hq // Hkv)
     scale = d**-0.5  # a Python float, as transformers passes module.scaling
 
     def hf():
         with torch.no_grad():
             return af_hf.attention_forward(mod, qt, kt, vt, None, scaling=scale, is_causal=True)[0]
 
+    def hf_sdpa():
+        with torch.no_grad():
+            return sdpa_attention_forward(mod, qt, kt, vt, None, scaling=scale, is_causal=True)[0]
+
     calls = {
         "numpy": lambda: af.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "kvcache": lambda: cache.attend(q),
         "torch_op": lambda: aft.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
         "hf": hf,
+        "hf_sdpa": hf_sdpa,
         "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
             qt, kt, vt, enable_gqa=True
         ),
@@ -83,7 +99,7 @@ def entry_points(Hq, Hkv, d, L, seed=0):
     ref = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vr)
     for name, f in calls.items():
         got = np.asarray(f(), dtype=np.float64)
-        if name == "hf":
+        if name in ("hf", "hf_sdpa"):
             got = got.transpose(0, 2, 1, 3)  # (B, Lq, H, dv) -> (B, H, Lq, dv)
         err = float(np.max(np.abs(got - ref)))
         assert err < 1e-4, f"{name} differs from the oracle by {err} at {(Hq, Hkv, d, L)}"
@@ -164,11 +180,12 @@ def main(argv=None):
         f"attn_fast decode latency | isa {c['isa']} | threads {c['num_threads']} | cpu {c['cpu']}"
         f" | torch {torch.__version__} | fp32 B=1 Lq=1 | {args.clock} clock | load {load}"
     )
-    names = ("torch", "numpy", "kvcache", "torch_op", "hf")
+    names = ("torch", "numpy", "kvcache", "torch_op", "hf", "hf_sdpa")
     print(
         f"{'(Hq, Hkv, d), L':<22}"
         + "".join(f"{n:>11}" for n in names)
-        + "".join(f"{n + '/t':>12}" for n in names[1:])
+        + "".join(f"{n + '/t':>12}" for n in names[1:-1])
+        + f"{'hf/hf_sdpa':>12}"
     )
     for Hq, Hkv, d in SHAPES:
         for L in args.lengths:
@@ -178,7 +195,8 @@ def main(argv=None):
             print(
                 f"{str((Hq, Hkv, d)) + ', ' + str(L):<22}"
                 + "".join(f"{med[n] * 1e6:9.1f}µs" for n in names)
-                + "".join(f"{med[n] / t:11.2f}x" for n in names[1:]),
+                + "".join(f"{med[n] / t:11.2f}x" for n in names[1:-1])
+                + f"{med['hf'] / med['hf_sdpa']:11.2f}x",
                 flush=True,
             )
     if args.profile:

@@ -90,14 +90,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from .. import _dispatch
 from .. import functional as _functional
 from .._checks import as_array, fast_view
-from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached, cache_layer
+from ._hf_shared import BACKEND_ATTR, SPEC_ATTR, CallArgs, MaskSpec, cache_layer, mask_spec
+from .transformers_cache import AttnFastCache, AttnFastPagedCache, attend_cached
 
 __all__ = ["register", "attention_forward", "attention_mask", "AttnFastCache", "NAME"]
 __all__ += ["AttnFastPagedCache"]
 
 NAME = "attn_fast"
-
-_SPEC_ATTR = "_attn_fast_spec"
 
 
 def register(name: str = NAME) -> str:
@@ -114,37 +113,6 @@ def register(name: str = NAME) -> str:
 
 
 # --------------------------------------------------------------------------- masks
-
-
-class _MaskSpec:
-    """What a verified dense mask is: flags for the kernel instead of B·Lq·Lk bools.
-
-    causal, window (left, right) as in ``scaled_dot_product_attention``
-    (bottom-right aligned, -1 = unbounded); key_mask: (B, 1, 1, Lk) bool
-    NumPy array of valid keys, or None when every key is valid.
-    """
-
-    __slots__ = ("causal", "window", "key_mask", "shape", "_runs")
-
-    def __init__(self, causal, window, key_mask, shape):
-        self.causal, self.window, self.key_mask, self.shape = causal, window, key_mask, shape
-        self._runs = None
-
-    def key_runs(self):
-        """(kv_start, kv_lens) int64 (B,) when each row's valid keys are one run
-        [kv_start, kv_start + kv_lens) (left or right padding), else False; computed once
-        per mask (every layer of a forward pass shares it)."""
-        if self._runs is None:
-            m = self.key_mask.reshape(self.key_mask.shape[0], -1)
-            Lk = m.shape[1]
-            first = m.argmax(axis=1)
-            last = Lk - m[:, ::-1].argmax(axis=1)
-            lens = np.where(m.any(axis=1), last - first, 0)
-            if (m.sum(axis=1) == lens).all():
-                self._runs = (first.astype(np.int64), lens.astype(np.int64))
-            else:
-                self._runs = False
-        return self._runs
 
 
 def _pattern(B, Lq, Lk, causal, left, right, key_mask, device):
@@ -251,7 +219,7 @@ def attention_mask(
             key_np = (
                 None if km is None else km.contiguous().numpy().reshape(batch_size, 1, 1, kv_length)
             )
-            setattr(dense, _SPEC_ATTR, _MaskSpec(causal, (left, right), key_np, shape))
+            setattr(dense, SPEC_ATTR, MaskSpec(causal, (left, right), key_np, shape))
             break
     return dense
 
@@ -308,6 +276,30 @@ class _Trainable(torch.autograd.Function):
 
 _COMPUTE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = _COMPUTE + _HALF  # what the kernels take as they are
+
+
+def _refuse(dropout, kwargs, query, key, value):
+    """Raise for what attn_fast cannot compute exactly (attention_forward's first test)."""
+    if dropout:
+        raise NotImplementedError(
+            f"attn_fast has no attention dropout (got dropout={dropout}): call model.eval() for "
+            "inference, or train with attn_implementation='sdpa'"
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "attn_fast never forms the attention weights: output_attentions=True needs "
+            "attn_implementation='eager'"
+        )
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly"
+        )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not t.is_cpu:
+            raise TypeError(
+                f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only"
+            )
 
 
 def attention_forward(
@@ -338,71 +330,49 @@ def attention_forward(
     float16 / bfloat16 tensors are read as they are (no upcast copy) and the
     output is written in their dtype; masks, biases and sinks in float32.
     """
-    if dropout:
-        raise NotImplementedError(
-            f"attn_fast has no attention dropout (got dropout={dropout}): call model.eval() for "
-            "inference, or train with attn_implementation='sdpa'"
-        )
-    if kwargs.get("output_attentions"):
-        raise ValueError(
-            "attn_fast never forms the attention weights: output_attentions=True needs "
-            "attn_implementation='eager'"
-        )
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "attn_fast cannot be traced by torch.compile / torch.export; run the model eagerly"
-        )
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not t.is_cpu:
-            raise TypeError(
-                f"{name} is on device {t.device}; the attn_fast backend computes on the CPU only"
-            )
+    if (
+        dropout
+        or kwargs.get("output_attentions")
+        or torch.compiler.is_compiling()
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
+    ):
+        _refuse(dropout, kwargs, query, key, value)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    tensors = [t for t in (query, key, value, s_aux) if isinstance(t, torch.Tensor)]
+    grad = torch.is_grad_enabled() and (
+        query.requires_grad
+        or key.requires_grad
+        or value.requires_grad
+        or (isinstance(s_aux, torch.Tensor) and s_aux.requires_grad)
+    )
     layer = cache_layer(key)
+    if layer is None and not grad and attention_mask is None:
+        # A generated token against transformers' own cache: checked in O(1), no record built.
+        if s_aux is None and position_bias is None and not softcap:
+            out = _one_token(query, key, value, scaling)
+            if out is not None:
+                return out, None
+    a = CallArgs(attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias)
     if layer is not None:  # an AttnFastCache layer: store the chunk and attend in the cache
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if grad:
             raise NotImplementedError(
                 "AttnFastCache is for inference (no backward through the cache); run under "
                 "torch.no_grad(), or train without a cache"
             )
-        out = attend_cached(
-            layer,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling,
-            bool(is_causal),
-            softcap,
-            s_aux,
-            position_bias,
-        )
-        return out, None
-    run = lambda saved=None: _attention(  # noqa: E731
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling,
-        bool(is_causal),
-        softcap,
-        s_aux,
-        position_bias,
-        saved,
-    )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return attend_cached(layer, query, key, value, a), None
+    if grad:
         if isinstance(position_bias, torch.Tensor) and position_bias.requires_grad:
             raise ValueError(
                 "a position_bias that requires grad (T5's learned bias) is not supported by the "
                 "backward yet; train with attn_implementation='sdpa'"
             )
-        return _Trainable.apply(
-            run, query, key, value, s_aux if isinstance(s_aux, torch.Tensor) else None
-        ), None
-    return run(), None
+        run = functools.partial(_attention, query, key, value, a)
+        sinks = s_aux if isinstance(s_aux, torch.Tensor) else None
+        return _Trainable.apply(run, query, key, value, sinks), None
+    return _attention(query, key, value, a), None
 
+
+setattr(attention_forward, BACKEND_ATTR, True)  # what AttnFastCache checks the model uses
 
 _STRUCTURAL = _dispatch.MaskArgs(causal=True)  # what choose_kernel reads of a decode step's mask
 
@@ -410,7 +380,8 @@ _STRUCTURAL = _dispatch.MaskArgs(causal=True)  # what choose_kernel reads of a d
 @functools.lru_cache(maxsize=4096)
 def _one_token_decodes(Lk):
     """Whether scaled_dot_product_attention runs the decode kernel for one query row
-    against Lk keys with structural masks only (_decode_step then gives its bits)."""
+    against Lk keys with structural masks only (_decode_step then gives its bits):
+    choose_kernel's answer, asked once per Lk."""
     return _dispatch.choose_kernel(Lq=1, Lk=Lk, mask=_STRUCTURAL) == _dispatch.DECODE
 
 
@@ -427,11 +398,40 @@ def _decode_shapes_fit(qs, ks, vs):
     )
 
 
+def _one_token(query, key, value, scaling):
+    """_decode_step's output for a call without mask, bias, sinks or softcap, or None where
+    that call is not a one-row decode of one kernel dtype (the generic path takes it then).
+    The module's causal flag does not matter for one query row (it sees every key), and is
+    passed as False, as _attention passes it for such a call."""
+    dt = query.dtype
+    if (
+        query.ndim != 4
+        or query.shape[2] != 1
+        or dt not in _KERNEL_DTYPES
+        or key.dtype is not dt
+        or value.dtype is not dt
+        or not _decode_shapes_fit(query.shape, key.shape, value.shape)
+        or not _one_token_decodes(key.shape[2])
+    ):
+        return None
+    return _decode_step(query, key, value, scaling, False)
+
+
 def _view(t, name):
     """A tensor's memory as NumPy reads it: fast_view's cheap read where it applies, else
     as_array (which raises what is wrong with it, naming it)."""
     f = fast_view(t)
     return f[0] if f is not None else as_array(t, name)
+
+
+def _new_output(B, H, dv, dtype):
+    """(out (B, 1, H, dv) tensor, o: the same memory as a (B, H, 1, dv) NumPy array): for one
+    query row both orders are one memory layout, so the kernel writes the output in place."""
+    if dtype is torch.bfloat16:  # NumPy has no bfloat16: its bits
+        o = np.empty((B, H, 1, dv), dtype=np.uint16)
+        return torch.from_numpy(o).view(torch.bfloat16).view(B, 1, H, dv), o
+    out = torch.empty((B, 1, H, dv), dtype=dtype)
+    return out, out.numpy().reshape(B, H, 1, dv)
 
 
 def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):
@@ -441,11 +441,11 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     _one_token_decodes(Lk) says the decode kernel is chosen there too: the same bits),
     without its generic argument handling, which cost more than the kernel at
     a few hundred cached keys (bench/notes_archive.md, dec6). query (B, H, 1, d), key
-    (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one dtype
-    (_attention made sure); the binding checks shapes, strides, dtypes and
+    (B, H_kv, Lk, d), value (B, H_kv, Lk, dv) CPU tensors of one kernel dtype
+    (the caller made sure); the binding checks shapes, strides, dtypes and
     the scale. runs: None (every key valid) or (kv_start, kv_lens) int64 (B,),
     sequence b's valid keys [kv_start[b], kv_start[b] + kv_lens[b]) (left or
-    right padding, _MaskSpec.key_runs): read by the decode kernel as the start
+    right padding, MaskSpec.key_runs): read by the decode kernel as the start
     and length of a ring that does not wrap, where the generic path would take
     the tiled kernel with an element mask (never with a window: _attention
     takes runs only for masks without one). window: (left, right) of a
@@ -454,8 +454,7 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     """
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    out = torch.empty((B, 1, Hq, value.shape[-1]), dtype=query.dtype)
-    o = _view(out.transpose(1, 2), "out")
+    out, o = _new_output(B, Hq, value.shape[-1], query.dtype)
     q, k, v = _view(query, "query"), _view(key, "key"), _view(value, "value")
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
     _dispatch.decode_step(
@@ -472,15 +471,10 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     return out
 
 
-def _attention(
-    query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias, saved=None
-):
-    """The kernel call; with `saved` (a dict) also keeps what the backward needs (_Trainable)."""
-    B, Hq, Lq, d = query.shape
-    Lk = key.shape[2]
-    out_dtype = query.dtype
-    # The kernels take the four dtypes as they are; anything else (int, mixed) goes through float32.
-    dt = out_dtype if out_dtype in _COMPUTE + _HALF else torch.float32
+def _kernel_dtype(query, key, value):
+    """(query, key, value, dt, cdt): the three in one kernel dtype dt (the query's, or
+    float32 for anything else: int, mixed), and cdt, the dtype of masks, biases and sinks."""
+    dt = query.dtype if query.dtype in _KERNEL_DTYPES else torch.float32
     if query.dtype != dt or key.dtype != dt or value.dtype != dt:
         if not (
             query.is_floating_point() and key.is_floating_point() and value.is_floating_point()
@@ -490,96 +484,123 @@ def _attention(
                 f"{query.dtype}, {key.dtype}, {value.dtype}"
             )
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    cdt = torch.float32 if dt in _HALF else dt  # masks, biases, sinks: the compute dtype
+    return query, key, value, dt, torch.float32 if dt in _HALF else dt
 
-    kw = {}
-    causal = False
-    spec = getattr(mask, _SPEC_ATTR, None) if mask is not None else None
-    runs = None  # a one-token step's padding as runs of valid keys (_decode_step)
-    if spec is not None and spec.shape == (B, 1, Lq, Lk):
-        causal = spec.causal
-        if spec.window != (-1, -1):
-            kw["window_size"] = spec.window
-        mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
-        if mask is not None and Lq == 1 and _one_token_decodes(Lk) and spec.window == (-1, -1):
-            runs = spec.key_runs()  # False unless each row's valid keys are one run
-    elif mask is not None:
-        if mask.ndim != 4:
-            raise ValueError(
-                f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(mask.shape)}"
+
+class _Visibility:
+    """Which keys each query sees, as the kernel takes it: causal flag, window (left,
+    right), mask (None, a (B, 1, 1, Lk) NumPy key mask, or a 4-D bool / additive tensor),
+    runs (a one-row call's key mask as runs of valid keys, see _decode_step; None or False
+    when there are none) and keep (keys beyond it are visible to no query; None = all)."""
+
+    __slots__ = ("causal", "window", "mask", "runs", "keep")
+
+    def __init__(self, mask, B, Lq, Lk, is_causal, cdt):
+        self.causal, self.window, self.mask, self.runs, self.keep = False, None, mask, None, None
+        spec = mask_spec(mask)
+        if spec is not None and spec.shape == (B, 1, Lq, Lk):
+            self.causal = spec.causal
+            if spec.window != (-1, -1):
+                self.window = spec.window
+            self.mask = spec.key_mask  # (B, 1, 1, Lk) NumPy bool or None
+            if self.mask is not None and Lq == 1 and self.window is None and _one_token_decodes(Lk):
+                self.runs = spec.key_runs()  # False unless each row's valid keys are one run
+        elif mask is not None:
+            self.mask = _caller_mask(mask, Lk, cdt)
+        elif is_causal and Lq > 1:
+            # No mask and a causal module: torch's top-left causal mask, as the sdpa backend has it.
+            if Lk >= Lq:  # Lq == Lk after the cut, where bottom-right == top-left
+                self.keep, self.causal = Lq, True
+            else:
+                self.mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+
+
+def _caller_mask(mask, Lk, cdt):
+    """A mask the caller built (no MaskSpec): checked, cut to Lk keys, additive ones in cdt."""
+    if mask.ndim != 4:
+        raise ValueError(
+            f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(mask.shape)}"
+        )
+    if mask.shape[-1] > Lk:  # as the eager backend does (static caches)
+        mask = mask[..., :Lk]
+    if mask.dtype != torch.bool:
+        if not mask.is_floating_point():
+            raise TypeError(
+                "attention_mask must be bool (True = attend) or an additive float tensor, "
+                f"got {mask.dtype}"
             )
-        if mask.shape[-1] > Lk:  # as the eager backend does (static caches)
-            mask = mask[..., :Lk]
-        if mask.dtype != torch.bool:
-            if not mask.is_floating_point():
-                raise TypeError(
-                    "attention_mask must be bool (True = attend) or an additive float tensor, "
-                    f"got {mask.dtype}"
-                )
-            mask = mask.to(cdt)
-    elif is_causal and Lq > 1:
-        # No mask and a causal module: torch's top-left causal mask, as the sdpa backend has it.
-        if Lk >= Lq:
-            key, value, Lk = (
-                key[:, :, :Lq],
-                value[:, :, :Lq],
-                Lq,
-            )  # keys >= Lq are visible to no query
-            if position_bias is not None:
-                position_bias = position_bias[..., :Lq]
-            causal = True  # Lq == Lk now: bottom-right == top-left
-        else:
-            mask = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+        mask = mask.to(cdt)
+    return mask
 
+
+def _attention(query, key, value, a, saved=None):
+    """The kernel call for a: CallArgs; with `saved` (a dict) also keeps what the backward
+    needs (_Trainable)."""
+    out_dtype = query.dtype
+    query, key, value, dt, cdt = _kernel_dtype(query, key, value)
+    B, Hq, Lq, _ = query.shape
+    vis = _Visibility(a.mask, B, Lq, key.shape[2], a.causal, cdt)
+    position_bias = a.position_bias
+    if vis.keep is not None:  # keys >= keep are visible to no query
+        key, value = key[:, :, : vis.keep], value[:, :, : vis.keep]
+        if position_bias is not None:
+            position_bias = position_bias[..., : vis.keep]
     if (
         saved is None
         and Lq == 1
-        and (mask is None or runs)  # runs: the spec's key mask as one run per row
+        and (vis.mask is None or vis.runs)  # runs: the spec's key mask as one run per row
         and position_bias is None
-        and s_aux is None
-        and not softcap
-        and _one_token_decodes(Lk)
+        and a.s_aux is None
+        and not a.softcap
+        and _one_token_decodes(key.shape[2])
         and _decode_shapes_fit(query.shape, key.shape, value.shape)
     ):
-        out = _decode_step(
-            query,
-            key,
-            value,
-            scaling,
-            causal,
-            runs or None,
-            kw.get("window_size", (-1, -1)),
-        )
-        return out if dt == out_dtype else out.to(out_dtype)
+        window = (-1, -1) if vis.window is None else vis.window
+        out = _decode_step(query, key, value, a.scaling, vis.causal, vis.runs or None, window)
+    else:
+        out = _generic(query, key, value, vis, position_bias, a, cdt, saved)
+    return out if dt == out_dtype else out.to(out_dtype)
 
+
+def _bias_mask(mask, position_bias, causal, Lq, Lk, cdt):
+    """(mask, causal): position_bias folded into the mask (and the causal flag into it)."""
+    pb = position_bias.to(cdt)
+    if causal:  # fold the causal flag into the bias (Lq == Lk here or the spec said so)
+        pb = torch.where(_pattern(1, Lq, Lk, True, -1, -1, None, pb.device), pb, -math.inf)
+    if mask is None:
+        return pb, False
+    if isinstance(mask, np.ndarray) or mask.dtype == torch.bool:
+        return torch.where(torch.as_tensor(mask), pb, -math.inf), False
+    return pb + mask, False
+
+
+def _generic(query, key, value, vis, position_bias, a, cdt, saved):
+    """attn_fast.scaled_dot_product_attention for any call _attention does not decode itself;
+    returns (B, Lq, H, dv) in the kernel dtype."""
+    B, Hq, Lq, _ = query.shape
+    Lk = key.shape[2]
+    mask, causal = vis.mask, vis.causal
     if position_bias is not None:
-        pb = position_bias.to(cdt)
-        if causal:  # fold the causal flag into the bias (Lq == Lk here or the spec said so)
-            pb = torch.where(_pattern(1, Lq, Lk, True, -1, -1, None, pb.device), pb, -math.inf)
-            causal = False
-        if mask is None:
-            mask = pb
-        elif isinstance(mask, np.ndarray) or mask.dtype == torch.bool:
-            mask = torch.where(torch.as_tensor(mask), pb, -math.inf)
-        else:
-            mask = pb + mask
-
-    if s_aux is not None:
+        mask, causal = _bias_mask(mask, position_bias, causal, Lq, Lk, cdt)
+    kw = {}
+    if vis.window is not None:
+        kw["window_size"] = vis.window
+    if a.s_aux is not None:
+        s_aux = a.s_aux
         kw["sinks"] = as_array(s_aux.to(cdt) if isinstance(s_aux, torch.Tensor) else s_aux, "s_aux")
-    if softcap:
-        kw["softcap"] = float(softcap)
+    if a.softcap:
+        kw["softcap"] = float(a.softcap)
     if mask is not None:
         kw["attn_mask"] = as_array(mask, "attention_mask")
-
-    dv = value.shape[-1]
-    out = torch.empty((B, Lq, Hq, dv), dtype=dt)
+    out = torch.empty((B, Lq, Hq, value.shape[-1]), dtype=query.dtype)
+    gqa = key.shape[1] != Hq
     res = _functional.scaled_dot_product_attention(
         query,
         key,
         value,
         is_causal=causal,
-        scale=scaling,
-        enable_gqa=key.shape[1] != Hq,
+        scale=a.scaling,
+        enable_gqa=gqa,
         out=out.transpose(1, 2),
         return_lse=saved is not None,
         **kw,
@@ -591,6 +612,6 @@ def _attention(
             v=value.detach(),
             out=out.transpose(1, 2).detach(),
             lse=res[1],  # a tensor: torch in, torch out
-            kw=dict(kw, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq),
+            kw=dict(kw, is_causal=causal, scale=a.scaling, enable_gqa=gqa),
         )
-    return out if dt == out_dtype else out.to(out_dtype)
+    return out

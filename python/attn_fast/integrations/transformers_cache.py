@@ -95,10 +95,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from .. import _checks
 from ..kv_cache import KVCache
 from ..paged_cache import PagedKVCache
+from ._hf_shared import LAYER_ATTR, is_backend, mask_spec
 
 __all__ = ["AttnFastCache", "AttnFastLayer", "AttnFastPagedCache", "AttnFastPagedLayer"]
-
-_LAYER_ATTR = "_attn_fast_layer"  # set on the tensors update() returns
 
 # KVCache storage dtype (``KVCache.dtype``) -> the torch dtype of the chunks and queries it takes.
 _TORCH_OF = {
@@ -108,16 +107,14 @@ _TORCH_OF = {
     _checks.BF16: torch.bfloat16,
 }
 _EXACT_COPY = tuple(_TORCH_OF)  # storage dtypes whose keys()/values() round-trip exactly
+# Chunk dtypes the KVCache fast paths take as NumPy arrays (cheaper than tensors there);
+# bfloat16 has no NumPy dtype and goes as the tensor.
+_AS_NUMPY = (torch.float32, torch.float64, torch.float16)
 
 
 def _storage_arg(dtype):
     """A dtype for KVCache(dtype=...): torch dtypes by name ("float32", "bfloat16", ...)."""
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-
-
-def cache_layer(key):
-    """The AttnFastLayer a key tensor came from (returned by its ``update``), or None."""
-    return getattr(key, _LAYER_ATTR, None)
 
 
 class AttnFastLayer(CacheLayerMixin):
@@ -152,6 +149,7 @@ class AttnFastLayer(CacheLayerMixin):
         self.seen = 0  # tokens seen, padding included
         self.valid = None  # (B,) int64 valid tokens stored per sequence
         self.pending = None  # (key, value) returned by update, not yet attended
+        self.io_dtype = None  # the torch dtype of the chunks and queries the storage takes
 
     def __repr__(self):
         return f"AttnFastLayer({self.kv!r}, seen={self.seen})"
@@ -163,6 +161,7 @@ class AttnFastLayer(CacheLayerMixin):
         dtype = key_states.dtype if self.storage_dtype is None else self.storage_dtype
         kw = dict(capacity=self.capacity) if self.window is None else dict(window=self.window)
         self.kv = KVCache(B, H, d, v_head_dim=dv, dtype=_storage_arg(dtype), **kw)
+        self.io_dtype = _TORCH_OF.get(self.kv.dtype, torch.float32)
         self.device = torch.device("cpu")
         self.valid = np.zeros(B, dtype=np.int64)
         self.is_initialized = True
@@ -173,7 +172,8 @@ class AttnFastLayer(CacheLayerMixin):
         The chunk is stored by the attn_fast attention function of the same
         layer, which sees the mask (see the module docstring).
         """
-        if self.owner is not None:
+        # Layer 0 is updated first in every forward pass: the check runs once per pass.
+        if self.owner is not None and (self.layer_idx == 0 or not self.owner._impl_checked):
             self.owner._check_implementation()
         if self.pending is not None:
             raise RuntimeError(
@@ -201,8 +201,8 @@ class AttnFastLayer(CacheLayerMixin):
             key_states.view_as(key_states),
             value_states.view_as(value_states),
         )  # taggable aliases
-        setattr(k, _LAYER_ATTR, self)
-        setattr(v, _LAYER_ATTR, self)
+        setattr(k, LAYER_ATTR, self)
+        setattr(v, LAYER_ATTR, self)
         self.pending = (k, v)
         self.seen += key_states.shape[2]
         return k, v
@@ -296,8 +296,8 @@ class AttnFastLayer(CacheLayerMixin):
         self.pending = None
 
     def chunk_dtype(self):
-        """The torch dtype the KVCache takes chunks and queries in."""
-        return _TORCH_OF.get(self.kv.dtype, torch.float32)
+        """The torch dtype the KVCache takes chunks and queries in (``io_dtype``)."""
+        return self.io_dtype
 
 
 def _layer_windows(config, name="AttnFastCache"):
@@ -315,6 +315,17 @@ def _layer_windows(config, name="AttnFastCache"):
                 "sliding_attention layers are supported"
             )
     return windows
+
+
+def _keep_config(cache, config, name):
+    """cache.config = the model's config (TypeError for anything else); the attention
+    implementation it names is checked at the first update of each forward pass."""
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"{name} needs the model's config (model.config), got {type(config).__name__}"
+        )
+    cache.config = config
+    cache._impl_checked = False
 
 
 class AttnFastCache(Cache):
@@ -343,12 +354,7 @@ class AttnFastCache(Cache):
     """
 
     def __init__(self, config, dtype=None, capacity=256):
-        if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError(
-                "AttnFastCache needs the model's config (model.config), got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
+        _keep_config(self, config, "AttnFastCache")
         layers = []
         for i, window in enumerate(_layer_windows(config)):
             layer = AttnFastLayer(dtype=dtype, window=window, capacity=capacity, owner=self)
@@ -362,10 +368,9 @@ class AttnFastCache(Cache):
 
     def _check_implementation(self):
         impl = getattr(self.config, "_attn_implementation", None)
-        from .transformers import attention_forward
-
         fn = AttentionInterface().get(impl) if isinstance(impl, str) else None
-        if fn is not attention_forward:
+        self._impl_checked = is_backend(fn)
+        if not self._impl_checked:
             raise ValueError(
                 "AttnFastCache works with the attn_fast attention implementation only, but the "
                 f"model uses {impl!r}: call attn_fast.integrations.transformers.register() and "
@@ -479,6 +484,7 @@ class AttnFastPagedLayer(AttnFastLayer):
             window=self.window,
         )
         self.kv = _PagedBatch(pool, B)
+        self.io_dtype = _TORCH_OF.get(pool.dtype, torch.float32)
         self.device = torch.device("cpu")
         self.valid = np.zeros(B, dtype=np.int64)
         self.is_initialized = True
@@ -522,12 +528,7 @@ class AttnFastPagedCache(AttnFastCache):
     """
 
     def __init__(self, config, dtype=None, block_size=256, num_blocks=16):
-        if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError(
-                "AttnFastPagedCache needs the model's config (model.config), got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
+        _keep_config(self, config, "AttnFastPagedCache")
         # Bad dtype / block_size / num_blocks raise here, not mid-generate.
         PagedKVCache(
             1,
@@ -550,13 +551,15 @@ class AttnFastPagedCache(AttnFastCache):
 
 
 def _valid_new(layer, mask, B, Lq):
-    """(B,) valid new tokens per sequence, from the layer's mask (left padding only)."""
-    from .transformers import _SPEC_ATTR
-
-    P = layer.seen - Lq
+    """None when every sequence takes all Lq new tokens, else (B,) int64 valid new tokens per
+    sequence, from the layer's mask (left padding only; ValueError / NotImplementedError for
+    anything else). What the mask's key padding implies is computed once per mask (every
+    layer of a forward pass receives the same one); each layer compares it with its own
+    counts."""
     if mask is None:  # the builder skipped it: no padding, causal
-        return np.full(B, Lq, dtype=np.int64)
-    spec = getattr(mask, _SPEC_ATTR, None)
+        return None
+    P = layer.seen - Lq
+    spec = mask_spec(mask)
     if spec is None or spec.shape != (B, 1, Lq, P + Lq):
         raise NotImplementedError(
             f"AttnFastCache takes the causal masks attn_fast's mask builder makes (padding from "
@@ -570,32 +573,88 @@ def _valid_new(layer, mask, B, Lq):
             f"{spec.window}, but the cache computes causal attention with window {want}"
         )
     if spec.key_mask is None:
-        return np.full(B, Lq, dtype=np.int64)
-    km = spec.key_mask.reshape(B, P + Lq)
-    new = km[:, P:]
-    c = new.sum(axis=1).astype(np.int64)
-    suffix = np.arange(Lq)[None, :] >= (Lq - c)[:, None]
-    if not np.array_equal(new, suffix):
+        return None
+    got = spec.memo.get("valid_new")
+    if got is None or got[0] != P:
+        km = spec.key_mask.reshape(B, P + Lq)
+        new = km[:, P:]
+        c = new.sum(axis=1).astype(np.int64)
+        suffix = np.arange(Lq)[None, :] >= (Lq - c)[:, None]
+        if not np.array_equal(new, suffix):
+            raise ValueError(
+                "AttnFastCache supports left padding only: the attention_mask of the new tokens "
+                f"is {new.astype(int).tolist()}, not 0s then 1s per sequence"
+            )
+        got = (P, None if (c == Lq).all() else c, km[:, :P].sum(axis=1))
+        spec.memo["valid_new"] = got
+    if not np.array_equal(got[2], layer.valid):
         raise ValueError(
-            "AttnFastCache supports left padding only: the attention_mask of the new tokens is "
-            f"{new.astype(int).tolist()}, not 0s then 1s per sequence"
-        )
-    past = km[:, :P].sum(axis=1)
-    if not np.array_equal(past, layer.valid):
-        raise ValueError(
-            f"attention_mask marks {past.tolist()} valid past tokens per sequence but the "
+            f"attention_mask marks {got[2].tolist()} valid past tokens per sequence but the "
             f"AttnFastCache holds {layer.valid.tolist()}: the mask of earlier tokens changed"
         )
-    return c
+    return got[1]
 
 
-def attend_cached(
-    layer, query, key, value, mask, scaling, is_causal, softcap, s_aux, position_bias
-):
+def _refuse_features(a):
+    """NotImplementedError naming what the cache cannot compute (a: the call's CallArgs)."""
+    if a.softcap or a.s_aux is not None or a.position_bias is not None or not a.causal:
+        unsupported = [
+            n
+            for n, bad in (
+                ("softcap", bool(a.softcap)),
+                ("s_aux (sinks)", a.s_aux is not None),
+                ("position_bias", a.position_bias is not None),
+                ("is_causal=False", not a.causal),
+            )
+            if bad
+        ]
+        raise NotImplementedError(
+            f"AttnFastCache does not support {', '.join(unsupported)}; use transformers' "
+            "DynamicCache with attn_implementation='attn_fast'"
+        )
+
+
+def _arg(t):
+    """A chunk or query for the KVCache: the tensor's NumPy view where one exists (the
+    cache's fast path reads a NumPy array as it is), else the tensor."""
+    if t.dtype in _AS_NUMPY:
+        f = _checks.fast_view(t)
+        if f is not None:
+            return f[0]
+    return t
+
+
+def _store_and_attend(kv, query, key, value, scaling):
+    """Every sequence takes the whole chunk: append it, attend. (B, H_q, Lq, dv) tensor."""
+    kv.append(_arg(key), _arg(value))
+    o = kv.attend(_arg(query), scale=scaling)
+    return torch.from_numpy(o) if isinstance(o, np.ndarray) else o
+
+
+def _store_and_attend_padded(kv, query, key, value, scaling, c):
+    """A left-padded chunk (c (B,) valid rows, a suffix of each): the valid rows are
+    right-aligned (one copy of the chunk), appended and attended; padded query rows get zeros."""
+    B, Hq, Lq, _ = query.shape
+    k2, v2, q2 = (torch.zeros_like(t) for t in (key, value, query))
+    for b in np.flatnonzero(c):
+        p = Lq - int(c[b])
+        k2[b, :, : c[b]] = key[b, :, p:]
+        v2[b, :, : c[b]] = value[b, :, p:]
+        q2[b, :, : c[b]] = query[b, :, p:]
+    kv.append(k2, v2, lengths=c)
+    o2 = kv.attend(q2, scale=scaling, q_lens=c)
+    o = o2.new_zeros((B, Hq, Lq, value.shape[-1]))
+    for b in np.flatnonzero(c):
+        o[b, :, Lq - int(c[b]) :] = o2[b, :, : c[b]]
+    return o
+
+
+def attend_cached(layer, query, key, value, a):
     """The attention call of a layer with an AttnFastCache: store the chunk, attend.
 
     query (B, H_q, Lq, d) CPU tensor; key/value: the tensors ``layer.update``
-    returned. Returns the output (B, Lq, H_q, dv) contiguous in query's dtype.
+    returned; a: the call's ``CallArgs``. Returns the output (B, Lq, H_q, dv)
+    contiguous in query's dtype (for Lq = 1 a view of the kernel's output, else a copy).
     """
     if layer.pending is None or layer.pending[0] is not key or layer.pending[1] is not value:
         raise RuntimeError(
@@ -604,43 +663,21 @@ def attend_cached(
         )
     layer.pending = None
     B, Hq, Lq, _ = query.shape
-    unsupported = [
-        n
-        for n, bad in (
-            ("softcap", bool(softcap)),
-            ("s_aux (sinks)", s_aux is not None),
-            ("position_bias", position_bias is not None),
-            ("is_causal=False", not is_causal),
-        )
-        if bad
-    ]
     try:
-        if unsupported:
-            raise NotImplementedError(
-                f"AttnFastCache does not support {', '.join(unsupported)}; use transformers' "
-                "DynamicCache with attn_implementation='attn_fast'"
-            )
-        c = _valid_new(layer, mask, B, Lq)
+        _refuse_features(a)
+        c = _valid_new(layer, a.mask, B, Lq)
     except Exception:
         layer.seen -= Lq  # the chunk is not stored
         raise
-    sd = layer.chunk_dtype()
-    kv = layer.kv
-    dv = value.shape[-1]
-    if (c == Lq).all():
-        kv.append(key.to(sd), value.to(sd))
-        o = kv.attend(query.to(sd), scale=scaling)
-    else:  # left-padded chunk: right-align the valid rows of each sequence
-        k2, v2, q2 = (torch.zeros_like(t, dtype=sd) for t in (key, value, query))
-        for b in np.flatnonzero(c):
-            p = Lq - int(c[b])
-            k2[b, :, : c[b]] = key[b, :, p:]
-            v2[b, :, : c[b]] = value[b, :, p:]
-            q2[b, :, : c[b]] = query[b, :, p:]
-        kv.append(k2, v2, lengths=c)
-        o2 = kv.attend(q2, scale=scaling, q_lens=c)
-        o = o2.new_zeros((B, Hq, Lq, dv))
-        for b in np.flatnonzero(c):
-            o[b, :, Lq - int(c[b]) :] = o2[b, :, : c[b]]
-    layer.valid = layer.valid + c
-    return o.transpose(1, 2).to(query.dtype).contiguous()
+    query_dtype, sd = query.dtype, layer.io_dtype
+    if query.dtype is not sd or key.dtype is not sd or value.dtype is not sd:
+        query, key, value = query.to(sd), key.to(sd), value.to(sd)
+    if c is None:
+        o = _store_and_attend(layer.kv, query, key, value, a.scaling)
+        layer.valid += Lq
+    else:
+        o = _store_and_attend_padded(layer.kv, query, key, value, a.scaling, c)
+        layer.valid = layer.valid + c
+    # (B, H_q, Lq, dv) -> (B, Lq, H_q, dv): for one row the same memory order (a view)
+    o = o.reshape(B, 1, Hq, o.shape[-1]) if Lq == 1 else o.transpose(1, 2).contiguous()
+    return o if o.dtype is query_dtype else o.to(query_dtype)
