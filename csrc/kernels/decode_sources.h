@@ -159,24 +159,31 @@ struct Bf16DotEncoding : FloatEncoding<bf16_t> {
 // ks) and its ko into one bias per row (qb = Qs . ko, added to S); P * vs is
 // the P V weight and (P . vo) is added to every O column. Bytes per key and
 // kv head: d + dv codes + 8 + 8 d / kgroup (bench/NOTES.md#decode-int8).
+// The types of an encoding of 8-bit codes with float32 scales beside them
+// (float32 q, o and arithmetic; rows read in place at element stride 1, which
+// the binding checks).
+template <typename Code, typename SideT>
+struct CodedTypes {
+  using ST = float;
+  using KV = Code;
+  using T = float;
+  using Side = SideT;
+  using Pg = Page<KV, Side>;
+  using Sc = DScratch<float, KV>;
+  static constexpr bool kPacks = false;
+};
+
 struct Int8Side {
   const float* ks;  // (slots / kgroup, d) key scales / offsets
   const float* ko;
   const float* vs;  // (slots,) value scales / offsets
   const float* vo;
 };
-struct Int8Encoding {
-  using ST = float;
-  using KV = int8_t;
-  using T = float;
-  using Side = Int8Side;
-  using Pg = Page<KV, Side>;
-  using Sc = DScratch<float, KV>;
+struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
   struct Blk {
     const float* vs;  // the block's value scales / offsets, one per key
     const float* vo;
   };
-  static constexpr bool kPacks = false;  // element stride 1 (checked by the binding)
 
   static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
     const int64_t bh = b * a.Hkv + hk, per = (a.R / a.kgroup) * a.d;
@@ -353,18 +360,14 @@ struct Fp8Side {
   const float* vs;
 };
 template <typename F>
-struct Fp8Encoding {
-  using ST = float;
+struct Fp8Encoding : CodedTypes<F, Fp8Side> {
+  using Pg = typename CodedTypes<F, Fp8Side>::Pg;  // (a dependent base's names)
+  using Sc = typename CodedTypes<F, Fp8Side>::Sc;
   using KV = F;
-  using T = float;
-  using Side = Fp8Side;
-  using Pg = Page<KV, Side>;
-  using Sc = DScratch<float, KV>;
   struct Blk {
     const float* ks;  // the block's key / value scales, one per key
     const float* vs;
   };
-  static constexpr bool kPacks = false;  // element stride 1 (checked by the binding)
 
   static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
     const int64_t bh = b * a.Hkv + hk;
