@@ -11,6 +11,7 @@ import torch
 
 from .. import _dispatch
 from ..masks import MaskArgs
+from ..torch import _direct_ok
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -94,11 +95,22 @@ class Opts:
             raise ValueError(f"softcap must be >= 0 (0 = off) and finite, got {softcap!r}")
         return cls(scale, bool(causal), window, cap if cap > 0 else None)
 
-    def window_lr(self) -> tuple[int, int]:
-        """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
+    def op_args(self) -> tuple[float, bool, int, int, float]:
+        """(scale, causal, window_left, window_right, softcap) as the torch ops take them
+        (-1 = unbounded, softcap 0 = off); ``Opts.of(d, *op_args[:2], op_args[2:4], ...)``
+        rebuilds the record (``from_op``)."""
         left, right = (-1, -1) if self.window is None else self.window
         left = -1 if left is None else left
         right = -1 if right is None else right
+        return self.scale, self.causal, left, right, self.softcap or 0.0
+
+    @classmethod
+    def from_op(cls, scale, causal, window_left, window_right, softcap) -> Opts:
+        return cls.of(0, scale, causal, (window_left, window_right), softcap)
+
+    def window_lr(self) -> tuple[int, int]:
+        """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
+        _, _, left, right, _ = self.op_args()
         if self.causal:
             right = 0 if right < 0 else min(right, 0)
         return left, right
@@ -107,24 +119,30 @@ class Opts:
         return dict(scale=self.scale, window_size=self.window, softcap=self.softcap)
 
 
-def alibi_args(
-    alibi_slopes: Any, B: int, H: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(slopes (H,), None) when one set serves every batch entry, (None, rows (B, H)) when
-    the rows differ (the call then runs once per batch entry), (None, None) when absent."""
+def check_alibi(alibi_slopes: Any, B: int, H: int) -> torch.Tensor | None:
+    """alibi_slopes as a (H,) or (B, H) float32 (float64 kept) CPU tensor, or None; checks
+    its type and shape only (no values: this runs while torch.compile traces)."""
     if alibi_slopes is None:
-        return None, None
+        return None
     t = torch.as_tensor(alibi_slopes).detach()
     if t.device.type != "cpu" or not t.is_floating_point():
         raise TypeError(f"alibi_slopes must be a float CPU tensor, got {t.dtype} on {t.device}")
-    t = t.to(torch.float32) if t.dtype != torch.float64 else t
-    if t.shape == (H,):
+    if t.shape != (H,) and t.shape != (B, H):
+        raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+    return t.to(torch.float32) if t.dtype != torch.float64 else t
+
+
+def alibi_split(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked slopes -> (slopes (H,), None) when one set serves every batch entry,
+    (None, rows (B, H)) when the rows differ (the call then runs once per batch entry),
+    (None, None) when absent. Reads the values: inside the ops only."""
+    if t is None:
+        return None, None
+    if t.dim() == 1:
         return t.contiguous(), None
-    if t.shape == (B, H):
-        if B == 0 or bool((t == t[:1]).all()):
-            return (t[0].contiguous() if B else None), None
-        return None, t
-    raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or bool((t == t[:1]).all()):
+        return (t[0].contiguous() if t.shape[0] else None), None
+    return None, t
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -196,23 +214,23 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
     _dispatch.attend_paged(np4(q4, "q"), pages, np4(o4, "out"), lse, scale=opts.scale, mask=mask)
 
 
-class KernelFunction(torch.autograd.Function):
-    """out, lse = forward(q, k, v, *args, need_lse) with attn_fast's fused backward,
-    grads = backward(dout, q, k, v, out, lse, *args): one autograd node for the dense and
-    the varlen forms. lse is returned but not differentiable (flash-attn's convention)."""
+def call(op, impl, tensors: tuple, *args: Any) -> Any:
+    """``impl(*args)`` directly when nothing needs the torch op (plain CPU tensors, no
+    tracing, transform or mode, no gradient wanted: ``attn_fast.torch._direct_ok``), else
+    the op ``op(*args)`` (same body, plus fake kernel, autograd and schema). The op's
+    dispatch costs about as much as a one-token decode kernel, so the eager inference
+    path never pays it."""
+    if _direct_ok(tensors):
+        return impl(*args)
+    return op(*args)
 
-    @staticmethod
-    def forward(ctx, forward, backward, q, k, v, args, need_lse=True):
-        out, lse = forward(q, k, v, *args, need_lse)
-        ctx.backward_fn, ctx.args = backward, args
-        if lse is None:  # not asked for and no gradient wanted: the backward never runs
-            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(dout, q.detach(), k.detach(), v.detach(), out, lse, *ctx.args)
-        return None, None, dq, dk, dv, None, None
+def no_lse(q: torch.Tensor) -> torch.Tensor:
+    """The lse output of an op call that did not ask for it."""
+    return q.new_empty((0,), dtype=lse_dtype(q.dtype))
+
+
+def transposed_like(x: torch.Tensor) -> torch.Tensor:
+    """A new (B, L, H, d) tensor with the strides of a (B, H, L, d) contiguous one
+    transposed: the layout the (B, H, L, d) kernels write gradients in."""
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -11,16 +11,19 @@ from .. import _dispatch
 from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
 from ..functional import _score_args
 from ._common import (
-    KernelFunction,
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_dropout,
     check_heads,
     check_tensor,
     lse_dtype,
     mask_args,
+    no_lse,
     np4,
     same_dtype,
+    transposed_like,
     wants_grad,
 )
 
@@ -32,27 +35,42 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.detach().transpose(1, 2)
 
 
-def _batches(B: int, rows: torch.Tensor | None, shared: torch.Tensor | None):
-    """(slice, slopes) per kernel call: one call for all, or one per batch entry."""
+def _batches(alibi: torch.Tensor | None, B: int):
+    """(slice, slopes) per kernel call: one call for all, or one per batch entry when the
+    ALiBi rows differ."""
+    shared, rows = alibi_split(alibi)
     if rows is None:
         return [(slice(None), shared)]
     return [(slice(b, b + 1), rows[b]) for b in range(B)]
 
 
-def _dense_forward(q, k, v, opts, shared, rows, need_lse):
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel chosen by ``_dispatch.choose_kernel`` on (B, H, L, d) views, writing a new
     (B, Lq, H, dv) out through its transpose; what ``attn_fast.scaled_dot_product_attention``
-    runs for the same arguments, without its argument parsing."""
+    runs for the same arguments, without its argument parsing. lse (B, H, Lq), or empty
+    when not need_lse."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
     B, Lq, H, _ = q.shape
     out = torch.empty((B, Lq, H, v.shape[-1]), dtype=q.dtype)
-    lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else None
-    if not out.numel() and not (need_lse and lse.numel()):
+    lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
+    if not out.numel() and not lse.numel():
         return out, lse
     q4, k4, v4, o4 = np4(q, "q"), np4(k, "k"), np4(v, "v"), np4(out, "out")
     lse4 = lse.numpy() if need_lse else None
     cdt = np.float64 if q.dtype == torch.float64 else np.float32
     mask = mask_args(opts)
-    for sl, slopes in _batches(B, rows, shared):
+    for sl, slopes in _batches(alibi_slopes, B):
         score = _score_args(H, cdt, opts.softcap, slopes, None)
         kernel = _dispatch.choose_kernel(Lq=Lq, Lk=k.shape[1], mask=mask, score=score)
         _dispatch.attend(
@@ -69,10 +87,27 @@ def _dense_forward(q, k, v, opts, shared, rows, need_lse):
     return out, lse
 
 
-def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
-    B = q.shape[0]
-    grads = None
-    for sl, slopes in _batches(B, rows, shared):
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: new (B, L, H, d) tensors in the transposed (B, H, L, d) layout."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    grads = [transposed_like(t) for t in (q, k, v)]
+    if not any(g.numel() for g in grads):
+        return tuple(grads)
+    batches = _batches(alibi_slopes, q.shape[0])
+    for sl, slopes in batches:
         g = _sdpa_backward(
             _t(dout[sl]),
             _t(q[sl]),
@@ -85,16 +120,50 @@ def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
             alibi_slopes=slopes,
             **opts.sdpa_kw(),
         )
-        g = [x.transpose(1, 2) for x in g[:3]]
-        if rows is None:
-            return g
-        if grads is None:
-            grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+        if len(batches) == 1:
+            return tuple(x.transpose(1, 2) for x in g[:3])
         for dst, src in zip(grads, g):
-            dst[sl] = src
-    if grads is None:
-        grads = [torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v)]
-    return grads
+            dst[sl] = src.transpose(1, 2)
+    return tuple(grads)
+
+
+_forward_op = torch.library.custom_op(
+    "attn_fast::flash_attn_fwd", mutates_args=(), device_types="cpu"
+)(_forward)
+_backward_op = torch.library.custom_op(
+    "attn_fast::flash_attn_bwd", mutates_args=(), device_types="cpu"
+)(_backward)
+
+
+@_forward_op.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, softcap, alibi_slopes, need_lse):
+    B, Lq, H, _ = q.shape
+    lse = q.new_empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
+    return q.new_empty((B, Lq, H, v.shape[-1])), lse
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap, alibi_slopes):
+    return tuple(transposed_like(t) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *opts, alibi_slopes, _need_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.opts = opts
+    ctx.mark_non_differentiable(lse)  # flash-attn's convention: lse has no gradient
+
+
+def _autograd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    if not lse.numel() and out.numel():
+        raise RuntimeError("attn_fast::flash_attn_fwd was called with need_lse=False")
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.opts, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _attn_dense(
@@ -119,13 +188,10 @@ def _attn_dense(
         raise ValueError(f"q has shape {tuple(q.shape)} but k has {tuple(k.shape)}: batch differs")
     check_heads(H, k.shape[2], d, k.shape[3], tuple(v.shape), tuple(k.shape))
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    shared, rows = alibi_args(alibi_slopes, B, H)
-    if wants_grad(q, k, v):
-        out, lse = KernelFunction.apply(
-            _dense_forward, _dense_backward, q, k, v, (opts, shared, rows)
-        )
-    else:  # inference: no autograd node (apply() costs as much as a small kernel call)
-        out, lse = _dense_forward(q, k, v, opts, shared, rows, bool(return_attn_probs))
+    alibi = check_alibi(alibi_slopes, B, H)
+    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
+    args = (q, k, v, *opts.op_args(), alibi, need_lse)
+    out, lse = call(_forward_op, _forward, (q, k, v, alibi), *args)
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -11,11 +11,15 @@ from .. import _dispatch
 from ..functional import _score_args
 from ._common import (
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_heads,
     check_tensor,
     cu_array,
+    lse_dtype,
     mask_args,
+    no_lse,
     np4,
     paged_attend,
     same_dtype,
@@ -102,24 +106,67 @@ def flash_attn_with_kvcache(
     Rows that see no key: 0 (lse -inf). Not differentiable (as in flash-attn).
     """
     check_tensor(q, "q", 4, "(batch_size, seqlen, nheads, headdim)")
-    paged = block_table is not None
     what = (
         "(num_blocks, page_block_size, nheads_k, headdim)"
-        if paged
+        if block_table is not None
         else "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
     )
     check_tensor(k_cache, "k_cache", 4, what)
     check_tensor(v_cache, "v_cache", 4, what)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    if k is not None:
+        check_tensor(k, "k", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        check_tensor(v, "v", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+    if isinstance(num_splits, bool) or int(num_splits) < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    B, _, H, d = q.shape
+    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
+    alibi = check_alibi(alibi_slopes, B, H)
+    # ints and int sequences as tensors (what the op takes); their values are checked inside
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        torch.as_tensor(x) if x is not None and not isinstance(x, torch.Tensor) else x
+        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    )
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens)
+    tensors += (cache_batch_idx, cache_leftpad, block_table, alibi)
+    args = (*tensors[:-1], *opts.op_args(), bool(rotary_interleaved), alibi)
+    out, lse = call(_kvcache_op, _with_kvcache, tensors, *args, bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out
+
+
+def _with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads the annotations at run time)
+    v: Optional[torch.Tensor],  # noqa: UP045
+    rotary_cos: Optional[torch.Tensor],  # noqa: UP045
+    rotary_sin: Optional[torch.Tensor],  # noqa: UP045
+    cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
+    cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+    cache_leftpad: Optional[torch.Tensor],  # noqa: UP045
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of ``flash_attn_with_kvcache`` (and of the op attn_fast::flash_attn_with_kvcache,
+    which mutates k_cache and v_cache): the checks that read values, the append, the kernel.
+    Returns (out, lse), lse empty unless return_lse."""
+
+    paged = block_table is not None
     same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     B, Lq, H, d = q.shape
     Hkv = k_cache.shape[2]
     check_heads(H, Hkv, d, k_cache.shape[3], tuple(v_cache.shape), tuple(k_cache.shape))
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (or neither)")
-    if isinstance(num_splits, bool) or int(num_splits) < 0:
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    shared, rows = alibi_args(alibi_slopes, B, H)
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    shared, rows = alibi_split(alibi_slopes)
     if paged:
         if cache_batch_idx is not None or cache_leftpad is not None:
             raise ValueError(
@@ -159,7 +206,7 @@ def flash_attn_with_kvcache(
         )
 
     if rotary_cos is not None or rotary_sin is not None:
-        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, bool(rotary_interleaved), seqlens, opts)
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens, opts)
 
     if k is not None and L_new:  # the in-place append: only the new rows are written
         _append(k_cache, k, seqlens, bidx, table)
@@ -169,7 +216,7 @@ def flash_attn_with_kvcache(
     out = torch.empty((B, Lq, H, dv), dtype=q.dtype)
     lse_np = (
         np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
-        if return_softmax_lse
+        if return_lse
         else None
     )
     plain = opts.softcap is None and shared is None and rows is None
@@ -190,16 +237,24 @@ def flash_attn_with_kvcache(
             )
     elif lse_np is not None:
         lse_np[...] = -np.inf
-    if return_softmax_lse:
-        return out, torch.from_numpy(lse_np)
-    return out
+    return out, (no_lse(q) if lse_np is None else torch.from_numpy(lse_np))
+
+
+_kvcache_op = torch.library.custom_op(
+    "attn_fast::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cpu"
+)(_with_kvcache)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    B, Lq, H, _ = q.shape
+    lse = q.new_empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if args[-1] else no_lse(q)
+    return q.new_empty((B, Lq, H, v_cache.shape[-1])), lse
 
 
 def _check_new_kv(k, v, B: int, Hkv: int, d: int, v_cache, cache_seqlens) -> int:
     """The new k (B, L_new, H_kv, d) and v (B, L_new, H_kv, dv) against q and the cache;
     returns L_new."""
-    check_tensor(k, "k", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-    check_tensor(v, "v", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
     L_new = k.shape[1]
     if k.shape[:3] != (B, L_new, Hkv) or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
         raise ValueError(

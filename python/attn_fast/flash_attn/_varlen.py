@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -10,15 +10,17 @@ import torch
 from ..backward import varlen_attention_backward as _varlen_backward
 from ..functional import varlen_attention as _varlen
 from ._common import (
-    KernelFunction,
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_dropout,
     check_heads,
     check_tensor,
     cu_array,
     lse_dtype,
     mask_args,
+    no_lse,
     paged_attend,
     refuse_grad,
     same_dtype,
@@ -35,10 +37,34 @@ def _seq_slices(cu_q: np.ndarray, cu_k: np.ndarray):
     ]
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse):
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (total_q, H, dv) and lse (H, total_q) (empty unless need_lse): the varlen kernel,
+    or with block_table the decode kernel on the paged pool."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
+    shared, rows = alibi_split(alibi_slopes)
+    if block_table is not None:
+        out, lse = _paged(q, k, v, cu_q, cu_k, block_table, opts, shared, rows, need_lse)
+        return out, (no_lse(q) if lse is None else lse)
     Tq, H, _ = q.shape
     out = torch.empty((Tq, H, v.shape[-1]), dtype=q.dtype)
-    lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else None
+    lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
     kw = dict(causal=opts.causal, return_lse=need_lse, **opts.sdpa_kw())
     if rows is None:
         res = _varlen(
@@ -47,8 +73,8 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_
             v.detach(),
             cu_q,
             cu_k,
-            max_q,
-            max_k,
+            max_seqlen_q,
+            max_seqlen_k,
             out=out,
             alibi_slopes=shared,
             **kw,
@@ -73,12 +99,46 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_
     return out, lse
 
 
-def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts, shared, rows):
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: new contiguous tensors like q, k, v."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
+    shared, rows = alibi_split(alibi_slopes)
     kw = dict(causal=opts.causal, **opts.sdpa_kw())
+    dout, q, k, v, out = (t.detach() for t in (dout, q, k, v, out))
     if rows is None:
-        return _varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes=shared, **kw
-        )[:3]
+        g = _varlen_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            alibi_slopes=shared,
+            **kw,
+        )
+        return tuple(x.contiguous() for x in g[:3])
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
     for s, (sq, sk) in enumerate(_seq_slices(cu_q, cu_k)):
         n, m = sq.stop - sq.start, sk.stop - sk.start
@@ -98,7 +158,46 @@ def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts
     return dq, dk, dv
 
 
-def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
+_forward_op = torch.library.custom_op(
+    "attn_fast::flash_attn_varlen_fwd", mutates_args=(), device_types="cpu"
+)(_forward)
+_backward_op = torch.library.custom_op(
+    "attn_fast::flash_attn_varlen_bwd", mutates_args=(), device_types="cpu"
+)(_backward)
+
+
+@_forward_op.register_fake
+def _(q, k, v, *args):
+    Tq, H, _ = q.shape
+    lse = q.new_empty((H, Tq), dtype=lse_dtype(q.dtype)) if args[-1] else no_lse(q)
+    return q.new_empty((Tq, H, v.shape[-1])), lse
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, *opts, alibi_slopes, _table, _need_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.args = (max_q, max_k, *opts)
+    ctx.mark_non_differentiable(lse)  # flash-attn's convention: lse has no gradient
+
+
+def _autograd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    if not lse.numel() and out.numel():
+        raise RuntimeError("attn_fast::flash_attn_varlen_fwd was called with need_lse=False")
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, alibi_slopes)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
     """Varlen queries against a paged K/V pool (num_blocks, page, H_kv, d): the decode kernel."""
     if opts.softcap is not None or shared is not None or rows is not None:
         raise NotImplementedError(
@@ -106,6 +205,13 @@ def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, ro
             "kernel that reads pages in place has no score transforms; pass a contiguous K/V"
         )
     Tq, H, d = q.shape
+    if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
+        raise ValueError(
+            f"cu_seqlens_q {cu_q.tolist()} and cu_seqlens_k {cu_k.tolist()} must be (B + 1,) "
+            f"cumulative lengths, cu_seqlens_q ending at total_q = {Tq}"
+        )
+    if np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0) or cu_k[0] != 0:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
     B = cu_q.size - 1
     q_lens = np.diff(cu_q)
     kv_lens = np.diff(cu_k)
@@ -168,36 +274,28 @@ def _attn_varlen(
     same_dtype(**dict(zip(names, (q, k, v))))
     Tq, H, d = q.shape
     check_heads(H, k.shape[-2], d, k.shape[-1], tuple(v.shape), tuple(k.shape))
-    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    B = cu_q.size - 1
-    shared, rows = alibi_args(alibi_slopes, B, H)
-    if paged:
+    alibi = check_alibi(alibi_slopes, _num_seqs(cu_seqlens_q), H)
+    cu_q, cu_k = (
+        x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+        for x in (cu_seqlens_q, cu_seqlens_k)
+    )
+    if block_table is not None:
         refuse_grad("flash_attn_varlen_func with block_table", q, k, v)
-        if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
-            raise ValueError(
-                f"cu_seqlens_q {cu_q.tolist()} and cu_seqlens_k {cu_k.tolist()} must be (B + 1,) "
-                f"cumulative lengths, cu_seqlens_q ending at total_q = {Tq}"
-            )
-        if np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0) or cu_k[0] != 0:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
-        out, lse = _varlen_paged(
-            q, k, v, cu_q, cu_k, block_table, opts, shared, rows, bool(return_attn_probs)
-        )
-    else:
-        need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
-        out, lse = KernelFunction.apply(
-            _varlen_forward,
-            _varlen_backward_all,
-            q,
-            k,
-            v,
-            (cu_q, cu_k, max_seqlen_q, max_seqlen_k, opts, shared, rows),
-            need_lse,
-        )
+        if not isinstance(block_table, torch.Tensor):
+            block_table = torch.as_tensor(block_table)
+    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
+    args = (q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *opts.op_args(), alibi)
+    tensors = (*args[:5], alibi, block_table)
+    out, lse = call(_forward_op, _forward, tensors, *args, block_table, need_lse)
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
     return out
+
+
+def _num_seqs(cu: Any) -> int:
+    """B from cu_seqlens (B + 1,) (its shape, never its values)."""
+    return (cu.shape[0] if isinstance(cu, torch.Tensor) else len(cu)) - 1
 
 
 def flash_attn_varlen_func(
