@@ -641,6 +641,134 @@ def test_public_functions_have_flash_attn_signatures():
                 ), name
 
 
+# ---------------------------------------------------------------- torch.library ops
+
+
+class _TinyAttention(torch.nn.Module):
+    """qkv projection, flash_attn_qkvpacked_func / flash_attn_func, output projection."""
+
+    def __init__(self, packed):
+        super().__init__()
+        self.qkv, self.o, self.packed = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16), packed
+
+    def forward(self, x, slopes):
+        B, L, _ = x.shape
+        qkv = self.qkv(x).reshape(B, L, 3, 4, 4)
+        if self.packed:
+            y = flash_attn_qkvpacked_func(qkv, causal=True, alibi_slopes=slopes)
+        else:
+            q, k, v = qkv.unbind(2)
+            y = flash_attn_func(q, k[:, :, :2], v[:, :, :2], window_size=(3, 1), softcap=4.0)
+        return self.o(y.reshape(B, L, 16))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["gqa-window-softcap", "qkvpacked-alibi"])
+def test_torch_compile_fullgraph_model_forward_backward(rng, packed):
+    torch.manual_seed(0)
+    model = _TinyAttention(packed)
+    x, slopes = gen(rng, (2, 9, 16)), torch.rand(2, 4) * 0.3  # (B, H) rows that differ
+    want = model(x, slopes)
+    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = compiled(x, slopes)
+    got_grads = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_torch_compile_fullgraph_varlen_and_kvcache(rng):
+    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q = gen(rng, (10, 4, 8)).requires_grad_()
+    k, v = (gen(rng, (12, 2, 8)).requires_grad_() for _ in range(2))
+
+    def varlen(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 7, causal=True).square().sum()
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(
+        torch.compile(varlen, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v)
+    )
+    want = torch.autograd.grad(varlen(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    def step(q, k_cache, v_cache, k, v, seqlens, table):
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=True
+        )
+
+    qd, kn, vn = gen(rng, (2, 2, 4, 8)), gen(rng, (2, 2, 2, 8)), gen(rng, (2, 2, 2, 8))
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    for table in (None, torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)):
+        shape = (2, 16, 2, 8) if table is None else (4, 8, 2, 8)
+        caches = [gen(rng, shape) for _ in range(2)]
+        eager = [c.clone() for c in caches]
+        ptr = caches[0].data_ptr()
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(
+            qd, *caches, kn, vn, seqlens, table
+        )
+        want = step(qd, *eager, kn, vn, seqlens, table)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert caches[0].data_ptr() == ptr  # the caches were appended in place
+        assert all(torch.equal(a, b) for a, b in zip(caches, eager))
+
+
+def test_opcheck(rng):
+    ops = torch.ops.attn_fast
+    q, k, v = gen(rng, (2, 5, 4, 8)), gen(rng, (2, 7, 2, 8)), gen(rng, (2, 7, 2, 8))
+    slopes = torch.rand(2, 4)
+    for alibi in (None, slopes):
+        for x in (q, k, v):
+            x.requires_grad_()
+        torch.library.opcheck(
+            ops.flash_attn_fwd.default, (q, k, v, 0.3, True, -1, 2, 0.0, alibi, True)
+        )
+        out, lse = ops.flash_attn_fwd(q, k, v, 0.3, True, -1, 2, 0.0, alibi, True)
+        dout = gen(rng, out.shape)
+        for x in (q, k, v):
+            x.requires_grad_(False)
+        args = (dout, q, k, v, out.detach(), lse, 0.3, True, -1, 2, 0.0, alibi)
+        torch.library.opcheck(ops.flash_attn_bwd.default, args)
+    qv, kv, vv = gen(rng, (10, 4, 8)), gen(rng, (12, 2, 8)), gen(rng, (12, 2, 8))
+    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    opts = (0.35, False, 2, -1, 5.0)
+    fwd_args = (qv, kv, vv, cu_q, cu_k, 7, 7, *opts, slopes, None, True)
+    torch.library.opcheck(ops.flash_attn_varlen_fwd.default, fwd_args)
+    out, lse = ops.flash_attn_varlen_fwd(*fwd_args)
+    bwd_args = (gen(rng, out.shape), qv, kv, vv, out, lse, cu_q, cu_k, 7, 7, *opts, slopes)
+    torch.library.opcheck(ops.flash_attn_varlen_bwd.default, bwd_args)
+    pool = [gen(rng, (4, 8, 2, 8)) for _ in range(2)]
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    new = [gen(rng, (2, 2, 2, 8)) for _ in range(2)]
+    kv_args = (gen(rng, (2, 2, 4, 8)), *pool, *new, None, None, seqlens, None, None, table)
+    torch.library.opcheck(
+        ops.flash_attn_with_kvcache.default, (*kv_args, 0.35, True, -1, -1, 0.0, True, None, True)
+    )
+
+
+def test_eager_inference_calls_skip_the_op(rng, monkeypatch):
+    """No grad, plain tensors, no tracing: the body runs without the op's dispatch."""
+    import attn_fast.flash_attn._common as common
+
+    calls = []
+    real = common._direct_ok
+    monkeypatch.setattr(common, "_direct_ok", lambda t: calls.append(real(t)) or calls[-1])
+    q = gen(rng, (1, 3, 2, 4))
+    flash_attn_func(q, q, q)
+    flash_attn_with_kvcache(q, q.clone(), q.clone(), cache_seqlens=2)
+    q.requires_grad_()
+    flash_attn_func(q, q, q)
+    with torch.no_grad():
+        flash_attn_func(q, q, q)
+    assert calls == [True, True, False, True]
+
+
 # ---------------------------------------------------------------- flash-attn's own grid (CPU-sized)
 
 # ATTN_FAST_FA_GRID=large runs a larger slice (a manual run, not CI).

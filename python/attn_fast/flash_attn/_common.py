@@ -106,7 +106,14 @@ class Opts:
 
     @classmethod
     def from_op(cls, scale, causal, window_left, window_right, softcap) -> Opts:
-        return cls.of(0, scale, causal, (window_left, window_right), softcap)
+        """The record from ``op_args()`` (already checked by ``of``; no checks again)."""
+        window = None
+        if window_left >= 0 or window_right >= 0:
+            window = (
+                window_left if window_left >= 0 else None,
+                window_right if window_right >= 0 else None,
+            )
+        return cls(scale, causal, window, softcap if softcap > 0 else None)
 
     def window_lr(self) -> tuple[int, int]:
         """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
@@ -214,15 +221,33 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
     _dispatch.attend_paged(np4(q4, "q"), pages, np4(o4, "out"), lse, scale=opts.scale, mask=mask)
 
 
-def call(op, impl, tensors: tuple, *args: Any) -> Any:
+def call(op, impl, tensors: tuple, *args: Any, to_op=None) -> Any:
     """``impl(*args)`` directly when nothing needs the torch op (plain CPU tensors, no
     tracing, transform or mode, no gradient wanted: ``attn_fast.torch._direct_ok``), else
-    the op ``op(*args)`` (same body, plus fake kernel, autograd and schema). The op's
+    the op ``op(*args)`` (the same body, plus fake kernel, autograd and schema). The op's
     dispatch costs about as much as a one-token decode kernel, so the eager inference
-    path never pays it."""
+    path never pays it. ``to_op(args)`` converts the arguments for the op (ints to
+    tensors) when given. Returns (out, lse); lse is None from the direct call when it was
+    not asked for."""
     if _direct_ok(tensors):
         return impl(*args)
-    return op(*args)
+    return op(*(args if to_op is None else to_op(args)))
+
+
+def define_op(name: str, impl, mutates_args: tuple = ()):
+    """The torch op ``attn_fast::<name>`` whose schema is impl's annotations and whose body
+    is impl with an lse of None (not asked for) returned as an empty tensor (an op returns
+    tensors)."""
+    schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
+
+    def body(*args):
+        out, lse = impl(*args)
+        return out, (no_lse(args[0]) if lse is None else lse)
+
+    body.__name__ = impl.__name__
+    return torch.library.custom_op(
+        f"attn_fast::{name}", body, mutates_args=mutates_args, device_types="cpu", schema=schema
+    )
 
 
 def no_lse(q: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ._common import (
     check_dropout,
     check_heads,
     check_tensor,
+    define_op,
     lse_dtype,
     mask_args,
     no_lse,
@@ -58,13 +59,13 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel chosen by ``_dispatch.choose_kernel`` on (B, H, L, d) views, writing a new
     (B, Lq, H, dv) out through its transpose; what ``attn_fast.scaled_dot_product_attention``
-    runs for the same arguments, without its argument parsing. lse (B, H, Lq), or empty
+    runs for the same arguments, without its argument parsing. lse (B, H, Lq), or None
     when not need_lse."""
     opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
     B, Lq, H, _ = q.shape
     out = torch.empty((B, Lq, H, v.shape[-1]), dtype=q.dtype)
-    lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
-    if not out.numel() and not lse.numel():
+    lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else None
+    if not out.numel() and not (need_lse and lse.numel()):
         return out, lse
     q4, k4, v4, o4 = np4(q, "q"), np4(k, "k"), np4(v, "v"), np4(out, "out")
     lse4 = lse.numpy() if need_lse else None
@@ -127,9 +128,7 @@ def _backward(
     return tuple(grads)
 
 
-_forward_op = torch.library.custom_op(
-    "attn_fast::flash_attn_fwd", mutates_args=(), device_types="cpu"
-)(_forward)
+_forward_op = define_op("flash_attn_fwd", _forward)
 _backward_op = torch.library.custom_op(
     "attn_fast::flash_attn_bwd", mutates_args=(), device_types="cpu"
 )(_backward)

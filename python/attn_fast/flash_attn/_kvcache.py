@@ -17,6 +17,7 @@ from ._common import (
     check_heads,
     check_tensor,
     cu_array,
+    define_op,
     lse_dtype,
     mask_args,
     no_lse,
@@ -123,16 +124,31 @@ def flash_attn_with_kvcache(
     B, _, H, d = q.shape
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
     alibi = check_alibi(alibi_slopes, B, H)
-    # ints and int sequences as tensors (what the op takes); their values are checked inside
-    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
-        torch.as_tensor(x) if x is not None and not isinstance(x, torch.Tensor) else x
-        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    ints = (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, *ints, *opts.op_args())
+    tensors = (*args[:7], alibi, *[x for x in ints if isinstance(x, torch.Tensor)])
+    out, lse = call(
+        _kvcache_op,
+        _with_kvcache,
+        tensors,
+        *args,
+        bool(rotary_interleaved),
+        alibi,
+        bool(return_softmax_lse),
+        to_op=_int_tensors,
     )
-    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens)
-    tensors += (cache_batch_idx, cache_leftpad, block_table, alibi)
-    args = (*tensors[:-1], *opts.op_args(), bool(rotary_interleaved), alibi)
-    out, lse = call(_kvcache_op, _with_kvcache, tensors, *args, bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
+
+
+def _int_tensors(args: tuple) -> tuple:
+    """cache_seqlens, cache_batch_idx, cache_leftpad, block_table (args 7 to 10) given as
+    ints or int sequences, as the tensors the op takes (values are checked inside it)."""
+    return tuple(
+        torch.as_tensor(a)
+        if 7 <= i <= 10 and a is not None and not isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(args)
+    )
 
 
 def _with_kvcache(
@@ -158,7 +174,8 @@ def _with_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The body of ``flash_attn_with_kvcache`` (and of the op attn_fast::flash_attn_with_kvcache,
     which mutates k_cache and v_cache): the checks that read values, the append, the kernel.
-    Returns (out, lse), lse empty unless return_lse."""
+    Returns (out, lse), lse None unless return_lse. The int arguments may also be ints
+    or int sequences here (the direct call)."""
 
     paged = block_table is not None
     same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
@@ -237,12 +254,10 @@ def _with_kvcache(
             )
     elif lse_np is not None:
         lse_np[...] = -np.inf
-    return out, (no_lse(q) if lse_np is None else torch.from_numpy(lse_np))
+    return out, (None if lse_np is None else torch.from_numpy(lse_np))
 
 
-_kvcache_op = torch.library.custom_op(
-    "attn_fast::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cpu"
-)(_with_kvcache)
+_kvcache_op = define_op("flash_attn_with_kvcache", _with_kvcache, ("k_cache", "v_cache"))
 
 
 @_kvcache_op.register_fake

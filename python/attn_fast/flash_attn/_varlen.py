@@ -18,6 +18,7 @@ from ._common import (
     check_heads,
     check_tensor,
     cu_array,
+    define_op,
     lse_dtype,
     mask_args,
     no_lse,
@@ -54,17 +55,16 @@ def _forward(
     block_table: Optional[torch.Tensor],  # noqa: UP045
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (total_q, H, dv) and lse (H, total_q) (empty unless need_lse): the varlen kernel,
+    """out (total_q, H, dv) and lse (H, total_q) (None unless need_lse): the varlen kernel,
     or with block_table the decode kernel on the paged pool."""
     opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
     cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
     shared, rows = alibi_split(alibi_slopes)
     if block_table is not None:
-        out, lse = _paged(q, k, v, cu_q, cu_k, block_table, opts, shared, rows, need_lse)
-        return out, (no_lse(q) if lse is None else lse)
+        return _paged(q, k, v, cu_q, cu_k, block_table, opts, shared, rows, need_lse)
     Tq, H, _ = q.shape
     out = torch.empty((Tq, H, v.shape[-1]), dtype=q.dtype)
-    lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
+    lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else None
     kw = dict(causal=opts.causal, return_lse=need_lse, **opts.sdpa_kw())
     if rows is None:
         res = _varlen(
@@ -158,9 +158,7 @@ def _backward(
     return dq, dk, dv
 
 
-_forward_op = torch.library.custom_op(
-    "attn_fast::flash_attn_varlen_fwd", mutates_args=(), device_types="cpu"
-)(_forward)
+_forward_op = define_op("flash_attn_varlen_fwd", _forward)
 _backward_op = torch.library.custom_op(
     "attn_fast::flash_attn_varlen_bwd", mutates_args=(), device_types="cpu"
 )(_backward)
