@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import _dispatch
+from ..functional import _score_args
 from ..masks import MaskArgs
 from ..torch import _direct_ok
 
@@ -191,8 +192,10 @@ def np4(x: torch.Tensor, name: str) -> np.ndarray:
     return t.numpy()
 
 
-def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
-    """q4 (B, Lq, H, d) against the paged pool through block_table, writing o4 and lse."""
+def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask, shared=None, rows=None):
+    """q4 (B, Lq, H, d) against the paged pool through block_table, writing o4 and lse:
+    the decode kernel, or with softcap / ALiBi (shared (H,) or rows (B, H) slopes)
+    ``paged_attend_scored``. mask carries kv_lens (and q_lens)."""
     table = cu_array(block_table, "block_table")
     if table.ndim != 2 or table.shape[0] != q4.shape[0]:
         raise ValueError(
@@ -211,6 +214,11 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
             f"a sequence of {int(mask.kv_lens.max())} keys does not fit its block_table row of "
             f"{table.shape[1]} blocks of {page}"
         )
+    if opts.softcap is not None or shared is not None or rows is not None:
+        paged_attend_scored(
+            q4, o4, lse, k_cache, v_cache, table, opts, shared, rows, mask.kv_lens, mask.q_lens
+        )
+        return
     pages = _dispatch.PagedArgs(
         [np4(k_cache, "k_cache")], [np4(v_cache, "v_cache")], np.ascontiguousarray(table)
     )
@@ -232,6 +240,92 @@ def call(op, impl, tensors: tuple, *args: Any, to_op=None) -> Any:
     if _direct_ok(tensors):
         return impl(*args)
     return op(*(args if to_op is None else to_op(args)))
+
+
+def _block_runs(blocks: np.ndarray, viewable: bool) -> list[tuple[int, int, int]]:
+    """(first table slot, first block id, block count) per run of consecutive block ids in a
+    sequence's table row (a run is one strided view of the pool); every block its own run
+    when the pool's pages are not laid out back to back."""
+    if not blocks.size:
+        return []
+    cut = np.flatnonzero(np.diff(blocks) != 1) + 1 if viewable else np.arange(1, blocks.size)
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [blocks.size]))
+    return [(int(a), int(blocks[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def paged_attend_scored(q4, o4, lse, k_cache, v_cache, table, opts, shared, rows, kv_lens, q_lens):
+    """Softcap and / or ALiBi on a paged pool, read in place: the decode kernel that reads
+    pages has no score transforms, so each run of consecutive blocks of a sequence is a
+    strided (1, H_kv, n, d) view handed to the tiled forward kernel (softcap as its score
+    transform; ALiBi and the causal / window limits, which depend on a key's position in
+    the whole sequence, as an additive (1, H, Lq, n) bias), and the runs' partial results
+    are merged by their lse. One kernel call per run: a fragmented table costs one call per
+    block. q4 (B, Lq, H, d), o4 (B, Lq, H, dv) tensors; lse (B, H, Lq) NumPy or None;
+    sequence b has q_lens[b] (None: Lq) queries, aligned bottom-right on its kv_lens[b]
+    keys. With several runs the partial outputs are in q's dtype before the merge (16-bit:
+    one more rounding than the contiguous path)."""
+    B, Lq, H, _ = q4.shape
+    page = k_cache.shape[1]
+    viewable = k_cache.stride(0) == page * k_cache.stride(1) and v_cache.stride(
+        0
+    ) == page * v_cache.stride(1)
+    cdt = torch.float64 if q4.dtype == torch.float64 else torch.float32
+    left, right = opts.window_lr()
+    score = _score_args(H, np.dtype(str(cdt).replace("torch.", "")), opts.softcap, None, None)
+    for b in range(B):
+        n, nq = int(kv_lens[b]), Lq if q_lens is None else int(q_lens[b])
+        slopes = shared if rows is None else rows[b]
+        parts = []
+        for slot, blk, count in _block_runs(table[b, : -(-n // page)], viewable):
+            j0 = slot * page  # the run's first key in the sequence
+            m = min(count * page, n - j0)
+            kr = k_cache[blk : blk + count].reshape(count * page, *k_cache.shape[2:])[:m]
+            vr = v_cache[blk : blk + count].reshape(count * page, *v_cache.shape[2:])[:m]
+            dist = torch.arange(nq).reshape(-1, 1) + (n - nq - j0) - torch.arange(m)
+            hidden = torch.zeros(dist.shape, dtype=torch.bool)
+            if right >= 0:
+                hidden |= dist < -right
+            if left >= 0:
+                hidden |= dist > left
+            if bool(hidden.all()):
+                continue
+            bias = torch.zeros((1, H, nq, m), dtype=cdt)
+            if slopes is not None:
+                bias -= slopes.to(cdt).reshape(1, H, 1, 1) * dist.abs().to(cdt)
+            bias.masked_fill_(hidden, float("-inf"))
+            o_r = torch.empty((1, nq, H, vr.shape[-1]), dtype=q4.dtype)
+            l_r = torch.empty((1, H, nq), dtype=cdt)
+            mask = MaskArgs(bias=bias.numpy())
+            kernel = _dispatch.choose_kernel(Lq=nq, Lk=m, mask=mask, score=score)
+            _dispatch.attend(
+                kernel,
+                np4(q4[b : b + 1, :nq], "q"),
+                np4(kr[None], "k_cache"),
+                np4(vr[None], "v_cache"),
+                np4(o_r, "out"),
+                l_r.numpy(),
+                scale=opts.scale,
+                mask=mask,
+                score=score,
+            )
+            parts.append((o_r[0], l_r[0]))
+        if not parts:
+            o4[b, :nq] = 0
+            if lse is not None:
+                lse[b, :, :nq] = -np.inf
+            continue
+        if len(parts) == 1:
+            o_b, l_b = parts[0]
+        else:
+            ls = torch.stack([p[1] for p in parts])  # (runs, H, nq)
+            l_b = torch.logsumexp(ls, dim=0)
+            w = torch.exp(ls - l_b).nan_to_num(0.0)  # rows no run sees: -inf - -inf
+            w = w.permute(0, 2, 1).unsqueeze(-1)  # (runs, nq, H, 1)
+            o_b = (torch.stack([p[0] for p in parts]).to(cdt) * w).sum(0)
+        o4[b, :nq] = o_b
+        if lse is not None:
+            lse[b, :, :nq] = l_b.numpy()
 
 
 def define_op(name: str, impl, mutates_args: tuple = ()):

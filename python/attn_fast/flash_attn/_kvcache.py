@@ -97,7 +97,8 @@ def flash_attn_with_kvcache(
     softmax_scale : default 1 / sqrt(d).
     causal, window_size : aligned bottom-right on each sequence's keys.
     softcap, alibi_slopes : as in ``flash_attn_func``
-        alibi_slopes (H,) or (B, H); neither with block_table (NotImplementedError).
+        alibi_slopes (H,) or (B, H). With block_table: one tiled-kernel call per run
+        of consecutive blocks, merged by lse (the pages are read in place).
     num_splits : accepted; the split-KV decode kernel sizes its own splits.
     return_softmax_lse : also return lse (B, H, Lq) float32.
 
@@ -240,14 +241,8 @@ def _with_kvcache(
     kv_lens = seqlen_k - (0 if leftpad is None else leftpad)
     if B and Lq:
         if paged:
-            if not plain:
-                raise NotImplementedError(
-                    "block_table (a paged K/V cache) with softcap or alibi_slopes is not "
-                    "supported: the kernel that reads pages in place has no score transforms"
-                )
-            paged_attend(
-                q, out, lse_np, k_cache, v_cache, table, opts, mask_args(opts, kv_lens=kv_lens)
-            )
+            mask = mask_args(opts, kv_lens=kv_lens)
+            paged_attend(q, out, lse_np, k_cache, v_cache, table, opts, mask, shared, rows)
         else:
             _cache_attend(
                 q, out, lse_np, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens

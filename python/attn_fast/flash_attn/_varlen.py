@@ -197,11 +197,6 @@ _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 def _paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
     """Varlen queries against a paged K/V pool (num_blocks, page, H_kv, d): the decode kernel."""
-    if opts.softcap is not None or shared is not None or rows is not None:
-        raise NotImplementedError(
-            "block_table (a paged K/V cache) with softcap or alibi_slopes is not supported: the "
-            "kernel that reads pages in place has no score transforms; pass a contiguous K/V"
-        )
     Tq, H, d = q.shape
     if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
         raise ValueError(
@@ -223,7 +218,8 @@ def _paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, nee
     op = torch.empty((B, Lq, H, v_cache.shape[-1]), dtype=q.dtype)
     lse_p = np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
     mask = mask_args(opts, q_lens=q_lens.astype(np.int64), kv_lens=kv_lens.astype(np.int64))
-    paged_attend(qp, op, lse_p if need_lse else None, k_cache, v_cache, block_table, opts, mask)
+    lse_arg = lse_p if need_lse else None
+    paged_attend(qp, op, lse_arg, k_cache, v_cache, block_table, opts, mask, shared, rows)
     lse = None
     if (q_lens == Lq).all():
         out = op.reshape(Tq, H, -1)
@@ -326,8 +322,9 @@ def flash_attn_varlen_func(
     block_table : (B, max_blocks) int32 or None. When given, k and v are a
         paged pool (num_blocks, page_block_size, H_kv, d), any page size;
         sequence s's keys are the first cu_seqlens_k[s+1] - cu_seqlens_k[s]
-        rows of its blocks. Forward only, no softcap / alibi_slopes
-        (NotImplementedError).
+        rows of its blocks. Forward only (NotImplementedError under grad);
+        softcap / alibi_slopes run the tiled kernel per run of consecutive
+        blocks, merged by lse.
     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
         As in ``flash_attn_func``, applied per sequence (causal and windows
         aligned bottom-right per sequence; alibi_slopes (H,) or (B, H)).
