@@ -573,8 +573,9 @@ def test_errors_name_the_argument(rng):
         flash_attn_func(q[0], k, v)
     kc, vc = gen(rng, (1, 16, 2, 8)), gen(rng, (1, 16, 2, 8))
     table = torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_attn_with_kvcache(q, kc, vc, block_table=table, alibi_slopes=torch.ones(2))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flash_attn_varlen_func(q[0].requires_grad_(), kc, vc, cu, cu, 4, 4, block_table=table)
     with pytest.raises(ValueError, match="rotary"):
         flash_attn_with_kvcache(
             q, kc, vc, rotary_cos=torch.ones(16, 2), rotary_sin=torch.ones(16, 2)

@@ -335,13 +335,41 @@ def define_op(name: str, impl, mutates_args: tuple = ()):
     schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
 
     def body(*args):
-        out, lse = impl(*args)
-        return out, (no_lse(args[0]) if lse is None else lse)
+        return tuple(no_lse(args[0]) if x is None else x for x in impl(*args))
 
     body.__name__ = impl.__name__
     return torch.library.custom_op(
         f"attn_fast::{name}", body, mutates_args=mutates_args, device_types="cpu", schema=schema
     )
+
+
+def register_backward(forward_op, backward_op, n_forward_only: int) -> None:
+    """forward_op(q, k, v, *rest, *forward_only) -> (out, lse) gets the gradient
+    backward_op(dout, q, k, v, out, lse, *rest) -> (dq, dk, dv), rest being the forward's
+    inputs after v without its last n_forward_only (need_lse, block_table). lse is not
+    differentiable (flash-attn's convention)."""
+
+    def setup_context(ctx, inputs, output):
+        rest = inputs[3 : len(inputs) - n_forward_only]
+        ctx.where = [i for i, x in enumerate(rest) if isinstance(x, torch.Tensor)]
+        ctx.rest = list(rest)
+        for i in ctx.where:  # tensors travel through save_for_backward
+            ctx.rest[i] = None
+        ctx.n_inputs = len(inputs)
+        ctx.save_for_backward(*inputs[:3], *output, *(rest[i] for i in ctx.where))
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        if not lse.numel() and out.numel():
+            raise RuntimeError("the forward ran with need_lse=False: it has no backward")
+        rest = list(ctx.rest)
+        for i, t in zip(ctx.where, saved):
+            rest[i] = t
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, *rest)
+        return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 def no_lse(q: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ._common import (
     mask_args,
     no_lse,
     np4,
+    register_backward,
     same_dtype,
     transposed_like,
     wants_grad,
@@ -129,9 +130,7 @@ def _backward(
 
 
 _forward_op = define_op("flash_attn_fwd", _forward)
-_backward_op = torch.library.custom_op(
-    "attn_fast::flash_attn_bwd", mutates_args=(), device_types="cpu"
-)(_backward)
+_backward_op = define_op("flash_attn_bwd", _backward)
 
 
 @_forward_op.register_fake
@@ -146,23 +145,7 @@ def _(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap
     return tuple(transposed_like(t) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *opts, alibi_slopes, _need_lse = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.opts = opts
-    ctx.mark_non_differentiable(lse)  # flash-attn's convention: lse has no gradient
-
-
-def _autograd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    if not lse.numel() and out.numel():
-        raise RuntimeError("attn_fast::flash_attn_fwd was called with need_lse=False")
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.opts, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_backward(_forward_op, _backward_op, n_forward_only=1)
 
 
 def _attn_dense(
@@ -237,12 +220,7 @@ def flash_attn_func(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
     )
 
@@ -271,12 +249,7 @@ def flash_attn_kvpacked_func(
         q,
         kv[:, :, 0],
         kv[:, :, 1],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
@@ -305,12 +278,7 @@ def flash_attn_qkvpacked_func(
         qkv[:, :, 0],
         qkv[:, :, 1],
         qkv[:, :, 2],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )

@@ -24,6 +24,7 @@ from ._common import (
     no_lse,
     paged_attend,
     refuse_grad,
+    register_backward,
     same_dtype,
     wants_grad,
 )
@@ -159,9 +160,7 @@ def _backward(
 
 
 _forward_op = define_op("flash_attn_varlen_fwd", _forward)
-_backward_op = torch.library.custom_op(
-    "attn_fast::flash_attn_varlen_bwd", mutates_args=(), device_types="cpu"
-)(_backward)
+_backward_op = define_op("flash_attn_varlen_bwd", _backward)
 
 
 @_forward_op.register_fake
@@ -176,23 +175,7 @@ def _(dout, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, *opts, alibi_slopes, _table, _need_lse = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.args = (max_q, max_k, *opts)
-    ctx.mark_non_differentiable(lse)  # flash-attn's convention: lse has no gradient
-
-
-def _autograd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    if not lse.numel() and out.numel():
-        raise RuntimeError("attn_fast::flash_attn_varlen_fwd was called with need_lse=False")
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, alibi_slopes)
-    return (dq, dk, dv) + (None,) * 12
-
-
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+register_backward(_forward_op, _backward_op, n_forward_only=2)
 
 
 def _paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
@@ -344,12 +327,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         block_table,
     )
@@ -383,12 +361,7 @@ def flash_attn_varlen_kvpacked_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
@@ -420,12 +393,7 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens,
         max_seqlen,
         max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
