@@ -267,12 +267,12 @@ def paged_attend_scored(q4, o4, lse, k_cache, v_cache, table, opts, shared, rows
     one more rounding than the contiguous path)."""
     B, Lq, H, _ = q4.shape
     page = k_cache.shape[1]
-    viewable = k_cache.stride(0) == page * k_cache.stride(1) and v_cache.stride(
-        0
-    ) == page * v_cache.stride(1)
-    cdt = torch.float64 if q4.dtype == torch.float64 else torch.float32
+    # consecutive blocks are one view when a block's rows follow the previous block's
+    viewable = all(c.stride(0) == page * c.stride(1) for c in (k_cache, v_cache))
+    f64 = q4.dtype == torch.float64
+    cdt = torch.float64 if f64 else torch.float32
     left, right = opts.window_lr()
-    score = _score_args(H, np.dtype(str(cdt).replace("torch.", "")), opts.softcap, None, None)
+    score = _score_args(H, np.float64 if f64 else np.float32, opts.softcap, None, None)
     for b in range(B):
         n, nq = int(kv_lens[b]), Lq if q_lens is None else int(q_lens[b])
         slopes = shared if rows is None else rows[b]
