@@ -1,13 +1,16 @@
 """attn_fast.flash_attn against attn_fast's own entry points and torch SDPA, same run.
 
-    python bench/benchmarks/bench_flash_attn.py [--threads 2] [--reps 15]
+    python bench/benchmarks/bench_flash_attn.py [--threads 2] [--reps 15] [--only paged]
 
 Rows: prefill (flash_attn_func, causal, GQA) and decode (flash_attn_with_kvcache,
 one query token per sequence against a (B, L_cache, H_kv, d) cache, with and
-without appending the new k, v). Each contender first checks its result against
-the others, then all are timed interleaved (``reps`` rounds, each in a fresh random order) and the
-median is reported with the ratio to flash_attn's. Each line carries the ISA,
-thread count and CPU model.
+without appending the new k, v); ``--only paged``: decode with ALiBi on a paged
+cache (one tiled-kernel call per run of consecutive blocks, merged by lse)
+against the same keys in a contiguous cache and the plain paged decode kernel.
+Each contender first checks its result against the others, then all are timed
+interleaved (``reps`` rounds, each in a fresh random order) and the median is
+reported with the ratio to the first contender of its row. Each line carries
+the ISA, thread count and CPU model.
 """
 
 from __future__ import annotations
@@ -146,16 +149,68 @@ def decode(dtype, B, Lc, n, H, Hkv, d, reps, append):
     return interleaved(fns, reps)
 
 
+def paged_alibi(dtype, B, n, page, H, Hkv, d, reps):
+    g = torch.Generator().manual_seed(2)
+    nb = B * (n // page)
+    pool_k = torch.randn(nb, page, Hkv, d, generator=g).to(dtype)
+    pool_v = torch.randn(nb, page, Hkv, d, generator=g).to(dtype)
+    q = torch.randn(B, 1, H, d, generator=g).to(dtype)
+    slopes = torch.rand(H, generator=g) * 0.1
+    seqlens = torch.full((B,), n, dtype=torch.int32)
+    consecutive = torch.arange(nb, dtype=torch.int32).reshape(B, -1)
+    fragmented = torch.randperm(nb, generator=g).to(torch.int32).reshape(B, -1)
+    kc = pool_k[consecutive.long()].reshape(B, n, Hkv, d)  # the same keys, contiguous
+    vc = pool_v[consecutive.long()].reshape(B, n, Hkv, d)
+    kw = dict(cache_seqlens=seqlens, causal=True)
+    fns = {
+        "contiguous cache, ALiBi": lambda: flash_attn_with_kvcache(
+            q, kc, vc, alibi_slopes=slopes, **kw
+        ),
+        "paged consecutive, ALiBi": lambda: flash_attn_with_kvcache(
+            q, pool_k, pool_v, block_table=consecutive, alibi_slopes=slopes, **kw
+        ),
+        "paged fragmented, ALiBi": lambda: flash_attn_with_kvcache(
+            q, pool_k, pool_v, block_table=fragmented, alibi_slopes=slopes, **kw
+        ),
+        "paged fragmented, no ALiBi": lambda: flash_attn_with_kvcache(
+            q, pool_k, pool_v, block_table=fragmented, **kw
+        ),
+    }
+    tol = 2e-2 if dtype != torch.float32 else 1e-5
+    res = {name: fns[name]() for name in list(fns)[:2]}
+    check(res, "contiguous cache, ALiBi", tol)
+    kf = pool_k[fragmented.long()].reshape(B, n, Hkv, d)  # the fragmented table's keys
+    vf = pool_v[fragmented.long()].reshape(B, n, Hkv, d)
+    res = {
+        "contiguous": flash_attn_with_kvcache(q, kf, vf, alibi_slopes=slopes, **kw),
+        "paged": fns["paged fragmented, ALiBi"](),
+    }
+    check(res, "contiguous", tol)
+    return interleaved(fns, reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--only", choices=["all", "paged"], default="all")
     args = ap.parse_args()
     af.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     head = f"# {cpu_model()}, ISA {af.get_isa()}, {args.threads} threads, medians of {args.reps}"
     print(head)
     rows = []
+    if args.only == "paged":
+        for dtype in (torch.float32, torch.bfloat16):
+            for page in (16, 256):
+                rows.append(
+                    (
+                        f"paged decode {str(dtype)[6:]} B=4 n=2048 page={page} H=32 H_kv=8 d=128",
+                        paged_alibi(dtype, 4, 2048, page, 32, 8, 128, args.reps),
+                    )
+                )
+        report(rows)
+        return
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
         rows.append(
@@ -185,11 +240,15 @@ def main() -> None:
             decode(torch.float32, 1, 128, 64, 2, 2, 64, 10 * args.reps, False),
         )
     )
+    report(rows)
+
+
+def report(rows) -> None:
     for title, t in rows:
         base = next(iter(t.values()))
         print(f"\n{title}")
         for name, s in t.items():
-            print(f"  {name:32s} {s * 1e3:9.3f} ms   x{s / base:5.2f} of flash_attn's")
+            print(f"  {name:32s} {s * 1e3:9.3f} ms   x{s / base:5.2f} of the first")
     with open("/proc/loadavg") as f:
         print(f"\nload average (1, 5, 15 min) at the end: {f.read().split()[:3]}")
 

@@ -32,24 +32,10 @@ import types
 import warnings
 
 from . import bert_padding, interface, rotary
-from .interface import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from .interface import *  # noqa: F403 (the flash-attn functions: interface.__all__)
 
 __all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
+    *interface.__all__,  # the flash-attn functions
     "install",
     "uninstall",
     "installed",

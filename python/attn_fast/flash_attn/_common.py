@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from .. import _dispatch
+from ..functional import _score_args
 from ..masks import MaskArgs
+from ..torch import _direct_ok
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -94,11 +96,29 @@ class Opts:
             raise ValueError(f"softcap must be >= 0 (0 = off) and finite, got {softcap!r}")
         return cls(scale, bool(causal), window, cap if cap > 0 else None)
 
-    def window_lr(self) -> tuple[int, int]:
-        """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
+    def op_args(self) -> tuple[float, bool, int, int, float]:
+        """(scale, causal, window_left, window_right, softcap) as the torch ops take them
+        (-1 = unbounded, softcap 0 = off); ``Opts.of(d, *op_args[:2], op_args[2:4], ...)``
+        rebuilds the record (``from_op``)."""
         left, right = (-1, -1) if self.window is None else self.window
         left = -1 if left is None else left
         right = -1 if right is None else right
+        return self.scale, self.causal, left, right, self.softcap or 0.0
+
+    @classmethod
+    def from_op(cls, scale, causal, window_left, window_right, softcap) -> Opts:
+        """The record from ``op_args()`` (already checked by ``of``; no checks again)."""
+        window = None
+        if window_left >= 0 or window_right >= 0:
+            window = (
+                window_left if window_left >= 0 else None,
+                window_right if window_right >= 0 else None,
+            )
+        return cls(scale, causal, window, softcap if softcap > 0 else None)
+
+    def window_lr(self) -> tuple[int, int]:
+        """(left, right) with -1 for unbounded, causal folded in (right = 0)."""
+        _, _, left, right, _ = self.op_args()
         if self.causal:
             right = 0 if right < 0 else min(right, 0)
         return left, right
@@ -107,24 +127,30 @@ class Opts:
         return dict(scale=self.scale, window_size=self.window, softcap=self.softcap)
 
 
-def alibi_args(
-    alibi_slopes: Any, B: int, H: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(slopes (H,), None) when one set serves every batch entry, (None, rows (B, H)) when
-    the rows differ (the call then runs once per batch entry), (None, None) when absent."""
+def check_alibi(alibi_slopes: Any, B: int, H: int) -> torch.Tensor | None:
+    """alibi_slopes as a (H,) or (B, H) float32 (float64 kept) CPU tensor, or None; checks
+    its type and shape only (no values: this runs while torch.compile traces)."""
     if alibi_slopes is None:
-        return None, None
+        return None
     t = torch.as_tensor(alibi_slopes).detach()
     if t.device.type != "cpu" or not t.is_floating_point():
         raise TypeError(f"alibi_slopes must be a float CPU tensor, got {t.dtype} on {t.device}")
-    t = t.to(torch.float32) if t.dtype != torch.float64 else t
-    if t.shape == (H,):
+    if t.shape != (H,) and t.shape != (B, H):
+        raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+    return t.to(torch.float32) if t.dtype != torch.float64 else t
+
+
+def alibi_split(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked slopes -> (slopes (H,), None) when one set serves every batch entry,
+    (None, rows (B, H)) when the rows differ (the call then runs once per batch entry),
+    (None, None) when absent. Reads the values: inside the ops only."""
+    if t is None:
+        return None, None
+    if t.dim() == 1:
         return t.contiguous(), None
-    if t.shape == (B, H):
-        if B == 0 or bool((t == t[:1]).all()):
-            return (t[0].contiguous() if B else None), None
-        return None, t
-    raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or bool((t == t[:1]).all()):
+        return (t[0].contiguous() if t.shape[0] else None), None
+    return None, t
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -166,8 +192,10 @@ def np4(x: torch.Tensor, name: str) -> np.ndarray:
     return t.numpy()
 
 
-def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
-    """q4 (B, Lq, H, d) against the paged pool through block_table, writing o4 and lse."""
+def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask, shared=None, rows=None):
+    """q4 (B, Lq, H, d) against the paged pool through block_table, writing o4 and lse:
+    the decode kernel, or with softcap / ALiBi (shared (H,) or rows (B, H) slopes)
+    ``paged_attend_scored``. mask carries kv_lens (and q_lens)."""
     table = cu_array(block_table, "block_table")
     if table.ndim != 2 or table.shape[0] != q4.shape[0]:
         raise ValueError(
@@ -186,6 +214,11 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
             f"a sequence of {int(mask.kv_lens.max())} keys does not fit its block_table row of "
             f"{table.shape[1]} blocks of {page}"
         )
+    if opts.softcap is not None or shared is not None or rows is not None:
+        paged_attend_scored(
+            q4, o4, lse, k_cache, v_cache, table, opts, shared, rows, mask.kv_lens, mask.q_lens
+        )
+        return
     pages = _dispatch.PagedArgs(
         [np4(k_cache, "k_cache")], [np4(v_cache, "v_cache")], np.ascontiguousarray(table)
     )
@@ -196,23 +229,155 @@ def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask):
     _dispatch.attend_paged(np4(q4, "q"), pages, np4(o4, "out"), lse, scale=opts.scale, mask=mask)
 
 
-class KernelFunction(torch.autograd.Function):
-    """out, lse = forward(q, k, v, *args, need_lse) with attn_fast's fused backward,
-    grads = backward(dout, q, k, v, out, lse, *args): one autograd node for the dense and
-    the varlen forms. lse is returned but not differentiable (flash-attn's convention)."""
+def call(op, impl, tensors: tuple, *args: Any, to_op=None) -> Any:
+    """``impl(*args)`` directly when nothing needs the torch op (plain CPU tensors, no
+    tracing, transform or mode, no gradient wanted: ``attn_fast.torch._direct_ok``), else
+    the op ``op(*args)`` (the same body, plus fake kernel, autograd and schema). The op's
+    dispatch costs about as much as a one-token decode kernel, so the eager inference
+    path never pays it. ``to_op(args)`` converts the arguments for the op (ints to
+    tensors) when given. Returns (out, lse); lse is None from the direct call when it was
+    not asked for."""
+    if _direct_ok(tensors):
+        return impl(*args)
+    return op(*(args if to_op is None else to_op(args)))
 
-    @staticmethod
-    def forward(ctx, forward, backward, q, k, v, args, need_lse=True):
-        out, lse = forward(q, k, v, *args, need_lse)
-        ctx.backward_fn, ctx.args = backward, args
-        if lse is None:  # not asked for and no gradient wanted: the backward never runs
-            lse = torch.empty(0, dtype=lse_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
+def _block_runs(blocks: np.ndarray, viewable: bool) -> list[tuple[int, int, int]]:
+    """(first table slot, first block id, block count) per run of consecutive block ids in a
+    sequence's table row (a run is one strided view of the pool); every block its own run
+    when the pool's pages are not laid out back to back."""
+    if not blocks.size:
+        return []
+    cut = np.flatnonzero(np.diff(blocks) != 1) + 1 if viewable else np.arange(1, blocks.size)
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [blocks.size]))
+    return [(int(a), int(blocks[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def paged_attend_scored(q4, o4, lse, k_cache, v_cache, table, opts, shared, rows, kv_lens, q_lens):
+    """Softcap and / or ALiBi on a paged pool, read in place: the decode kernel that reads
+    pages has no score transforms, so each run of consecutive blocks of a sequence is a
+    strided (1, H_kv, n, d) view handed to the tiled forward kernel (softcap as its score
+    transform; ALiBi and the causal / window limits, which depend on a key's position in
+    the whole sequence, as an additive (1, H, Lq, n) bias), and the runs' partial results
+    are merged by their lse. One kernel call per run: a fragmented table costs one call per
+    block. q4 (B, Lq, H, d), o4 (B, Lq, H, dv) tensors; lse (B, H, Lq) NumPy or None;
+    sequence b has q_lens[b] (None: Lq) queries, aligned bottom-right on its kv_lens[b]
+    keys. With several runs the partial outputs are in q's dtype before the merge (16-bit:
+    one more rounding than the contiguous path)."""
+    B, Lq, H, _ = q4.shape
+    page = k_cache.shape[1]
+    # consecutive blocks are one view when a block's rows follow the previous block's
+    viewable = all(c.stride(0) == page * c.stride(1) for c in (k_cache, v_cache))
+    f64 = q4.dtype == torch.float64
+    cdt = torch.float64 if f64 else torch.float32
+    left, right = opts.window_lr()
+    score = _score_args(H, np.float64 if f64 else np.float32, opts.softcap, None, None)
+    for b in range(B):
+        n, nq = int(kv_lens[b]), Lq if q_lens is None else int(q_lens[b])
+        slopes = shared if rows is None else rows[b]
+        parts = []
+        for slot, blk, count in _block_runs(table[b, : -(-n // page)], viewable):
+            j0 = slot * page  # the run's first key in the sequence
+            m = min(count * page, n - j0)
+            kr = k_cache[blk : blk + count].reshape(count * page, *k_cache.shape[2:])[:m]
+            vr = v_cache[blk : blk + count].reshape(count * page, *v_cache.shape[2:])[:m]
+            dist = torch.arange(nq).reshape(-1, 1) + (n - nq - j0) - torch.arange(m)
+            hidden = torch.zeros(dist.shape, dtype=torch.bool)
+            if right >= 0:
+                hidden |= dist < -right
+            if left >= 0:
+                hidden |= dist > left
+            if bool(hidden.all()):
+                continue
+            bias = torch.zeros((1, H, nq, m), dtype=cdt)
+            if slopes is not None:
+                bias -= slopes.to(cdt).reshape(1, H, 1, 1) * dist.abs().to(cdt)
+            bias.masked_fill_(hidden, float("-inf"))
+            o_r = torch.empty((1, nq, H, vr.shape[-1]), dtype=q4.dtype)
+            l_r = torch.empty((1, H, nq), dtype=cdt)
+            mask = MaskArgs(bias=bias.numpy())
+            kernel = _dispatch.choose_kernel(Lq=nq, Lk=m, mask=mask, score=score)
+            _dispatch.attend(
+                kernel,
+                np4(q4[b : b + 1, :nq], "q"),
+                np4(kr[None], "k_cache"),
+                np4(vr[None], "v_cache"),
+                np4(o_r, "out"),
+                l_r.numpy(),
+                scale=opts.scale,
+                mask=mask,
+                score=score,
+            )
+            parts.append((o_r[0], l_r[0]))
+        if not parts:
+            o4[b, :nq] = 0
+            if lse is not None:
+                lse[b, :, :nq] = -np.inf
+            continue
+        if len(parts) == 1:
+            o_b, l_b = parts[0]
+        else:
+            ls = torch.stack([p[1] for p in parts])  # (runs, H, nq)
+            l_b = torch.logsumexp(ls, dim=0)
+            w = torch.exp(ls - l_b).nan_to_num(0.0)  # rows no run sees: -inf - -inf
+            w = w.permute(0, 2, 1).unsqueeze(-1)  # (runs, nq, H, 1)
+            o_b = (torch.stack([p[0] for p in parts]).to(cdt) * w).sum(0)
+        o4[b, :nq] = o_b
+        if lse is not None:
+            lse[b, :, :nq] = l_b.numpy()
+
+
+def define_op(name: str, impl, mutates_args: tuple = ()):
+    """The torch op ``attn_fast::<name>`` whose schema is impl's annotations and whose body
+    is impl with an lse of None (not asked for) returned as an empty tensor (an op returns
+    tensors)."""
+    schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
+
+    def body(*args):
+        return tuple(no_lse(args[0]) if x is None else x for x in impl(*args))
+
+    body.__name__ = impl.__name__
+    return torch.library.custom_op(
+        f"attn_fast::{name}", body, mutates_args=mutates_args, device_types="cpu", schema=schema
+    )
+
+
+def register_backward(forward_op, backward_op, n_forward_only: int) -> None:
+    """forward_op(q, k, v, *rest, *forward_only) -> (out, lse) gets the gradient
+    backward_op(dout, q, k, v, out, lse, *rest) -> (dq, dk, dv), rest being the forward's
+    inputs after v without its last n_forward_only (need_lse, block_table). lse is not
+    differentiable (flash-attn's convention)."""
+
+    def setup_context(ctx, inputs, output):
+        rest = inputs[3 : len(inputs) - n_forward_only]
+        ctx.where = [i for i, x in enumerate(rest) if isinstance(x, torch.Tensor)]
+        ctx.rest = list(rest)
+        for i in ctx.where:  # tensors travel through save_for_backward
+            ctx.rest[i] = None
+        ctx.n_inputs = len(inputs)
+        ctx.save_for_backward(*inputs[:3], *output, *(rest[i] for i in ctx.where))
+        ctx.mark_non_differentiable(output[1])
+
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(dout, q.detach(), k.detach(), v.detach(), out, lse, *ctx.args)
-        return None, None, dq, dk, dv, None, None
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        if not lse.numel() and out.numel():
+            raise RuntimeError("the forward ran with need_lse=False: it has no backward")
+        rest = list(ctx.rest)
+        for i, t in zip(ctx.where, saved):
+            rest[i] = t
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, *rest)
+        return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+def no_lse(q: torch.Tensor) -> torch.Tensor:
+    """The lse output of an op call that did not ask for it."""
+    return q.new_empty((0,), dtype=lse_dtype(q.dtype))
+
+
+def transposed_like(x: torch.Tensor) -> torch.Tensor:
+    """A new (B, L, H, d) tensor with the strides of a (B, H, L, d) contiguous one
+    transposed: the layout the (B, H, L, d) kernels write gradients in."""
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)

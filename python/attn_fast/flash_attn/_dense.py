@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -11,16 +11,21 @@ from .. import _dispatch
 from .._args import score_args as _score_args
 from ..backward import scaled_dot_product_attention_backward as _sdpa_backward
 from ._common import (
-    KernelFunction,
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_dropout,
     check_heads,
     check_tensor,
+    define_op,
     lse_dtype,
     mask_args,
+    no_lse,
     np4,
+    register_backward,
     same_dtype,
+    transposed_like,
     wants_grad,
 )
 
@@ -32,17 +37,32 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.detach().transpose(1, 2)
 
 
-def _batches(B: int, rows: torch.Tensor | None, shared: torch.Tensor | None):
-    """(slice, slopes) per kernel call: one call for all, or one per batch entry."""
+def _batches(alibi: torch.Tensor | None, B: int):
+    """(slice, slopes) per kernel call: one call for all, or one per batch entry when the
+    ALiBi rows differ."""
+    shared, rows = alibi_split(alibi)
     if rows is None:
         return [(slice(None), shared)]
     return [(slice(b, b + 1), rows[b]) for b in range(B)]
 
 
-def _dense_forward(q, k, v, opts, shared, rows, need_lse):
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel chosen by ``_dispatch.choose_kernel`` on (B, H, L, d) views, writing a new
     (B, Lq, H, dv) out through its transpose; what ``attn_fast.scaled_dot_product_attention``
-    runs for the same arguments, without its argument parsing."""
+    runs for the same arguments, without its argument parsing. lse (B, H, Lq), or None
+    when not need_lse."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
     B, Lq, H, _ = q.shape
     out = torch.empty((B, Lq, H, v.shape[-1]), dtype=q.dtype)
     lse = torch.empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else None
@@ -52,7 +72,7 @@ def _dense_forward(q, k, v, opts, shared, rows, need_lse):
     lse4 = lse.numpy() if need_lse else None
     cdt = np.float64 if q.dtype == torch.float64 else np.float32
     mask = mask_args(opts)
-    for sl, slopes in _batches(B, rows, shared):
+    for sl, slopes in _batches(alibi_slopes, B):
         score = _score_args(H, cdt, opts.softcap, slopes, None)
         kernel = _dispatch.choose_kernel(Lq=Lq, Lk=k.shape[1], mask=mask, score=score)
         _dispatch.attend(
@@ -69,10 +89,27 @@ def _dense_forward(q, k, v, opts, shared, rows, need_lse):
     return out, lse
 
 
-def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
-    B = q.shape[0]
-    grads = None
-    for sl, slopes in _batches(B, rows, shared):
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: new (B, L, H, d) tensors in the transposed (B, H, L, d) layout."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    grads = [transposed_like(t) for t in (q, k, v)]
+    if not any(g.numel() for g in grads):
+        return tuple(grads)
+    batches = _batches(alibi_slopes, q.shape[0])
+    for sl, slopes in batches:
         g = _sdpa_backward(
             _t(dout[sl]),
             _t(q[sl]),
@@ -85,16 +122,30 @@ def _dense_backward(dout, q, k, v, out, lse, opts, shared, rows):
             alibi_slopes=slopes,
             **opts.sdpa_kw(),
         )
-        g = [x.transpose(1, 2) for x in g[:3]]
-        if rows is None:
-            return g
-        if grads is None:
-            grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+        if len(batches) == 1:
+            return tuple(x.transpose(1, 2) for x in g[:3])
         for dst, src in zip(grads, g):
-            dst[sl] = src
-    if grads is None:
-        grads = [torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v)]
-    return grads
+            dst[sl] = src.transpose(1, 2)
+    return tuple(grads)
+
+
+_forward_op = define_op("flash_attn_fwd", _forward)
+_backward_op = define_op("flash_attn_bwd", _backward)
+
+
+@_forward_op.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, softcap, alibi_slopes, need_lse):
+    B, Lq, H, _ = q.shape
+    lse = q.new_empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if need_lse else no_lse(q)
+    return q.new_empty((B, Lq, H, v.shape[-1])), lse
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap, alibi_slopes):
+    return tuple(transposed_like(t) for t in (q, k, v))
+
+
+register_backward(_forward_op, _backward_op, n_forward_only=1)
 
 
 def _attn_dense(
@@ -119,13 +170,10 @@ def _attn_dense(
         raise ValueError(f"q has shape {tuple(q.shape)} but k has {tuple(k.shape)}: batch differs")
     check_heads(H, k.shape[2], d, k.shape[3], tuple(v.shape), tuple(k.shape))
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    shared, rows = alibi_args(alibi_slopes, B, H)
-    if wants_grad(q, k, v):
-        out, lse = KernelFunction.apply(
-            _dense_forward, _dense_backward, q, k, v, (opts, shared, rows)
-        )
-    else:  # inference: no autograd node (apply() costs as much as a small kernel call)
-        out, lse = _dense_forward(q, k, v, opts, shared, rows, bool(return_attn_probs))
+    alibi = check_alibi(alibi_slopes, B, H)
+    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
+    args = (q, k, v, *opts.op_args(), alibi, need_lse)
+    out, lse = call(_forward_op, _forward, (q, k, v, alibi), *args)
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
     return out
@@ -172,12 +220,7 @@ def flash_attn_func(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
     )
 
@@ -206,12 +249,7 @@ def flash_attn_kvpacked_func(
         q,
         kv[:, :, 0],
         kv[:, :, 1],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
@@ -240,12 +278,7 @@ def flash_attn_qkvpacked_func(
         qkv[:, :, 0],
         qkv[:, :, 1],
         qkv[:, :, 2],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )

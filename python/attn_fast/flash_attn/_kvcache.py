@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -11,11 +11,16 @@ from .. import _dispatch
 from .._args import score_args as _score_args
 from ._common import (
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_heads,
     check_tensor,
     cu_array,
+    define_op,
+    lse_dtype,
     mask_args,
+    no_lse,
     np4,
     paged_attend,
     same_dtype,
@@ -92,7 +97,8 @@ def flash_attn_with_kvcache(
     softmax_scale : default 1 / sqrt(d).
     causal, window_size : aligned bottom-right on each sequence's keys.
     softcap, alibi_slopes : as in ``flash_attn_func``
-        alibi_slopes (H,) or (B, H); neither with block_table (NotImplementedError).
+        alibi_slopes (H,) or (B, H). With block_table: one tiled-kernel call per run
+        of consecutive blocks, merged by lse (the pages are read in place).
     num_splits : accepted; the split-KV decode kernel sizes its own splits.
     return_softmax_lse : also return lse (B, H, Lq) float32.
 
@@ -102,24 +108,83 @@ def flash_attn_with_kvcache(
     Rows that see no key: 0 (lse -inf). Not differentiable (as in flash-attn).
     """
     check_tensor(q, "q", 4, "(batch_size, seqlen, nheads, headdim)")
-    paged = block_table is not None
     what = (
         "(num_blocks, page_block_size, nheads_k, headdim)"
-        if paged
+        if block_table is not None
         else "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
     )
     check_tensor(k_cache, "k_cache", 4, what)
     check_tensor(v_cache, "v_cache", 4, what)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    if k is not None:
+        check_tensor(k, "k", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        check_tensor(v, "v", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+    if isinstance(num_splits, bool) or int(num_splits) < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    B, _, H, d = q.shape
+    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
+    alibi = check_alibi(alibi_slopes, B, H)
+    ints = (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, *ints, *opts.op_args())
+    tensors = (*args[:7], alibi, *[x for x in ints if isinstance(x, torch.Tensor)])
+    out, lse = call(
+        _kvcache_op,
+        _with_kvcache,
+        tensors,
+        *args,
+        bool(rotary_interleaved),
+        alibi,
+        bool(return_softmax_lse),
+        to_op=_int_tensors,
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+def _int_tensors(args: tuple) -> tuple:
+    """cache_seqlens, cache_batch_idx, cache_leftpad, block_table (args 7 to 10) given as
+    ints or int sequences, as the tensors the op takes (values are checked inside it)."""
+    return tuple(
+        torch.as_tensor(a)
+        if 7 <= i <= 10 and a is not None and not isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(args)
+    )
+
+
+def _with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads the annotations at run time)
+    v: Optional[torch.Tensor],  # noqa: UP045
+    rotary_cos: Optional[torch.Tensor],  # noqa: UP045
+    rotary_sin: Optional[torch.Tensor],  # noqa: UP045
+    cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
+    cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+    cache_leftpad: Optional[torch.Tensor],  # noqa: UP045
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of ``flash_attn_with_kvcache`` (and of the op attn_fast::flash_attn_with_kvcache,
+    which mutates k_cache and v_cache): the checks that read values, the append, the kernel.
+    Returns (out, lse), lse None unless return_lse. The int arguments may also be ints
+    or int sequences here (the direct call)."""
+
+    paged = block_table is not None
     same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     B, Lq, H, d = q.shape
     Hkv = k_cache.shape[2]
     check_heads(H, Hkv, d, k_cache.shape[3], tuple(v_cache.shape), tuple(k_cache.shape))
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (or neither)")
-    if isinstance(num_splits, bool) or int(num_splits) < 0:
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    shared, rows = alibi_args(alibi_slopes, B, H)
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    shared, rows = alibi_split(alibi_slopes)
     if paged:
         if cache_batch_idx is not None or cache_leftpad is not None:
             raise ValueError(
@@ -159,7 +224,7 @@ def flash_attn_with_kvcache(
         )
 
     if rotary_cos is not None or rotary_sin is not None:
-        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, bool(rotary_interleaved), seqlens, opts)
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens, opts)
 
     if k is not None and L_new:  # the in-place append: only the new rows are written
         _append(k_cache, k, seqlens, bidx, table)
@@ -169,37 +234,37 @@ def flash_attn_with_kvcache(
     out = torch.empty((B, Lq, H, dv), dtype=q.dtype)
     lse_np = (
         np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
-        if return_softmax_lse
+        if return_lse
         else None
     )
     plain = opts.softcap is None and shared is None and rows is None
     kv_lens = seqlen_k - (0 if leftpad is None else leftpad)
     if B and Lq:
         if paged:
-            if not plain:
-                raise NotImplementedError(
-                    "block_table (a paged K/V cache) with softcap or alibi_slopes is not "
-                    "supported: the kernel that reads pages in place has no score transforms"
-                )
-            paged_attend(
-                q, out, lse_np, k_cache, v_cache, table, opts, mask_args(opts, kv_lens=kv_lens)
-            )
+            mask = mask_args(opts, kv_lens=kv_lens)
+            paged_attend(q, out, lse_np, k_cache, v_cache, table, opts, mask, shared, rows)
         else:
             _cache_attend(
                 q, out, lse_np, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens
             )
     elif lse_np is not None:
         lse_np[...] = -np.inf
-    if return_softmax_lse:
-        return out, torch.from_numpy(lse_np)
-    return out
+    return out, (None if lse_np is None else torch.from_numpy(lse_np))
+
+
+_kvcache_op = define_op("flash_attn_with_kvcache", _with_kvcache, ("k_cache", "v_cache"))
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    B, Lq, H, _ = q.shape
+    lse = q.new_empty((B, H, Lq), dtype=lse_dtype(q.dtype)) if args[-1] else no_lse(q)
+    return q.new_empty((B, Lq, H, v_cache.shape[-1])), lse
 
 
 def _check_new_kv(k, v, B: int, Hkv: int, d: int, v_cache, cache_seqlens) -> int:
     """The new k (B, L_new, H_kv, d) and v (B, L_new, H_kv, dv) against q and the cache;
     returns L_new."""
-    check_tensor(k, "k", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-    check_tensor(v, "v", 4, "(batch_size, seqlen_new, nheads_k, headdim)")
     L_new = k.shape[1]
     if k.shape[:3] != (B, L_new, Hkv) or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
         raise ValueError(

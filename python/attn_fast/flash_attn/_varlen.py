@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -10,17 +10,21 @@ import torch
 from ..backward import varlen_attention_backward as _varlen_backward
 from ..functional import varlen_attention as _varlen
 from ._common import (
-    KernelFunction,
     Opts,
-    alibi_args,
+    alibi_split,
+    call,
+    check_alibi,
     check_dropout,
     check_heads,
     check_tensor,
     cu_array,
+    define_op,
     lse_dtype,
     mask_args,
+    no_lse,
     paged_attend,
     refuse_grad,
+    register_backward,
     same_dtype,
     wants_grad,
 )
@@ -35,7 +39,30 @@ def _seq_slices(cu_q: np.ndarray, cu_k: np.ndarray):
     ]
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_lse):
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (total_q, H, dv) and lse (H, total_q) (None unless need_lse): the varlen kernel,
+    or with block_table the decode kernel on the paged pool."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
+    shared, rows = alibi_split(alibi_slopes)
+    if block_table is not None:
+        return _paged(q, k, v, cu_q, cu_k, block_table, opts, shared, rows, need_lse)
     Tq, H, _ = q.shape
     out = torch.empty((Tq, H, v.shape[-1]), dtype=q.dtype)
     lse = torch.empty((H, Tq), dtype=lse_dtype(q.dtype)) if need_lse else None
@@ -47,8 +74,8 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_
             v.detach(),
             cu_q,
             cu_k,
-            max_q,
-            max_k,
+            max_seqlen_q,
+            max_seqlen_k,
             out=out,
             alibi_slopes=shared,
             **kw,
@@ -73,12 +100,46 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, shared, rows, need_
     return out, lse
 
 
-def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts, shared, rows):
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],  # noqa: UP045 (custom_op reads it at run time)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: new contiguous tensors like q, k, v."""
+    opts = Opts.from_op(scale, causal, window_left, window_right, softcap)
+    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
+    shared, rows = alibi_split(alibi_slopes)
     kw = dict(causal=opts.causal, **opts.sdpa_kw())
+    dout, q, k, v, out = (t.detach() for t in (dout, q, k, v, out))
     if rows is None:
-        return _varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes=shared, **kw
-        )[:3]
+        g = _varlen_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            alibi_slopes=shared,
+            **kw,
+        )
+        return tuple(x.contiguous() for x in g[:3])
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
     for s, (sq, sk) in enumerate(_seq_slices(cu_q, cu_k)):
         n, m = sq.stop - sq.start, sk.stop - sk.start
@@ -98,14 +159,35 @@ def _varlen_backward_all(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts
     return dq, dk, dv
 
 
-def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
+_forward_op = define_op("flash_attn_varlen_fwd", _forward)
+_backward_op = define_op("flash_attn_varlen_bwd", _backward)
+
+
+@_forward_op.register_fake
+def _(q, k, v, *args):
+    Tq, H, _ = q.shape
+    lse = q.new_empty((H, Tq), dtype=lse_dtype(q.dtype)) if args[-1] else no_lse(q)
+    return q.new_empty((Tq, H, v.shape[-1])), lse
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_backward(_forward_op, _backward_op, n_forward_only=2)
+
+
+def _paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, rows, need_lse):
     """Varlen queries against a paged K/V pool (num_blocks, page, H_kv, d): the decode kernel."""
-    if opts.softcap is not None or shared is not None or rows is not None:
-        raise NotImplementedError(
-            "block_table (a paged K/V cache) with softcap or alibi_slopes is not supported: the "
-            "kernel that reads pages in place has no score transforms; pass a contiguous K/V"
-        )
     Tq, H, d = q.shape
+    if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
+        raise ValueError(
+            f"cu_seqlens_q {cu_q.tolist()} and cu_seqlens_k {cu_k.tolist()} must be (B + 1,) "
+            f"cumulative lengths, cu_seqlens_q ending at total_q = {Tq}"
+        )
+    if np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0) or cu_k[0] != 0:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
     B = cu_q.size - 1
     q_lens = np.diff(cu_q)
     kv_lens = np.diff(cu_k)
@@ -119,7 +201,8 @@ def _varlen_paged(q, k_cache, v_cache, cu_q, cu_k, block_table, opts, shared, ro
     op = torch.empty((B, Lq, H, v_cache.shape[-1]), dtype=q.dtype)
     lse_p = np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
     mask = mask_args(opts, q_lens=q_lens.astype(np.int64), kv_lens=kv_lens.astype(np.int64))
-    paged_attend(qp, op, lse_p if need_lse else None, k_cache, v_cache, block_table, opts, mask)
+    lse_arg = lse_p if need_lse else None
+    paged_attend(qp, op, lse_arg, k_cache, v_cache, block_table, opts, mask, shared, rows)
     lse = None
     if (q_lens == Lq).all():
         out = op.reshape(Tq, H, -1)
@@ -168,36 +251,28 @@ def _attn_varlen(
     same_dtype(**dict(zip(names, (q, k, v))))
     Tq, H, d = q.shape
     check_heads(H, k.shape[-2], d, k.shape[-1], tuple(v.shape), tuple(k.shape))
-    cu_q, cu_k = cu_array(cu_seqlens_q, "cu_seqlens_q"), cu_array(cu_seqlens_k, "cu_seqlens_k")
     opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    B = cu_q.size - 1
-    shared, rows = alibi_args(alibi_slopes, B, H)
-    if paged:
+    alibi = check_alibi(alibi_slopes, _num_seqs(cu_seqlens_q), H)
+    cu_q, cu_k = (
+        x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+        for x in (cu_seqlens_q, cu_seqlens_k)
+    )
+    if block_table is not None:
         refuse_grad("flash_attn_varlen_func with block_table", q, k, v)
-        if cu_q.ndim != 1 or cu_k.shape != cu_q.shape or cu_q[0] != 0 or cu_q[-1] != Tq:
-            raise ValueError(
-                f"cu_seqlens_q {cu_q.tolist()} and cu_seqlens_k {cu_k.tolist()} must be (B + 1,) "
-                f"cumulative lengths, cu_seqlens_q ending at total_q = {Tq}"
-            )
-        if np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0) or cu_k[0] != 0:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and be non-decreasing")
-        out, lse = _varlen_paged(
-            q, k, v, cu_q, cu_k, block_table, opts, shared, rows, bool(return_attn_probs)
-        )
-    else:
-        need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
-        out, lse = KernelFunction.apply(
-            _varlen_forward,
-            _varlen_backward_all,
-            q,
-            k,
-            v,
-            (cu_q, cu_k, max_seqlen_q, max_seqlen_k, opts, shared, rows),
-            need_lse,
-        )
+        if not isinstance(block_table, torch.Tensor):
+            block_table = torch.as_tensor(block_table)
+    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
+    args = (q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *opts.op_args(), alibi)
+    tensors = (*args[:5], alibi, block_table)
+    out, lse = call(_forward_op, _forward, tensors, *args, block_table, need_lse)
     if return_attn_probs:
         return out, lse, torch.empty(0, dtype=q.dtype)
     return out
+
+
+def _num_seqs(cu: Any) -> int:
+    """B from cu_seqlens (B + 1,) (its shape, never its values)."""
+    return (cu.shape[0] if isinstance(cu, torch.Tensor) else len(cu)) - 1
 
 
 def flash_attn_varlen_func(
@@ -230,8 +305,9 @@ def flash_attn_varlen_func(
     block_table : (B, max_blocks) int32 or None. When given, k and v are a
         paged pool (num_blocks, page_block_size, H_kv, d), any page size;
         sequence s's keys are the first cu_seqlens_k[s+1] - cu_seqlens_k[s]
-        rows of its blocks. Forward only, no softcap / alibi_slopes
-        (NotImplementedError).
+        rows of its blocks. Forward only (NotImplementedError under grad);
+        softcap / alibi_slopes run the tiled kernel per run of consecutive
+        blocks, merged by lse.
     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
         As in ``flash_attn_func``, applied per sequence (causal and windows
         aligned bottom-right per sequence; alibi_slopes (H,) or (B, H)).
@@ -251,12 +327,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         block_table,
     )
@@ -290,12 +361,7 @@ def flash_attn_varlen_kvpacked_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
@@ -327,12 +393,7 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens,
         max_seqlen,
         max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )

@@ -19,10 +19,18 @@ Dtypes: CPU float16, bfloat16 and float32 tensors (float64 too), q, k, v of one
 dtype. 16-bit inputs compute in float32 and round the output once; lse is
 float32 (float64 for float64 inputs).
 
+The functions are torch.library ops (``attn_fast::flash_attn_fwd`` /
+``_bwd``, ``attn_fast::flash_attn_varlen_fwd`` / ``_bwd``,
+``attn_fast::flash_attn_with_kvcache``, which mutates k_cache and v_cache) with
+fake kernels and autograd: they trace under ``torch.compile(fullgraph=True)``.
+An eager call that wants no gradient runs the op's body directly, without the
+op's dispatch. With a paged cache, ``softcap`` and ``alibi_slopes`` run the
+tiled kernel on each run of consecutive blocks (a view) and merge the runs by
+their lse.
+
 Differences from flash-attn, on purpose (each raises rather than computing
 something else): ``dropout_p`` must be 0 (attn_fast has no dropout); a paged
-K/V cache (``block_table``) takes no ``alibi_slopes`` or ``softcap`` (the
-kernel that reads pages has no score transforms) and no gradient; rows that see
+K/V cache (``block_table``) takes no gradient; rows that see
 no key give lse = -inf (flash-attn's CUDA kernel writes +inf), out = 0 as in
 flash-attn. ``return_attn_probs=True`` returns ``S_dmask`` as an empty tensor, as
 flash-attn 2 does when dropout_p = 0. ``deterministic`` and ``num_splits`` are
