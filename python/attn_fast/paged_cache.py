@@ -20,7 +20,7 @@ V, dv), where the pool is a list of chunks of C = ``num_blocks`` blocks each,
 order): token t of a sequence is row t % bs of its block t // bs. ``append``
 copies each new key and value exactly once into its block; ``attend`` runs the
 split-KV decode kernel, which reads the rows in place through the block
-tables of the call (``_core.decode_paged``: no gather, no copy of the cache).
+tables of the call (``_core.decode`` with a block table: no gather, no copy of the cache).
 
 Why a list of chunks: when the free blocks run out the pool grows by one more
 chunk (``growable=True``), and the blocks already written never move (a

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import _dispatch
-from ..functional import _score_args
+from .._args import score_args as _score_args
 from ..masks import MaskArgs
 from ..torch import _direct_ok
 

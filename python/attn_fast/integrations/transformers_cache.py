@@ -520,7 +520,7 @@ class AttnFastPagedCache(AttnFastCache):
     ``model.generate(..., cache=cache)``), with the same mask handling and
     errors (module docstring). Each layer's pool holds one sequence per
     batch row: decode reads the blocks in place through the block tables
-    (``_core.decode_paged``), prefill chunks run the same decode kernel.
+    (``_core.decode`` with a block table), prefill chunks run the same decode kernel.
     Sliding-window layers release the blocks before their window as the
     sequences grow. Beam search (``reorder_cache``) forks the kept
     sequences (copy-on-write, so no K/V is copied; int8 works too) and frees
