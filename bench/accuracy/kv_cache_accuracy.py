@@ -8,8 +8,8 @@ offset (N(0, 3) per channel) and four outlier channels scaled by 8 (the
 structure that makes per-channel key scales necessary). Values N(0, 1). For
 each storage type the table gives the decode output's max |error| and its
 relative RMS error against the float32 cache on the same tokens, and, for the
-int8 cache, the max |error| of the kernel against the float64 oracle on the
-cache's dequantised K/V (float32 rounding). 16-bit results are rounded once
+int8 and fp8 caches, the max |error| of the kernel against the float64 oracle on
+the cache's dequantised K/V (float32 rounding). 16-bit results are rounded once
 to their dtype, which bounds their error from below.
 """
 
@@ -36,7 +36,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     print(f"decode after {L} cached tokens, B={B} H_q={HQ} H_kv={HKV} d=dv={D}")
     hdr = (
-        f"{'keys':>9} {'storage':>9} | {'max|err| vs fp32':>16} {'rel RMS':>9} | {'vs oracle':>10}"
+        f"{'keys':>9} {'storage':>11} | {'max|err| vs fp32':>16} {'rel RMS':>9} | {'vs oracle':>10}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -50,10 +50,10 @@ def main(argv=None):
         c32 = af.KVCache(B, HKV, D, capacity=L)
         c32.append(k, v)
         o32 = c32.attend(q)
-        for name in ("bfloat16", "float16", "int8"):
+        for name in ("bfloat16", "float16", "int8", "float8_e4m3", "float8_e5m2"):
             c = af.KVCache(B, HKV, D, capacity=L, dtype=name)
             orc = "-"
-            if name == "int8":
+            if name.startswith(("int8", "float8")):
                 c.append(k, v)
                 o = c.attend(q).astype(np.float64)
                 O = reference.sdpa(q[0].astype(np.float64), c.keys(0), c.values(0))
@@ -66,7 +66,7 @@ def main(argv=None):
                 o = to_float(o) if name == "bfloat16" else o.astype(np.float64)
             err = np.abs(o - o32)
             rel = np.sqrt((err**2).mean() / (o32.astype(np.float64) ** 2).mean())
-            print(f"{kind:>9} {name:>9} | {err.max():16.2e} {rel:9.2e} | {orc:>10}")
+            print(f"{kind:>9} {name:>11} | {err.max():16.2e} {rel:9.2e} | {orc:>10}")
     # The choice of codes: the keys' relative error under other schemes (NumPy, same keys).
     print("key codes on the LLM-like keys (relative RMS error of the dequantised keys):")
     k = k[0, 0].astype(np.float64)  # (L, d) of the last kind
