@@ -121,7 +121,7 @@ void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const
 template <typename KV>
 struct Pool {
   std::vector<const KV*> k, v;
-  std::vector<const float*> ks, ko, vs, vo;  // int8
+  std::vector<const float*> ks, ko, vs, vo;  // int8 scales and offsets; fp8: ks, vs
 };
 
 // The chunks (chunk_blocks, Hkv, block_size, dim) of one list: one dtype KV,
@@ -235,6 +235,17 @@ void bind_pages(DecodeArgs<T>& a, const DecodeCall& c, const py::list& kl, const
     a.ko_chunks = pool->ko.data();
     a.vs_chunks = pool->vs.data();
     a.vo_chunks = pool->vo.data();
+  } else if constexpr (kFp8<KV>) {
+    if (a.sk.d != 1 || a.sv.d != 1)
+      throw py::value_error("fp8 k and v chunks need element stride 1 along d");
+    a.fp8 = c.fp8 == "e4m3" ? 1 : 2;
+    const size_t n = pool->k.size();
+    pool->ks = scale_chunks(c.k_scale, "k_scale", n, {a.chunk_blocks, a.Hkv, a.block_size});
+    pool->vs = scale_chunks(c.v_scale, "v_scale", n, {a.chunk_blocks, a.Hkv, a.block_size});
+    a.f8_k_chunks = pool->k.data();
+    a.f8_v_chunks = pool->v.data();
+    a.ks_chunks = pool->ks.data();
+    a.vs_chunks = pool->vs.data();
   } else {
     a.k_chunks = pool->k.data();
     a.v_chunks = pool->v.data();
@@ -249,9 +260,7 @@ void decode_t(const DecodeCall& c, bool paged) {
   DecodeArgs<T> a;
   bind_q_o<T, KV>(a, c);
   Pool<KV> pool;
-  if constexpr (kFp8<KV>) {
-    if (paged) throw py::value_error("fp8 rows are read from slots only (no block_table)");
-  } else if (paged) {
+  if (paged) {
     bind_pages<T, KV>(a, c, py::cast<py::list>(c.k), py::cast<py::list>(c.v), &pool);
   }
   if (!paged) {
@@ -388,8 +397,8 @@ void def_decode(py::module_& m) {
       "with kv_start; or, with block_table (B, max_blocks), lists of pool chunks (chunk_blocks, "
       "Hkv, block_size, d / dv) read in place. int8 k / v (with k_scale, k_off, v_scale, v_off, "
       "kgroup: arrays, or lists of chunks for a pool) read an int8 cache; uint8 k / v with "
-      "fp8='e4m3' or 'e5m2' and k_scale, v_scale (B, Hkv, R) read fp8 codes with a per-token "
-      "scale.");
+      "fp8='e4m3' or 'e5m2' and k_scale, v_scale (B, Hkv, R), or lists of (chunk_blocks, Hkv, "
+      "block_size) chunks for a pool, read fp8 codes with a per-token scale.");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

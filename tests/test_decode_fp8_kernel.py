@@ -1,4 +1,4 @@
-"""fp8 K/V rows through the decode binding (C++ side of issue 37's fp8 encoding).
+"""fp8 K/V rows through the decode binding (the kernel side of the fp8 encoding).
 
 ``_core.decode`` with uint8 k / v codes and ``fp8="e4m3"`` (OCP, ml_dtypes.float8_e4m3fn) or
 ``"e5m2"`` (ml_dtypes.float8_e5m2), one float32 scale per token and kv head (k_scale, v_scale
@@ -107,6 +107,6 @@ def test_fp8_argument_errors(rng):
         _core.decode(q, c, c, o, scale=1.0, k_scale=s[..., :3], v_scale=s, fp8="e5m2")
     with pytest.raises(ValueError, match="v_scale is required"):
         _core.decode(q, c, c, o, scale=1.0, k_scale=s, fp8="e5m2")
-    with pytest.raises(ValueError, match="block_table"):
+    with pytest.raises(ValueError, match="k_scale"):  # a pool's scales: (C, Hkv, block) chunks
         _core.decode(q, [c], [c], o, scale=1.0, k_scale=s, v_scale=s, fp8="e4m3",
                      block_table=np.zeros((1, 1), np.int64), kv_lens=np.array([1]))  # fmt: skip

@@ -142,7 +142,33 @@ def test_bytes_per_token_head_and_errors(rng):
     with pytest.raises(ValueError, match="inf or NaN"):
         cache.append(bad, k)
     assert cache.positions.tolist() == [0]
-    with pytest.raises(TypeError, match="pages layout"):
-        af.PagedKVCache(
-            num_blocks=4, block_size=64, num_kv_heads=2, head_dim=d, dtype="float8_e4m3"
-        )
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_paged_equals_contiguous_and_the_oracle(rng, name):
+    """A PagedKVCache of fp8 blocks (ragged sequences over several pages, a fork that shares
+    pages, a decode step and a chunk) stores the same codes as a KVCache of the same rows and
+    its attention equals the oracle over its stored values."""
+    Hkv, G, d, dv = 2, 3, 80, 48
+    paged = af.PagedKVCache(Hkv, d, v_head_dim=dv, num_blocks=4, block_size=64, dtype=name)
+    assert paged.dtype == np.uint8 and paged.io_dtype == F32
+    ids = [paged.add_sequence() for _ in range(3)]
+    first = np.array([150, 1, 64])
+    k, v = randn(rng, (3, Hkv, 150, d)), randn(rng, (3, Hkv, 150, dv), 3.0)
+    paged.append(ids, k, v, lengths=first)
+    ids.append(paged.fork(ids[0]))
+    for L in (1, 9):
+        kn, vn = randn(rng, (4, Hkv, L, d)), randn(rng, (4, Hkv, L, dv))
+        paged.append(ids, kn, vn)
+        q = randn(rng, (4, Hkv * G, L, d))
+        o, lse = paged.attend(ids, q, return_lse=True)
+        for b, i in enumerate(ids):
+            K = paged.keys(i).astype(np.float64)
+            V = paged.values(i).astype(np.float64)
+            O, LSE = oracle(q[b], np.repeat(K, G, 0), np.repeat(V, G, 0), L)
+            np.testing.assert_allclose(o[b], O, **tol(F32))
+            np.testing.assert_allclose(lse[b], LSE, **tol(F32))
+    flat = af.KVCache(batch=1, num_kv_heads=Hkv, head_dim=d, v_head_dim=dv, dtype=name)
+    flat.append(k[:1], v[:1])
+    np.testing.assert_array_equal(paged.keys(ids[0])[:, :150], flat.keys(0))
+    np.testing.assert_array_equal(paged.values(ids[0])[:, :150], flat.values(0))

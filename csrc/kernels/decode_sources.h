@@ -301,7 +301,7 @@ struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
 // fp8 codes (e4m3 or e5m2 as uint8) with one fp32 scale per token and kv
 // head: x = decode(code) * scale, decode exact (every fp8 value is an fp32).
 // The key scales multiply the block's scores (S = (Q . row) * ks * kFold),
-// the value scales its P V weights (P * vs * kFold). Slots layout only.
+// the value scales its P V weights (P * vs * kFold).
 //
 // A row is read as fp16 values decode(code) / kFold: an fp8 code's fields
 // moved into fp16's place (e5m2 is fp16's top byte; e4m3's exponent and
@@ -375,8 +375,11 @@ struct Fp8Encoding : CodedTypes<F, Fp8Side> {
             reinterpret_cast<const F*>(a.v_f8) + b * a.sv.b + hk * a.sv.h,
             {a.k_f8_scale + bh * a.R, a.v_f8_scale + bh * a.R}};
   }
-  static Pg page(const DecodeArgs<float>&, int64_t, int64_t, int64_t) {
-    return Pg{};  // no fp8 pool: the binding refuses a block_table with fp8 rows
+  static Pg page(const DecodeArgs<float>& a, int64_t c, int64_t i, int64_t hk) {
+    const int64_t bh = i * a.Hkv + hk;
+    return {reinterpret_cast<const F*>(a.f8_k_chunks[c]) + i * a.sk.b + hk * a.sk.h,
+            reinterpret_cast<const F*>(a.f8_v_chunks[c]) + i * a.sv.b + hk * a.sv.h,
+            {a.ks_chunks[c] + bh * a.block_size, a.vs_chunks[c] + bh * a.block_size}};
   }
   static void load_q(const float* src, int64_t sd, int64_t d, int64_t dp, float scale, float* dst) {
     FloatEncoding<float>::load_q(src, sd, d, dp, scale, dst);

@@ -326,7 +326,7 @@ class PagedArgs:
     v_scale: list[np.ndarray] | None = None
     v_off: list[np.ndarray] | None = None
     kgroup: int = 0
-    fp8: str = ""  # no fp8 pools (the paged layout refuses fp8 caches)
+    fp8: str = ""  # "e4m3" / "e5m2": an fp8 pool, k_scale / v_scale chunks (no offsets)
 
 
 def attend_paged(

@@ -106,7 +106,6 @@ class Encoding:
     quantised = False  # chunks are encoded in C++ (write), with a staging tail
     by_dtype = True  # dtype= may name it by its NumPy dtype (not bits standing in for a type)
     copyable = False  # the Cython copy loops (_cyloops.cache_write) take this dtype
-    layouts = ("slots", "pages")  # the cache layouts the decode kernel reads it from
 
     def __init__(self, dtype: Any, names: tuple[str, ...] = (), by_dtype: bool = True) -> None:
         self.dtype = self.io_dtype = np.dtype(dtype)
@@ -279,7 +278,6 @@ class Fp8(Encoding):
 
     quantised = True
     aux_rows = (1, 1)  # k_scale, v_scale: one per slot
-    layouts = ("slots",)  # the decode kernel reads fp8 rows from slots only (no pages)
 
     def __init__(self, fmt: str, names: tuple[str, ...]) -> None:
         super().__init__(np.uint8, names, by_dtype=False)
@@ -343,7 +341,7 @@ class Fp8(Encoding):
         return _dispatch.QuantArgs(aux[0], None, aux[1], None, 1, self.fmt)
 
     def paged_args(self, kc, vc, table, aux):
-        raise AssertionError("unreachable: fp8 caches are refused by the paged layout")
+        return _dispatch.PagedArgs(kc, vc, table, aux[0], None, aux[1], None, 1, self.fmt)
 
 
 ENCODINGS: list[Encoding] = [
@@ -357,7 +355,6 @@ ENCODINGS: list[Encoding] = [
 ]
 PLAIN_NAMES = ", ".join(e.label for e in ENCODINGS if not e.quantised)
 CODED_NAMES = ", ".join(e.label for e in ENCODINGS if e.quantised)
-PAGED_CODED_NAMES = ", ".join(e.label for e in ENCODINGS if e.quantised and "pages" in e.layouts)
 
 
 def encoding_for(dtype: Any) -> Encoding:
@@ -398,24 +395,15 @@ class KVStore:
     _plan_key: Any = None
     _plan_scale = 0.0
 
-    layout = "slots"  # the layout of the subclass's arrays: "slots" or "pages"
-
     def _set_encoding(self, dtype: Any, unknown: str | None = None) -> None:
         """The encoding of dtype=; TypeError `unknown` (default: encoding_for's) for a dtype
-        no encoding has, and one naming the layout for an encoding this layout cannot hold."""
+        no encoding has."""
         try:
             enc = encoding_for(dtype)
         except TypeError:
             if unknown is None:
                 raise
             raise TypeError(f"{unknown}, got dtype={dtype!r}") from None
-        if self.layout not in enc.layouts:
-            here = ", ".join(e.label for e in ENCODINGS if self.layout in e.layouts)
-            raise TypeError(
-                f"{type(self).__name__} stores {here}, got dtype={dtype!r}: the decode "
-                f"kernel reads {enc.label} from the slots layout (KVCache) only, not from "
-                f"the {self.layout} layout"
-            )
         self.encoding = enc
         self.dtype, self.io_dtype = enc.dtype, enc.io_dtype
 

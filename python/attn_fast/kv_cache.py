@@ -67,7 +67,7 @@ fp8 storage (``dtype="float8_e4m3"`` or ``"float8_e5m2"``, also
 values (``x = fp8(code) * scale``, scale = max|row| / the format's largest
 value, rounding to nearest even), d + dv + 8 bytes per token and kv head.
 Chunks, queries and results are float32; ``attend`` equals exact attention over
-``keys(b)`` / ``values(b)``. Contiguous caches only (PagedKVCache refuses it).
+``keys(b)`` / ``values(b)``. PagedKVCache stores it the same way, per block.
 """
 
 from __future__ import annotations

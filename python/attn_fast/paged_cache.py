@@ -106,13 +106,13 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _dispatch
 from ._checks import check_int, dtype_name, half_result, to_input_kind
-from ._kv_store import KGROUP, PAGED_CODED_NAMES, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
+from ._kv_store import CODED_NAMES, KGROUP, PLAIN_NAMES, KVStore, LayerStack, huge_arrays
 from .masks import MaskArgs
 from .positional import RoPE
 
 __all__ = ["PagedKVCache", "PagedLayerCaches"]
 
-_SUPPORTED = f"{PLAIN_NAMES} or {PAGED_CODED_NAMES}"
+_SUPPORTED = f"{PLAIN_NAMES} or {CODED_NAMES}"
 
 
 class _Seq:
@@ -177,8 +177,6 @@ class PagedKVCache(KVStore):
         head, plus 256 d bytes of staging per live sequence and kv head).
     used_nbytes : int, the bytes of the blocks that some sequence holds.
     """
-
-    layout = "pages"
 
     def __init__(
         self,

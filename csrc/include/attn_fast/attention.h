@@ -205,16 +205,20 @@ struct DecodeArgs {
   const compute_t<T>* const* ko_chunks = nullptr;
   const compute_t<T>* const* vs_chunks = nullptr;
   const compute_t<T>* const* vo_chunks = nullptr;
-  // fp8 K/V (T = float only; slots layout): e4m3 / e5m2 codes as uint8, k_f8
-  // (B, Hkv, R, d) and v_f8 (B, Hkv, R, dv) with the strides sk / sv (element
-  // stride 1), k and v not read. fp8 = 1: e4m3 (OCP: bias 7, no inf,
-  // S.1111.111 NaN); 2: e5m2 (bias 15, IEEE inf / NaN). Key e of slot t is
+  // fp8 K/V (T = float only): e4m3 / e5m2 codes as uint8, k_f8 (B, Hkv, R, d)
+  // and v_f8 (B, Hkv, R, dv) with the strides sk / sv (element stride 1), k
+  // and v not read. fp8 = 1: e4m3 (OCP: bias 7, no inf, S.1111.111 NaN); 2:
+  // e5m2 (bias 15, IEEE inf / NaN). Key e of slot t is
   // decode(k_f8[.., t, e]) * k_f8_scale[.., t], values likewise (one fp32
-  // scale per token and kv head, contiguous (B, Hkv, R)).
+  // scale per token and kv head, contiguous (B, Hkv, R)). With a block_table:
+  // chunk c holds codes f8_k_chunks[c] / f8_v_chunks[c] and the scales
+  // ks_chunks[c] / vs_chunks[c] (chunk_blocks, Hkv, block_size).
   const uint8_t* k_f8 = nullptr;
   const uint8_t* v_f8 = nullptr;
   const float* k_f8_scale = nullptr;
   const float* v_f8_scale = nullptr;
+  const uint8_t* const* f8_k_chunks = nullptr;
+  const uint8_t* const* f8_v_chunks = nullptr;
   int fp8 = 0;
   // How the kernel asks for the next key block's K/V lines (hints only: the
   // results never depend on it). Filled in by decode_forward from
