@@ -306,27 +306,9 @@ void backward(py::array dout, py::array q, py::array k, py::array v, py::array o
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "attn_fast C++ core: fused flash-attention forward kernels (internal; use attn_fast)";
-  set_interrupt_check(&python_signal_raised);  // Ctrl-C stops long kernel calls
-  // Tile classes (attention.h TileClass), the numbering of masks.block_summary.
-  m.attr("BLOCK_MASKED") = static_cast<int>(TileClass::masked);
-  m.attr("BLOCK_PARTIAL") = static_cast<int>(TileClass::partial);
-  m.attr("BLOCK_VISIBLE") = static_cast<int>(TileClass::visible);
-  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-        py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
-        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
-        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
-        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
-        py::arg("reference") = false,
-        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped). "
-        "float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, alibi and sinks are "
-        "float32 for both.");
+// The module's machine functions: the ISA, threads and OpenMP, the CPU and
+// bandwidth probes, the AMX status and checks.
+void def_machine(py::module_& m) {
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("set_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); });
   m.def(
@@ -376,14 +358,6 @@ PYBIND11_MODULE(_core, m) {
         return fma_peak_gflops(threads, seconds);
       },
       py::arg("threads"), py::arg("seconds") = 0.3);
-  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
-        py::arg("causal") = false, py::arg("eps") = 0.0,
-        "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
-        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place. "
-        "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
-        "bfloat16 as uint16 bits).");
-  def_decode(m);  // decode, kv_quant_append
   m.def(
       "stream_read_gbps",
       [](int threads, int64_t nbytes, int reps) {
@@ -400,18 +374,6 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("threads"), py::arg("bytes") = int64_t(512) << 20, py::arg("seconds") = 0.3,
       "Streaming-read bandwidth in GB/s (best pass over a `bytes` buffer).");
-  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("dsinks") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
-        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
-        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
-        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
-        "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
-        "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
-        "lse, bias, alibi, sinks and dsinks are float32 for them.");
   // AMX (issue 19): the status line of show_config(), the self-check and one
   // tile product of the amx / amx_emu objects (tests).
   m.def("amx_status", &amx_status, "Why amx is or is not the default ISA here (one line).");
@@ -451,4 +413,48 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("isa"), py::arg("a"), py::arg("b"), py::arg("c"),
       "c += a . b by one TDPBF16PS of the amx / amx_emu object (c updated in place).");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "attn_fast C++ core: fused flash-attention forward kernels (internal; use attn_fast)";
+  set_interrupt_check(&python_signal_raised);  // Ctrl-C stops long kernel calls
+  // Tile classes (attention.h TileClass), the numbering of masks.block_summary.
+  m.attr("BLOCK_MASKED") = static_cast<int>(TileClass::masked);
+  m.attr("BLOCK_PARTIAL") = static_cast<int>(TileClass::partial);
+  m.attr("BLOCK_VISIBLE") = static_cast<int>(TileClass::visible);
+  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
+        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
+        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
+        py::arg("reference") = false,
+        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped). "
+        "float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, alibi and sinks are "
+        "float32 for both.");
+  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
+        py::arg("causal") = false, py::arg("eps") = 0.0,
+        "Linear attention on feature-mapped 4-D strided q, k (and v) into o; "
+        "kv (B,H,d,dv) / k_sum (B,H,d) float64: optional running state, updated in place. "
+        "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
+        "bfloat16 as uint16 bits).");
+  def_decode(m);  // decode, kv_quant_append
+  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dsinks") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
+        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
+        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
+        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
+        "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
+        "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
+        "lse, bias, alibi, sinks and dsinks are float32 for them.");
+  def_machine(m);  // ISA, threads, machine probes, AMX checks
 }
