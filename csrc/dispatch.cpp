@@ -486,10 +486,10 @@ std::string openmp_runtime() {
 }
 
 // The entry points: one overload per storage type of each kernel's list
-// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward and
-// decode calls on avx512_bf16 take that object's vdpbf16ps kernels
-// (bf16_dot_forward, bf16_dot_decode); every other call of that ISA runs the
-// avx512 object (ATTN_DISPATCH).
+// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward,
+// decode and backward calls on avx512_bf16 take that object's vdpbf16ps
+// kernels (bf16_dot_forward, bf16_dot_decode, bf16_dot_backward); every other
+// call of that ISA runs the avx512 object (ATTN_DISPATCH).
 template <typename S>
 inline bool bf16_dot_forward(const AttnArgs<S>&, AttnStats*) {
   return false;
@@ -561,8 +561,38 @@ inline bool bf16_dot_decode(const DecodeArgs<bf16_t>& a) {
     if (bf16_dot_decode(a)) return;                          \
     ATTN_DISPATCH(decode_forward_##sfx, a)                   \
   }
-#define ATTN_DEFINE_BACKWARD(sfx, S) \
-  void flash_backward(const BwdArgs<S>& a) { ATTN_DISPATCH(flash_backward_##sfx, a) }
+// bf16 backward calls form S as their forward did (kernels/flash_bwd_pairs.h):
+// on avx512_bf16, amx and amx_emu by the avx512_bf16 object's vdpbf16ps pair
+// sums (amx_emu's tiles add the same pairs in the same order; AMX hardware may
+// add a pair's two products in the other order, amx_tiles.h), on neon_bf16 by
+// that object's BFDOT sums.
+template <typename S>
+inline bool bf16_dot_backward(const BwdArgs<S>&) {
+  return false;
+}
+inline bool bf16_dot_backward(const BwdArgs<bf16_t>& a) {
+#ifdef ATTN_HAVE_AVX512_BF16
+  const Isa isa = active_isa();
+  if (isa == Isa::avx512_bf16 || isa == Isa::amx || isa == Isa::amx_emu) {
+    isa_avx512_bf16::flash_backward_bf16(a);
+    return true;
+  }
+#endif
+#ifdef ATTN_HAVE_NEON_BF16
+  if (active_isa() == Isa::neon_bf16) {
+    isa_neon_bf16::flash_backward_bf16(a);
+    return true;
+  }
+#endif
+  (void)a;
+  return false;
+}
+
+#define ATTN_DEFINE_BACKWARD(sfx, S)         \
+  void flash_backward(const BwdArgs<S>& a) { \
+    if (bf16_dot_backward(a)) return;        \
+    ATTN_DISPATCH(flash_backward_##sfx, a)   \
+  }
 ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
 ATTN_DECODE_TYPES(ATTN_DEFINE_DECODE)
 ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)

@@ -55,8 +55,8 @@ void note_pool_used();
 }  // namespace attn_fast
 
 // `return isa_<active>::fn(args...)`; avx512_bf16, amx and amx_emu run the
-// avx512 object (their own objects hold only the bf16 forward), neon_bf16 the
-// neon object (its own holds the bf16 forward and decode).
+// avx512 object (their own objects hold only bf16 kernels), neon_bf16 the neon
+// object (its own holds the bf16 forward, decode and backward).
 #define ATTN_DISPATCH(fn, ...)            \
   switch (active_isa()) {                 \
     ATTN_AVX512_CASE(fn, __VA_ARGS__)     \

@@ -11,7 +11,9 @@ Three checks:
     properly, by (3);
 (2) bit for bit, the 16-bit kernel is the fp32 kernel on the widened inputs
     (with the 16-bit forward's O and lse), rounded once at the end: no
-    intermediate rounding anywhere;
+    intermediate rounding anywhere. bf16 on the pair-product ISAs forms S as
+    its forward did, by bf16 pair sums (kernels/flash_bwd_pairs.h): there the
+    rest is the fp32 kernel rounded once, within a few fp32 ulps;
 (3) against torch's own bfloat16 / float16 SDPA backward on the same inputs:
     our end-to-end error is at most 1.5x torch's, by RMS and by max.
 """
@@ -32,6 +34,9 @@ bwd = af.scaled_dot_product_attention_backward
 SOURCES = ["ml_bf16", "numpy_f16", "torch_bf16", "torch_f16"]
 U = {"bf16": 2.0**-8, "f16": 2.0**-11}  # unit roundoff: |x - round(x)| <= u |x|
 NAMES = ("dq", "dk", "dv", "dsinks")
+# ISAs whose bf16 backward forms S by the forward's bf16 pair sums (vdpbf16ps, BFDOT), not
+# by the fp32 kernel's FMAs (kernels/flash_bwd_pairs.h).
+PAIR_S_ISAS = {"avx512_bf16", "amx", "amx_emu", "neon_bf16"}
 
 
 def f32(x):
@@ -202,7 +207,14 @@ def test_is_the_fp32_backward_rounded_once(isa, rng, src, B, Hq, Hkv, Lq, Lk, kw
     o, lse = af.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
     got = bwd(do, q, k, v, o, lse, **kw)
     want = _widened_fp32_backward(q, k, v, do, o, lse, **kw)
+    pair_s = kind_of(src) == "bf16" and isa in PAIR_S_ISAS
     for name, g, w, x in zip(NAMES, got, want, (q, k, v)):
+        if pair_s:
+            # S a few fp32 ulps off the FMA sums: a gradient may round to the other
+            # neighbour (measured excess over u |w|: 2^-23 max |w|).
+            bound = U["bf16"] * np.abs(f64(w)) + 2.0**-18 * np.abs(f64(w)).max()
+            assert np.all(np.abs(f64(g) - f64(w)) <= bound), name
+            continue
         w16 = w.astype(x.dtype)  # NumPy / ml_dtypes round to nearest even
         assert g.tobytes() == w16.tobytes(), name
     if "sinks" in kw:

@@ -1196,31 +1196,44 @@ FA_SPLITKV = [
 ]
 
 
-# flash-attn's dv rule is err <= 2 * err(torch bf16) + 2e-4. With one key, torch's bf16 dv
-# equals the fp32 reference, so the bound is 2e-4: a bit-exact match. In this case (seed 0)
-# the exact dv of one element is -6.671875, a bf16 tie; torch's fp32 sum is exact and rounds
-# to even (-6.6875). On avx512_bf16 the forward's scores come from vdpbf16ps while the
-# backward recomputes them with fp32 FMAs (it runs the avx512 object): lse differs from the
-# backward's S by a few fp32 ulps, P = exp(S - lse) = 1 +- 1e-7 instead of 1, the sum lands
-# just off the tie and rounds to -6.65625. Both are within 0.5 bf16 ulp of the exact value;
-# the same call passes on every other ISA (test_one_key_dv_is_exact_when_lse_matches).
-_BF16_DOT_TIE = {((1, 339), True, 128, False, False, alibi, torch.bfloat16) for alibi in (0, 1)}
-
-
+# flash-attn's dv rule is err <= 2 * err(torch bf16) + 2e-4. With one key (the swapped
+# (1, 339) cases), torch's bf16 dv equals the fp32 reference, so the bound is 2e-4: a
+# bit-exact match, which needs P = exp(S - lse) = 1 exactly (in the d 128 bf16 case, seed 0,
+# one element's exact dv is a bf16 tie). test_one_visible_key_gives_p_exactly_one below
+# checks that on every ISA.
 @pytest.mark.parametrize("case", FA_SPLITKV, ids=str)
 def test_fa_grid_splitkv(case):
-    if case in _BF16_DOT_TIE and af.get_isa() == "avx512_bf16":
-        pytest.xfail("dv 1 bf16 ulp off at an exact tie: forward vdpbf16ps vs backward fp32 S")
     (sq, sk), *rest = case
     _fa_splitkv_case(sq, sk, *rest)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("score", ["plain", "alibi", "softcap"])
+def test_one_visible_key_gives_p_exactly_one(isa, rng, dtype, score):
+    """A row that sees one key has P = exp(S - lse) = 1 exactly only if the backward
+    recomputes the forward's S bit for bit (on avx512_bf16 and amx_emu the bf16 forward sums
+    bf16 pairs by vdpbf16ps, so the backward must too; fp32 FMAs differ by a few ulps and
+    flip exact bf16 ties of dv). Then dv = sum_i P_i dout_i does not depend on the key: a
+    random key and a zero key give the same bits. Lq >= 2: the tiled forward (Lq = 1 runs
+    the decode kernel, whose scores sum in another order)."""
+    if isa in ("amx", "amx_emu") and dtype == torch.bfloat16 and score == "plain":
+        pytest.skip("the tile path's raw scores: lse from its degree-4 exp2, P = 1 +- 3e-6")
+    kw = {"alibi": {"alibi_slopes": torch.rand(3) * 0.3}, "softcap": {"softcap": 3.0}}
+    for d, Lq in ((1, 2), (5, 7), (80, 129), (128, 339), (256, 70)):
+        q, g = gen(rng, (2, Lq, 3, d), dtype), gen(rng, (2, Lq, 3, d), dtype)
+        v = gen(rng, (2, 1, 3, d), dtype).requires_grad_()
+        dvs = [
+            torch.autograd.grad(flash_attn_func(q, k, v, **kw.get(score, {})), v, g)[0]
+            for k in (gen(rng, (2, 1, 3, d), dtype, 2.0), torch.zeros(2, 1, 3, d, dtype=dtype))
+        ]
+        assert torch.equal(*dvs), (d, Lq)
+
+
 def test_one_key_dv_is_exact_when_lse_matches(rng):
     """With one key P = 1, so dv = sum_i dout_i: bit-exact against torch's fp32 reference
-    on every ISA whose forward and backward compute the scores alike (what the case above
-    misses on avx512_bf16). Here the key is all zeros, so S = 0 in any summation order, and
-    the fp32 sum of these 339 bf16 values is exact (their bits fit fp32's 24), so the
-    kernel's summation order and torch's give the same bits."""
+    on every ISA. Here the key is all zeros, so S = 0 in any summation order, and the fp32
+    sum of these 339 bf16 values is exact (their bits fit fp32's 24), so the kernel's
+    summation order and torch's give the same bits."""
     old = af.get_isa()
     try:
         for name in af._core.available_isas():

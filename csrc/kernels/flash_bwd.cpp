@@ -54,8 +54,10 @@
 //   O in pass 1); everything between is the fp32 kernel. dK/dV stay in their
 //   fp32 accumulators over all query blocks and are rounded once when the key
 //   block is written; dQ of 16-bit storage is accumulated in fp32 buffers (one
-//   per key chunk, |dq| * 4 bytes each) and rounded once in pass 3. The
-//   avx512_bf16 ISA runs the avx512 object here (no vdpbf16ps backward).
+//   per key chunk, |dq| * 4 bytes each) and rounded once in pass 3. S is
+//   formed as the same object's forward formed it, so that P = exp(S - lse)
+//   is exact: bf16 on the pair-product objects (avx512_bf16, neon_bf16) by
+//   their pair sums, everything else by the FMA gemm (flash_bwd_pairs.h).
 
 #include <cmath>
 #include <cstdint>
@@ -188,23 +190,27 @@ template <typename T>
 struct BScratch {
   T *Kb, *KT, *VT, *dKa, *dVa;  // key block: K rows, K^T, V^T, dK / dV accumulators
   T *Qs, *dOb, *S, *dS, *G, *dQb, *lse, *D;
+  T* Qw;         // qw elements: the rows' bf16 pairs of tile_scores (flash_bwd_pairs.h), if any
   int64_t* qlo;  // per query block: union of its rows' structural key ranges
   int64_t* qhi;
   // Plans and takes every piece; false when the arena cannot provide them.
-  bool carve(ThreadArena& ar, int64_t Br, int64_t Bc, int64_t dp, int64_t dvp, int64_t max_qb) {
-    T** pieces[] = {&Kb, &KT, &VT, &dKa, &dVa, &Qs, &dOb, &S, &dS, &G, &dQb, &lse, &D};
+  bool carve(ThreadArena& ar, int64_t Br, int64_t Bc, int64_t dp, int64_t dvp, int64_t max_qb,
+             int64_t qw) {
+    T** pieces[] = {&Kb, &KT, &VT, &dKa, &dVa, &Qs, &dOb, &S, &dS, &G, &dQb, &lse, &D, &Qw};
     const int64_t sizes[] = {Bc * dp, dp * Bc, dvp * Bc, Bc * dp, Bc * dvp, Br * dp, Br * dvp,
-                             Br * Bc, Br * Bc, Br * Bc,  Br * dp, Br,       Br};
-    int64_t off[13];
-    for (int i = 0; i < 13; ++i) off[i] = ar.plan<T>(sizes[i]);
+                             Br * Bc, Br * Bc, Br * Bc,  Br * dp, Br,       Br,      qw};
+    int64_t off[14];
+    for (int i = 0; i < 14; ++i) off[i] = ar.plan<T>(sizes[i]);
     const int64_t olo = ar.plan<int64_t>(max_qb), ohi = ar.plan<int64_t>(max_qb);
     if (!ar.acquire()) return false;
-    for (int i = 0; i < 13; ++i) *pieces[i] = ar.at<T>(off[i]);
+    for (int i = 0; i < 14; ++i) *pieces[i] = ar.at<T>(off[i]);
     qlo = ar.at<int64_t>(olo);
     qhi = ar.at<int64_t>(ohi);
     return true;
   }
 };
+
+#include "flash_bwd_pairs.h"  // tile_scores, pack_scores_k: S as this object's forward forms it
 
 // The call's arguments plus the kernel's own buffers (in the compute type).
 template <typename S>
@@ -262,8 +268,8 @@ void bwd_tile(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     sc.D[r] = g.Dbuf[lrow + r];
   }
 
-  // S = (scale Q) K^T.
-  gemm<T>(rows, Bcp, d, sc.Qs, dp, sc.KT, Bcp, sc.S, Bcp, false);
+  // S = (scale Q) K^T, formed as this object's forward formed it (flash_bwd_pairs.h).
+  tile_scores<S>(a, qb, rows, Bcp, sc);
 
   // Transforms, masks, P = exp(S - lse).
   const bool capped = a.softcap > 0;
@@ -428,6 +434,7 @@ void bwd_item(const BwdRun<S>& g, int64_t s, int64_t hk, int64_t chunk, int64_t 
       }
     }
     const bool nonfinite = bad;
+    pack_scores_k<S>(a, kbase, cols, Bcp, sc);
     std::memset(sc.dKa, 0, sizeof(T) * Bcp * dp);
     std::memset(sc.dVa, 0, sizeof(T) * Bcp * dvp);
 
@@ -599,7 +606,8 @@ void backward_impl(const BwdArgs<S>& g0) {
   {
     ThreadArena arena;
     BScratch<T> sc;
-    const bool ok = sc.carve(arena, Br, Bc, dp, dvp, max_qb);
+    const bool ok =
+        sc.carve(arena, Br, Bc, dp, dvp, max_qb, kPairScores<S> ? Br * ((d + 1) / 2) : 0);
     failed += ok ? 0 : 1;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < n_items; ++w) {
@@ -622,11 +630,18 @@ void backward_impl(const BwdArgs<S>& g0) {
 
 }  // namespace
 
+#if defined(ATTN_DOT_BF16)
+// The pair-product objects hold the bf16 backward only (its S by their pair
+// product); every other call of their ISAs runs the avx512 / neon object.
+ATTN_BF16DOT_ENTRY_POINTS
+void flash_backward_bf16(const BwdArgs<bf16_t>& a) { backward_impl<bf16_t>(a); }
+#else
 ATTN_ISA_ENTRY_POINTS
 #define ATTN_DEFINE_BACKWARD(sfx, S) \
   void flash_backward_##sfx(const BwdArgs<S>& a) { backward_impl<S>(a); }
 ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
 #undef ATTN_DEFINE_BACKWARD
+#endif
 
 }  // namespace ATTN_NS
 }  // namespace attn_fast

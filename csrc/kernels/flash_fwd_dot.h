@@ -24,11 +24,7 @@
 static_assert(sizeof(uint32_t) == 2 * sizeof(bf16_t), "one 32-bit word holds one bf16 pair");
 static_assert(sizeof(DotBf16::B) == sizeof(Vec<float>::R), "one dot register: W pairs -> W fp32");
 
-// The bf16 pair (x[e], x[e + 1]) of a strided row as one word; e + 1 == d pads with 0.
-inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d) {
-  const uint32_t lo = x[e * stride].bits, hi = e + 1 < d ? x[(e + 1) * stride].bits : 0u;
-  return lo | (hi << 16);
-}
+#include "qk_pairs.h"  // bf16_pair, qk_pair_sums (the sums the backward's S repeats)
 
 // S[MR][NR*W] = scale * Q K^T over d2 pairs (Qw a micro-panel, Kw a key panel).
 template <int MR, int NR, bool kMax = false>
@@ -37,23 +33,13 @@ inline void qk_micro_dot(const uint32_t* __restrict Qw, int64_t d2, const uint32
                          float* __restrict rmax = nullptr,
                          const int32_t* __restrict lim = nullptr) {
   using V = Vec<float>;
-  using D = DotBf16;
   constexpr int W = V::W;
 #if defined(ATTN_ISA_NEON_BF16)
   if constexpr (MR == 6 && NR == 4 && !kMax)
     return qk_micro_dot_neon_6x4(Qw, d2, Kw, scale, S, lds);  // the same sums (neon_tiles.h)
 #endif
   V::R acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = V::zero();
-  for (int64_t k = 0; k < d2; ++k) {
-    D::B b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = D::load(Kw + k * (NR * W) + n * W);
-    for (int r = 0; r < MR; ++r) {
-      const D::B a = D::set1(Qw[k * MR + r]);
-      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
-    }
-  }
+  qk_pair_sums<MR, NR>(Qw, d2, Kw, NR * W, acc);
   const V::R vs = V::set1(scale);
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) {

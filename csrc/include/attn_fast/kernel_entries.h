@@ -38,13 +38,16 @@
   double fma_loop(int64_t iters);            \
   double read_loop(const float* p, int64_t n);
 
-// What the avx512_bf16 object defines (flash_fwd.cpp, decode.cpp and
-// probe_loops.cpp): the vdpbf16ps forward and decode for bf16 storage and its
-// throughput probe (the shape of fma_loop, 2 FLOPs per bf16 pair). Every other
-// call of that ISA runs the avx512 object.
+// What the avx512_bf16 and neon_bf16 objects define (flash_fwd.cpp, decode.cpp,
+// flash_bwd.cpp and probe_loops.cpp): the pair-product (vdpbf16ps, BFDOT)
+// forward, decode and backward for bf16 storage (the backward's S is the
+// forward's pair sums: kernels/flash_bwd_pairs.h) and the throughput probe
+// (the shape of fma_loop, 2 FLOPs per bf16 pair). Every other call of these
+// ISAs runs the avx512 / neon object.
 #define ATTN_BF16DOT_ENTRY_POINTS                          \
   AttnStats flash_forward_bf16(const AttnArgs<bf16_t>& a); \
   void decode_forward_bf16(const DecodeArgs<bf16_t>& a);   \
+  void flash_backward_bf16(const BwdArgs<bf16_t>& a);      \
   double dpbf16_loop(int64_t iters);
 
 // What the amx and amx_emu objects define (flash_fwd.cpp only, kernels/amx_tiles.h):
