@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -23,7 +22,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_tensor(x: Any, name: str, ndim: int, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(x).__name__}")
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise TypeError(
             f"{name} is on {x.device}; attn_fast.flash_attn computes on CPU tensors "
             "(use the real flash-attn on a GPU)"
@@ -73,9 +72,9 @@ def window_pair(window_size: Any) -> tuple[int, int]:
     return left, right
 
 
-@dataclass(frozen=True)
-class Opts:
-    """The options every attention call shares, checked once."""
+class Opts(NamedTuple):
+    """The options every attention call shares, checked once (a tuple: built twice per
+    call, by ``of`` and ``from_op``, and a tuple's construction costs the least)."""
 
     scale: float
     causal: bool
@@ -185,11 +184,12 @@ def mask_args(opts: Opts, **lens: Any) -> MaskArgs:
 def np4(x: torch.Tensor, name: str) -> np.ndarray:
     """(B, L, H, d) tensor -> its (B, H, L, d) NumPy view (bfloat16 as its uint16 bits, as
     the kernels read it). The tensors were checked (CPU, float dtype) by the callers; a
-    view of a tensor is element-aligned, so this never copies."""
-    t = x.detach().transpose(1, 2)
+    view of a tensor is element-aligned, so this never copies. (Transposed on the NumPy
+    side: a torch view and detach cost more than the kernel of a short decode step.)"""
+    t = x.detach() if x.requires_grad else x
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
+        return t.view(torch.int16).numpy().view(np.uint16).transpose(0, 2, 1, 3)
+    return t.numpy().transpose(0, 2, 1, 3)
 
 
 def paged_attend(q4, o4, lse, k_cache, v_cache, block_table, opts, mask, shared=None, rows=None):

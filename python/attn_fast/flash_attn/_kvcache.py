@@ -31,18 +31,28 @@ from .rotary import rotate
 
 
 def _seqlens(x: Any, B: int, name: str, upper: int) -> np.ndarray:
+    """x (an int, or an int tensor / array of shape (B,)) as a new (B,) int64 array whose
+    values lie in [0, upper]. (The bounds are read through a list: two NumPy reductions
+    cost more than a decode step's kernel on a short cache.)"""
     if isinstance(x, torch.Tensor):
         if x.is_floating_point():
             raise TypeError(f"{name} must be an int or an int32 tensor, got {x.dtype}")
-        x = x.detach().cpu().numpy()
+        x = x.numpy() if x.is_cpu else x.cpu().numpy()  # an int tensor never requires grad
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an int or an int32 tensor of shape ({B},), got {a.dtype}")
-    a = np.broadcast_to(a, (B,)).astype(np.int64) if a.ndim == 0 else a.astype(np.int64)
-    if a.shape != (B,):
-        raise ValueError(f"{name} must be an int or shape ({B},), got shape {a.shape}")
-    if a.size and (a.min() < 0 or a.max() > upper):
-        raise ValueError(f"{name} must lie in [0, {upper}], got values in [{a.min()}, {a.max()}]")
+    if a.ndim == 0:
+        vals = [int(a)] * B
+        a = np.array(vals, dtype=np.int64)
+    else:
+        if a.shape != (B,):
+            raise ValueError(f"{name} must be an int or shape ({B},), got shape {a.shape}")
+        a = a.astype(np.int64)
+        vals = a.tolist()
+    if vals and (min(vals) < 0 or max(vals) > upper):
+        raise ValueError(
+            f"{name} must lie in [0, {upper}], got values in [{min(vals)}, {max(vals)}]"
+        )
     return a
 
 
@@ -226,12 +236,13 @@ def _with_kvcache(
     if rotary_cos is not None or rotary_sin is not None:
         q, k = _rotate_new(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens, opts)
 
+    kc, vc = np4(k_cache, "k_cache"), np4(v_cache, "v_cache")
     if k is not None and L_new:  # the in-place append: only the new rows are written
-        _append(k_cache, k, seqlens, bidx, table)
-        _append(v_cache, v, seqlens, bidx, table)
+        _append(kc, np4(k, "k"), seqlens, bidx, table)
+        _append(vc, np4(v, "v"), seqlens, bidx, table)
 
     dv = v_cache.shape[3]
-    out = torch.empty((B, Lq, H, dv), dtype=q.dtype)
+    out = q.new_empty((B, Lq, H, dv))
     lse_np = (
         np.empty((B, H, Lq), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
         if return_lse
@@ -244,9 +255,7 @@ def _with_kvcache(
             mask = mask_args(opts, kv_lens=kv_lens)
             paged_attend(q, out, lse_np, k_cache, v_cache, table, opts, mask, shared, rows)
         else:
-            _cache_attend(
-                q, out, lse_np, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens
-            )
+            _cache_attend(q, out, lse_np, kc, vc, opts, shared, rows, plain, bidx, leftpad, kv_lens)
     elif lse_np is not None:
         lse_np[...] = -np.inf
     return out, (None if lse_np is None else torch.from_numpy(lse_np))
@@ -295,41 +304,43 @@ def _rotate_new(q, k, rotary_cos, rotary_sin, interleaved: bool, seqlens, opts):
     return rotate(q.detach(), rotary_cos, rotary_sin, pos_q, interleaved), k
 
 
-def _append(cache: torch.Tensor, x: torch.Tensor, starts, bidx, table) -> None:
-    """cache rows starts[b] .. starts[b] + L_new - 1 of sequence b = x[b], in place: one slice
-    copy per sequence (contiguous) or per page touched (paged). (torch's advanced-index
-    assignment costs tens of milliseconds on a large cache; slice copies cost microseconds.)"""
-    B, n = x.shape[:2]
-    x = x.detach()
-    with torch.no_grad():
-        for b in range(B):
-            s = int(starts[b])
-            if table is None:
-                row = b if bidx is None else int(bidx[b])
-                cache[row, s : s + n].copy_(x[b])
-                continue
-            page, j = cache.shape[1], s
-            while j < s + n:
-                off = j % page
-                m = min(page - off, s + n - j)
-                cache[int(table[b, j // page]), off : off + m].copy_(x[b, j - s : j - s + m])
-                j += m
+def _append(cache: np.ndarray, x: np.ndarray, starts, bidx, table) -> None:
+    """cache keys starts[b] .. starts[b] + L_new - 1 of sequence b = x[b], in place, on the
+    (B_cache, H_kv, L_cache, d) NumPy views of the tensors (np4; the paged pool's
+    (num_blocks, H_kv, page, d)): one slice copy per sequence (contiguous) or per page
+    touched (paged). (torch's advanced-index assignment costs tens of milliseconds on a
+    large cache, a torch slice copy under no_grad several times a NumPy one.)"""
+    B, n = x.shape[0], x.shape[2]
+    for b in range(B):
+        s = int(starts[b])
+        if table is None:
+            row = b if bidx is None else int(bidx[b])
+            cache[row, :, s : s + n] = x[b]
+            continue
+        page, j = cache.shape[2], s
+        while j < s + n:
+            off = j % page
+            m = min(page - off, s + n - j)
+            cache[int(table[b, j // page]), :, off : off + m] = x[b, :, j - s : j - s + m]
+            j += m
 
 
-def _cache_attend(q, out, lse, k_cache, v_cache, opts, shared, rows, plain, bidx, leftpad, kv_lens):
-    """Attention over a contiguous cache (B_cache, L_cache, H_kv, d), read in place."""
+def _cache_attend(q, out, lse, kc, vc, opts, shared, rows, plain, bidx, leftpad, kv_lens):
+    """Attention over a contiguous cache, read in place: kc, vc its (B_cache, H_kv, L_cache,
+    d / dv) NumPy views (np4)."""
     B, Lq, H, _ = q.shape
     q4, o4 = np4(q, "q"), np4(out, "out")
-    kc, vc = np4(k_cache, "k_cache"), np4(v_cache, "v_cache")
     if plain and bidx is None:
         # One call over the first B cache rows; padding on the left is a ring start.
         start = None if leftpad is None else leftpad.copy()
         mask = mask_args(opts, kv_lens=kv_lens.copy())
         keys = _dispatch.KEYS_RING if start is not None else _dispatch.KEYS_CACHE
-        kernel = _dispatch.choose_kernel(Lq=Lq, Lk=int(kv_lens.max()), mask=mask, keys=keys)
+        n = max(kv_lens.tolist())
+        kernel = _dispatch.choose_kernel(Lq=Lq, Lk=n, mask=mask, keys=keys)
         k4, v4 = kc[:B], vc[:B]
-        if start is None:  # the stored prefix as a view: the decode kernel splits keys, not
-            n = int(kv_lens.max())  # the cache's empty tail (a ring start needs the whole row)
+        if start is None:
+            # the stored prefix as a view: the decode kernel splits keys, not the cache's
+            # empty tail (a ring start needs the whole row)
             k4, v4 = k4[:, :, :n], v4[:, :, :n]
         _dispatch.attend(kernel, q4, k4, v4, o4, lse, scale=opts.scale, mask=mask, kv_start=start)
         return
