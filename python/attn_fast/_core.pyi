@@ -6,8 +6,7 @@ def forward(
     v: np.ndarray,
     o: np.ndarray,
     lse: np.ndarray | None = ...,
-    *,
-    scale: float,
+    scale: float = ...,  # required: the default (NaN) is refused
     causal: bool = ...,
     top_left: bool = ...,
     window_left: int = ...,
@@ -108,8 +107,7 @@ def backward(
     dk: np.ndarray,
     dv: np.ndarray,
     dsinks: np.ndarray | None = ...,
-    *,
-    scale: float,
+    scale: float = ...,  # required: the default (NaN) is refused
     causal: bool = ...,
     top_left: bool = ...,
     window_left: int = ...,

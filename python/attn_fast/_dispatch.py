@@ -20,7 +20,6 @@ arguments (``_checks``); this module only routes them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -88,15 +87,6 @@ class ScoreArgs:
         """The names of the arguments this record sets (for error messages)."""
         names = ["softcap"] if self.softcap else []
         return names + [n for n in ("alibi", "sinks") if getattr(self, n) is not None]
-
-    def kernel_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``_core.forward`` / ``_core.backward`` this
-        record sets (the others keep the bindings' defaults)."""
-        kw: dict[str, Any] = {n: getattr(self, n) for n in ("alibi", "sinks")}
-        kw = {n: a for n, a in kw.items() if a is not None}
-        if self.softcap:
-            kw["softcap"] = self.softcap
-        return kw
 
 
 PLAIN = ScoreArgs()
@@ -214,20 +204,37 @@ def attend(
     if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
         _decode(q, k, v, o, lse, scale, mask, kv_start=kv_start, quant=quant)
         return (0, 0, 0, 0)
-    kw = mask.kernel_kwargs()
     if kv_start is not None or quant is not None:
         raise ValueError(
             "kv_start (a ring of keys) and int8 codes are read by the decode kernel only"
         )
-    if cu_q is not None:
-        kw.update(cu_q=cu_q, cu_k=cu_k)
-    if block_q or block_k:
-        kw.update(block_q=block_q, block_k=block_k)
-    if kernel == REFERENCE:
-        kw["reference"] = True
-    if score is not PLAIN:
-        kw.update(score.kernel_kwargs())
-    return tuple(_core.forward(q, k, v, o, lse, scale=scale, **kw))
+    args = _kernel_args(mask, score, cu_q, cu_k, block_q, block_k)
+    return tuple(_core.forward(q, k, v, o, lse, scale, *args, kernel == REFERENCE))
+
+
+def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):
+    """The mask and score arguments of ``_core.forward`` / ``_core.backward`` (C++ MaskCall),
+    by position in the bindings' order: one record, gathered once, with no keyword lookups."""
+    return (
+        mask.causal,
+        mask.top_left,
+        mask.window_left,
+        mask.window_right,
+        mask.q_lens,
+        mask.kv_lens,
+        cu_q,
+        cu_k,
+        mask.layout,
+        mask.layout_bq,
+        mask.layout_bk,
+        mask.mask,
+        mask.bias,
+        score.alibi,
+        score.softcap,
+        score.sinks,
+        block_q,
+        block_k,
+    )
 
 
 def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant=None):
@@ -283,25 +290,8 @@ def backward(
 
     4-D (B, H, L, ·) views as in ``attend``; lse (B, H, Lq) from the forward.
     """
-    _core.backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-        dsinks,
-        scale=scale,
-        cu_q=cu_q,
-        cu_k=cu_k,
-        block_q=block_q,
-        block_k=block_k,
-        **mask.kernel_kwargs(),
-        **score.kernel_kwargs(),
-    )
+    args = _kernel_args(mask, score, cu_q, cu_k, block_q, block_k)
+    _core.backward(dout, q, k, v, out, lse, dq, dk, dv, dsinks, scale, *args)
 
 
 @dataclass(frozen=True, eq=False)
