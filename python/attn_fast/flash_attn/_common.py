@@ -64,8 +64,9 @@ def check_dropout(dropout_p: Any) -> None:
 
 
 def unpack(x: Any, name: str, axis: int, n: int, what: str) -> tuple[torch.Tensor, ...]:
-    """The n views ``x.select(axis, i)`` of flash-attn's packed qkv / kv tensor, x checked to
-    be `what` (len(what) axes, n of them at `axis`)."""
+    """The n views ``x.select(axis, i)`` of flash-attn's packed qkv / kv tensor `x`, checked
+    to be `what`: a layout string such as "(total_k, 2, nheads_k, headdim)" (one axis per
+    comma-separated name) with n entries on `axis`."""
     check_tensor(x, name, what.count(",") + 1, what)
     if x.shape[axis] != n:
         raise ValueError(f"{name} must be {what}, got {tuple(x.shape)}")
@@ -85,10 +86,11 @@ def check_call(
     batch: Any,
     return_attn_probs: Any,
 ) -> tuple[Opts, torch.Tensor | None, bool]:
-    """What every flash-attn attention function checks first, in flash-attn's order: no
-    dropout; q, k, v CPU tensors of the layouts `whats` (q's, then k's and v's) and one
-    dtype; q's heads a multiple of k's, matching head dims; the options; ALiBi slopes (H,)
-    or (batch(), H). Returns (options, slopes, whether lse is needed)."""
+    """What every flash-attn attention function checks first: no dropout; q, k, v CPU
+    tensors of the layout strings `whats` (q's, then k's and v's, as in ``unpack``) and one
+    dtype, named `names` in errors; q's heads a multiple of k's, matching head dims; the
+    options; ALiBi slopes (H,) or (batch(), H), batch() called once the tensors are known
+    good. Returns (options, slopes, whether lse is needed: asked for, or a gradient)."""
     check_dropout(dropout_p)
     for name, t, what in zip(names, qkv, (whats[0], whats[1], whats[1])):
         check_tensor(t, name, what.count(",") + 1, what)

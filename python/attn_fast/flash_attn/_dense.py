@@ -158,10 +158,9 @@ def _attn_dense(
     return_attn_probs,
     names=("q", "k", "v"),
 ):
-    qkv = (q, k, v)
     opts, alibi, need_lse = check_call(
         names,
-        qkv,
+        (q, k, v),
         ("(batch_size, seqlen, nheads, headdim)",) * 2,
         *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         lambda: q.shape[0],
