@@ -81,3 +81,27 @@ def test_planned_call_raises_the_checked_errors(rng):
         cache.attend(q.astype(np.float64))
     with pytest.raises(ValueError, match="head dim"):
         cache.attend(q[..., :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("Lq, Lk", [(1, 16), (1, 129), (3, 7), (4, 64)])
+def test_torch_op_plain_call_same_bits_as_the_op(isa, dtype, Lq, Lk):
+    """attn_fast.torch's plain inference call (no mask, options or grad) gives the op's bits
+    and the NumPy layer's errors."""
+    import attn_fast.torch as aft
+
+    g = torch.Generator().manual_seed(Lq * 1000 + Lk)
+    q = torch.randn(2, 6, Lq, 5, generator=g).to(dtype)
+    k = torch.randn(2, 2, Lk, 5, generator=g).to(dtype)
+    v = torch.randn(2, 2, Lk, 3, generator=g).to(dtype)
+    fast = aft.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    again = aft.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the NumPy layer's plan
+    qg = q.clone().requires_grad_(True)  # the custom op (grad wanted)
+    op = aft.scaled_dot_product_attention(qg, k, v, enable_gqa=True).detach()
+    assert fast.dtype == dtype and fast.shape == (2, 6, Lq, 3)
+    assert torch.equal(fast, op) and torch.equal(again, op)
+    with pytest.raises(ValueError) as want:
+        aft.scaled_dot_product_attention(qg, k[..., :-1], v, enable_gqa=True)
+    with pytest.raises(ValueError) as got:
+        aft.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True)
+    assert str(got.value) == str(want.value)
