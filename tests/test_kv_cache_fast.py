@@ -105,3 +105,33 @@ def test_torch_op_plain_call_same_bits_as_the_op(isa, dtype, Lq, Lk):
     with pytest.raises(ValueError) as got:
         aft.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "win5"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"], ids=str)
+def test_repeated_append_same_state_as_checked_path(rng, window, dtype):
+    """append's planned path (one sequence, chunks of one layout) leaves the storage and the
+    counters the checked path leaves (lengths= keeps a call on the checked path), through
+    ring growth and wrap-around."""
+    Hkv, d = 2, 6
+    a = af.KVCache(1, Hkv, d, capacity=4, dtype=dtype, window=window)
+    b = af.KVCache(1, Hkv, d, capacity=4, dtype=dtype, window=window)
+    for step in range(40):
+        L = (1, 1, 2, 1, 3)[step % 5]
+        k = torch.randn(1, Hkv, L, d)
+        v = torch.randn(1, Hkv, L, d)
+        if dtype == "bfloat16":
+            k, v = k.bfloat16(), v.bfloat16()
+        else:
+            k, v = k.numpy().astype(dtype), v.numpy().astype(dtype)
+        a.append(k, v)
+        b.append(k, v, lengths=[L])
+        assert a.capacity == b.capacity
+        for name in ("_n", "_pos", "_start", "_last_new"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a._last_L == b._last_L
+        assert a._k.tobytes() == b._k.tobytes() and a._v.tobytes() == b._v.tobytes()
+        q = rng.standard_normal((1, 4, L, d)).astype(np.float32)
+        if dtype != "bfloat16":
+            q = q.astype(dtype)
+            np.testing.assert_array_equal(a.attend(q), b.attend(q))

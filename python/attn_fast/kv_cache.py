@@ -78,7 +78,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _core, _cyloops, _dispatch, _loops
+from . import _cyloops, _dispatch, _loops
 from ._checks import (
     BF16,
     as_float_array,
@@ -338,6 +338,8 @@ class KVCache(KVStore):
         if key is not None and key == self._append_key:
             # chunks of a layout whose checks passed (attend's _plan_key), whole, no RoPE
             k, v = fk[0], fv[0]
+            if self.batch == 1 and self._append_one(k, v):
+                return
             new = np.full(self.batch, k.shape[2], dtype=np.int64)
         else:
             k, v, new = self._check_append(k, v, self.batch, lengths, rope)
@@ -354,6 +356,29 @@ class KVCache(KVStore):
             self._append_plain(k, v, new, rope, pos)
         self._last_new = new
         self._last_L = L
+
+    def _append_one(self, k, v):
+        """append's planned path for one sequence of plain storage whose chunk fits the ring
+        without growing it or wrapping: the rows copied by NumPy (the same bits as
+        cache_write: a copy), the counters updated on Python ints. False (nothing done)
+        when the chunk needs the general path."""
+        if self.encoding.quantised or k.dtype != self._k.dtype or v.dtype != self._v.dtype:
+            return False
+        R, L = self.capacity, k.shape[2]
+        n, s = int(self._n[0]), int(self._start[0])
+        room = R - n if self.window is None else R - self.window + 1
+        first = (s + n) % R
+        if L > room or first + L > R:
+            return False
+        self._k[0, :, first : first + L] = k[0]
+        self._v[0, :, first : first + L] = v[0]
+        n_new = min(R, n + L)  # a full window ring lets its oldest rows go
+        self._start[0] = (s + n + L - n_new) % R
+        self._n[0] = n_new
+        self._pos[0] += L
+        self._last_new = np.full(1, L, dtype=np.int64)
+        self._last_L = L
+        return True
 
     def _make_room(self, new):
         """Grow the storage (or raise) so that new[b] more rows fit each sequence."""
@@ -552,7 +577,7 @@ class KVCache(KVStore):
 
     def _decode_planned(self, q, scale, causal):
         """attend's fastest path: a planned query (``_planned``) whose chunk the decode
-        kernel takes (``_decodes``) over a float cache, the binding called as ``_run``
+        kernel takes (``_decodes``) over a float cache, the kernel called as ``_run``
         calls it, the q_lens not copied (the kernel reads them during the call only).
         A new (B, H_q, L_new, dv) array, or None when the call needs ``_run_planned`` or
         the checked path (a quantised cache, a longer chunk, rows that would see past the
@@ -565,17 +590,14 @@ class KVCache(KVStore):
             return None
         o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
         if o.size:
-            _core.decode(
+            _dispatch.decode_ring(
                 q,
                 self._k,
                 self._v,
                 o,
-                None,
                 self._plan_scale if scale is None else scale,
                 bool(causal),
-                False,
                 -1 if self.window is None else self.window - 1,
-                -1,
                 ql,
                 self._n,
                 self._start,
