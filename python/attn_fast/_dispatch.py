@@ -174,6 +174,24 @@ def decode_step(
     )
 
 
+def decode_ring(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    kv_start: np.ndarray,
+) -> None:
+    """``decode_step`` with its arguments by position and no lse or right window: a KV
+    cache's ring of slots read in place (``KVCache.attend``'s planned path, where a call
+    costs a few microseconds and every keyword lookup shows)."""
+    _core.decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, kv_start)
+
+
 def attend(
     kernel: str,
     q: np.ndarray,
