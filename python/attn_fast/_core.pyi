@@ -70,7 +70,7 @@ def decode(
     kv_start: np.ndarray | None = ...,
     split: int = ...,
     block_table: np.ndarray | None = ...,
-    encoding: str = ...,  # a coded encoding's name ("int8", "e4m3", ...); "" = rows of q's dtype
+    encoding: str = ...,  # a coded encoding's name ("int8", ...); "" = rows of q's dtype
     aux: tuple | list | None = ...,  # its side arrays (or lists of pool chunks), in order
     group: int = ...,
 ) -> None: ...

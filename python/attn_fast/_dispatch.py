@@ -54,7 +54,7 @@ class QuantArgs:
     """A coded KV encoding's arrays for attention.h's DecodeArgs, one record.
 
     encoding : the kernel's name of the encoding (``_core.decode``'s encoding=: "int8",
-        "e4m3", ...); the K/V arrays hold its one-byte codes.
+        ...); the K/V arrays hold its one-byte codes.
     aux : its float32 side arrays in the encoding's order (int8: k_scale, k_off, v_scale,
         v_off), each (B, H_kv, capacity / group, d) or (B, H_kv, capacity); for a pool,
         lists of (chunk_blocks, H_kv, block_size / group, d) or (.., block_size) chunks.

@@ -197,7 +197,7 @@ struct DecodeArgs {
   int64_t max_blocks = 0, block_size = 0, chunk_blocks = 0;
   const T* const* k_chunks = nullptr;
   const T* const* v_chunks = nullptr;
-  // Coded K/V (KVCache(dtype="int8" | "float8_e4m3" | ...); T = float only):
+  // Coded K/V (a quantised KVCache: dtype="int8", ...; T = float only):
   // `coding` names an encoding of decode_sources.h's CodedEncodings list (its
   // index + 1, from kv_encoding(name); 0: rows of T), whose block says what a
   // row's codes and side arrays mean. k and v are not read: the codes are kc
