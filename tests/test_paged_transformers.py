@@ -121,7 +121,7 @@ def test_default_blocks_give_the_64_row_tokens(rng):
     assert torch.equal(out[0][1], out[1][1])
 
 
-@pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "int8", "float8_e4m3", "float8_e5m2"])
 def test_reduced_precision_storage(storage, counted, rng):
     model = make("llama")
     ids, am = left_padded(2, 12, [0, 4], rng)

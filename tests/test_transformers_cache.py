@@ -60,6 +60,8 @@ STORAGE = [
         "int8",
         marks=pytest.mark.skipif(not _int8_available(), reason="KVCache has no int8 storage yet"),
     ),
+    "float8_e4m3",  # fp8 codes with per-token scales: the same cache, no other change
+    "float8_e5m2",
 ]
 
 

@@ -21,6 +21,7 @@
 //             Bf16DotEncoding    bf16 on the avx512_bf16 / neon_bf16 object:
 //                                Q K^T by the bf16 dot product on raw Q and K
 //             Int8Encoding       int8 codes with fp32 scales (KVCache int8)
+//             Fp8Encoding<F>     e4m3 / e5m2 codes with a per-token fp32 scale
 //   Prefetch  PrefetchPolicy<T, KV> (decode_rows.h).
 //
 // A new coded encoding is one traits block here (with its KvEncodingDesc: the
@@ -305,11 +306,161 @@ struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
   }
 };
 
+// fp8 codes (e4m3 or e5m2 as uint8) with one fp32 scale per token and kv
+// head: x = decode(code) * scale, decode exact (every fp8 value is an fp32).
+// The key scales multiply the block's scores (S = (Q . row) * ks * kFold),
+// the value scales its P V weights (P * vs * kFold).
+//
+// A row is read as fp16 values decode(code) / kFold: an fp8 code's fields
+// moved into fp16's place (e5m2 is fp16's top byte; e4m3's exponent and
+// mantissa sit 7 bits up, bias 7 instead of 15, hence kFold = 2^8), widened by
+// vcvtph2ps where the ISA has F16C. Exact for every code, subnormals included
+// (a power-of-two fold commutes with rounding short of under- or overflow).
+// Caches hold finite codes only (the encoder saturates, non-finite input is
+// refused), so e4m3's NaN code S.1111.111 is not tested for: every ISA reads
+// it as +-480 (no compare and blend per vector); e5m2's inf and
+// NaN codes are fp16's.
+// Every code's decode(code) / kFold as an exact fp32 (the fp16 value of
+// half_bits): the row load of the objects without F16C (scalar, NEON) and the
+// row tails, one table read per element.
+struct Fp8Table {
+  float v[256];
+};
+constexpr float pow2f(int e) {
+  float r = 1.0f;
+  for (; e > 0; --e) r *= 2.0f;
+  for (; e < 0; ++e) r *= 0.5f;
+  return r;
+}
+constexpr float half_value(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float mag = e == 31  ? (m ? std::numeric_limits<float>::quiet_NaN()
+                                  : std::numeric_limits<float>::infinity())
+                    : e == 0 ? static_cast<float>(m) * pow2f(-24)
+                             : static_cast<float>(1024 + m) * pow2f(e - 25);
+  return (h >> 15) ? -mag : mag;
+}
+
+template <int E>
+struct Fp8Format {
+  uint8_t bits;
+  static constexpr float kFold = E == 4 ? 256.0f : 1.0f;
+  static constexpr const char* kName = E == 4 ? "e4m3" : "e5m2";
+  // the fp16 bits of decode(b) / kFold
+  static constexpr uint16_t half_bits(uint8_t b) {
+    if (E == 5) return static_cast<uint16_t>(b << 8);
+    return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
+  }
+  static constexpr Fp8Table table() {
+    Fp8Table t{};
+    for (int c = 0; c < 256; ++c) t.v[c] = half_value(half_bits(static_cast<uint8_t>(c)));
+    return t;
+  }
+  static constexpr Fp8Table kTable = table();
+};
+using Fp8E4M3 = Fp8Format<4>;
+using Fp8E5M2 = Fp8Format<5>;
+
+// W codes widened: 16-bit lanes of half_bits, then vcvtph2ps (F16C); else
+// the table.
+template <typename F>
+inline Vec<float>::R decode_fp8(const F* p) {
+#if defined(__AVX512F__)
+  // sign-extended: e4m3's sign lands in bit 15 of (c << 7), its own bit 14 is cleared
+  const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_slli_epi16(c, 8);
+  if constexpr (F::kFold != 1.0f) {
+    h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(short(0xbf80)));
+  }
+  return _mm512_cvtph_ps(h);
+#elif defined(__AVX2__)
+  const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_slli_epi16(c, 8);
+  if constexpr (F::kFold != 1.0f) {  // as above
+    h = _mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16(short(0xbf80)));
+  }
+  return _mm256_cvtph_ps(h);
+#else
+  alignas(64) float t[Vec<float>::W];
+  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::kTable.v[p[i].bits];
+  return Vec<float>::load(t);
+#endif
+}
+inline Vec<float>::R ldv(const Fp8E4M3* p) { return decode_fp8(p); }
+inline Vec<float>::R ldv(const Fp8E5M2* p) { return decode_fp8(p); }
+inline float ld(const Fp8E4M3* p) { return Fp8E4M3::kTable.v[p->bits]; }
+inline float ld(const Fp8E5M2* p) { return Fp8E5M2::kTable.v[p->bits]; }
+
+struct Fp8Side {
+  const float* ks;  // (slots,) key / value scales
+  const float* vs;
+};
+template <typename F>
+struct Fp8Encoding : CodedTypes<F, Fp8Side> {
+  using Pg = typename CodedTypes<F, Fp8Side>::Pg;  // (a dependent base's names)
+  using Sc = typename CodedTypes<F, Fp8Side>::Sc;
+  using KV = F;
+  struct Blk {
+    const float* ks;  // the block's key / value scales, one per key
+    const float* vs;
+  };
+
+  static constexpr KvEncodingDesc kDesc = {
+      F::kName, false, false, 2, {{"k_scale", false}, {"v_scale", false}}};
+
+  static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
+    const int64_t bh = b * a.Hkv + hk;
+    return {static_cast<const F*>(a.kc) + b * a.sk.b + hk * a.sk.h,
+            static_cast<const F*>(a.vc) + b * a.sv.b + hk * a.sv.h,
+            {a.aux[0] + bh * a.R, a.aux[1] + bh * a.R}};
+  }
+  static Pg page(const DecodeArgs<float>& a, int64_t c, int64_t i, int64_t hk) {
+    const int64_t bh = i * a.Hkv + hk;
+    return {static_cast<const F*>(a.kc_chunks[c]) + i * a.sk.b + hk * a.sk.h,
+            static_cast<const F*>(a.vc_chunks[c]) + i * a.sv.b + hk * a.sv.h,
+            {a.aux_chunks[0][c] + bh * a.block_size, a.aux_chunks[1][c] + bh * a.block_size}};
+  }
+  static void load_q(const float* src, int64_t sd, int64_t d, int64_t dp, float scale, float* dst) {
+    FloatEncoding<float>::load_q(src, sd, d, dp, scale, dst);
+  }
+  static int64_t cut(const DecodeArgs<float>&, int64_t, int64_t cols) { return cols; }
+  static void begin(const DecodeArgs<float>&, const Sc&, const Pg&, int64_t, int, int64_t) {}
+  // Row pointers; the scales read in place unless the ring wraps inside the
+  // block (then copied in order).
+  static void rows(const DecodeArgs<float>& a, const Sc& sc, const Pg& pg, int64_t slot,
+                   int64_t cols, bool, bool, Blk* bk) {
+    const bool wraps = slot + cols > a.R;
+    bk->ks = wraps ? sc.pvs : pg.side.ks + slot;
+    bk->vs = wraps ? sc.pvo : pg.side.vs + slot;
+    for (int64_t c = 0; c < cols; ++c) {
+      sc.krow[c] = pg.k + slot * a.sk.l;
+      sc.vrow[c] = pg.v + slot * a.sv.l;
+      if (wraps) {
+        sc.pvs[c] = pg.side.ks[slot];
+        sc.pvo[c] = pg.side.vs[slot];
+      }
+      if (++slot == a.R) slot = 0;
+    }
+  }
+  static void qk(int nr, const Sc& sc, const Blk& bk, int64_t cols, int64_t d, int64_t dp, float,
+                 Pf* pf) {
+    qk_dispatch<float, KV>(nr, sc.Qs, dp, sc.krow, cols, d, sc.S, kBc, pf);
+    for (int r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.ks[c] * F::kFold;
+  }
+  static void weight_v(int nr, const Sc& sc, const Blk& bk, int64_t cols, float*, int64_t,
+                       int64_t) {
+    for (int r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < cols; ++c) sc.S[r * kBc + c] *= bk.vs[c] * F::kFold;
+  }
+  static void prefetch_side(const DecodeArgs<float>&, const Pg&, int64_t, int64_t, bool) {}
+};
+
 // The coded encodings, in DecodeArgs::coding order (tag = index + 1): a new
 // one is its block above and its name here.
 template <class... E>
 struct EncodingList {};
-using CodedEncodings = EncodingList<Int8Encoding>;
+using CodedEncodings = EncodingList<Int8Encoding, Fp8Encoding<Fp8E4M3>, Fp8Encoding<Fp8E5M2>>;
 
 // f(Enc{}) for the encoding of tag `tag` in the list (false: no such tag).
 template <class F, class E0, class... E>

@@ -252,12 +252,101 @@ class Int8(Encoding):
         return _dispatch.QuantArgs("int8", aux, KGROUP)
 
 
+def _fp8_values(exp_bits: int) -> np.ndarray:
+    """The float64 values of the 128 non-negative fp8 codes with `exp_bits` exponent bits
+    (OCP 8-bit formats: e4m3fn, bias 7, no inf, 0x7f NaN; e5m2, bias 15, IEEE-like).
+    Finite codes increase with their value; the others are NaN here."""
+    man_bits = 7 - exp_bits
+    bias = (1 << (exp_bits - 1)) - 1
+    code = np.arange(128)
+    e, m = code >> man_bits, code & ((1 << man_bits) - 1)
+    frac = m / (1 << man_bits)
+    vals = np.where(e == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (e - bias))
+    top = e == (1 << exp_bits) - 1
+    vals[top & (m == (1 << man_bits) - 1) if exp_bits == 4 else top] = np.nan
+    return vals
+
+
+class Fp8(Encoding):
+    """fp8 codes (OCP e4m3fn or e5m2, as uint8) with one float32 scale per token and kv head
+    for keys and for values (as vLLM and SGLang store fp8 KV): ``x = fp8(code) * scale``,
+    scale = max|row| / the format's largest finite value, codes rounded to nearest (ties to
+    even). Chunks, queries and results are float32; no position groups, so slot p mod R
+    holds position p (``anchored``) as int8's does."""
+
+    quantised = True
+    aux_rows = (1, 1)  # k_scale, v_scale: one per slot
+
+    def __init__(self, fmt: str, names: tuple[str, ...]) -> None:
+        super().__init__(np.uint8, names, by_dtype=False)
+        self.io_dtype = np.dtype(np.float32)
+        self.copyable = False
+        self.fmt = fmt
+        vals = _fp8_values(4 if fmt == "e4m3" else 5)
+        self._values = vals  # decode table of the non-negative codes
+        self._finite = np.flatnonzero(np.isfinite(vals))  # codes in increasing value
+        self._max = float(vals[self._finite[-1]])
+
+    @property
+    def anchored(self) -> bool:
+        return True  # per-token scales: a resize or truncate keeps position p in slot p mod R
+
+    def bytes_per_token_head(self, d: int, dv: int) -> float:
+        return d + dv + 8
+
+    def aux_specs(self, lead, R, d, dv):
+        return [(lead + (R,), np.float32), (lead + (R,), np.float32)]
+
+    def dtype_error(self, name, x):
+        return TypeError(
+            f"{name} has dtype {dtype_name(x.dtype)} but an fp8 cache takes float32 k, v "
+            "and q; cast it first (x.to(torch.float32) / x.astype(np.float32))"
+        )
+
+    check_values = Int8.check_values  # finite values only, checked before anything changes
+
+    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(codes uint8 (..., dim), scales float32 (...)) of finite float32 rows x (..., dim)."""
+        amax = np.abs(x).max(axis=-1)
+        scale = np.where(amax > 0, amax / np.float32(self._max), 1).astype(np.float32)
+        a = np.minimum(np.abs(x) / scale[..., None].astype(np.float64), self._max)
+        vals = self._values[self._finite]
+        hi = np.minimum(np.searchsorted(vals, a), len(vals) - 1)  # first value >= a
+        lo = np.maximum(hi - 1, 0)
+        dl, dh = a - vals[lo], vals[hi] - a
+        up = (dh < dl) | ((dh == dl) & (self._finite[hi] % 2 == 0))  # ties to the even code
+        code = self._finite[np.where(up, hi, lo)].astype(np.uint8)
+        return code | (np.signbit(x).astype(np.uint8) << 7), scale
+
+    def write(self, k, v, kc, vc, aux, stage, stage_grp, pos0, count, before, after):
+        """Encode rows t < count[b] of k (B, H_kv, L, d), v at positions pos0[b] + t into
+        slot (pos0[b] + t) mod R of kc, vc and their scales aux (only the last R rows stay)."""
+        self.check_values(k, v, count)  # before any slot changes
+        R = kc.shape[2]
+        for b in range(k.shape[0]):
+            t = np.arange(max(0, int(count[b]) - R), int(count[b]))
+            slots = (pos0[b] + t) % R
+            for x, codes, scales in ((k, kc, aux[0]), (v, vc, aux[1])):
+                codes[b][:, slots], scales[b][:, slots] = self.encode(x[b][:, t])
+
+    def decode(self, which, x, aux, rows):
+        s = aux[0] if which == "k" else aux[1]
+        sign = np.where(x[:, rows] >> 7, -1.0, 1.0)
+        mag = self._values[x[:, rows] & 0x7F]
+        return (sign * mag * s[:, rows, None]).astype(np.float32)
+
+    def quant_args(self, aux):
+        return _dispatch.QuantArgs(self.fmt, aux)
+
+
 ENCODINGS: list[Encoding] = [
     Encoding(np.float32, ("float32",)),  # names: torch.float32 too
     Encoding(np.float64, ("float64",)),
     Encoding(F16, ("float16", "half", "fp16")),
     Encoding(BF16, ("bfloat16", "bf16"), by_dtype=False),  # uint16 bits: bfloat16 by name
     Int8(),
+    Fp8("e4m3", ("float8_e4m3", "float8_e4m3fn", "fp8_e4m3")),  # ml_dtypes / torch names
+    Fp8("e5m2", ("float8_e5m2", "fp8_e5m2")),
 ]
 PLAIN_NAMES = ", ".join(e.label for e in ENCODINGS if not e.quantised)
 CODED_NAMES = ", ".join(e.label for e in ENCODINGS if e.quantised)

@@ -60,6 +60,14 @@ later keys widen its range). Capacity and ring are rounded up to multiples
 of 64; position p lives in slot p mod capacity. Decode and prefill (any
 chunk length) run the split-KV decode kernel, which reads the codes in place
 and dequantises in registers.
+
+fp8 storage (``dtype="float8_e4m3"`` or ``"float8_e5m2"``, also
+``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` and torch's float8 dtypes): OCP
+8-bit float codes with one float32 scale per token and kv head for keys and for
+values (``x = fp8(code) * scale``, scale = max|row| / the format's largest
+value, rounding to nearest even), d + dv + 8 bytes per token and kv head.
+Chunks, queries and results are float32; ``attend`` equals exact attention over
+``keys(b)`` / ``values(b)``. PagedKVCache stores it the same way, per block.
 """
 
 from __future__ import annotations
@@ -131,7 +139,8 @@ class KVCache(KVStore):
         float16, or uint16 for bfloat16 (the bits). Or "int8" (np.int8):
         8-bit codes with scales (module docstring); chunks, queries and
         results are float32 (``self.io_dtype``); capacity / ring are
-        rounded up to a multiple of ``KGROUP`` = 64.
+        rounded up to a multiple of ``KGROUP`` = 64. Or "float8_e4m3" /
+        "float8_e5m2": fp8 codes (``self.dtype`` uint8) with per-token scales.
     window : int or None. Sliding-window attention over the last ``window``
         positions, kept in a ring buffer (see the module docstring).
     growable : bool, default True.
