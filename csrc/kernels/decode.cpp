@@ -485,14 +485,11 @@ void decode_impl(const DecodeArgs<typename Enc::ST>& a) {
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<Bf16DotEncoding>(a); }
 #else
 void decode_forward_f32(const DecodeArgs<float>& a) {
-  if (a.k8 || a.k8_chunks)
-    decode_impl<Int8Encoding>(a);
-  else if (a.fp8 == 1)
-    decode_impl<Fp8Encoding<Fp8E4M3>>(a);
-  else if (a.fp8 == 2)
-    decode_impl<Fp8Encoding<Fp8E5M2>>(a);
-  else
+  if (!with_encoding(a.coding, CodedEncodings{}, [&](auto e) { decode_impl<decltype(e)>(a); }))
     decode_impl<FloatEncoding<float>>(a);
+}
+const KvEncodingDesc* kv_encoding(const char* name, int* tag) {
+  return find_encoding(name, tag, CodedEncodings{});
 }
 void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<FloatEncoding<double>>(a); }
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<FloatEncoding<bf16_t>>(a); }
