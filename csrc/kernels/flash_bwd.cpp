@@ -38,7 +38,7 @@
 //   Vec<T> rows: MR x NR vectors as in the forward. On tiles a structural
 //   range cuts (the causal diagonal) each micro-tile computes only what its
 //   rows see (gemm_*_ranged): same results, a causal (1,12,512,64) backward
-//   0.87x the time (bench/NOTES.md, Backward, AVX2).
+//   0.87x the time [avx2-bwd-2].
 //
 // Memory: scratch per thread is O(Br * Bc + (Br + Bc) * (d + dv)); D is
 //   B * Hq * Lq elements; split buffers at most (kMaxSplit - 1) * |dq|
