@@ -1,6 +1,7 @@
 """The fp32 backward on several ISA objects and torch SDPA's backward, in one process.
 
     python bench/ab/bwd_isa_ab.py [--isas avx2 avx512] [--threads 2] [--rounds 9] [--full]
+    python bench/ab/bwd_isa_ab.py --threads 1 --clock cpu   # the thread's CPU time: busy hosts
 
 For the prefill cases of bench_backward.py (quick: (1,12,512,64) and (1,16,2048,64), causal
 and not; ``--full``: every prefill shape of the suite), each round times, in a rotating
