@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attn_fast/attention.h"
@@ -67,21 +68,36 @@ void bind_shapes(AttnArgs<T>& a, const py::array& q, const py::array& k, const p
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
 }
 
-// The length, mask and score arguments the forward and the backward share:
-// varlen offsets (a.B becomes the number of sequences), per-batch lengths,
-// ALiBi slopes, sinks, the block-sparse layout, the dense boolean mask and
-// the additive bias, each checked against q's shape. The arrays stay alive
-// through the caller's py::object arguments.
+// The mask and score arguments of one _core.forward / _core.backward call,
+// in the binding's order (after the arrays and the scale): _dispatch's
+// MaskArgs and ScoreArgs records with the varlen offsets and block sizes,
+// passed by position from one place (_dispatch._kernel_args). The arrays
+// stay alive through the caller's arguments for the call.
+struct MaskCall {
+  bool causal, top_left;
+  int64_t window_left, window_right;
+  py::object q_lens, kv_lens, cu_q, cu_k, layout;
+  int64_t layout_bq, layout_bk;
+  py::object mask, bias, alibi;
+  double softcap;
+  py::object sinks;
+  int block_q, block_k;
+};
+
+// A MaskCall into AttnArgs: varlen offsets (a.B becomes the number of
+// sequences), per-batch lengths, ALiBi slopes, sinks, the block-sparse
+// layout, the dense boolean mask and the additive bias, each checked against
+// q's shape.
 template <typename T>
-void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::object q_lens,
-                    py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout,
-                    int64_t layout_bq, int64_t layout_bk, py::object mask, py::object bias,
-                    py::object alibi, double softcap, py::object sinks, int block_q, int block_k) {
+void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, const MaskCall& m) {
+  const py::object &cu_q = m.cu_q, &cu_k = m.cu_k, &layout = m.layout, &mask = m.mask,
+                   &bias = m.bias;
+  const int64_t layout_bq = m.layout_bq, layout_bk = m.layout_bk;
   const bool varlen = !cu_q.is_none();
   if (!varlen && k.shape(0) != a.B) throw py::value_error("k batch differs from q batch");
-  a.softcap = softcap;
-  a.block_q = block_q;
-  a.block_k = block_k;
+  a.softcap = m.softcap;
+  a.block_q = m.block_q;
+  a.block_k = m.block_k;
   a.num_threads = threads_for_call();
   const int64_t batch_q = a.B;  // masks, biases and layouts are indexed by q's own batch axis
   if (varlen) {
@@ -100,11 +116,11 @@ void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::
   } else if (!cu_k.is_none()) {
     throw py::value_error("cu_seqlens_k needs cu_seqlens_q");
   }
-  a.q_lens = data_of<int64_t>(q_lens, "q_lens", varlen ? -1 : a.B);
-  a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", varlen ? -1 : a.B);
+  a.q_lens = data_of<int64_t>(m.q_lens, "q_lens", varlen ? -1 : a.B);
+  a.kv_lens = data_of<int64_t>(m.kv_lens, "kv_lens", varlen ? -1 : a.B);
   using C = compute_t<T>;  // lse, bias, alibi, sinks: fp32 for 16-bit storage
-  a.alibi = data_of<C>(alibi, "alibi_slopes", a.Hq);
-  a.sinks = data_of<C>(sinks, "sinks", a.Hq);
+  a.alibi = data_of<C>(m.alibi, "alibi_slopes", a.Hq);
+  a.sinks = data_of<C>(m.sinks, "sinks", a.Hq);
   py::array layout_arr, mask_arr, bias_arr;
   if (!layout.is_none()) {
     layout_arr = py::cast<py::array>(layout);
@@ -146,26 +162,31 @@ void bind_mask_args(AttnArgs<T>& a, const py::array& q, const py::array& k, py::
   }
 }
 
-py::tuple forward(py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
-                  bool causal, bool top_left, int64_t window_left, int64_t window_right,
-                  py::object q_lens, py::object kv_lens, py::object cu_q, py::object cu_k,
-                  py::object layout, int64_t layout_bq, int64_t layout_bk, py::object mask,
-                  py::object bias, py::object alibi, double softcap, py::object sinks, int block_q,
-                  int block_k, bool reference) {
-  return by_dtype(q, [&](auto t) {
+// The bound arguments of one _core.forward call (kept alive by the caller).
+struct ForwardCall {
+  py::array q, k, v, o;
+  py::object lse;
+  double scale;
+  MaskCall m;
+  bool reference;
+};
+
+py::tuple forward(ForwardCall& c) {
+  return by_dtype(c.q, [&](auto t) {
     using T = typename decltype(t)::type;
     AttnArgs<T> a;
-    bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
-    bind_shapes(a, q, k, v, o);
-    bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask,
-                      bias, alibi, softcap, sinks, block_q, block_k);
+    const MaskCall& m = c.m;
+    bind_qkvo<T>(a, c.q, c.k, c.v, c.o, c.scale, m.causal, m.top_left, m.window_left,
+                 m.window_right);
+    bind_shapes(a, c.q, c.k, c.v, c.o);
+    bind_mask_args<T>(a, c.q, c.k, m);
     using C = compute_t<T>;  // lse: fp32 for 16-bit storage
     const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
-    a.lse = lse_of<C>(lse, a.Hq * lse_rows, "Hq * rows");
+    a.lse = lse_of<C>(c.lse, a.Hq * lse_rows, "Hq * rows");
     AttnStats st;
     {
       py::gil_scoped_release release;
-      if (reference)
+      if (c.reference)
         reference_forward(a);
       else
         st = flash_forward(a);
@@ -257,39 +278,42 @@ Strides4 grad_out(py::array& x, const py::array& like, const char* name) {
   return strides4(x, name);
 }
 
-void backward(py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,
-              py::array dq, py::array dk, py::array dv, py::object dsinks, double scale,
-              bool causal, bool top_left, int64_t window_left, int64_t window_right,
-              py::object q_lens, py::object kv_lens, py::object cu_q, py::object cu_k,
-              py::object layout, int64_t layout_bq, int64_t layout_bk, py::object mask,
-              py::object bias, py::object alibi, double softcap, py::object sinks, int block_q,
-              int block_k) {
-  return by_dtype(q, [&](auto t) {
+// The bound arguments of one _core.backward call (kept alive by the caller).
+struct BackwardCall {
+  py::array dout, q, k, v, o, lse, dq, dk, dv;
+  py::object dsinks;
+  double scale;
+  MaskCall m;
+};
+
+void backward(BackwardCall& c) {
+  return by_dtype(c.q, [&](auto t) {
     using T = typename decltype(t)::type;
     BwdArgs<T> g;
     AttnArgs<T>& a = g.f;
-    bind_qkvo<T>(a, q, k, v, o, scale, causal, top_left, window_left, window_right);
-    bind_shapes(a, q, k, v, o);
-    if (!has_dtype<T>(dout)) throw py::type_error("dout must have q's dtype");
-    g.sdo = strides4(dout, "dout");
-    if (dout.shape(0) != a.B || dout.shape(1) != a.Hq || dout.shape(2) != a.Lq ||
-        dout.shape(3) != a.dv)
-      throw py::value_error("dout has shape " + shape_of(dout) + ", expected the shape of o " +
-                            shape_of(o));
-    g.dout = static_cast<const T*>(dout.data());
-    g.sdq = grad_out<T>(dq, q, "dq");
-    g.sdk = grad_out<T>(dk, k, "dk");
-    g.sdv = grad_out<T>(dv, v, "dv");
-    g.dq = static_cast<T*>(dq.mutable_data());
-    g.dk = static_cast<T*>(dk.mutable_data());
-    g.dv = static_cast<T*>(dv.mutable_data());
-    bind_mask_args<T>(a, q, k, q_lens, kv_lens, cu_q, cu_k, layout, layout_bq, layout_bk, mask,
-                      bias, alibi, softcap, sinks, block_q, block_k);
+    const MaskCall& m = c.m;
+    bind_qkvo<T>(a, c.q, c.k, c.v, c.o, c.scale, m.causal, m.top_left, m.window_left,
+                 m.window_right);
+    bind_shapes(a, c.q, c.k, c.v, c.o);
+    if (!has_dtype<T>(c.dout)) throw py::type_error("dout must have q's dtype");
+    g.sdo = strides4(c.dout, "dout");
+    if (c.dout.shape(0) != a.B || c.dout.shape(1) != a.Hq || c.dout.shape(2) != a.Lq ||
+        c.dout.shape(3) != a.dv)
+      throw py::value_error("dout has shape " + shape_of(c.dout) + ", expected the shape of o " +
+                            shape_of(c.o));
+    g.dout = static_cast<const T*>(c.dout.data());
+    g.sdq = grad_out<T>(c.dq, c.q, "dq");
+    g.sdk = grad_out<T>(c.dk, c.k, "dk");
+    g.sdv = grad_out<T>(c.dv, c.v, "dv");
+    g.dq = static_cast<T*>(c.dq.mutable_data());
+    g.dk = static_cast<T*>(c.dk.mutable_data());
+    g.dv = static_cast<T*>(c.dv.mutable_data());
+    bind_mask_args<T>(a, c.q, c.k, m);
     using C = compute_t<T>;  // lse, dsinks: fp32 for 16-bit storage
     const int64_t lse_rows = a.cu_q ? a.Lq : a.B * a.Lq;
-    a.lse = const_cast<C*>(data_of<C>(lse, "lse", a.Hq * lse_rows));  // read only
-    if (!dsinks.is_none()) {
-      auto ds = py::cast<py::array>(dsinks);
+    a.lse = const_cast<C*>(data_of<C>(c.lse, "lse", a.Hq * lse_rows));  // read only
+    if (!c.dsinks.is_none()) {
+      auto ds = py::cast<py::array>(c.dsinks);
       if (!py::isinstance<py::array_t<C>>(ds) || !(ds.flags() & py::array::c_style) ||
           !ds.writeable() || ds.size() != a.Hq)
         throw py::value_error(
@@ -424,18 +448,32 @@ PYBIND11_MODULE(_core, m) {
   m.attr("BLOCK_MASKED") = static_cast<int>(TileClass::masked);
   m.attr("BLOCK_PARTIAL") = static_cast<int>(TileClass::partial);
   m.attr("BLOCK_VISIBLE") = static_cast<int>(TileClass::visible);
-  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-        py::arg("lse") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
-        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
-        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
-        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
-        py::arg("reference") = false,
-        "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped). "
-        "float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, alibi and sinks are "
-        "float32 for both.");
+  // forward and backward: the arrays, the scale, MaskCall's fields, by position from
+  // _dispatch (keywords work too; scale is required: its NaN default is refused).
+  m.def(
+      "forward",
+      [](py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
+         bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+         py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq,
+         int64_t layout_bk, py::object mask, py::object bias, py::object alibi, double softcap,
+         py::object sinks, int block_q, int block_k, bool reference) {
+        MaskCall m{causal, top_left, window_left, window_right, q_lens,    kv_lens,
+                   cu_q,   cu_k,     layout,      layout_bq,    layout_bk, mask,
+                   bias,   alibi,    softcap,     sinks,        block_q,   block_k};
+        ForwardCall c{q, k, v, o, lse, scale, std::move(m), reference};
+        return forward(c);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse") = py::none(),
+      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
+      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(),
+      py::arg("cu_k") = py::none(), py::arg("layout") = py::none(), py::arg("layout_bq") = 1,
+      py::arg("layout_bk") = 1, py::arg("mask") = py::none(), py::arg("bias") = py::none(),
+      py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+      py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("reference") = false,
+      "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped, "
+      "block_q, block_k). float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, "
+      "alibi and sinks are float32 for both.");
   m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("o"), py::arg("kv") = py::none(), py::arg("k_sum") = py::none(), py::kw_only(),
         py::arg("causal") = false, py::arg("eps") = 0.0,
@@ -444,17 +482,31 @@ PYBIND11_MODULE(_core, m) {
         "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
         "bfloat16 as uint16 bits).");
   def_decode(m);  // decode, kv_quant_append
-  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("dsinks") = py::none(), py::kw_only(), py::arg("scale"), py::arg("causal") = false,
-        py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
-        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("layout") = py::none(),
-        py::arg("layout_bq") = 1, py::arg("layout_bk") = 1, py::arg("mask") = py::none(),
-        py::arg("bias") = py::none(), py::arg("alibi") = py::none(), py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("block_q") = 0, py::arg("block_k") = 0,
-        "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
-        "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
-        "lse, bias, alibi, sinks and dsinks are float32 for them.");
+  m.def(
+      "backward",
+      [](py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,
+         py::array dq, py::array dk, py::array dv, py::object dsinks, double scale, bool causal,
+         bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
+         py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq,
+         int64_t layout_bk, py::object mask, py::object bias, py::object alibi, double softcap,
+         py::object sinks, int block_q, int block_k) {
+        MaskCall m{causal, top_left, window_left, window_right, q_lens,    kv_lens,
+                   cu_q,   cu_k,     layout,      layout_bq,    layout_bk, mask,
+                   bias,   alibi,    softcap,     sinks,        block_q,   block_k};
+        BackwardCall c{dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, std::move(m)};
+        backward(c);
+      },
+      py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"),
+      py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dsinks") = py::none(),
+      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
+      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(),
+      py::arg("cu_k") = py::none(), py::arg("layout") = py::none(), py::arg("layout_bq") = 1,
+      py::arg("layout_bk") = 1, py::arg("mask") = py::none(), py::arg("bias") = py::none(),
+      py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+      py::arg("block_q") = 0, py::arg("block_k") = 0,
+      "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
+      "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
+      "lse, bias, alibi, sinks and dsinks are float32 for them.");
   def_machine(m);  // ISA, threads, machine probes, AMX checks
 }

@@ -130,6 +130,8 @@ void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, 
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
   a.o = static_cast<T*>(o.mutable_data());
+  // The bindings' default scale (NaN) means none was given.
+  if (std::isnan(scale)) throw py::value_error("scale is required (a finite number), got nan");
   // A scale finite as a double but not in the compute type (1e300 with float32) would turn
   // every score into inf or NaN: refuse it (the Python layer says so first).
   if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))

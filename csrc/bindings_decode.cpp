@@ -1,9 +1,11 @@
 // The decode kernel's binding: one `decode` for every layout (an array or a
 // KV cache's ring of slots; a paged pool through a block table) and every
-// encoding of the rows (float32, float64, float16, bfloat16 bits, int8 codes
-// with scales). The call's arguments become one DecodeCall, bound once; the
-// layout follows from block_table, the encoding from k's dtype, and one
-// template (decode_t) fills DecodeArgs for the kernel. Also the int8 cache's
+// encoding of the rows (float32, float64, float16, bfloat16 bits, or a coded
+// encoding: one-byte codes with float32 side arrays, named by encoding=). The
+// call's arguments become one DecodeCall, bound once; the layout follows from
+// block_table, the encoding from encoding= (its KvEncodingDesc says what to
+// check) or else k's dtype, and one template (decode_t) fills DecodeArgs for
+// the kernel. Also the int8 cache's
 // quantising append, whose layout the int8 encoding reads.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -24,8 +26,8 @@ namespace {
 
 // The bound arguments of one _core.decode call (kept alive by the caller for
 // the call): k, v are 4-D arrays, or lists of pool chunks when block_table is
-// given; k_scale .. kgroup the int8 encoding's scales (arrays, or lists of
-// chunks for a pool).
+// given; encoding, aux, group a coded encoding's name, side arrays (arrays, or
+// lists of chunks for a pool) and key group.
 struct DecodeCall {
   py::array q, o;
   py::object k, v, lse;
@@ -35,22 +37,57 @@ struct DecodeCall {
   py::object q_lens, kv_lens, kv_start;
   int64_t split;
   py::object block_table;
-  py::object k_scale, k_off, v_scale, v_off;
-  int64_t kgroup;
-  std::string fp8;  // "", "e4m3" or "e5m2": uint8 k / v are fp8 codes
+  std::string encoding;  // "": rows of q's dtype; else a coded encoding's name
+  py::object aux;
+  int64_t group;
 };
 
+// A call's coded encoding: its descriptor and DecodeArgs::coding tag.
+struct Coded {
+  const KvEncodingDesc* desc = nullptr;
+  int tag = 0;
+};
+// One-byte k / v elements are a coded encoding's codes.
 template <typename KV>
-constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
-template <typename KV>
-constexpr bool kFp8 = std::is_same<KV, uint8_t>::value;  // e4m3 / e5m2 codes
+constexpr bool kCoded = sizeof(KV) == 1;
+
+std::string coded_dtype_error(const Coded& cd) {
+  return std::string("encoding '") + cd.desc->name + "' takes float32 q and o, " +
+         (cd.desc->code_signed ? "int8" : "uint8") + " codes k and v";
+}
+
+// The side arrays of a coded call (a sequence of the encoding's naux), in
+// the encoding's order.
+py::sequence aux_items(const DecodeCall& c, const Coded& cd) {
+  const KvEncodingDesc& e = *cd.desc;
+  const bool seq = !c.aux.is_none() && py::isinstance<py::sequence>(c.aux);
+  const int n = seq ? static_cast<int>(py::len(c.aux)) : 0;
+  if (n == e.naux) return py::reinterpret_borrow<py::sequence>(c.aux);
+  std::string names;
+  for (int i = 0; i < e.naux; ++i) names += std::string(i ? ", " : "") + e.aux[i].name;
+  throw py::value_error(
+      std::string("encoding '") + e.name + "' takes aux = (" + names + "): got " +
+      std::to_string(n) + " arrays" +
+      (n < e.naux ? std::string(", ") + e.aux[n].name + " is required" : std::string()));
+}
+
+// The key group of a coded call over `slots` (R, or a page's block_size).
+void bind_group(DecodeArgs<float>& a, const DecodeCall& c, const Coded& cd, int64_t slots,
+                const char* what) {
+  if (!cd.desc->grouped) {
+    a.group = 1;
+    return;
+  }
+  if (c.group < 1 || slots % c.group != 0)
+    throw py::value_error(std::string("group must be >= 1 and divide ") + what);
+  a.group = c.group;
+}
 
 // q (B, Hq, Lq, d), o (B, Hq, Lq, dv) of storage type T and the options.
 template <typename T, typename KV>
-void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c) {
+void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c, const Coded& cd) {
   if (!has_dtype<T>(c.o))
-    throw py::type_error(kInt8<KV> ? "an int8 cache takes float32 q and o, int8 k and v"
-                                   : "q, k, v, o must share one dtype");
+    throw py::type_error(kCoded<KV> ? coded_dtype_error(cd) : "q, k, v, o must share one dtype");
   if (!c.o.writeable()) throw py::value_error("o is read-only");
   a.sq = strides4(c.q, "q");
   a.so = strides4(c.o, "o");
@@ -72,14 +109,14 @@ void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c) {
   a.window_right = clamp_window(c.window_right);
 }
 
-// Slots: k (B, Hkv, R, d), v (B, Hkv, R, dv), any strides (int8: element
-// stride 1, and the scales (B, Hkv, R / kgroup, d), (B, Hkv, R) contiguous).
+// Slots: k (B, Hkv, R, d), v (B, Hkv, R, dv), any strides (codes: element
+// stride 1, and the side arrays contiguous (B, Hkv, R / group, d) or (B, Hkv,
+// R) as the encoding declares).
 template <typename T, typename KV>
-void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const py::array& v) {
+void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const py::array& v,
+                const Coded& cd) {
   if (!has_dtype<KV>(k) || !has_dtype<KV>(v))
-    throw py::type_error(kInt8<KV>  ? "an int8 cache takes float32 q and o, int8 k and v"
-                         : kFp8<KV> ? "fp8 rows take float32 q and o, uint8 codes k and v"
-                                    : "q, k, v, o must share one dtype");
+    throw py::type_error(kCoded<KV> ? coded_dtype_error(cd) : "q, k, v, o must share one dtype");
   a.sk = strides4(k, "k");
   a.sv = strides4(v, "v");
   a.Hkv = k.shape(1);
@@ -90,27 +127,21 @@ void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const
       c.o.shape(2) != a.Lq || c.o.shape(3) != a.dv)
     throw py::value_error("inconsistent q/k/v/o shapes");
   if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
-  if constexpr (kInt8<KV>) {
+  if constexpr (kCoded<KV>) {
     if (a.sk.d != 1 || a.sv.d != 1)
-      throw py::value_error("int8 k and v need element stride 1 along d");
-    if (c.kgroup < 1 || a.R % c.kgroup != 0)
-      throw py::value_error("kgroup must be >= 1 and divide the slots R");
-    a.kgroup = c.kgroup;
-    const int64_t ng = a.R / c.kgroup;
-    a.k_scale = exact_array<float>(c.k_scale, "k_scale", {a.B, a.Hkv, ng, a.d}, false);
-    a.k_off = exact_array<float>(c.k_off, "k_off", {a.B, a.Hkv, ng, a.d}, false);
-    a.v_scale = exact_array<float>(c.v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
-    a.v_off = exact_array<float>(c.v_off, "v_off", {a.B, a.Hkv, a.R}, false);
-    a.k8 = static_cast<const int8_t*>(k.data());
-    a.v8 = static_cast<const int8_t*>(v.data());
-  } else if constexpr (kFp8<KV>) {
-    if (a.sk.d != 1 || a.sv.d != 1)
-      throw py::value_error("fp8 k and v need element stride 1 along d");
-    a.fp8 = c.fp8 == "e4m3" ? 1 : 2;
-    a.k_f8_scale = exact_array<float>(c.k_scale, "k_scale", {a.B, a.Hkv, a.R}, false);
-    a.v_f8_scale = exact_array<float>(c.v_scale, "v_scale", {a.B, a.Hkv, a.R}, false);
-    a.k_f8 = static_cast<const uint8_t*>(k.data());
-    a.v_f8 = static_cast<const uint8_t*>(v.data());
+      throw py::value_error(std::string(cd.desc->name) + " k and v need element stride 1 along d");
+    bind_group(a, c, cd, a.R, "the slots R");
+    const auto items = aux_items(c, cd);
+    for (int i = 0; i < cd.desc->naux; ++i) {
+      const KvAux& x = cd.desc->aux[i];
+      const py::object item = items[i];
+      a.aux[i] = x.per_group
+                     ? exact_array<float>(item, x.name, {a.B, a.Hkv, a.R / a.group, a.d}, false)
+                     : exact_array<float>(item, x.name, {a.B, a.Hkv, a.R}, false);
+    }
+    a.kc = k.data();
+    a.vc = v.data();
+    a.coding = cd.tag;
   } else {
     a.k = static_cast<const T*>(k.data());
     a.v = static_cast<const T*>(v.data());
@@ -121,7 +152,7 @@ void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const
 template <typename KV>
 struct Pool {
   std::vector<const KV*> k, v;
-  std::vector<const float*> ks, ko, vs, vo;  // int8 scales and offsets; fp8: ks, vs
+  std::vector<const float*> aux[kKvMaxAux];  // a coded encoding's side arrays
 };
 
 // The chunks (chunk_blocks, Hkv, block_size, dim) of one list: one dtype KV,
@@ -133,8 +164,9 @@ std::vector<const KV*> pool_chunks(const py::list& chunks, const char* name, int
   for (py::ssize_t c = 0; c < static_cast<py::ssize_t>(chunks.size()); ++c) {
     auto x = py::cast<py::array>(chunks[c]);
     if (!has_dtype<KV>(x))
-      throw py::type_error(std::string(name) + " chunks must have " +
-                           (kInt8<KV> ? "int8 codes" : "q's dtype"));
+      throw py::type_error(
+          std::string(name) + " chunks must have " +
+          (kCoded<KV> ? (std::is_signed<KV>::value ? "int8 codes" : "uint8 codes") : "q's dtype"));
     if (x.ndim() != 4) throw py::value_error(std::string(name) + " chunks must be 4-D");
     const Strides4 s = strides4(x, name);
     if (c == 0) {
@@ -153,11 +185,12 @@ std::vector<const KV*> pool_chunks(const py::list& chunks, const char* name, int
   return out;
 }
 
-// The scale / offset chunks of an int8 pool: one C-contiguous float32 array
-// of this shape per chunk.
+// The side array chunks of a coded pool: one C-contiguous float32 array of
+// this shape per chunk.
 std::vector<const float*> scale_chunks(const py::object& lst, const char* name, size_t n,
                                        std::initializer_list<int64_t> shape) {
-  if (lst.is_none()) throw py::value_error(std::string(name) + " is required for an int8 pool");
+  if (lst.is_none() || !py::isinstance<py::list>(lst))
+    throw py::value_error(std::string(name) + " must be a list of chunks for a pool");
   auto l = py::cast<py::list>(lst);
   if (l.size() != n)
     throw py::value_error(std::string(name) + " must hold one array per pool chunk");
@@ -174,7 +207,7 @@ std::vector<const float*> scale_chunks(const py::object& lst, const char* name, 
 // out of bounds is checked here.
 template <typename T, typename KV>
 void bind_pages(DecodeArgs<T>& a, const DecodeCall& c, const py::list& kl, const py::list& vl,
-                Pool<KV>* pool) {
+                Pool<KV>* pool, const Coded& cd) {
   if (kl.size() == 0 || kl.size() != vl.size())
     throw py::value_error("k_chunks and v_chunks must be non-empty lists of one length");
   const auto k0 = py::cast<py::array>(kl[0]);
@@ -217,35 +250,25 @@ void bind_pages(DecodeArgs<T>& a, const DecodeCall& c, const py::list& kl, const
                               std::to_string(n_blocks));
     }
   }
-  if constexpr (kInt8<KV>) {
+  if constexpr (kCoded<KV>) {
     if (a.sk.d != 1 || a.sv.d != 1)
-      throw py::value_error("int8 k and v chunks need element stride 1 along d");
-    if (c.kgroup < 1 || a.block_size % c.kgroup != 0)
-      throw py::value_error("kgroup must be >= 1 and divide the block size");
-    a.kgroup = c.kgroup;
-    const int64_t C = a.chunk_blocks, ng = a.block_size / c.kgroup;
+      throw py::value_error(std::string(cd.desc->name) +
+                            " k and v chunks need element stride 1 along d");
+    bind_group(a, c, cd, a.block_size, "the block size");
+    const auto items = aux_items(c, cd);
+    const int64_t C = a.chunk_blocks;
     const size_t n = pool->k.size();
-    pool->ks = scale_chunks(c.k_scale, "k_scale", n, {C, a.Hkv, ng, a.d});
-    pool->ko = scale_chunks(c.k_off, "k_off", n, {C, a.Hkv, ng, a.d});
-    pool->vs = scale_chunks(c.v_scale, "v_scale", n, {C, a.Hkv, a.block_size});
-    pool->vo = scale_chunks(c.v_off, "v_off", n, {C, a.Hkv, a.block_size});
-    a.k8_chunks = pool->k.data();
-    a.v8_chunks = pool->v.data();
-    a.ks_chunks = pool->ks.data();
-    a.ko_chunks = pool->ko.data();
-    a.vs_chunks = pool->vs.data();
-    a.vo_chunks = pool->vo.data();
-  } else if constexpr (kFp8<KV>) {
-    if (a.sk.d != 1 || a.sv.d != 1)
-      throw py::value_error("fp8 k and v chunks need element stride 1 along d");
-    a.fp8 = c.fp8 == "e4m3" ? 1 : 2;
-    const size_t n = pool->k.size();
-    pool->ks = scale_chunks(c.k_scale, "k_scale", n, {a.chunk_blocks, a.Hkv, a.block_size});
-    pool->vs = scale_chunks(c.v_scale, "v_scale", n, {a.chunk_blocks, a.Hkv, a.block_size});
-    a.f8_k_chunks = pool->k.data();
-    a.f8_v_chunks = pool->v.data();
-    a.ks_chunks = pool->ks.data();
-    a.vs_chunks = pool->vs.data();
+    for (int i = 0; i < cd.desc->naux; ++i) {
+      const KvAux& x = cd.desc->aux[i];
+      const py::object item = items[i];
+      pool->aux[i] = x.per_group
+                         ? scale_chunks(item, x.name, n, {C, a.Hkv, a.block_size / a.group, a.d})
+                         : scale_chunks(item, x.name, n, {C, a.Hkv, a.block_size});
+      a.aux_chunks[i] = pool->aux[i].data();
+    }
+    a.kc_chunks = reinterpret_cast<const void* const*>(pool->k.data());
+    a.vc_chunks = reinterpret_cast<const void* const*>(pool->v.data());
+    a.coding = cd.tag;
   } else {
     a.k_chunks = pool->k.data();
     a.v_chunks = pool->v.data();
@@ -253,19 +276,19 @@ void bind_pages(DecodeArgs<T>& a, const DecodeCall& c, const py::list& kl, const
 }
 
 // One decode call with q of storage type T and rows of element type KV (T,
-// or int8_t): the layout's arguments, the lengths, the split, lse, then the
-// kernel with the GIL released.
+// or a coded encoding's int8_t / uint8_t codes): the layout's arguments, the
+// lengths, the split, lse, then the kernel with the GIL released.
 template <typename T, typename KV>
-void decode_t(const DecodeCall& c, bool paged) {
+void decode_t(const DecodeCall& c, bool paged, const Coded& cd) {
   DecodeArgs<T> a;
-  bind_q_o<T, KV>(a, c);
+  bind_q_o<T, KV>(a, c, cd);
   Pool<KV> pool;
   if (paged) {
-    bind_pages<T, KV>(a, c, py::cast<py::list>(c.k), py::cast<py::list>(c.v), &pool);
+    bind_pages<T, KV>(a, c, py::cast<py::list>(c.k), py::cast<py::list>(c.v), &pool, cd);
   }
   if (!paged) {
     const auto k = py::cast<py::array>(c.k), v = py::cast<py::array>(c.v);
-    bind_slots<T, KV>(a, c, k, v);
+    bind_slots<T, KV>(a, c, k, v, cd);
   }
   // A split longer than the keys is one split (no c0 + split overflow).
   a.split = c.split > a.R ? a.R : c.split;
@@ -285,31 +308,28 @@ void decode_t(const DecodeCall& c, bool paged) {
   raise_if_interrupted();
 }
 
-// The layout (block_table given: a pool) and the encoding (k's dtype: int8
-// codes, or q's storage type) of a call, then decode_t.
+// The layout (block_table given: a pool) and the encoding (encoding=: a coded
+// encoding's name; else q's storage type) of a call, then decode_t.
 void decode(const DecodeCall& c) {
   const bool paged = !c.block_table.is_none();
-  bool int8 = false;
-  if (paged) {
-    const auto kl = py::cast<py::list>(c.k);
-    int8 = kl.size() > 0 && py::isinstance<py::array_t<int8_t>>(kl[0]);
-  } else {
-    int8 = py::isinstance<py::array_t<int8_t>>(c.k);
-  }
-  if (!c.fp8.empty()) {
-    if (c.fp8 != "e4m3" && c.fp8 != "e5m2")
-      throw py::value_error("fp8 must be 'e4m3' or 'e5m2', got '" + c.fp8 + "'");
+  if (!c.encoding.empty()) {
+    Coded cd;
+    cd.desc = kv_encoding(c.encoding.c_str(), &cd.tag);
+    if (!cd.desc) {
+      std::string names;
+      const KvEncodingDesc* e = nullptr;
+      for (int t = 1; (e = kv_encoding(nullptr, &t)) != nullptr; ++t)
+        names += std::string(t > 1 ? ", '" : "'") + e->name + "'";
+      throw py::value_error("encoding must be " + names + " (or '' for rows of q's dtype), got '" +
+                            c.encoding + "'");
+    }
     if (!py::isinstance<py::array_t<float>>(c.q) || !py::isinstance<py::array_t<float>>(c.o))
-      throw py::type_error("fp8 rows take float32 q and o, uint8 codes k and v");
-    return decode_t<float, uint8_t>(c, paged);
-  }
-  if (int8) {
-    if (!py::isinstance<py::array_t<float>>(c.q))
-      throw py::type_error("an int8 cache takes float32 q and o, int8 k and v");
-    return decode_t<float, int8_t>(c, paged);
+      throw py::type_error(coded_dtype_error(cd));
+    if (cd.desc->code_signed) return decode_t<float, int8_t>(c, paged, cd);
+    return decode_t<float, uint8_t>(c, paged, cd);
   }
   by_dtype(c.q, [&](auto t) {
-    decode_t<typename decltype(t)::type, typename decltype(t)::type>(c, paged);
+    decode_t<typename decltype(t)::type, typename decltype(t)::type>(c, paged, Coded{});
   });
 }
 
@@ -376,29 +396,24 @@ void def_decode(py::module_& m) {
       [](py::array q, py::object k, py::object v, py::array o, py::object lse, double scale,
          bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
          py::object kv_lens, py::object kv_start, int64_t split, py::object block_table,
-         py::object k_scale, py::object k_off, py::object v_scale, py::object v_off, int64_t kgroup,
-         std::string fp8) {
-        decode(DecodeCall{q,       o,       k,        v,           lse,
-                          scale,   causal,  top_left, window_left, window_right,
-                          q_lens,  kv_lens, kv_start, split,       block_table,
-                          k_scale, k_off,   v_scale,  v_off,       kgroup,
-                          fp8});
+         std::string encoding, py::object aux, int64_t group) {
+        decode(DecodeCall{q, o, k, v, lse, scale, causal, top_left, window_left, window_right,
+                          q_lens, kv_lens, kv_start, split, block_table, encoding, aux, group});
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse") = py::none(),
       py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
       py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
       py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(),
       py::arg("kv_start") = py::none(), py::arg("split") = 0, py::arg("block_table") = py::none(),
-      py::arg("k_scale") = py::none(), py::arg("k_off") = py::none(),
-      py::arg("v_scale") = py::none(), py::arg("v_off") = py::none(), py::arg("kgroup") = 0,
-      py::arg("fp8") = "",
+      py::arg("encoding") = "", py::arg("aux") = py::none(), py::arg("group") = 0,
       "Split-KV decode kernel (scale required: its NaN default is refused). k, v: 4-D strided "
       "arrays (B, Hkv, R, d / dv), a ring of R slots "
       "with kv_start; or, with block_table (B, max_blocks), lists of pool chunks (chunk_blocks, "
-      "Hkv, block_size, d / dv) read in place. int8 k / v (with k_scale, k_off, v_scale, v_off, "
-      "kgroup: arrays, or lists of chunks for a pool) read an int8 cache; uint8 k / v with "
-      "fp8='e4m3' or 'e5m2' and k_scale, v_scale (B, Hkv, R), or lists of (chunk_blocks, Hkv, "
-      "block_size) chunks for a pool, read fp8 codes with a per-token scale.");
+      "Hkv, block_size, d / dv) read in place. With encoding= (a coded encoding's name: "
+      "'int8', ...; a wrong one lists them), k / v are its one-byte codes, aux its float32 side "
+      "arrays in the encoding's order (a wrong count names them) and group its key group; each "
+      "side array (B, Hkv, ...) or, for a pool, a "
+      "list of (chunk_blocks, Hkv, ...) chunks.");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

@@ -595,6 +595,10 @@ inline bool bf16_dot_backward(const BwdArgs<bf16_t>& a) {
   }
 ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
 ATTN_DECODE_TYPES(ATTN_DEFINE_DECODE)
+// The coded KV encodings are ISA-free declarations: the baseline object's list.
+const KvEncodingDesc* kv_encoding(const char* name, int* tag) {
+  return isa_scalar::kv_encoding(name, tag);
+}
 ATTN_BACKWARD_TYPES(ATTN_DEFINE_BACKWARD)
 
 // --- AMX: the tile product for tests, the self-check, the status line ---

@@ -1,6 +1,6 @@
 """fp8 K/V rows through the decode binding (the kernel side of the fp8 encoding).
 
-``_core.decode`` with uint8 k / v codes and ``fp8="e4m3"`` (OCP, ml_dtypes.float8_e4m3fn) or
+``_core.decode`` with uint8 k / v codes and ``encoding="e4m3"`` (OCP, ml_dtypes.float8_e4m3fn) or
 ``"e5m2"`` (ml_dtypes.float8_e5m2), one float32 scale per token and kv head (k_scale, v_scale
 (B, H_kv, R)): the stored values are decode(code) * scale, decoded exactly. Oracle: the float64
 attention (tests/oracle.py) over those stored values, on every ISA (ATTN_FAST_ISA).
@@ -38,7 +38,7 @@ def run(q, kc, vc, ks, vs, fmt, **kw):
     B, H, Lq, _ = q.shape
     o = np.full((B, H, Lq, vc.shape[-1]), np.nan, F32)
     lse = np.full((B, H, Lq), np.nan, F32)
-    _core.decode(q, kc, vc, o, lse, scale=kw.pop("scale"), k_scale=ks, v_scale=vs, fp8=fmt, **kw)
+    _core.decode(q, kc, vc, o, lse, scale=kw.pop("scale"), encoding=fmt, aux=(ks, vs), **kw)
     return o, lse
 
 
@@ -97,16 +97,16 @@ def test_fp8_argument_errors(rng):
     q, o = np.zeros((1, 2, 1, 8), F32), np.empty((1, 2, 1, 8), F32)
     c = np.zeros((1, 1, 64, 8), np.uint8)
     s = np.ones((1, 1, 64), F32)
-    with pytest.raises(ValueError, match="fp8 must be"):
-        _core.decode(q, c, c, o, scale=1.0, k_scale=s, v_scale=s, fp8="e3m4")
+    with pytest.raises(ValueError, match="encoding must be 'int8', 'e4m3', 'e5m2'"):
+        _core.decode(q, c, c, o, scale=1.0, encoding="e3m4", aux=(s, s))
     with pytest.raises(TypeError, match="float32 q"):
-        _core.decode(q.astype(np.float64), c, c, o, scale=1.0, k_scale=s, v_scale=s, fp8="e4m3")
+        _core.decode(q.astype(np.float64), c, c, o, scale=1.0, encoding="e4m3", aux=(s, s))
     with pytest.raises(TypeError, match="uint8 codes"):
-        _core.decode(q, c.view(np.int8), c, o, scale=1.0, k_scale=s, v_scale=s, fp8="e4m3")
+        _core.decode(q, c.view(np.int8), c, o, scale=1.0, encoding="e4m3", aux=(s, s))
     with pytest.raises(ValueError, match="k_scale"):
-        _core.decode(q, c, c, o, scale=1.0, k_scale=s[..., :3], v_scale=s, fp8="e5m2")
+        _core.decode(q, c, c, o, scale=1.0, encoding="e5m2", aux=(s[..., :3], s))
     with pytest.raises(ValueError, match="v_scale is required"):
-        _core.decode(q, c, c, o, scale=1.0, k_scale=s, fp8="e5m2")
+        _core.decode(q, c, c, o, scale=1.0, encoding="e5m2", aux=(s,))
     with pytest.raises(ValueError, match="k_scale"):  # a pool's scales: (C, Hkv, block) chunks
-        _core.decode(q, [c], [c], o, scale=1.0, k_scale=s, v_scale=s, fp8="e4m3",
+        _core.decode(q, [c], [c], o, scale=1.0, encoding="e4m3", aux=(s, s),
                      block_table=np.zeros((1, 1), np.int64), kv_lens=np.array([1]))  # fmt: skip

@@ -315,15 +315,18 @@ def test_bad_input(rng):
     s = np.ones((1, 1, 1, 8), F32)
     t = np.ones((1, 1, 64), F32)
     with pytest.raises(ValueError, match="k_scale"):
-        af._core.decode(q, k8, k8, o, scale=1.0, k_scale=s[..., :4], k_off=s, v_scale=t,
-                        v_off=t, kgroup=64)  # fmt: skip
-    with pytest.raises(ValueError, match="kgroup"):
-        af._core.decode(q, k8, k8, o, scale=1.0, k_scale=s, k_off=s, v_scale=t, v_off=t, kgroup=48)
+        af._core.decode(q, k8, k8, o, scale=1.0, encoding="int8", aux=(s[..., :4], s, t, t),
+                        group=64)  # fmt: skip
+    with pytest.raises(ValueError, match="group must be"):
+        af._core.decode(q, k8, k8, o, scale=1.0, encoding="int8", aux=(s, s, t, t), group=48)
     with pytest.raises(ValueError, match="v_off is required"):
-        af._core.decode(q, k8, k8, o, scale=1.0, k_scale=s, k_off=s, v_scale=t, kgroup=64)
+        af._core.decode(q, k8, k8, o, scale=1.0, encoding="int8", aux=(s, s, t), group=64)
     with pytest.raises(TypeError, match="float32 q"):
-        af._core.decode(q.astype(np.float64), k8, k8, o, scale=1.0, k_scale=s, k_off=s,
-                        v_scale=t, v_off=t, kgroup=64)  # fmt: skip
+        af._core.decode(q.astype(np.float64), k8, k8, o, scale=1.0, encoding="int8",
+                        aux=(s, s, t, t), group=64)  # fmt: skip
+    with pytest.raises(TypeError, match="int8 codes"):
+        af._core.decode(q, k8.view(np.uint8), k8, o, scale=1.0, encoding="int8",
+                        aux=(s, s, t, t), group=64)  # fmt: skip
 
 
 def test_constant_channels_and_values(rng):

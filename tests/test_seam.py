@@ -258,15 +258,56 @@ def test_check_qkv_one_checker_for_every_caller():
     assert _checks.check_qkv(x[0, 0], x[0, 0], None, half=True).v4 is None
 
 
-def test_kernel_kwargs_pass_only_what_is_set():
-    assert MaskArgs().kernel_kwargs() == {} and ScoreArgs().kernel_kwargs() == {}
-    lens = np.array([3, 4])
-    kw = MaskArgs(causal=True, window_left=0, kv_lens=lens, aligns=frozenset({"top_left"}))
-    got = kw.kernel_kwargs()
-    assert got.pop("kv_lens") is lens
-    assert got == {"causal": True, "window_left": 0, "top_left": True}
-    assert MaskArgs(aligns=frozenset({"bottom_right"})).kernel_kwargs() == {"top_left": False}
-    assert ScoreArgs(softcap=2.0).kernel_kwargs() == {"softcap": 2.0}
+def binding_params(fn):
+    """The parameter names pybind11 wrote on the first line of fn's docstring."""
+    line = fn.__doc__.strip().splitlines()[0]
+    return [a.arg for a in ast.parse(f"def {line}: ...").body[0].args.args]
+
+
+@pytest.mark.parametrize("binding, lead", [(_core.forward, 6), (_core.backward, 11)])
+def test_kernel_args_follow_the_bindings_order(binding, lead):
+    # _kernel_args turns the records into the bindings' positional mask arguments:
+    # each value lands on the parameter of its own name.
+    lens, lay, dense, bias = np.array([3, 4]), np.ones((1, 1, 1, 1), np.uint8), object(), object()
+    mask = MaskArgs(True, 5, 2, lens, lens[::-1], lay, 7, 9, dense, bias, frozenset({"top_left"}))
+    score = ScoreArgs(2.5, np.ones(3), np.zeros(3))
+    cu_q, cu_k = np.array([0, 1]), np.array([0, 2])
+    got = _dispatch._kernel_args(mask, score, cu_q, cu_k, 16, 32)
+    names = binding_params(binding)[lead : lead + len(got)]
+    source = {**vars(mask), **vars(score), "top_left": True}
+    source.update(cu_q=cu_q, cu_k=cu_k, block_q=16, block_k=32)
+    assert len(names) == len(got) == 18
+    for name, value in zip(names, got):
+        assert value is source[name] or (type(value) is not np.ndarray and value == source[name])
+
+
+def test_positional_call_equals_the_keyword_call(rng):
+    # The record path and the binding's keyword form run the same kernel on the same bits.
+    q = rng.standard_normal((2, 4, 9, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 11, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 11, 8)).astype(np.float32)
+    lens = np.array([11, 6], np.int64)
+    alibi = np.linspace(0.1, 0.4, 4).astype(np.float32)
+    mask = MaskArgs(causal=True, window_left=4, kv_lens=lens, aligns=frozenset({"top_left"}))
+    o1, o2 = np.empty((2, 4, 9, 8), np.float32), np.empty((2, 4, 9, 8), np.float32)
+    score = ScoreArgs(softcap=3.0, alibi=alibi)
+    _dispatch.attend(PREFILL, q, k, v, o1, None, scale=0.3, mask=mask, score=score)
+    _core.forward(
+        q,
+        k,
+        v,
+        o2,
+        scale=0.3,
+        causal=True,
+        top_left=True,
+        window_left=4,
+        kv_lens=lens,
+        softcap=3.0,
+        alibi=alibi,
+    )
+    assert np.array_equal(o1, o2) and np.isfinite(o1).all()
+    with pytest.raises(ValueError, match="scale is required"):
+        _core.forward(q, k, v, o2)
 
 
 def test_merged_records_equal_constructed_ones():

@@ -1,12 +1,12 @@
-"""Greedy-token agreement of TinyTransformerLM with quantised KV caches (int8, fp8) vs float32.
+"""Greedy-token agreement of TinyTransformerLM with quantised KV caches vs float32.
 
     python bench/accuracy/kv_int8_agreement.py [--prompts 8] [--prompt 256] [--new 64]
-        [--dtypes int8 float8_e4m3 float8_e5m2]
+        [--dtypes int8 ...]  # default: every quantised encoding
 
 A randomly initialised TinyTransformerLM (4 layers, D = 256, 8 heads, 2 kv
 heads, vocab 4096, RoPE) prefills each random prompt into a LayerCaches and
 decodes greedily, once with float32 and once with each quantised dtype's caches
-(``dtype="int8"`` / ``"float8_e4m3"`` / ``"float8_e5m2"`` is all a model needs). Each
+(``dtype="int8"``, or another quantised dtype, is all a model needs). Each
 quantised run is teacher-forced on the float32 run's tokens, so every step compares
 the two argmaxes on the same history: the figure is the fraction of steps
 whose argmax agrees (and the median relative logit error). A random model's
@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 import attn_fast as af
+from attn_fast._kv_store import ENCODINGS
 from attn_fast.kv_cache import LayerCaches
 
 
@@ -30,7 +31,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--dtypes", nargs="+", default=["int8", "float8_e4m3", "float8_e5m2"])
+    p.add_argument("--dtypes", nargs="+", default=[e.label for e in ENCODINGS if e.quantised])
     args = p.parse_args(argv)
     for dt in args.dtypes:
         agreement(args, dt)

@@ -129,14 +129,15 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
 #if defined(AB_FP32_ONLY)
     return 1;
 #else
-    a.k8 = static_cast<const int8_t*>(k), a.v8 = static_cast<const int8_t*>(v);
-    a.k_scale = sc[0], a.k_off = sc[1], a.v_scale = sc[2], a.v_off = sc[3], a.kgroup = 64;
+    a.coding = 1;  // Int8Encoding, first in CodedEncodings
+    a.kc = k, a.vc = v, a.group = 64;
+    for (int i = 0; i < 4; ++i) a.aux[i] = sc[i];
     page(a);
     if (table) {
-      a.k8 = a.v8 = nullptr, a.k_scale = a.k_off = a.v_scale = a.v_off = nullptr;
-      a.k8_chunks = reinterpret_cast<const int8_t* const*>(kc);
-      a.v8_chunks = reinterpret_cast<const int8_t* const*>(vc);
-      a.ks_chunks = scc[0], a.ko_chunks = scc[1], a.vs_chunks = scc[2], a.vo_chunks = scc[3];
+      a.kc = a.vc = nullptr;
+      a.kc_chunks = reinterpret_cast<const void* const*>(kc);
+      a.vc_chunks = reinterpret_cast<const void* const*>(vc);
+      for (int i = 0; i < 4; ++i) a.aux[i] = nullptr, a.aux_chunks[i] = scc[i];
     }
 #endif
   } else if (mode == 0) {

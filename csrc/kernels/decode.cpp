@@ -359,78 +359,120 @@ inline int64_t group_of(const Slice& S, int64_t w) {
   return lo;
 }
 
+// The shared buffers of a call, carved from one allocation (64-byte aligned
+// parts): the partials of one slice and the two group tables.
+template <typename T>
+struct CallBuffers {
+  unsigned char* block;
+  T *Opart, *mpart, *lpart;
+  Group* gbuf;
+  int64_t* dbuf;
+};
+
+template <typename T>
+bool alloc_buffers(const Plan& p, int64_t dvp, CallBuffers<T>* cb) {
+  const int64_t n_part = p.slice_items * kRB, ng2 = 2 * p.slice_groups;
+  const int64_t sizes[5] = {
+      n_part * dvp * static_cast<int64_t>(sizeof(T)), n_part * static_cast<int64_t>(sizeof(T)),
+      n_part * static_cast<int64_t>(sizeof(T)), ng2 * static_cast<int64_t>(sizeof(Group)),
+      ng2 * static_cast<int64_t>(sizeof(int64_t))};
+  int64_t off[5], total = 0;
+  for (int i = 0; i < 5; ++i) {
+    off[i] = total;
+    total += round_up(sizes[i], 64);
+  }
+  cb->block = alloc_scratch<unsigned char>(total);
+  if (!cb->block) return false;
+  cb->Opart = reinterpret_cast<T*>(cb->block + off[0]);
+  cb->mpart = reinterpret_cast<T*>(cb->block + off[1]);
+  cb->lpart = reinterpret_cast<T*>(cb->block + off[2]);
+  cb->gbuf = reinterpret_cast<Group*>(cb->block + off[3]);
+  cb->dbuf = reinterpret_cast<int64_t*>(cb->block + off[4]);
+  return true;
+}
+
 // One call with rows of encoding Enc. The shared buffers are allocated here;
 // each thread carves its own scratch as it starts (overlapping the team's
 // wake-up), and one that cannot takes no items: the call then throws
 // std::bad_alloc after the region. The group tables are double-buffered: the
 // next slice is built while the last items of this one still read theirs.
+// A one-thread plan (plan_call: small steps, or one thread asked for) runs
+// the same items in the same order on the calling thread without entering a
+// parallel region, whose start and end cost about as much as a 16-key step.
 template <class Enc>
 void decode_impl(const DecodeArgs<typename Enc::ST>& a) {
   using T = typename Enc::T;
   if (a.B <= 0 || a.Hq <= 0 || a.Lq <= 0) return;
   const Plan p = plan_call(a);
   const int64_t dvp = round_up(a.dv, Vec<T>::W);
-  T* Opart = alloc_scratch<T>(p.slice_items * kRB * dvp);
-  T* mpart = alloc_scratch<T>(p.slice_items * kRB);
-  T* lpart = alloc_scratch<T>(p.slice_items * kRB);
-  const size_t ng2 = static_cast<size_t>(2 * p.slice_groups);
-  Group* gbuf = static_cast<Group*>(std::malloc(sizeof(Group) * ng2));
-  int64_t* dbuf = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * ng2));
-  auto free_all = [&] {
-    std::free(dbuf);
-    std::free(gbuf);
-    std::free(Opart);
-    std::free(mpart);
-    std::free(lpart);
-  };
-  if (!(Opart && mpart && lpart && gbuf && dbuf)) {
-    free_all();
-    throw std::bad_alloc();
-  }
+  CallBuffers<T> cb;
+  if (!alloc_buffers(p, dvp, &cb)) throw std::bad_alloc();
+  T *Opart = cb.Opart, *mpart = cb.mpart, *lpart = cb.lpart;
   CancelToken tok;
-  Slice sl[2] = {{gbuf, dbuf, 0, 0, false},
-                 {gbuf + p.slice_groups, dbuf + p.slice_groups, 0, 0, false}};
+  Slice sl[2] = {{cb.gbuf, cb.dbuf, 0, 0, false},
+                 {cb.gbuf + p.slice_groups, cb.dbuf + p.slice_groups, 0, 0, false}};
   int64_t x_next = 0;  // first group not yet in a slice
   build_slice(a, p, &x_next, sl[0], tok);
+  // Work item w of slice S: its split, then the group's merge when it was the
+  // group's last split to finish.
+  auto item = [&](const Slice& S, int64_t w, typename Enc::Sc& sc) {
+    const int64_t gi = group_of(S, w);
+    const Group& g = S.groups[gi];
+    const int64_t c0 = g.jlo + (w - g.item0) * p.split, c1 = imin(g.jhi, c0 + p.split);
+    T *Ow = Opart + w * kRB * dvp, *mw = mpart + w * kRB, *lw = lpart + w * kRB;
+    if (a.block_table)
+      run_split<KvBlockSource<Pages, Enc>>(a, g, c0, c1, sc, Ow, mw, lw, tok);
+    else
+      run_split<KvBlockSource<Slots, Enc>>(a, g, c0, c1, sc, Ow, mw, lw, tok);
+    if (__atomic_add_fetch(&S.done[gi], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
+      merge_group(a, g, Opart, mpart, lpart, sc.Ob);
+  };
   int failed = 0;
-#pragma omp parallel num_threads(p.nt) reduction(+ : failed)
-  {
+  if (p.nt == 1) {
     ThreadArena arena;
     typename Enc::Sc sc;
     const bool ok = carve_scratch(arena, sc, a.d, a.dv);
-    failed += ok ? 0 : 1;
-    for (int cur = 0;; cur ^= 1) {
+    failed = ok ? 0 : 1;
+    for (int cur = 0; ok; cur ^= 1) {
       const Slice& S = sl[cur];
-      // Groups without visible keys: write their zero rows now.
-#pragma omp for schedule(static) nowait
       for (int64_t x = 0; x < S.ng; ++x)
         if (S.groups[x].nsplit == 0)
           merge_group(a, S.groups[x], Opart, mpart, lpart, static_cast<T*>(nullptr));
-      // Splits; the thread that finishes the last split of a group merges it
-      // (no barrier between the two phases).
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t w = 0; w < S.ni; ++w) {
-        if (!ok || tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
-        const int64_t gi = group_of(S, w);
-        const Group& g = S.groups[gi];
-        const int64_t c0 = g.jlo + (w - g.item0) * p.split, c1 = imin(g.jhi, c0 + p.split);
-        T *Ow = Opart + w * kRB * dvp, *mw = mpart + w * kRB, *lw = lpart + w * kRB;
-        if (a.block_table)
-          run_split<KvBlockSource<Pages, Enc>>(a, g, c0, c1, sc, Ow, mw, lw, tok);
-        else
-          run_split<KvBlockSource<Slots, Enc>>(a, g, c0, c1, sc, Ow, mw, lw, tok);
-        if (__atomic_add_fetch(&S.done[gi], 1, __ATOMIC_ACQ_REL) == g.nsplit && !tok.cancelled())
-          merge_group(a, g, Opart, mpart, lpart, sc.Ob);
-      }
-      tok.finish_share();  // the calling thread keeps polling until the team is done
+      for (int64_t w = 0; w < S.ni && !tok.poll(); ++w) item(S, w, sc);
       if (S.last) break;
-      // The next slice, into the other buffer; the barrier that ends the
-      // single also keeps its items from overwriting partials still in use.
-#pragma omp single
       build_slice(a, p, &x_next, sl[cur ^ 1], tok);
     }
+  } else {
+#pragma omp parallel num_threads(p.nt) reduction(+ : failed)
+    {
+      ThreadArena arena;
+      typename Enc::Sc sc;
+      const bool ok = carve_scratch(arena, sc, a.d, a.dv);
+      failed += ok ? 0 : 1;
+      for (int cur = 0;; cur ^= 1) {
+        const Slice& S = sl[cur];
+        // Groups without visible keys: write their zero rows now.
+#pragma omp for schedule(static) nowait
+        for (int64_t x = 0; x < S.ng; ++x)
+          if (S.groups[x].nsplit == 0)
+            merge_group(a, S.groups[x], Opart, mpart, lpart, static_cast<T*>(nullptr));
+        // Splits; the thread that finishes the last split of a group merges it
+        // (no barrier between the two phases).
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t w = 0; w < S.ni; ++w) {
+          if (!ok || tok.poll()) continue;  // Ctrl-C: skip the rest (the call raises)
+          item(S, w, sc);
+        }
+        tok.finish_share();  // the calling thread keeps polling until the team is done
+        if (S.last) break;
+        // The next slice, into the other buffer; the barrier that ends the
+        // single also keeps its items from overwriting partials still in use.
+#pragma omp single
+        build_slice(a, p, &x_next, sl[cur ^ 1], tok);
+      }
+    }
   }
-  free_all();
+  std::free(cb.block);
   if (failed) throw std::bad_alloc();
 }
 
@@ -443,14 +485,11 @@ void decode_impl(const DecodeArgs<typename Enc::ST>& a) {
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<Bf16DotEncoding>(a); }
 #else
 void decode_forward_f32(const DecodeArgs<float>& a) {
-  if (a.k8 || a.k8_chunks)
-    decode_impl<Int8Encoding>(a);
-  else if (a.fp8 == 1)
-    decode_impl<Fp8Encoding<Fp8E4M3>>(a);
-  else if (a.fp8 == 2)
-    decode_impl<Fp8Encoding<Fp8E5M2>>(a);
-  else
+  if (!with_encoding(a.coding, CodedEncodings{}, [&](auto e) { decode_impl<decltype(e)>(a); }))
     decode_impl<FloatEncoding<float>>(a);
+}
+const KvEncodingDesc* kv_encoding(const char* name, int* tag) {
+  return find_encoding(name, tag, CodedEncodings{});
 }
 void decode_forward_f64(const DecodeArgs<double>& a) { decode_impl<FloatEncoding<double>>(a); }
 void decode_forward_bf16(const DecodeArgs<bf16_t>& a) { decode_impl<FloatEncoding<bf16_t>>(a); }

@@ -24,8 +24,10 @@
 //             Fp8Encoding<F>     e4m3 / e5m2 codes with a per-token fp32 scale
 //   Prefetch  PrefetchPolicy<T, KV> (decode_rows.h).
 //
-// A new encoding is one traits block here (and its arrays in DecodeArgs):
-// run_split and the driver never name a storage type.
+// A new coded encoding is one traits block here (with its KvEncodingDesc: the
+// binding's checks) and its name in CodedEncodings: DecodeArgs carries any
+// coded encoding's arrays (kc, vc, aux), and run_split and the driver never
+// name a storage type.
 //
 // Included by decode.cpp inside its ISA namespace and anonymous namespace,
 // after decode_rows.h.
@@ -152,8 +154,8 @@ struct Bf16DotEncoding : FloatEncoding<bf16_t> {
 };
 #endif
 
-// int8 codes (KVCache(dtype="int8"), DecodeArgs<float>::k8): keys x = q8 * ks
-// + ko per channel over groups of kgroup slots, values x = q8 * vs + vo per
+// int8 codes (KVCache(dtype="int8")): keys x = q8 * ks
+// + ko per channel over groups of `group` slots, values x = q8 * vs + vo per
 // token. The scales never enter the d-long loops: a block is cut at its key
 // group's end and the group's ks is folded into the block's Q rows (Qg = Qs *
 // ks) and its ko into one bias per row (qb = Qs . ko, added to S); P * vs is
@@ -180,31 +182,37 @@ struct Int8Side {
   const float* vo;
 };
 struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
+  static constexpr KvEncodingDesc kDesc = {
+      "int8",
+      true,
+      true,
+      4,
+      {{"k_scale", true}, {"k_off", true}, {"v_scale", false}, {"v_off", false}}};
   struct Blk {
     const float* vs;  // the block's value scales / offsets, one per key
     const float* vo;
   };
 
   static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
-    const int64_t bh = b * a.Hkv + hk, per = (a.R / a.kgroup) * a.d;
-    return {a.k8 + b * a.sk.b + hk * a.sk.h,
-            a.v8 + b * a.sv.b + hk * a.sv.h,
-            {a.k_scale + bh * per, a.k_off + bh * per, a.v_scale + bh * a.R, a.v_off + bh * a.R}};
+    const int64_t bh = b * a.Hkv + hk, per = (a.R / a.group) * a.d;
+    return {static_cast<const KV*>(a.kc) + b * a.sk.b + hk * a.sk.h,
+            static_cast<const KV*>(a.vc) + b * a.sv.b + hk * a.sv.h,
+            {a.aux[0] + bh * per, a.aux[1] + bh * per, a.aux[2] + bh * a.R, a.aux[3] + bh * a.R}};
   }
   // A pool block is laid out as the contiguous cache's (B = 1, R = block_size).
   static Pg page(const DecodeArgs<float>& a, int64_t c, int64_t i, int64_t hk) {
-    const int64_t bh = i * a.Hkv + hk, per = (a.block_size / a.kgroup) * a.d;
-    return {a.k8_chunks[c] + i * a.sk.b + hk * a.sk.h,
-            a.v8_chunks[c] + i * a.sv.b + hk * a.sv.h,
-            {a.ks_chunks[c] + bh * per, a.ko_chunks[c] + bh * per,
-             a.vs_chunks[c] + bh * a.block_size, a.vo_chunks[c] + bh * a.block_size}};
+    const int64_t bh = i * a.Hkv + hk, per = (a.block_size / a.group) * a.d;
+    return {static_cast<const KV*>(a.kc_chunks[c]) + i * a.sk.b + hk * a.sk.h,
+            static_cast<const KV*>(a.vc_chunks[c]) + i * a.sv.b + hk * a.sv.h,
+            {a.aux_chunks[0][c] + bh * per, a.aux_chunks[1][c] + bh * per,
+             a.aux_chunks[2][c] + bh * a.block_size, a.aux_chunks[3][c] + bh * a.block_size}};
   }
   static void load_q(const float* src, int64_t sd, int64_t d, int64_t dp, float scale, float* dst) {
     FloatEncoding<float>::load_q(src, sd, d, dp, scale, dst);
   }
   // key: the block's first key's slot position before the ring's modulo.
   static int64_t cut(const DecodeArgs<float>& a, int64_t key, int64_t cols) {
-    return imin(cols, a.kgroup - key % a.kgroup);
+    return imin(cols, a.group - key % a.group);
   }
   // The block's key group: its scales folded into Qg, its offsets into qb
   // (W-lane vectors: a scalar bias chain was a tenth of a step).
@@ -213,8 +221,8 @@ struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
     using V = Vec<float>;
     constexpr int W = V::W;
     const int64_t d = a.d;
-    const float* ks = pg.side.ks + slot / a.kgroup * d;
-    const float* ko = pg.side.ko + slot / a.kgroup * d;
+    const float* ks = pg.side.ks + slot / a.group * d;
+    const float* ko = pg.side.ko + slot / a.group * d;
     for (int r = 0; r < nr; ++r) {
       const float* qs = sc.Qs + r * dp;
       float* qg = sc.Qg + r * dp;
@@ -290,9 +298,9 @@ struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
   // arrays than the codes: no hardware stream covers them on a new page).
   static void prefetch_side(const DecodeArgs<float>& a, const Pg& pg, int64_t slot, int64_t cols,
                             bool l2) {
-    if (slot % a.kgroup != 0) return;
-    prefetch_lines(pg.side.ks + slot / a.kgroup * a.d, a.d, l2);
-    prefetch_lines(pg.side.ko + slot / a.kgroup * a.d, a.d, l2);
+    if (slot % a.group != 0) return;
+    prefetch_lines(pg.side.ks + slot / a.group * a.d, a.d, l2);
+    prefetch_lines(pg.side.ko + slot / a.group * a.d, a.d, l2);
     prefetch_lines(pg.side.vs + slot, cols, l2);
     prefetch_lines(pg.side.vo + slot, cols, l2);
   }
@@ -312,21 +320,49 @@ struct Int8Encoding : CodedTypes<int8_t, Int8Side> {
 // refused), so e4m3's NaN code S.1111.111 is not tested for: every ISA reads
 // it as +-480 (no compare and blend per vector); e5m2's inf and
 // NaN codes are fp16's.
+// Every code's decode(code) / kFold as an exact fp32 (the fp16 value of
+// half_bits): the row load of the objects without F16C (scalar, NEON) and the
+// row tails, one table read per element.
+struct Fp8Table {
+  float v[256];
+};
+constexpr float pow2f(int e) {
+  float r = 1.0f;
+  for (; e > 0; --e) r *= 2.0f;
+  for (; e < 0; ++e) r *= 0.5f;
+  return r;
+}
+constexpr float half_value(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float mag = e == 31  ? (m ? std::numeric_limits<float>::quiet_NaN()
+                                  : std::numeric_limits<float>::infinity())
+                    : e == 0 ? static_cast<float>(m) * pow2f(-24)
+                             : static_cast<float>(1024 + m) * pow2f(e - 25);
+  return (h >> 15) ? -mag : mag;
+}
+
 template <int E>
 struct Fp8Format {
   uint8_t bits;
   static constexpr float kFold = E == 4 ? 256.0f : 1.0f;
+  static constexpr const char* kName = E == 4 ? "e4m3" : "e5m2";
   // the fp16 bits of decode(b) / kFold
-  static uint16_t half_bits(uint8_t b) {
+  static constexpr uint16_t half_bits(uint8_t b) {
     if (E == 5) return static_cast<uint16_t>(b << 8);
     return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7f) << 7));
   }
-  static float decode(uint8_t b) { return fp16_to_f32(half_bits(b)) * kFold; }
+  static constexpr Fp8Table table() {
+    Fp8Table t{};
+    for (int c = 0; c < 256; ++c) t.v[c] = half_value(half_bits(static_cast<uint8_t>(c)));
+    return t;
+  }
+  static constexpr Fp8Table kTable = table();
 };
 using Fp8E4M3 = Fp8Format<4>;
 using Fp8E5M2 = Fp8Format<5>;
 
-// W codes widened: 16-bit lanes of half_bits, then vcvtph2ps (F16C).
+// W codes widened: 16-bit lanes of half_bits, then vcvtph2ps (F16C); else
+// the table.
 template <typename F>
 inline Vec<float>::R decode_fp8(const F* p) {
 #if defined(__AVX512F__)
@@ -346,14 +382,14 @@ inline Vec<float>::R decode_fp8(const F* p) {
   return _mm256_cvtph_ps(h);
 #else
   alignas(64) float t[Vec<float>::W];
-  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::decode(p[i].bits) / F::kFold;
+  for (int i = 0; i < Vec<float>::W; ++i) t[i] = F::kTable.v[p[i].bits];
   return Vec<float>::load(t);
 #endif
 }
 inline Vec<float>::R ldv(const Fp8E4M3* p) { return decode_fp8(p); }
 inline Vec<float>::R ldv(const Fp8E5M2* p) { return decode_fp8(p); }
-inline float ld(const Fp8E4M3* p) { return Fp8E4M3::decode(p->bits) / Fp8E4M3::kFold; }
-inline float ld(const Fp8E5M2* p) { return Fp8E5M2::decode(p->bits) / Fp8E5M2::kFold; }
+inline float ld(const Fp8E4M3* p) { return Fp8E4M3::kTable.v[p->bits]; }
+inline float ld(const Fp8E5M2* p) { return Fp8E5M2::kTable.v[p->bits]; }
 
 struct Fp8Side {
   const float* ks;  // (slots,) key / value scales
@@ -369,17 +405,20 @@ struct Fp8Encoding : CodedTypes<F, Fp8Side> {
     const float* vs;
   };
 
+  static constexpr KvEncodingDesc kDesc = {
+      F::kName, false, false, 2, {{"k_scale", false}, {"v_scale", false}}};
+
   static Pg contiguous(const DecodeArgs<float>& a, int64_t b, int64_t hk) {
     const int64_t bh = b * a.Hkv + hk;
-    return {reinterpret_cast<const F*>(a.k_f8) + b * a.sk.b + hk * a.sk.h,
-            reinterpret_cast<const F*>(a.v_f8) + b * a.sv.b + hk * a.sv.h,
-            {a.k_f8_scale + bh * a.R, a.v_f8_scale + bh * a.R}};
+    return {static_cast<const F*>(a.kc) + b * a.sk.b + hk * a.sk.h,
+            static_cast<const F*>(a.vc) + b * a.sv.b + hk * a.sv.h,
+            {a.aux[0] + bh * a.R, a.aux[1] + bh * a.R}};
   }
   static Pg page(const DecodeArgs<float>& a, int64_t c, int64_t i, int64_t hk) {
     const int64_t bh = i * a.Hkv + hk;
-    return {reinterpret_cast<const F*>(a.f8_k_chunks[c]) + i * a.sk.b + hk * a.sk.h,
-            reinterpret_cast<const F*>(a.f8_v_chunks[c]) + i * a.sv.b + hk * a.sv.h,
-            {a.ks_chunks[c] + bh * a.block_size, a.vs_chunks[c] + bh * a.block_size}};
+    return {static_cast<const F*>(a.kc_chunks[c]) + i * a.sk.b + hk * a.sk.h,
+            static_cast<const F*>(a.vc_chunks[c]) + i * a.sv.b + hk * a.sv.h,
+            {a.aux_chunks[0][c] + bh * a.block_size, a.aux_chunks[1][c] + bh * a.block_size}};
   }
   static void load_q(const float* src, int64_t sd, int64_t d, int64_t dp, float scale, float* dst) {
     FloatEncoding<float>::load_q(src, sd, d, dp, scale, dst);
@@ -416,6 +455,31 @@ struct Fp8Encoding : CodedTypes<F, Fp8Side> {
   }
   static void prefetch_side(const DecodeArgs<float>&, const Pg&, int64_t, int64_t, bool) {}
 };
+
+// The coded encodings, in DecodeArgs::coding order (tag = index + 1): a new
+// one is its block above and its name here.
+template <class... E>
+struct EncodingList {};
+using CodedEncodings = EncodingList<Int8Encoding, Fp8Encoding<Fp8E4M3>, Fp8Encoding<Fp8E5M2>>;
+
+// f(Enc{}) for the encoding of tag `tag` in the list (false: no such tag).
+template <class F, class E0, class... E>
+bool with_encoding(int tag, EncodingList<E0, E...>, F&& f) {
+  if (tag == 1) return f(E0{}), true;
+  if constexpr (sizeof...(E) > 0) return with_encoding(tag - 1, EncodingList<E...>{}, f);
+  return false;
+}
+// The descriptor of the encoding named `name` and its tag (null: none); with
+// a null name, that of tag *tag.
+template <class... E>
+const KvEncodingDesc* find_encoding(const char* name, int* tag, EncodingList<E...>) {
+  const KvEncodingDesc* d[] = {&E::kDesc...};
+  constexpr int n = static_cast<int>(sizeof...(E));
+  if (!name) return *tag >= 1 && *tag <= n ? d[*tag - 1] : nullptr;
+  for (int i = 0; i < n; ++i)
+    if (std::strcmp(d[i]->name, name) == 0) return *tag = i + 1, d[i];
+  return nullptr;
+}
 
 // ---- layouts: the page holding key j of sequence b, the block cut at its
 // end (cols), and the row slot of key j in it.

@@ -114,6 +114,9 @@ def to_input_kind(result, like):
     float16 a torch.float16 one), an ``ml_dtypes.bfloat16`` array for ml_dtypes
     input, else unchanged. Tensors and non-arrays (KernelStats, None) pass
     through; a plain tuple is converted element by element."""
+    t = type(result)
+    if t is np.ndarray and type(like) in _TORCH_TYPES and result.dtype in _FAST_NP_DTYPES:
+        return sys.modules["torch"].from_numpy(result)  # the common case, first
     if type(result) is tuple:
         return tuple(to_input_kind(r, like) for r in result)
     if not isinstance(result, np.ndarray):
@@ -273,19 +276,34 @@ def fast_view(x):
             return x, x.dtype
         return None
     if t in _TORCH_TYPES:
+        kinds = _TORCH_FAST or _torch_fast_kinds()
         try:
             dt = x.dtype
-            if dt is _torch_attr(x, "bfloat16"):
-                a = x.view(_torch_int16()).numpy().view(np.uint16)
+            bits = kinds.get(dt)  # None: not a float dtype; True: bfloat16, read as bits
+            if bits is None:
+                return None
+            if bits:
+                a = x.view(kinds["int16"]).numpy().view(np.uint16)
             else:
                 a = x.numpy()  # raises for grad, non-CPU, sparse, conj / neg bits
         except (TypeError, RuntimeError):
             return None
-        if a.dtype in _FAST_NP_DTYPES or a.dtype == BF16:
-            if a.flags.aligned:
-                return a, dt
-        return None
+        return (a, dt) if a.flags.aligned else None
     return None
+
+
+# fast_view's torch dtypes: {torch dtype: read as bits}, and "int16" (torch.int16).
+_TORCH_FAST: dict = {}
+
+
+def _torch_fast_kinds():
+    import torch
+
+    _TORCH_FAST.update(
+        {torch.float32: False, torch.float64: False, torch.float16: False, torch.bfloat16: True}
+    )
+    _TORCH_FAST["int16"] = torch.int16
+    return _TORCH_FAST
 
 
 def _torch_int16():

@@ -6,8 +6,7 @@ def forward(
     v: np.ndarray,
     o: np.ndarray,
     lse: np.ndarray | None = ...,
-    *,
-    scale: float,
+    scale: float = ...,  # required: the default (NaN) is refused
     causal: bool = ...,
     top_left: bool = ...,
     window_left: int = ...,
@@ -70,12 +69,9 @@ def decode(
     kv_start: np.ndarray | None = ...,
     split: int = ...,
     block_table: np.ndarray | None = ...,
-    k_scale: np.ndarray | list[np.ndarray] | None = ...,
-    k_off: np.ndarray | list[np.ndarray] | None = ...,
-    v_scale: np.ndarray | list[np.ndarray] | None = ...,
-    v_off: np.ndarray | list[np.ndarray] | None = ...,
-    kgroup: int = ...,
-    fp8: str = ...,
+    encoding: str = ...,  # a coded encoding's name ("int8", ...); "" = rows of q's dtype
+    aux: tuple | list | None = ...,  # its side arrays (or lists of pool chunks), in order
+    group: int = ...,
 ) -> None: ...
 def kv_quant_append(
     k: np.ndarray,
@@ -108,8 +104,7 @@ def backward(
     dk: np.ndarray,
     dv: np.ndarray,
     dsinks: np.ndarray | None = ...,
-    *,
-    scale: float,
+    scale: float = ...,  # required: the default (NaN) is refused
     causal: bool = ...,
     top_left: bool = ...,
     window_left: int = ...,

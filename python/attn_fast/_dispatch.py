@@ -20,7 +20,6 @@ arguments (``_checks``); this module only routes them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -51,19 +50,19 @@ KEYS_PAGED = "paged"
 
 @dataclass(frozen=True, eq=False)
 class QuantArgs:
-    """The int8 K/V codes' scales of attention.h's DecodeArgs, one record.
+    """A coded KV encoding's arrays for attention.h's DecodeArgs, one record.
 
-    Keys per channel over groups of `kgroup` positions, values per token:
-    k = k_code · k_scale + k_off with k_scale, k_off (B, H_kv, capacity / kgroup, d);
-    v = v_code · v_scale + v_off with v_scale, v_off (B, H_kv, capacity); float32.
+    encoding : the kernel's name of the encoding (``_core.decode``'s encoding=: "int8",
+        ...); the K/V arrays hold its one-byte codes.
+    aux : its float32 side arrays in the encoding's order (int8: k_scale, k_off, v_scale,
+        v_off), each (B, H_kv, capacity / group, d) or (B, H_kv, capacity); for a pool,
+        lists of (chunk_blocks, H_kv, block_size / group, d) or (.., block_size) chunks.
+    group : positions per key group (1 where the encoding has none).
     """
 
-    k_scale: np.ndarray
-    k_off: np.ndarray
-    v_scale: np.ndarray
-    v_off: np.ndarray | None
-    kgroup: int
-    fp8: str = ""  # "e4m3" / "e5m2": uint8 fp8 codes, per-token k_scale / v_scale (no offsets)
+    encoding: str
+    aux: tuple
+    group: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,15 +87,6 @@ class ScoreArgs:
         """The names of the arguments this record sets (for error messages)."""
         names = ["softcap"] if self.softcap else []
         return names + [n for n in ("alibi", "sinks") if getattr(self, n) is not None]
-
-    def kernel_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``_core.forward`` / ``_core.backward`` this
-        record sets (the others keep the bindings' defaults)."""
-        kw: dict[str, Any] = {n: getattr(self, n) for n in ("alibi", "sinks")}
-        kw = {n: a for n, a in kw.items() if a is not None}
-        if self.softcap:
-            kw["softcap"] = self.softcap
-        return kw
 
 
 PLAIN = ScoreArgs()
@@ -184,6 +174,24 @@ def decode_step(
     )
 
 
+def decode_ring(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    kv_start: np.ndarray,
+) -> None:
+    """``decode_step`` with its arguments by position and no lse or right window: a KV
+    cache's ring of slots read in place (``KVCache.attend``'s planned path, where a call
+    costs a few microseconds and every keyword lookup shows)."""
+    _core.decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, kv_start)
+
+
 def attend(
     kernel: str,
     q: np.ndarray,
@@ -214,31 +222,44 @@ def attend(
     if kernel == DECODE:  # choose_kernel made sure the record has only what decode reads
         _decode(q, k, v, o, lse, scale, mask, kv_start=kv_start, quant=quant)
         return (0, 0, 0, 0)
-    kw = mask.kernel_kwargs()
     if kv_start is not None or quant is not None:
         raise ValueError(
             "kv_start (a ring of keys) and int8 codes are read by the decode kernel only"
         )
-    if cu_q is not None:
-        kw.update(cu_q=cu_q, cu_k=cu_k)
-    if block_q or block_k:
-        kw.update(block_q=block_q, block_k=block_k)
-    if kernel == REFERENCE:
-        kw["reference"] = True
-    if score is not PLAIN:
-        kw.update(score.kernel_kwargs())
-    return tuple(_core.forward(q, k, v, o, lse, scale=scale, **kw))
+    args = _kernel_args(mask, score, cu_q, cu_k, block_q, block_k)
+    return tuple(_core.forward(q, k, v, o, lse, scale, *args, kernel == REFERENCE))
+
+
+def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):
+    """The mask and score arguments of ``_core.forward`` / ``_core.backward`` (C++ MaskCall),
+    by position in the bindings' order: one record, gathered once, with no keyword lookups."""
+    return (
+        mask.causal,
+        mask.top_left,
+        mask.window_left,
+        mask.window_right,
+        mask.q_lens,
+        mask.kv_lens,
+        cu_q,
+        cu_k,
+        mask.layout,
+        mask.layout_bq,
+        mask.layout_bk,
+        mask.mask,
+        mask.bias,
+        score.alibi,
+        score.softcap,
+        score.sinks,
+        block_q,
+        block_k,
+    )
 
 
 def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant=None):
     """``_core.decode`` on a decode-only record (causal, alignment, window, lengths): its
     arguments by position, in the binding's order; k / v arrays, or lists of pool chunks with
-    block_table; quant (a QuantArgs, or a PagedArgs of an int8 pool) the int8 scales."""
-    qa = (
-        (quant.k_scale, quant.k_off, quant.v_scale, quant.v_off, quant.kgroup, quant.fp8)
-        if quant
-        else ()
-    )
+    block_table; quant (a QuantArgs) a coded encoding's side arrays."""
+    qa = (quant.encoding, quant.aux, quant.group) if quant else ()
     _core.decode(
         q,
         k,
@@ -283,25 +304,8 @@ def backward(
 
     4-D (B, H, L, ·) views as in ``attend``; lse (B, H, Lq) from the forward.
     """
-    _core.backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-        dsinks,
-        scale=scale,
-        cu_q=cu_q,
-        cu_k=cu_k,
-        block_q=block_q,
-        block_k=block_k,
-        **mask.kernel_kwargs(),
-        **score.kernel_kwargs(),
-    )
+    args = _kernel_args(mask, score, cu_q, cu_k, block_q, block_k)
+    _core.backward(dout, q, k, v, out, lse, dq, dk, dv, dsinks, scale, *args)
 
 
 @dataclass(frozen=True, eq=False)
@@ -313,20 +317,14 @@ class PagedArgs:
         physical block g is block g % chunk_blocks of chunk g // chunk_blocks.
     block_table : (B, max_blocks) int64, C-contiguous: row b lists the blocks of sequence b
         in order (logical key j is row j % block_size of block_table[b, j // block_size]).
-    k_scale, k_off, v_scale, v_off, kgroup : an int8 pool's scale and offset chunks,
-        (chunk_blocks, H_kv, block_size / kgroup, d) and (chunk_blocks, H_kv, block_size)
-        float32 (QuantArgs per block); None / 0 for the float pools.
+    quant : a coded pool's encoding and side array chunks (QuantArgs, aux as lists of
+        chunks); None for the float pools.
     """
 
     k_chunks: list[np.ndarray]
     v_chunks: list[np.ndarray]
     block_table: np.ndarray
-    k_scale: list[np.ndarray] | None = None
-    k_off: list[np.ndarray] | None = None
-    v_scale: list[np.ndarray] | None = None
-    v_off: list[np.ndarray] | None = None
-    kgroup: int = 0
-    fp8: str = ""  # "e4m3" / "e5m2": an fp8 pool, k_scale / v_scale chunks (no offsets)
+    quant: QuantArgs | None = None
 
 
 def attend_paged(
@@ -353,5 +351,5 @@ def attend_paged(
         scale,
         mask,
         block_table=pages.block_table,
-        quant=pages if pages.kgroup else None,
+        quant=pages.quant,
     )

@@ -170,12 +170,13 @@ class Encoding:
         return x[:, rows]
 
     def quant_args(self, aux: tuple) -> _dispatch.QuantArgs | None:
-        """The record the contiguous decode kernel reads the aux arrays through (None: plain)."""
+        """The record the decode kernel reads the aux arrays through (None: plain); aux the
+        arrays of a contiguous cache, or lists of chunks of a pool."""
         return None
 
     def paged_args(self, kc: list, vc: list, table: np.ndarray, aux: tuple) -> Any:
         """The record the paged decode kernel reads a pool through."""
-        return _dispatch.PagedArgs(kc, vc, table)
+        return _dispatch.PagedArgs(kc, vc, table, self.quant_args(aux))
 
 
 class Int8(Encoding):
@@ -248,10 +249,7 @@ class Int8(Encoding):
         return x[:, rows].astype(np.float32) * aux[2][:, rows, None] + aux[3][:, rows, None]
 
     def quant_args(self, aux):
-        return _dispatch.QuantArgs(*aux, KGROUP)
-
-    def paged_args(self, kc, vc, table, aux):
-        return _dispatch.PagedArgs(kc, vc, table, *aux, KGROUP)
+        return _dispatch.QuantArgs("int8", aux, KGROUP)
 
 
 def _fp8_values(exp_bits: int) -> np.ndarray:
@@ -338,10 +336,7 @@ class Fp8(Encoding):
         return (sign * mag * s[:, rows, None]).astype(np.float32)
 
     def quant_args(self, aux):
-        return _dispatch.QuantArgs(aux[0], None, aux[1], None, 1, self.fmt)
-
-    def paged_args(self, kc, vc, table, aux):
-        return _dispatch.PagedArgs(kc, vc, table, aux[0], None, aux[1], None, 1, self.fmt)
+        return _dispatch.QuantArgs(self.fmt, aux)
 
 
 ENCODINGS: list[Encoding] = [

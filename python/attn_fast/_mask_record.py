@@ -132,21 +132,6 @@ class MaskArgs:
             out = out.merge(p)
         return out.resolve(B, Lq, Lk)
 
-    def kernel_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``_core.forward`` / ``_core.decode`` /
-        ``_core.backward`` this record sets: the fields that differ from the
-        defaults (which are the bindings' defaults), ``aligns`` as top_left.
-        Only what is set is passed: every keyword costs the binding a lookup."""
-        kw = {}
-        for n, v in vars(self).items():
-            d = _DEFAULTS[n]
-            if v is d or (n in _SCALARS and v == d):
-                continue
-            kw[n] = v
-        if kw.pop("aligns", None) is not None:
-            kw["top_left"] = self.top_left
-        return kw
-
     def set_fields(self) -> list[str]:
         """The names of the arguments this record sets (for error messages)."""
         names = [
@@ -164,7 +149,6 @@ class MaskArgs:
 
 _EVERYTHING = MaskArgs()  # no restriction: every pair is visible (records are immutable)
 _DEFAULTS = dict(vars(_EVERYTHING))
-_SCALARS = {"causal", "window_left", "window_right", "layout_bq", "layout_bk", "aligns"}
 
 
 def record(**kw: Any) -> MaskArgs:

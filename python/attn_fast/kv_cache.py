@@ -72,6 +72,7 @@ Chunks, queries and results are float32; ``attend`` equals exact attention over
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,18 @@ __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
 # What choose_kernel reads of a cache's visibility record: causal / window / lengths,
 # never an element mask (the records _run builds all have that form).
 _CACHE_MASK = _dispatch.MaskArgs(causal=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _decodes(Lq: int) -> bool:
+    """Whether ``_run`` gives an Lq-row chunk over a float cache to the decode kernel at
+    every stored length and ring layout (choose_kernel's rule for a cache: keyed by Lq
+    only, so attend's fast path asks once per Lq)."""
+    return all(
+        _dispatch.choose_kernel(Lq=Lq, Lk=Lk, mask=_CACHE_MASK, keys=keys) == _dispatch.DECODE
+        for keys in (_dispatch.KEYS_CACHE, _dispatch.KEYS_RING)
+        for Lk in (0, 1, _dispatch.DECODE_MIN_LK, 1 << 20)
+    )
 
 
 def _write_numpy(buf, x, first, count):
@@ -325,6 +338,8 @@ class KVCache(KVStore):
         if key is not None and key == self._append_key:
             # chunks of a layout whose checks passed (attend's _plan_key), whole, no RoPE
             k, v = fk[0], fv[0]
+            if self.batch == 1 and self._append_one(k, v):
+                return
             new = np.full(self.batch, k.shape[2], dtype=np.int64)
         else:
             k, v, new = self._check_append(k, v, self.batch, lengths, rope)
@@ -341,6 +356,29 @@ class KVCache(KVStore):
             self._append_plain(k, v, new, rope, pos)
         self._last_new = new
         self._last_L = L
+
+    def _append_one(self, k, v):
+        """append's planned path for one sequence of plain storage whose chunk fits the ring
+        without growing it or wrapping: the rows copied by NumPy (the same bits as
+        cache_write: a copy), the counters updated on Python ints. False (nothing done)
+        when the chunk needs the general path."""
+        if self.encoding.quantised or k.dtype != self._k.dtype or v.dtype != self._v.dtype:
+            return False
+        R, L = self.capacity, k.shape[2]
+        n, s = int(self._n[0]), int(self._start[0])
+        room = R - n if self.window is None else R - self.window + 1
+        first = (s + n) % R
+        if L > room or first + L > R:
+            return False
+        self._k[0, :, first : first + L] = k[0]
+        self._v[0, :, first : first + L] = v[0]
+        n_new = min(R, n + L)  # a full window ring lets its oldest rows go
+        self._start[0] = (s + n + L - n_new) % R
+        self._n[0] = n_new
+        self._pos[0] += L
+        self._last_new = np.full(1, L, dtype=np.int64)
+        self._last_L = L
+        return True
 
     def _make_room(self, new):
         """Grow the storage (or raise) so that new[b] more rows fit each sequence."""
@@ -525,6 +563,9 @@ class KVCache(KVStore):
         like = q
         fq, key = self._planned(q, scale, q_lens is None and out is None and return_lse is False)
         if fq is not None:  # the stored lengths are checked as on every call
+            o = self._decode_planned(fq, scale, causal)
+            if o is not None:
+                return o if fq is like else to_input_kind(o, like)
             ql = self._default_q_lens(fq.shape[2])
             if not self._unseen(ql, self._n, self._pos, causal):
                 return to_input_kind(self._run_planned(fq, ql, scale, causal, None), like)
@@ -533,6 +574,35 @@ class KVCache(KVStore):
         return self._attend(
             q, like, scale, causal, q_lens, return_lse, out, self._n, self._pos, ql, None, key
         )
+
+    def _decode_planned(self, q, scale, causal):
+        """attend's fastest path: a planned query (``_planned``) whose chunk the decode
+        kernel takes (``_decodes``) over a float cache, the kernel called as ``_run``
+        calls it, the q_lens not copied (the kernel reads them during the call only).
+        A new (B, H_q, L_new, dv) array, or None when the call needs ``_run_planned`` or
+        the checked path (a quantised cache, a longer chunk, rows that would see past the
+        stored keys: the checked path raises for them)."""
+        Lq = q.shape[2]
+        if not _decodes(Lq) or (self._aux and self.encoding.quant_args(self._aux)):
+            return None
+        ql = self._last_new if Lq == self._last_L else np.full(self.batch, Lq, dtype=np.int64)
+        if self._unseen(ql, self._n, self._pos, causal):
+            return None
+        o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
+        if o.size:
+            _dispatch.decode_ring(
+                q,
+                self._k,
+                self._v,
+                o,
+                self._plan_scale if scale is None else scale,
+                bool(causal),
+                -1 if self.window is None else self.window - 1,
+                ql,
+                self._n,
+                self._start,
+            )
+        return o
 
     def _default_q_lens(self, Lq):
         """attend's q_lens when none is given: the last append's per-sequence lengths if q

@@ -258,6 +258,24 @@ def scaled_dot_product_attention(
     computed in float32 and each result rounded once (see the module
     docstring).
     """
+    if (
+        attn_mask is None
+        and not attn_fast_options
+        and is_causal is False
+        and dropout_p == 0.0
+        and type(query) is torch.Tensor
+        and type(key) is torch.Tensor
+        and type(value) is torch.Tensor
+        and query.dtype in _FLOATS
+        and key.dtype in _FLOATS
+        and value.dtype in _FLOATS
+        and _direct_ok((query, key, value))
+    ):
+        # The plain inference call (a decode step's): the direct call below without the
+        # option handling; the NumPy layer checks the tensors (and keeps a plan of them).
+        d = query.shape[-1]
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        return _np_sdpa(query, key, value, scale=scale, enable_gqa=bool(enable_gqa))
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
         raise TypeError(

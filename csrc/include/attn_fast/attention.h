@@ -134,6 +134,26 @@ struct AttnStats {
   int64_t block_q = 0, block_k = 0;
 };
 
+// What a coded KV encoding (decode_sources.h's CodedEncodings) stores beside
+// its one-byte codes, for the binding's checks: the codes' signedness and its
+// float32 side arrays, each per slot (.., R) or per key group and channel
+// (.., R / group, d), named as the Python record names them.
+constexpr int kKvMaxAux = 4;
+struct KvAux {
+  const char* name;
+  bool per_group;  // (.., R / group, d), else (.., R)
+};
+struct KvEncodingDesc {
+  const char* name;  // the spelling of _core.decode's encoding=
+  bool code_signed;  // int8 codes, else uint8
+  bool grouped;      // takes group= (slots per key group), else group 1
+  int naux;
+  KvAux aux[kKvMaxAux];
+};
+// The coded encoding named `name` (its DecodeArgs::coding is then *tag), or
+// null; with a null name, the one of tag *tag (1, 2, ...) or null.
+const KvEncodingDesc* kv_encoding(const char* name, int* tag);
+
 // Split-KV decode (flash-decoding) over a plain K/V array or a KV cache's
 // storage, possibly a ring buffer. T is the storage type of q, k, v and o:
 // float, double, bf16_t or fp16_t (read into fp32 as loaded; lse in
@@ -161,22 +181,7 @@ struct DecodeArgs {
   const int64_t* kv_start = nullptr;  // (B,) slots in [0, R), or null = 0
   int num_threads = 1;
   int64_t split = 0;  // keys per split (0 = kernel default); results depend on it only by rounding
-  // int8 K/V storage (KVCache(dtype="int8"); T = float only). When k8 is set,
-  // k and v are not read: key e of slot t is
-  //   k8[.., t, e] * k_scale[.., t / kgroup, e] + k_off[.., t / kgroup, e]
-  // (per channel over groups of kgroup slots; R a multiple of kgroup) and
-  // value e of slot t is v8[.., t, e] * v_scale[.., t] + v_off[.., t] (per
-  // token). sk / sv are the strides of k8 / v8 (element stride 1 along d);
-  // k_scale / k_off are contiguous (B, Hkv, R / kgroup, d), v_scale / v_off
-  // contiguous (B, Hkv, R).
-  const int8_t* k8 = nullptr;
-  const int8_t* v8 = nullptr;
-  const compute_t<T>* k_scale = nullptr;
-  const compute_t<T>* k_off = nullptr;
-  const compute_t<T>* v_scale = nullptr;
-  const compute_t<T>* v_off = nullptr;
-  int64_t kgroup = 0;
-  // Paged K/V (PagedKVCache; not with k8 or kv_start). When block_table is
+  // Paged K/V (PagedKVCache; not with kv_start). When block_table is
   // set, k and v are not read: the pool is a list of chunks of chunk_blocks
   // blocks, k_chunks[c] (chunk_blocks, Hkv, block_size, d) and v_chunks[c]
   // (chunk_blocks, Hkv, block_size, dv), all with the strides sk / sv (sk.b,
@@ -192,34 +197,26 @@ struct DecodeArgs {
   int64_t max_blocks = 0, block_size = 0, chunk_blocks = 0;
   const T* const* k_chunks = nullptr;
   const T* const* v_chunks = nullptr;
-  // Paged int8 K/V (T = float only): block_table and the block geometry as
-  // above, k and v and k8 / v8 not read; chunk c holds codes k8_chunks[c]
-  // (chunk_blocks, Hkv, block_size, d) and v8_chunks[c] (.., dv) with the
-  // strides sk / sv (element stride 1), and contiguous scales and offsets
-  // ks_chunks[c] / ko_chunks[c] (chunk_blocks, Hkv, block_size / kgroup, d) and
-  // vs_chunks[c] / vo_chunks[c] (chunk_blocks, Hkv, block_size): a block is
-  // laid out as the contiguous int8 cache's (B = 1, R = block_size).
-  const int8_t* const* k8_chunks = nullptr;
-  const int8_t* const* v8_chunks = nullptr;
-  const compute_t<T>* const* ks_chunks = nullptr;
-  const compute_t<T>* const* ko_chunks = nullptr;
-  const compute_t<T>* const* vs_chunks = nullptr;
-  const compute_t<T>* const* vo_chunks = nullptr;
-  // fp8 K/V (T = float only): e4m3 / e5m2 codes as uint8, k_f8 (B, Hkv, R, d)
-  // and v_f8 (B, Hkv, R, dv) with the strides sk / sv (element stride 1), k
-  // and v not read. fp8 = 1: e4m3 (OCP: bias 7, no inf, S.1111.111 NaN); 2:
-  // e5m2 (bias 15, IEEE inf / NaN). Key e of slot t is
-  // decode(k_f8[.., t, e]) * k_f8_scale[.., t], values likewise (one fp32
-  // scale per token and kv head, contiguous (B, Hkv, R)). With a block_table:
-  // chunk c holds codes f8_k_chunks[c] / f8_v_chunks[c] and the scales
-  // ks_chunks[c] / vs_chunks[c] (chunk_blocks, Hkv, block_size).
-  const uint8_t* k_f8 = nullptr;
-  const uint8_t* v_f8 = nullptr;
-  const float* k_f8_scale = nullptr;
-  const float* v_f8_scale = nullptr;
-  const uint8_t* const* f8_k_chunks = nullptr;
-  const uint8_t* const* f8_v_chunks = nullptr;
-  int fp8 = 0;
+  // Coded K/V (a quantised KVCache: dtype="int8", ...; T = float only):
+  // `coding` names an encoding of decode_sources.h's CodedEncodings list (its
+  // index + 1, from kv_encoding(name); 0: rows of T), whose block says what a
+  // row's codes and side arrays mean. k and v are not read: the codes are kc
+  // (B, Hkv, R, d) and vc (B, Hkv, R, dv), one byte each, with the strides sk
+  // / sv (element stride 1); aux[i] is the encoding's i-th side array
+  // (KvEncodingDesc::aux), float32, contiguous (B, Hkv, R / group, d) or (B,
+  // Hkv, R); group: slots per key group (R a multiple of it). With a
+  // block_table: chunk c holds kc_chunks[c], vc_chunks[c] (chunk_blocks, Hkv,
+  // block_size, d / dv) and aux_chunks[i][c] (chunk_blocks, Hkv, block_size /
+  // group, d) or (chunk_blocks, Hkv, block_size): a block is laid out as the
+  // contiguous cache's (B = 1, R = block_size).
+  int coding = 0;
+  const void* kc = nullptr;
+  const void* vc = nullptr;
+  const float* aux[kKvMaxAux] = {};
+  int64_t group = 0;
+  const void* const* kc_chunks = nullptr;
+  const void* const* vc_chunks = nullptr;
+  const float* const* aux_chunks[kKvMaxAux] = {};
   // How the kernel asks for the next key block's K/V lines (hints only: the
   // results never depend on it). Filled in by decode_forward from
   // decode_prefetch(); a caller's value is ignored.

@@ -30,13 +30,15 @@
 // What every ISA object defines (flash_fwd.cpp, decode.cpp, flash_bwd.cpp,
 // probe_loops.cpp). The probe loops (kernels/probe_loops.cpp): fma_loop runs `iters`
 // rounds of 10 independent W-lane FMA chains and returns the FLOPs done;
-// read_loop returns the sum of n floats (any n), read as a stream.
-#define ATTN_ISA_ENTRY_POINTS                \
-  ATTN_FORWARD_TYPES(ATTN_DECLARE_FORWARD)   \
-  ATTN_DECODE_TYPES(ATTN_DECLARE_DECODE)     \
-  ATTN_BACKWARD_TYPES(ATTN_DECLARE_BACKWARD) \
-  double fma_loop(int64_t iters);            \
-  double read_loop(const float* p, int64_t n);
+// read_loop returns the sum of n floats (any n), read as a stream. kv_encoding
+// (decode.cpp): the coded KV encodings' descriptors (the same in every object).
+#define ATTN_ISA_ENTRY_POINTS                  \
+  ATTN_FORWARD_TYPES(ATTN_DECLARE_FORWARD)     \
+  ATTN_DECODE_TYPES(ATTN_DECLARE_DECODE)       \
+  ATTN_BACKWARD_TYPES(ATTN_DECLARE_BACKWARD)   \
+  double fma_loop(int64_t iters);              \
+  double read_loop(const float* p, int64_t n); \
+  const KvEncodingDesc* kv_encoding(const char* name, int* tag);
 
 // What the avx512_bf16 and neon_bf16 objects define (flash_fwd.cpp, decode.cpp,
 // flash_bwd.cpp and probe_loops.cpp): the pair-product (vdpbf16ps, BFDOT)

@@ -62,6 +62,53 @@ def check_dropout(dropout_p: Any) -> None:
         )
 
 
+def unpack(x: Any, name: str, axis: int, n: int, what: str) -> tuple[torch.Tensor, ...]:
+    """The n views ``x.select(axis, i)`` of flash-attn's packed qkv / kv tensor `x`, checked
+    to be `what`: a layout string such as "(total_k, 2, nheads_k, headdim)" (one axis per
+    comma-separated name) with n entries on `axis`."""
+    check_tensor(x, name, what.count(",") + 1, what)
+    if x.shape[axis] != n:
+        raise ValueError(f"{name} must be {what}, got {tuple(x.shape)}")
+    return tuple(x.select(axis, i) for i in range(n))
+
+
+def check_call(
+    names: tuple[str, str, str],
+    qkv: tuple[Any, Any, Any],
+    whats: tuple[str, str],
+    dropout_p: Any,
+    softmax_scale: Any,
+    causal: Any,
+    window_size: Any,
+    softcap: Any,
+    alibi_slopes: Any,
+    batch: Any,
+    return_attn_probs: Any,
+) -> tuple[Opts, torch.Tensor | None, bool]:
+    """What every flash-attn attention function checks first: no dropout; q, k, v CPU
+    tensors of the layout strings `whats` (q's, then k's and v's, as in ``unpack``) and one
+    dtype, named `names` in errors; q's heads a multiple of k's, matching head dims; the
+    options; ALiBi slopes (H,) or (batch(), H), batch() called once the tensors are known
+    good. Returns (options, slopes, whether lse is needed: asked for, or a gradient)."""
+    check_dropout(dropout_p)
+    for name, t, what in zip(names, qkv, (whats[0], whats[1], whats[1])):
+        check_tensor(t, name, what.count(",") + 1, what)
+    same_dtype(**dict(zip(names, qkv)))
+    q, k, v = qkv
+    H, d = q.shape[-2:]
+    check_heads(H, k.shape[-2], d, k.shape[-1], tuple(v.shape), tuple(k.shape))
+    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
+    alibi = check_alibi(alibi_slopes, batch(), H)
+    return opts, alibi, bool(return_attn_probs) or wants_grad(q, k, v)
+
+
+def flash_returns(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: Any) -> Any:
+    """out, or flash-attn's (out, softmax_lse, S_dmask): S_dmask empty (no dropout here)."""
+    if return_attn_probs:
+        return out, lse, torch.empty(0, dtype=out.dtype)
+    return out
+
+
 def window_pair(window_size: Any) -> tuple[int, int]:
     try:
         left, right = (int(w) for w in window_size)

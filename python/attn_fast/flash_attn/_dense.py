@@ -14,19 +14,16 @@ from ._common import (
     Opts,
     alibi_split,
     call,
-    check_alibi,
-    check_dropout,
-    check_heads,
-    check_tensor,
+    check_call,
     define_op,
+    flash_returns,
     lse_dtype,
     mask_args,
     no_lse,
     np4,
     register_backward,
-    same_dtype,
     transposed_like,
-    wants_grad,
+    unpack,
 )
 
 # ---------------------------------------------------------------- (B, L, H, d) forward / backward
@@ -161,22 +158,19 @@ def _attn_dense(
     return_attn_probs,
     names=("q", "k", "v"),
 ):
-    check_dropout(dropout_p)
-    for name, t in zip(names, (q, k, v)):
-        check_tensor(t, name, 4, "(batch_size, seqlen, nheads, headdim)")
-    same_dtype(**dict(zip(names, (q, k, v))))
-    B, Lq, H, d = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    opts, alibi, need_lse = check_call(
+        names,
+        (q, k, v),
+        ("(batch_size, seqlen, nheads, headdim)",) * 2,
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        lambda: q.shape[0],
+        return_attn_probs,
+    )
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"q has shape {tuple(q.shape)} but k has {tuple(k.shape)}: batch differs")
-    check_heads(H, k.shape[2], d, k.shape[3], tuple(v.shape), tuple(k.shape))
-    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    alibi = check_alibi(alibi_slopes, B, H)
-    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
     args = (q, k, v, *opts.op_args(), alibi, need_lse)
     out, lse = call(_forward_op, _forward, (q, k, v, alibi), *args)
-    if return_attn_probs:
-        return out, lse, torch.empty(0, dtype=q.dtype)
-    return out
+    return flash_returns(out, lse, return_attn_probs)
 
 
 def flash_attn_func(
@@ -240,15 +234,11 @@ def flash_attn_kvpacked_func(
     """``flash_attn_func`` with kv (B, Lk, 2, H_kv, d) packed: k = kv[:, :, 0] and
     v = kv[:, :, 1] are read as views. Same options and returns; the gradient of
     kv is assembled from dk and dv."""
-    check_tensor(kv, "kv", 5, "(batch_size, seqlen, 2, nheads_k, headdim)")
-    if kv.shape[2] != 2:
-        raise ValueError(
-            f"kv must be (batch_size, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}"
-        )
+    k, v = unpack(kv, "kv", 2, 2, "(batch_size, seqlen, 2, nheads_k, headdim)")
     return _attn_dense(
         q,
-        kv[:, :, 0],
-        kv[:, :, 1],
+        k,
+        v,
         *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
@@ -269,15 +259,8 @@ def flash_attn_qkvpacked_func(
     """``flash_attn_func`` with qkv (B, L, 3, H, d) packed (q, k, v as views; same
     number of heads). Same options and returns; the gradient of qkv is assembled
     from dq, dk, dv."""
-    check_tensor(qkv, "qkv", 5, "(batch_size, seqlen, 3, nheads, headdim)")
-    if qkv.shape[2] != 3:
-        raise ValueError(
-            f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}"
-        )
     return _attn_dense(
-        qkv[:, :, 0],
-        qkv[:, :, 1],
-        qkv[:, :, 2],
+        *unpack(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)"),
         *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),

@@ -13,20 +13,17 @@ from ._common import (
     Opts,
     alibi_split,
     call,
-    check_alibi,
-    check_dropout,
-    check_heads,
-    check_tensor,
+    check_call,
     cu_array,
     define_op,
+    flash_returns,
     lse_dtype,
     mask_args,
     no_lse,
     paged_attend,
     refuse_grad,
     register_backward,
-    same_dtype,
-    wants_grad,
+    unpack,
 )
 
 # ---------------------------------------------------------------- varlen
@@ -238,21 +235,19 @@ def _attn_varlen(
     block_table=None,
     names=("q", "k", "v"),
 ):
-    check_dropout(dropout_p)
-    paged = block_table is not None
-    check_tensor(q, names[0], 3, "(total_q, nheads, headdim)")
     kv_what = (
-        "(num_blocks, page_block_size, nheads_k, headdim)"
-        if paged
-        else "(total_k, nheads_k, headdim)"
+        "(total_k, nheads_k, headdim)"
+        if block_table is None
+        else "(num_blocks, page_block_size, nheads_k, headdim)"
     )
-    for name, t in zip(names[1:], (k, v)):
-        check_tensor(t, name, 4 if paged else 3, kv_what)
-    same_dtype(**dict(zip(names, (q, k, v))))
-    Tq, H, d = q.shape
-    check_heads(H, k.shape[-2], d, k.shape[-1], tuple(v.shape), tuple(k.shape))
-    opts = Opts.of(d, softmax_scale, causal, window_size, softcap)
-    alibi = check_alibi(alibi_slopes, _num_seqs(cu_seqlens_q), H)
+    opts, alibi, need_lse = check_call(
+        names,
+        (q, k, v),
+        ("(total_q, nheads, headdim)", kv_what),
+        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        lambda: _num_seqs(cu_seqlens_q),
+        return_attn_probs,
+    )
     cu_q, cu_k = (
         x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
         for x in (cu_seqlens_q, cu_seqlens_k)
@@ -261,13 +256,10 @@ def _attn_varlen(
         refuse_grad("flash_attn_varlen_func with block_table", q, k, v)
         if not isinstance(block_table, torch.Tensor):
             block_table = torch.as_tensor(block_table)
-    need_lse = bool(return_attn_probs) or wants_grad(q, k, v)
     args = (q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *opts.op_args(), alibi)
     tensors = (*args[:5], alibi, block_table)
     out, lse = call(_forward_op, _forward, tensors, *args, block_table, need_lse)
-    if return_attn_probs:
-        return out, lse, torch.empty(0, dtype=q.dtype)
-    return out
+    return flash_returns(out, lse, return_attn_probs)
 
 
 def _num_seqs(cu: Any) -> int:
@@ -350,13 +342,11 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs: bool = False,
 ) -> Any:
     """``flash_attn_varlen_func`` with kv (total_k, 2, H_kv, d) packed (views)."""
-    check_tensor(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
-    if kv.shape[1] != 2:
-        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    k, v = unpack(kv, "kv", 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _attn_varlen(
         q,
-        kv[:, 0],
-        kv[:, 1],
+        k,
+        v,
         cu_seqlens_q,
         cu_seqlens_k,
         max_seqlen_q,
@@ -382,13 +372,8 @@ def flash_attn_varlen_qkvpacked_func(
 ) -> Any:
     """``flash_attn_varlen_func`` with qkv (total, 3, H, d) packed (views), one
     cu_seqlens for queries and keys."""
-    check_tensor(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
-    if qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return _attn_varlen(
-        qkv[:, 0],
-        qkv[:, 1],
-        qkv[:, 2],
+        *unpack(qkv, "qkv", 1, 3, "(total, 3, nheads, headdim)"),
         cu_seqlens,
         cu_seqlens,
         max_seqlen,

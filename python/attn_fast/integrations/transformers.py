@@ -277,6 +277,8 @@ class _Trainable(torch.autograd.Function):
 _COMPUTE = (torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = _COMPUTE + _HALF  # what the kernels take as they are
+# The NumPy dtype of a kernel dtype's output buffer (bfloat16: its uint16 bits, _new_output).
+_NP_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
 def _refuse(dropout, kwargs, query, key, value):
@@ -430,8 +432,8 @@ def _new_output(B, H, dv, dtype):
     if dtype is torch.bfloat16:  # NumPy has no bfloat16: its bits
         o = np.empty((B, H, 1, dv), dtype=np.uint16)
         return torch.from_numpy(o).view(torch.bfloat16).view(B, 1, H, dv), o
-    out = torch.empty((B, 1, H, dv), dtype=dtype)
-    return out, out.numpy().reshape(B, H, 1, dv)
+    o = np.empty((B, H, 1, dv), dtype=_NP_OF[dtype])  # cheaper than torch.empty + .numpy()
+    return torch.from_numpy(o).view(B, 1, H, dv), o
 
 
 def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):

@@ -183,7 +183,7 @@ class AttnFastLayer(CacheLayerMixin):
                 "are not stored"
             )
         for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.ndim != 4:
+            if not isinstance(t, torch.Tensor) or not t.is_cpu or t.ndim != 4:
                 raise TypeError(
                     f"AttnFastCache.update: {name} must be a 4-D CPU tensor (B, H_kv, L, d), got "
                     f"{type(t).__name__} {getattr(t, 'shape', '')} on {getattr(t, 'device', '?')}"

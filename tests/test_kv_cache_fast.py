@@ -1,0 +1,137 @@
+"""KVCache.attend's fast paths (a repeated plain call, KVStore._planned): the same bits as
+the checked path, and the same errors, for every chunk length, ring layout and input kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import qkv
+from test_kv_cache import oracle
+
+import attn_fast as af
+
+
+def _checked(cache, q, causal):
+    """attend through the checked path: out= keeps a call off the fast paths."""
+    B, Hq, Lq, _ = q.shape
+    out = np.empty((B, Hq, Lq, cache.v_head_dim), dtype=cache.dtype)
+    return cache.attend(q, causal=causal, out=out)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "win6"])
+@pytest.mark.parametrize("Lq", [1, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_repeated_attend_same_bits_as_checked_path(isa, rng, window, Lq, dtype, causal):
+    B, Hq, Hkv, L, d, dv = 1, 6, 2, 23, 5, 7
+    q, k, v = qkv(rng, B, Hq, Hkv, L, L, d, dv, dtype)
+    O, LSE = oracle(q, k, v, window)
+    cache = af.KVCache(B, Hkv, d, capacity=4, v_head_dim=dv, dtype=dtype, window=window)
+    for t in range(0, L, Lq):  # the ring wraps on the way (window, and growth without)
+        kc, vc = k[:, :, t : t + Lq], v[:, :, t : t + Lq]
+        cache.append(kc, vc)
+        qc = np.ascontiguousarray(q[:, :, t : t + kc.shape[2]])
+        first = cache.attend(qc, causal=causal)  # checks, then the plan
+        again = cache.attend(qc, causal=causal)  # the plan
+        np.testing.assert_array_equal(again, first)
+        np.testing.assert_array_equal(again, _checked(cache, qc, causal))
+        if causal:
+            n = kc.shape[2]
+            ref_o = O[:, :, t : t + n]
+            np.testing.assert_allclose(again, ref_o, rtol=1e-4, atol=1e-5)
+
+
+def test_ragged_batch_torch_input_same_bits(isa, rng):
+    """B = 2 with ragged appends (lengths=) and torch input: the plan reads the last
+    append's per-sequence lengths as q_lens, as the checked path does."""
+    B, Hq, Hkv, d = 2, 4, 2, 16
+    cache = af.KVCache(B, Hkv, d, capacity=8)
+    for step in range(12):
+        L = 1 + step % 3
+        k = rng.standard_normal((B, Hkv, L, d)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, L, d)).astype(np.float32)
+        cache.append(k, v, lengths=[L, max(1, L - 1)])
+        q = torch.from_numpy(rng.standard_normal((B, Hq, L, d)).astype(np.float32))
+        first = cache.attend(q)
+        again = cache.attend(q)
+        assert isinstance(again, torch.Tensor)
+        np.testing.assert_array_equal(again.numpy(), first.numpy())
+        np.testing.assert_array_equal(again.numpy(), _checked(cache, q.numpy(), True))
+
+
+def test_planned_call_raises_the_checked_errors(rng):
+    """A plan never hides an error: rows that would see past the stored keys, a new
+    dtype or shape go through the checks and raise what a fresh cache raises."""
+    B, Hq, Hkv, d = 1, 4, 2, 8
+    q = rng.standard_normal((B, Hq, 1, d)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, 1, d)).astype(np.float32)
+    fresh = af.KVCache(B, Hkv, d)
+    with pytest.raises(ValueError) as want:
+        fresh.attend(q)
+    cache = af.KVCache(B, Hkv, d)
+    cache.append(k, k)
+    cache.attend(q)
+    cache.attend(q)  # planned
+    cache.reset()
+    with pytest.raises(ValueError) as got:
+        cache.attend(q)
+    assert str(got.value) == str(want.value)
+    with pytest.raises(TypeError, match="q"):
+        cache.attend(q.astype(np.float64))
+    with pytest.raises(ValueError, match="head dim"):
+        cache.attend(q[..., :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("Lq, Lk", [(1, 16), (1, 129), (3, 7), (4, 64)])
+def test_torch_op_plain_call_same_bits_as_the_op(isa, dtype, Lq, Lk):
+    """attn_fast.torch's plain inference call (no mask, options or grad) gives the op's bits
+    and the NumPy layer's errors."""
+    import attn_fast.torch as aft
+
+    g = torch.Generator().manual_seed(Lq * 1000 + Lk)
+    q = torch.randn(2, 6, Lq, 5, generator=g).to(dtype)
+    k = torch.randn(2, 2, Lk, 5, generator=g).to(dtype)
+    v = torch.randn(2, 2, Lk, 3, generator=g).to(dtype)
+    fast = aft.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    again = aft.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the NumPy layer's plan
+    qg = q.clone().requires_grad_(True)  # the custom op (grad wanted)
+    op = aft.scaled_dot_product_attention(qg, k, v, enable_gqa=True).detach()
+    assert fast.dtype == dtype and fast.shape == (2, 6, Lq, 3)
+    assert torch.equal(fast, op) and torch.equal(again, op)
+    with pytest.raises(ValueError) as want:
+        aft.scaled_dot_product_attention(qg, k[..., :-1], v, enable_gqa=True)
+    with pytest.raises(ValueError) as got:
+        aft.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True)
+    assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "win5"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"], ids=str)
+def test_repeated_append_same_state_as_checked_path(rng, window, dtype):
+    """append's planned path (one sequence, chunks of one layout) leaves the storage and the
+    counters the checked path leaves (lengths= keeps a call on the checked path), through
+    ring growth and wrap-around."""
+    Hkv, d = 2, 6
+    a = af.KVCache(1, Hkv, d, capacity=4, dtype=dtype, window=window)
+    b = af.KVCache(1, Hkv, d, capacity=4, dtype=dtype, window=window)
+    for step in range(40):
+        L = (1, 1, 2, 1, 3)[step % 5]
+        k = torch.randn(1, Hkv, L, d)
+        v = torch.randn(1, Hkv, L, d)
+        if dtype == "bfloat16":
+            k, v = k.bfloat16(), v.bfloat16()
+        else:
+            k, v = k.numpy().astype(dtype), v.numpy().astype(dtype)
+        a.append(k, v)
+        b.append(k, v, lengths=[L])
+        assert a.capacity == b.capacity
+        for name in ("_n", "_pos", "_start", "_last_new"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a._last_L == b._last_L
+        assert a._k.tobytes() == b._k.tobytes() and a._v.tobytes() == b._v.tobytes()
+        q = rng.standard_normal((1, 4, L, d)).astype(np.float32)
+        if dtype != "bfloat16":
+            q = q.astype(dtype)
+            np.testing.assert_array_equal(a.attend(q), b.attend(q))
