@@ -305,10 +305,12 @@ Plan plan_call(const DecodeArgs<ST>& a) {
   p.slice_groups = imin(p.n_groups, kMaxSliceGroups);
   p.nt = a.num_threads > 0 ? a.num_threads : 1;
   if (imax(n_items, p.n_groups) < p.nt) p.nt = static_cast<int>(imax(1, imax(n_items, p.n_groups)));
-  // Small steps (tens of microseconds of work) run on the calling thread, as
-  // in the prefill kernel: waking a team costs more than it saves, and its
-  // spinning workers fight NumPy's BLAS between calls (bench/NOTES.md#decode-python).
-  if (work < kSerialWork) p.nt = 1;
+  // Small steps run on the calling thread, as in the prefill kernel: waking a
+  // team costs more than it saves, and its spinning workers fight NumPy's BLAS
+  // between calls (bench/NOTES.md#decode-python). The decode bar is a quarter of
+  // the prefill's (about 35 us of one thread's work): a decode step's items are
+  // already split by shape, so a second thread pays from there on.
+  if (work < kSerialWork / 4) p.nt = 1;
   return p;
 }
 
