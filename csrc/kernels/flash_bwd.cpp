@@ -163,6 +163,20 @@ void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bm,
 // can read +0 in the full product, the only bit it can change). Without it a
 // causal diagonal tile pair computes 2x its visible area.
 
+// The union [lo, hi) of the column ranges [vlo[r], vhi[r]) of h rows (rows
+// with an empty range add nothing); lo = hi = 0 when every range is empty.
+inline void rows_span(const int64_t* vlo, const int64_t* vhi, int64_t h, int64_t* lo, int64_t* hi) {
+  int64_t a = INT64_MAX, b = 0;
+  for (int64_t r = 0; r < h; ++r)
+    if (vhi[r] > vlo[r]) {
+      a = imin(a, vlo[r]);
+      b = imax(b, vhi[r]);
+    }
+  if (b <= a) a = b = 0;
+  *lo = a;
+  *hi = b;
+}
+
 // C = A B for N columns; rows m..m+kBMR-1 get only the W-aligned columns their
 // ranges cover, the rest of each row is set to 0 (S and dP: P = 0 there).
 template <typename T>
@@ -171,13 +185,8 @@ void gemm_cols_ranged(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, 
   constexpr int W = Vec<T>::W;
   for (int64_t m = 0; m < M; m += kBMR) {
     const int64_t h = imin(kBMR, M - m);
-    int64_t lo = N, hi = 0;
-    for (int64_t r = m; r < m + h; ++r)
-      if (vhi[r] > vlo[r]) {
-        lo = imin(lo, vlo[r]);
-        hi = imax(hi, vhi[r]);
-      }
-    if (hi <= lo) lo = hi = 0;
+    int64_t lo, hi;
+    rows_span(vlo + m, vhi + m, h, &lo, &hi);
     lo = lo / W * W;
     hi = imin(N, round_up(hi, W));
     for (int64_t r = m; r < m + h; ++r) {
@@ -196,12 +205,8 @@ void gemm_k_ranged(int64_t M, int64_t N, const T* A, int64_t lda, const T* Bm, i
                    int64_t ldc, const int64_t* vlo, const int64_t* vhi) {
   for (int64_t m = 0; m < M; m += kBMR) {
     const int64_t h = imin(kBMR, M - m);
-    int64_t lo = lda, hi = 0;
-    for (int64_t r = m; r < m + h; ++r)
-      if (vhi[r] > vlo[r]) {
-        lo = imin(lo, vlo[r]);
-        hi = imax(hi, vhi[r]);
-      }
+    int64_t lo, hi;
+    rows_span(vlo + m, vhi + m, h, &lo, &hi);
     if (hi > lo)
       gemm<T>(h, N, hi - lo, A + m * lda + lo, lda, Bm + lo * ldb, ldb, C + m * ldc, ldc, false);
     else
