@@ -24,7 +24,7 @@
 static_assert(sizeof(uint32_t) == 2 * sizeof(bf16_t), "one 32-bit word holds one bf16 pair");
 static_assert(sizeof(DotBf16::B) == sizeof(Vec<float>::R), "one dot register: W pairs -> W fp32");
 
-#include "qk_pairs.h"  // bf16_pair, qk_pair_sums (the sums the backward's S repeats)
+#include "qk_pairs.h"  // bf16_pair, pair_dot_acc, qk_pair_sums (the sums the backward's S repeats)
 
 // S[MR][NR*W] = scale * Q K^T over d2 pairs (Qw a micro-panel, Kw a key panel).
 template <int MR, int NR, bool kMax = false>
@@ -56,19 +56,11 @@ inline void pv_micro_dot(const uint32_t* __restrict Pw, int64_t ldp, int64_t c2n
                          const uint32_t* __restrict Vw, int64_t ldv, float* __restrict O,
                          int64_t ldo) {
   using V = Vec<float>;
-  using D = DotBf16;
   constexpr int W = V::W;
   V::R acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = V::load(O + r * ldo + n * W);
-  for (int64_t c = 0; c < c2n; ++c) {
-    D::B b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = D::load(Vw + c * ldv + n * W);
-    for (int r = 0; r < MR; ++r) {
-      const D::B a = D::set1(Pw[r * ldp + c]);
-      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
-    }
-  }
+  pair_dot_acc<MR, NR>(Pw, 1, ldp, c2n, Vw, ldv, acc);
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) V::store(O + r * ldo + n * W, acc[r][n]);
 }

@@ -21,22 +21,31 @@ inline uint32_t bf16_pair(const bf16_t* x, int64_t stride, int64_t e, int64_t d)
   return lo | (hi << 16);
 }
 
+// acc[r][n] += sum over the K pairs of A's row r . B columns n W .. n W + W - 1,
+// in order k = 0, 1, ..., one dot each: word (k, r) of A at A[k * ak + r * ar],
+// word (k, c) of B at B[k * ldb + c]. The one pair loop of S = Q K^T and O += P V.
+template <int MR, int NR>
+inline void pair_dot_acc(const uint32_t* __restrict A, int64_t ak, int64_t ar, int64_t K,
+                         const uint32_t* __restrict B, int64_t ldb, Vec<float>::R (&acc)[MR][NR]) {
+  using D = DotBf16;
+  constexpr int W = Vec<float>::W;
+  for (int64_t k = 0; k < K; ++k) {
+    D::B b[NR];
+    for (int n = 0; n < NR; ++n) b[n] = D::load(B + k * ldb + n * W);
+    for (int r = 0; r < MR; ++r) {
+      const D::B a = D::set1(A[k * ak + r * ar]);
+      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
+    }
+  }
+}
+
 // acc[r][n] = sum over the d2 pairs of Q row r . K columns n W .. n W + W - 1
 // (unscaled): Qw a micro-panel of MR rows, word (k, r) at Qw[k * MR + r]; Kw
 // pair-rows of ldk words, word (k, c) at Kw[k * ldk + c].
 template <int MR, int NR>
 inline void qk_pair_sums(const uint32_t* __restrict Qw, int64_t d2, const uint32_t* __restrict Kw,
                          int64_t ldk, Vec<float>::R (&acc)[MR][NR]) {
-  using D = DotBf16;
-  constexpr int W = Vec<float>::W;
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = Vec<float>::zero();
-  for (int64_t k = 0; k < d2; ++k) {
-    D::B b[NR];
-    for (int n = 0; n < NR; ++n) b[n] = D::load(Kw + k * ldk + n * W);
-    for (int r = 0; r < MR; ++r) {
-      const D::B a = D::set1(Qw[k * MR + r]);
-      for (int n = 0; n < NR; ++n) acc[r][n] = D::dot(acc[r][n], a, b[n]);
-    }
-  }
+  pair_dot_acc<MR, NR>(Qw, MR, 1, d2, Kw, ldk, acc);
 }
