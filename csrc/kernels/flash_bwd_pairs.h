@@ -33,6 +33,17 @@ constexpr bool kPairScores = false;
 template <>
 constexpr bool kPairScores<bf16_t> = true;
 
+// Rows c < n of x (row c at x + c * ldr, elements stride sd, d of them) as pair
+// words, transposed: out[k2 * n + c] = the pair (2 k2, 2 k2 + 1) of row c; rows
+// nvalid .. n - 1 are zero (a key panel's padding).
+inline void pairs_transposed(const bf16_t* x, int64_t ldr, int64_t sd, int64_t d, int64_t nvalid,
+                             int64_t n, uint32_t* out) {
+  const int64_t d2 = (d + 1) / 2;
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t k2 = 0; k2 < d2; ++k2)
+      out[k2 * n + c] = c < nvalid ? bf16_pair(x + c * ldr, sd, 2 * k2, d) : 0u;
+}
+
 // S[r][c] = scale * sum of qk_pair_sums for the h (= MR) rows of one Q panel
 // and the Bcp columns of KTw: kBNR-vector strips, then single vectors.
 template <int MR>
@@ -78,13 +89,7 @@ inline void pack_scores_k(const AttnArgs<S>& a, const S* kbase, int64_t cols, in
                           BScratch<T>& sc) {
 #if defined(ATTN_DOT_BF16)
   if constexpr (kPairScores<S>) {
-    const int64_t d = a.d, d2 = (d + 1) / 2;
-    uint32_t* KTw = reinterpret_cast<uint32_t*>(sc.KT);
-    for (int64_t c = 0; c < Bcp; ++c) {
-      const S* src = kbase + c * a.sk.l;
-      for (int64_t k2 = 0; k2 < d2; ++k2)
-        KTw[k2 * Bcp + c] = c < cols ? bf16_pair(src, a.sk.d, 2 * k2, d) : 0u;
-    }
+    pairs_transposed(kbase, a.sk.l, a.sk.d, a.d, cols, Bcp, reinterpret_cast<uint32_t*>(sc.KT));
   }
 #endif
   (void)a, (void)kbase, (void)cols, (void)Bcp, (void)sc;
@@ -106,9 +111,7 @@ inline void tile_scores(const AttnArgs<S>& a, const S* qb, int64_t rows, int64_t
     for (int64_t r0 = 0; r0 < rows; r0 += kBMR) {
       const int64_t h = imin(kBMR, rows - r0);
       uint32_t* panel = Qw + r0 * d2;
-      for (int64_t r = 0; r < h; ++r)
-        for (int64_t k2 = 0; k2 < d2; ++k2)
-          panel[k2 * h + r] = bf16_pair(qb + (r0 + r) * a.sq.l, a.sq.d, 2 * k2, d);
+      pairs_transposed(qb + r0 * a.sq.l, a.sq.l, a.sq.d, d, h, h, panel);
       if (h == kBMR)
         pair_scores_panel<kBMR>(panel, d2, KTw, Bcp, scale, sc.S + r0 * Bcp);
       else
