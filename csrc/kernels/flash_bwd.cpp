@@ -326,6 +326,36 @@ inline bool user_visible(const AttnArgs<T>& a, const SeqInfo& si, int64_t h, int
   return true;
 }
 
+// Each row's structural columns in the tile (sc.vlo / sc.vhi, tile-local) and,
+// for each key micro-tile t, the rows that see one of its keys (sc.tlo / sc.thi).
+// Returns cut: some row does not see all the tile's columns, so the products take
+// the ranged forms (finite K, V only: a non-finite block keeps the full products).
+template <typename S, typename T>
+bool tile_ranges(const AttnArgs<S>& a, const SeqInfo& si, int64_t i0, int64_t rows, int64_t j0,
+                 int64_t cols, bool nonfinite, BScratch<T>& sc) {
+  bool cut = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t lo, hi;
+    row_range(a, si, i0 + r, &lo, &hi);
+    sc.vlo[r] = imin(imax(lo - j0, 0), cols);
+    sc.vhi[r] = imin(imax(hi - j0, 0), cols);
+    if (sc.vhi[r] <= sc.vlo[r]) sc.vlo[r] = sc.vhi[r] = 0;
+    cut |= sc.vlo[r] > 0 || sc.vhi[r] < cols;
+  }
+  if (!cut || nonfinite) return false;
+  for (int64_t c = 0, t = 0; c < cols; c += kBMR, ++t) {
+    int64_t rlo = rows, rhi = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      if (sc.vlo[r] < c + kBMR && sc.vhi[r] > c && sc.vhi[r] > sc.vlo[r]) {
+        rlo = imin(rlo, r);
+        rhi = r + 1;
+      }
+    sc.tlo[t] = rlo;
+    sc.thi[t] = rhi;
+  }
+  return true;
+}
+
 // One (query head h, query block at local row i0) x (key block at j0) tile.
 template <typename S>
 void bwd_tile(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t i0, int64_t rows,
@@ -352,29 +382,7 @@ void bwd_tile(const BwdRun<S>& g, const SeqInfo& si, int64_t h, int64_t i0, int6
     sc.lse[r] = a.lse[lrow + r];
     sc.D[r] = g.Dbuf[lrow + r];
   }
-  // Each row's structural columns in the tile; cut: some row does not see all
-  // of them, and the products take the ranged forms (finite K, V only).
-  bool cut = false;
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t lo, hi;
-    row_range(a, si, i0 + r, &lo, &hi);
-    sc.vlo[r] = imin(imax(lo - j0, 0), cols);
-    sc.vhi[r] = imin(imax(hi - j0, 0), cols);
-    if (sc.vhi[r] <= sc.vlo[r]) sc.vlo[r] = sc.vhi[r] = 0;
-    cut |= sc.vlo[r] > 0 || sc.vhi[r] < cols;
-  }
-  cut &= !nonfinite;
-  if (cut)
-    for (int64_t c = 0, t = 0; c < cols; c += kBMR, ++t) {
-      int64_t rlo = rows, rhi = 0;
-      for (int64_t r = 0; r < rows; ++r)
-        if (sc.vlo[r] < c + kBMR && sc.vhi[r] > c && sc.vhi[r] > sc.vlo[r]) {
-          rlo = imin(rlo, r);
-          rhi = r + 1;
-        }
-      sc.tlo[t] = rlo;
-      sc.thi[t] = rhi;
-    }
+  const bool cut = tile_ranges(a, si, i0, rows, j0, cols, nonfinite, sc);
 
   // S = (scale Q) K^T, formed as this object's forward formed it (flash_bwd_pairs.h); the
   // FMA gemm of a cut tile computes each row's visible columns only.
