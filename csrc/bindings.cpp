@@ -85,6 +85,7 @@ struct MaskCall {
   int block_q, block_k;
 };
 
+// The C++ types of a binding's parameters before (Head) or after (Tail) the mask ones.
 template <class... T>
 struct Params {};
 
@@ -92,7 +93,7 @@ struct Params {};
 // spelled out as Python parameters after the scale (by position or keyword;
 // scale is required: its NaN default is refused): forward's and backward's one
 // list of the mask parameters, their types and defaults. head_args / tail_args
-// name the Head / Tail parameters; extra: the docstring.
+// are the py::args of the Head / Tail parameters; doc the docstring.
 template <class... Head, class... Tail, class F, class... HeadArgs, class... TailArgs>
 void def_mask_call(py::module_& mod, const char* name, Params<Head...>, Params<Tail...>, F f,
                    std::tuple<HeadArgs...> head_args, std::tuple<TailArgs...> tail_args,
