@@ -10,6 +10,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -83,6 +84,41 @@ struct MaskCall {
   py::object sinks;
   int block_q, block_k;
 };
+
+// The C++ types of a binding's parameters before (Head) or after (Tail) the mask ones.
+template <class... T>
+struct Params {};
+
+// Defines `name` as f(head..., scale, MaskCall, tail...) with MaskCall's fields
+// spelled out as Python parameters after the scale (by position or keyword;
+// scale is required: its NaN default is refused): forward's and backward's one
+// list of the mask parameters, their types and defaults. head_args / tail_args
+// are the py::args of the Head / Tail parameters; doc the docstring.
+template <class... Head, class... Tail, class F, class... HeadArgs, class... TailArgs>
+void def_mask_call(py::module_& mod, const char* name, Params<Head...>, Params<Tail...>, F f,
+                   std::tuple<HeadArgs...> head_args, std::tuple<TailArgs...> tail_args,
+                   const char* doc) {
+  auto fn = [f](Head... head, double scale, bool causal, bool top_left, int64_t window_left,
+                int64_t window_right, py::object q_lens, py::object kv_lens, py::object cu_q,
+                py::object cu_k, py::object layout, int64_t layout_bq, int64_t layout_bk,
+                py::object mask, py::object bias, py::object alibi, double softcap,
+                py::object sinks, int block_q, int block_k, Tail... tail) {
+    MaskCall m{causal, top_left, window_left, window_right, q_lens,    kv_lens,
+               cu_q,   cu_k,     layout,      layout_bq,    layout_bk, mask,
+               bias,   alibi,    softcap,     sinks,        block_q,   block_k};
+    return f(std::move(head)..., scale, std::move(m), std::move(tail)...);
+  };
+  auto mask_args = std::make_tuple(
+      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
+      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(),
+      py::arg("cu_k") = py::none(), py::arg("layout") = py::none(), py::arg("layout_bq") = 1,
+      py::arg("layout_bk") = 1, py::arg("mask") = py::none(), py::arg("bias") = py::none(),
+      py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+      py::arg("block_q") = 0, py::arg("block_k") = 0);
+  std::apply([&](auto&&... a) { mod.def(name, fn, a..., doc); },
+             std::tuple_cat(std::move(head_args), std::move(mask_args), std::move(tail_args)));
+}
 
 // A MaskCall into AttnArgs: varlen offsets (a.B becomes the number of
 // sequences), per-batch lengths, ALiBi slopes, sinks, the block-sparse
@@ -209,11 +245,7 @@ void linear_t(py::array q, py::array k, py::array v, py::array o, py::object kv,
                                : "q, k must be float32 features for 16-bit v, o");
   for (auto* arr : {&v, &o})
     if (!has_dtype<T>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
-  if (!o.writeable()) throw py::value_error("o is read-only");
-  a.sq = strides4(q, "q");
-  a.sk = strides4(k, "k");
-  a.sv = strides4(v, "v");
-  a.so = strides4(o, "o");
+  bind_strides(a, q, k, v, o);
   a.B = q.shape(0);
   a.H = q.shape(1);
   a.L = q.shape(2);
@@ -449,28 +481,17 @@ PYBIND11_MODULE(_core, m) {
   m.attr("BLOCK_PARTIAL") = static_cast<int>(TileClass::partial);
   m.attr("BLOCK_VISIBLE") = static_cast<int>(TileClass::visible);
   // forward and backward: the arrays, the scale, MaskCall's fields, by position from
-  // _dispatch (keywords work too; scale is required: its NaN default is refused).
-  m.def(
-      "forward",
-      [](py::array q, py::array k, py::array v, py::array o, py::object lse, double scale,
-         bool causal, bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-         py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq,
-         int64_t layout_bk, py::object mask, py::object bias, py::object alibi, double softcap,
-         py::object sinks, int block_q, int block_k, bool reference) {
-        MaskCall m{causal, top_left, window_left, window_right, q_lens,    kv_lens,
-                   cu_q,   cu_k,     layout,      layout_bq,    layout_bk, mask,
-                   bias,   alibi,    softcap,     sinks,        block_q,   block_k};
-        ForwardCall c{q, k, v, o, lse, scale, std::move(m), reference};
+  // _dispatch (keywords work too).
+  using A = py::array;
+  def_mask_call(
+      m, "forward", Params<A, A, A, A, py::object>{}, Params<bool>{},
+      [](A q, A k, A v, A o, py::object lse, double scale, MaskCall mc, bool reference) {
+        ForwardCall c{q, k, v, o, lse, scale, std::move(mc), reference};
         return forward(c);
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse") = py::none(),
-      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
-      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(),
-      py::arg("cu_k") = py::none(), py::arg("layout") = py::none(), py::arg("layout_bq") = 1,
-      py::arg("layout_bk") = 1, py::arg("mask") = py::none(), py::arg("bias") = py::none(),
-      py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
-      py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("reference") = false,
+      std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+                      py::arg("lse") = py::none()),
+      std::make_tuple(py::arg("reference") = false),
       "Fused attention forward on 4-D strided arrays; returns (tiles_computed, tiles_skipped, "
       "block_q, block_k). float16 q/k/v/o are fp16; uint16 ones hold bfloat16 bits; lse, bias, "
       "alibi and sinks are float32 for both.");
@@ -482,29 +503,17 @@ PYBIND11_MODULE(_core, m) {
         "q, k, v, o float32 or float64; or float32 q, k with 16-bit v, o (float16, or "
         "bfloat16 as uint16 bits).");
   def_decode(m);  // decode, kv_quant_append
-  m.def(
-      "backward",
-      [](py::array dout, py::array q, py::array k, py::array v, py::array o, py::array lse,
-         py::array dq, py::array dk, py::array dv, py::object dsinks, double scale, bool causal,
-         bool top_left, int64_t window_left, int64_t window_right, py::object q_lens,
-         py::object kv_lens, py::object cu_q, py::object cu_k, py::object layout, int64_t layout_bq,
-         int64_t layout_bk, py::object mask, py::object bias, py::object alibi, double softcap,
-         py::object sinks, int block_q, int block_k) {
-        MaskCall m{causal, top_left, window_left, window_right, q_lens,    kv_lens,
-                   cu_q,   cu_k,     layout,      layout_bq,    layout_bk, mask,
-                   bias,   alibi,    softcap,     sinks,        block_q,   block_k};
-        BackwardCall c{dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, std::move(m)};
+  def_mask_call(
+      m, "backward", Params<A, A, A, A, A, A, A, A, A, py::object>{}, Params<>{},
+      [](A dout, A q, A k, A v, A o, A lse, A dq, A dk, A dv, py::object dsinks, double scale,
+         MaskCall mc) {
+        BackwardCall c{dout, q, k, v, o, lse, dq, dk, dv, dsinks, scale, std::move(mc)};
         backward(c);
       },
-      py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"),
-      py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dsinks") = py::none(),
-      py::arg("scale") = std::numeric_limits<double>::quiet_NaN(), py::arg("causal") = false,
-      py::arg("top_left") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-      py::arg("q_lens") = py::none(), py::arg("kv_lens") = py::none(), py::arg("cu_q") = py::none(),
-      py::arg("cu_k") = py::none(), py::arg("layout") = py::none(), py::arg("layout_bq") = 1,
-      py::arg("layout_bk") = 1, py::arg("mask") = py::none(), py::arg("bias") = py::none(),
-      py::arg("alibi") = py::none(), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
-      py::arg("block_q") = 0, py::arg("block_k") = 0,
+      std::make_tuple(py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+                      py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+                      py::arg("dsinks") = py::none()),
+      std::make_tuple(),
       "Fused FlashAttention-2 backward on 4-D strided arrays: writes dq, dk, dv (and dsinks). "
       "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
       "lse, bias, alibi, sinks and dsinks are float32 for them.");

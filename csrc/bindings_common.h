@@ -112,6 +112,17 @@ auto by_dtype(const py::array& q, F&& f) {
   throw py::type_error("q must be float32, float64, float16 or bfloat16 (as uint16 bits)");
 }
 
+// o writeable; the strides of q, k, v, o (4-D) into a.sq, a.sk, a.sv, a.so.
+template <typename Args>
+void bind_strides(Args& a, const py::array& q, const py::array& k, const py::array& v,
+                  py::array& o) {
+  if (!o.writeable()) throw py::value_error("o is read-only");
+  a.sq = strides4(q, "q");
+  a.sk = strides4(k, "k");
+  a.sv = strides4(v, "v");
+  a.so = strides4(o, "o");
+}
+
 // What forward and decode share: q, k, v, o of one dtype T (o writeable),
 // their strides and data, and the causal / window options. Shapes are
 // checked by each caller (the key axis means Lk for one, ring slots for the
@@ -121,11 +132,7 @@ void bind_qkvo(Args& a, py::array& q, py::array& k, py::array& v, py::array& o, 
                bool causal, bool top_left, int64_t window_left, int64_t window_right) {
   for (auto* arr : {&q, &k, &v, &o})
     if (!has_dtype<T>(*arr)) throw py::type_error("q, k, v, o must share one dtype");
-  if (!o.writeable()) throw py::value_error("o is read-only");
-  a.sq = strides4(q, "q");
-  a.sk = strides4(k, "k");
-  a.sv = strides4(v, "v");
-  a.so = strides4(o, "o");
+  bind_strides(a, q, k, v, o);
   a.q = static_cast<const T*>(q.data());
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());

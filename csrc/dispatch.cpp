@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -318,49 +320,40 @@ struct ForkGuard {
 const ForkGuard g_fork_guard;
 #endif
 
+// Every Isa in enum order (attention.h numbers them 0, 1, ...), with its name
+// in ATTN_FAST_ISA, set_isa and the tests.
+constexpr std::pair<Isa, const char*> kIsas[] = {
+    {Isa::scalar, "scalar"}, {Isa::avx2, "avx2"},
+    {Isa::avx512, "avx512"}, {Isa::avx512_bf16, "avx512_bf16"},
+    {Isa::amx, "amx"},       {Isa::amx_emu, "amx_emu"},
+    {Isa::neon, "neon"},     {Isa::neon_bf16, "neon_bf16"},
+};
+static_assert([] {
+  for (int i = 0; i < static_cast<int>(std::size(kIsas)); ++i)
+    if (static_cast<int>(kIsas[i].first) != i) return false;
+  return true;
+}());
 }  // namespace
 
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return "scalar";
-    case Isa::avx2:
-      return "avx2";
-    case Isa::avx512:
-      return "avx512";
-    case Isa::avx512_bf16:
-      return "avx512_bf16";
-    case Isa::amx:
-      return "amx";
-    case Isa::amx_emu:
-      return "amx_emu";
-    case Isa::neon:
-      return "neon";
-    case Isa::neon_bf16:
-      return "neon_bf16";
-  }
-  return "?";
+  const auto i = static_cast<size_t>(isa);
+  return i < std::size(kIsas) ? kIsas[i].second : "?";
 }
 
 Isa parse_isa(const std::string& name) {
-  if (name == "scalar") return Isa::scalar;
-  if (name == "avx2") return Isa::avx2;
-  if (name == "avx512") return Isa::avx512;
-  if (name == "avx512_bf16") return Isa::avx512_bf16;
-  if (name == "amx") return Isa::amx;
-  if (name == "amx_emu") return Isa::amx_emu;
-  if (name == "neon") return Isa::neon;
-  if (name == "neon_bf16") return Isa::neon_bf16;
-  throw std::invalid_argument(
-      "unknown ISA '" + name +
-      "' (expected scalar, avx2, avx512, avx512_bf16, amx, amx_emu, neon or neon_bf16)");
+  std::string known;
+  for (size_t i = 0; i < std::size(kIsas); ++i) {
+    if (name == kIsas[i].second) return kIsas[i].first;
+    if (i > 0) known += i + 1 < std::size(kIsas) ? ", " : " or ";
+    known += kIsas[i].second;
+  }
+  throw std::invalid_argument("unknown ISA '" + name + "' (expected " + known + ")");
 }
 
 std::vector<Isa> compiled_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx, Isa::amx_emu,
-                Isa::neon, Isa::neon_bf16})
-    if (compiled(i)) out.push_back(i);
+  for (const auto& entry : kIsas)
+    if (compiled(entry.first)) out.push_back(entry.first);
   return out;
 }
 
@@ -486,112 +479,69 @@ std::string openmp_runtime() {
 }
 
 // The entry points: one overload per storage type of each kernel's list
-// (kernel_entries.h), forwarded to the active ISA's object. bf16 forward,
-// decode and backward calls on avx512_bf16 take that object's vdpbf16ps
-// kernels (bf16_dot_forward, bf16_dot_decode, bf16_dot_backward); every other
-// call of that ISA runs the avx512 object (ATTN_DISPATCH).
+// (kernel_entries.h), forwarded to the active ISA's object. bf16 calls on the
+// ISAs with pair-product kernels take those (bf16_dot); every other call of
+// such an ISA runs its base object (ATTN_DISPATCH: avx512, neon).
+//
+// bf16_dot<S>(): which pair-product kernel serves a forward, decode and
+// backward call of storage S on the active ISA; nullptr: the base object's. The forward: each such
+// ISA's own (AMX tiles on amx and amx_emu). Decode: vdpbf16ps Q K^T on avx512_bf16 only (amx and
+// amx_emu keep the avx512 one: on Sapphire Rapids vdpbf16ps runs at half the fp32 FMA rate,
+// README). The backward forms S as its forward did (kernels/flash_bwd_pairs.h): on avx512_bf16, amx
+// and amx_emu by the avx512_bf16 object's vdpbf16ps pair sums (amx_emu's tiles add the same pairs
+// in the same order; AMX hardware may add a pair's two products in the other
+// order, amx_tiles.h), on neon_bf16 by that object's BFDOT sums.
 template <typename S>
-inline bool bf16_dot_forward(const AttnArgs<S>&, AttnStats*) {
-  return false;
+struct Bf16Dot {
+  AttnStats (*forward)(const AttnArgs<S>&) = nullptr;
+  void (*decode)(const DecodeArgs<S>&) = nullptr;
+  void (*backward)(const BwdArgs<S>&) = nullptr;
+};
+template <typename S>
+inline Bf16Dot<S> bf16_dot() {  // storage types other than bf16: none
+  return {};
 }
-inline bool bf16_dot_forward(const AttnArgs<bf16_t>& a, AttnStats* st) {
+template <>
+inline Bf16Dot<bf16_t> bf16_dot<bf16_t>() {
+  const Isa isa = active_isa();
+  Bf16Dot<bf16_t> t;
+#ifdef ATTN_HAVE_AVX512_BF16
+  if (isa == Isa::avx512_bf16)
+    t = {isa_avx512_bf16::flash_forward_bf16, isa_avx512_bf16::decode_forward_bf16,
+         isa_avx512_bf16::flash_backward_bf16};
+  if (isa == Isa::amx || isa == Isa::amx_emu) t.backward = isa_avx512_bf16::flash_backward_bf16;
+#endif
 #ifdef ATTN_HAVE_AMX
-  if (active_isa() == Isa::amx) {
-    *st = isa_amx::flash_forward_bf16(a);
-    return true;
-  }
+  if (isa == Isa::amx) t.forward = isa_amx::flash_forward_bf16;
 #endif
 #ifdef ATTN_HAVE_AMX_EMU
-  if (active_isa() == Isa::amx_emu) {
-    *st = isa_amx_emu::flash_forward_bf16(a);
-    return true;
-  }
-#endif
-#ifdef ATTN_HAVE_AVX512_BF16
-  if (active_isa() == Isa::avx512_bf16) {
-    *st = isa_avx512_bf16::flash_forward_bf16(a);
-    return true;
-  }
+  if (isa == Isa::amx_emu) t.forward = isa_amx_emu::flash_forward_bf16;
 #endif
 #ifdef ATTN_HAVE_NEON_BF16
-  if (active_isa() == Isa::neon_bf16) {
-    *st = isa_neon_bf16::flash_forward_bf16(a);
-    return true;
-  }
+  if (isa == Isa::neon_bf16)
+    t = {isa_neon_bf16::flash_forward_bf16, isa_neon_bf16::decode_forward_bf16,
+         isa_neon_bf16::flash_backward_bf16};
 #endif
-  (void)a;
-  (void)st;
-  return false;
+  (void)isa;
+  return t;
 }
 
-#define ATTN_DEFINE_FORWARD(sfx, S)               \
-  AttnStats flash_forward(const AttnArgs<S>& a) { \
-    AttnStats st;                                 \
-    if (bf16_dot_forward(a, &st)) return st;      \
-    ATTN_DISPATCH(flash_forward_##sfx, a)         \
+#define ATTN_DEFINE_FORWARD(sfx, S)                        \
+  AttnStats flash_forward(const AttnArgs<S>& a) {          \
+    if (const auto f = bf16_dot<S>().forward) return f(a); \
+    ATTN_DISPATCH(flash_forward_##sfx, a)                  \
   }
-// bf16 decode on avx512_bf16 takes that object's kernel (vdpbf16ps Q K^T);
-// amx and amx_emu keep the avx512 one (on Sapphire Rapids vdpbf16ps runs at
-// half the fp32 FMA rate, README).
-template <typename S>
-inline bool bf16_dot_decode(const DecodeArgs<S>&) {
-  return false;
-}
-inline bool bf16_dot_decode(const DecodeArgs<bf16_t>& a) {
-#ifdef ATTN_HAVE_AVX512_BF16
-  if (active_isa() == Isa::avx512_bf16) {
-    isa_avx512_bf16::decode_forward_bf16(a);
-    return true;
-  }
-#endif
-#ifdef ATTN_HAVE_NEON_BF16
-  if (active_isa() == Isa::neon_bf16) {
-    isa_neon_bf16::decode_forward_bf16(a);
-    return true;
-  }
-#endif
-  (void)a;
-  return false;
-}
-
 #define ATTN_DEFINE_DECODE(sfx, S)                           \
   void decode_forward(const DecodeArgs<S>& args) {           \
     DecodeArgs<S> a = args;                                  \
     a.prefetch_l2 = decode_prefetch() == DecodePrefetch::l2; \
-    if (bf16_dot_decode(a)) return;                          \
+    if (const auto f = bf16_dot<S>().decode) return f(a);    \
     ATTN_DISPATCH(decode_forward_##sfx, a)                   \
   }
-// bf16 backward calls form S as their forward did (kernels/flash_bwd_pairs.h):
-// on avx512_bf16, amx and amx_emu by the avx512_bf16 object's vdpbf16ps pair
-// sums (amx_emu's tiles add the same pairs in the same order; AMX hardware may
-// add a pair's two products in the other order, amx_tiles.h), on neon_bf16 by
-// that object's BFDOT sums.
-template <typename S>
-inline bool bf16_dot_backward(const BwdArgs<S>&) {
-  return false;
-}
-inline bool bf16_dot_backward(const BwdArgs<bf16_t>& a) {
-#ifdef ATTN_HAVE_AVX512_BF16
-  const Isa isa = active_isa();
-  if (isa == Isa::avx512_bf16 || isa == Isa::amx || isa == Isa::amx_emu) {
-    isa_avx512_bf16::flash_backward_bf16(a);
-    return true;
-  }
-#endif
-#ifdef ATTN_HAVE_NEON_BF16
-  if (active_isa() == Isa::neon_bf16) {
-    isa_neon_bf16::flash_backward_bf16(a);
-    return true;
-  }
-#endif
-  (void)a;
-  return false;
-}
-
-#define ATTN_DEFINE_BACKWARD(sfx, S)         \
-  void flash_backward(const BwdArgs<S>& a) { \
-    if (bf16_dot_backward(a)) return;        \
-    ATTN_DISPATCH(flash_backward_##sfx, a)   \
+#define ATTN_DEFINE_BACKWARD(sfx, S)                        \
+  void flash_backward(const BwdArgs<S>& a) {                \
+    if (const auto f = bf16_dot<S>().backward) return f(a); \
+    ATTN_DISPATCH(flash_backward_##sfx, a)                  \
   }
 ATTN_FORWARD_TYPES(ATTN_DEFINE_FORWARD)
 ATTN_DECODE_TYPES(ATTN_DEFINE_DECODE)

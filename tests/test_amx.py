@@ -319,6 +319,27 @@ def test_other_calls_run_the_avx512_kernels(tile_isa, rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_bf16_decode_and_backward_take_the_documented_objects(tile_isa, rng):
+    """dispatch.cpp's bf16_dot: on a tile ISA the bf16 decode is the avx512 object's and the
+    bf16 backward the avx512_bf16 object's vdpbf16ps pair sums (bits equal to those ISAs'
+    own calls, and the backward's bits differ from the avx512 FMA backward's)."""
+    if "avx512" not in _core.available_isas():
+        pytest.skip("no avx512 here")
+    q, k, v, do = gen(rng, SRC, (1, 2, 70, 64), (1, 2, 90, 64), (1, 2, 90, 64), (1, 2, 70, 64))
+    af.set_isa("avx512")  # one forward for every backward below
+    o, lse = sdpa(q, k, v, is_causal=True, return_lse=True)
+    bits = {}
+    for name in (tile_isa, "avx512", "avx512_bf16"):
+        af.set_isa(name)
+        dec = sdpa(q[:, :, :1], k, v, backend="decode")
+        grads = af.scaled_dot_product_attention_backward(do, q, k, v, o, lse, is_causal=True)
+        bits[name] = (f64(dec).tobytes(), [f64(g).tobytes() for g in grads])
+    af.set_isa(tile_isa)
+    assert bits[tile_isa][0] == bits["avx512"][0]
+    assert bits[tile_isa][1] == bits["avx512_bf16"][1]
+    assert bits[tile_isa][1] != bits["avx512"][1]
+
+
 # ---------------------------------------------------------------- dispatch, self-check, status
 
 

@@ -24,7 +24,9 @@ each (alternating processes) and compare the same rows.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,14 +35,14 @@ import attn_fast as af
 from attn_fast import _core
 from attn_fast.flash_attn import flash_attn_with_kvcache
 
+# bench_flash_attn.py (its decode inputs) is a sibling folder's script.
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+from bench_flash_attn import decode_inputs  # noqa: E402
+
 
 def contenders(dtype, L, B=1, H=9, Hkv=3, d=64):
-    g = torch.Generator().manual_seed(0)
-    kc = torch.randn(B, L, Hkv, d, generator=g).to(dtype)
-    vc = torch.randn(B, L, Hkv, d, generator=g).to(dtype)
-    q = torch.randn(B, 1, H, d, generator=g).to(dtype)
-    k1 = torch.randn(B, 1, Hkv, d, generator=g).to(dtype)
-    v1 = torch.randn(B, 1, Hkv, d, generator=g).to(dtype)
+    kc, vc, q, k1, v1 = decode_inputs(0, dtype, B, L, H, Hkv, d)
     n = L - 1
     seq = torch.full((B,), n, dtype=torch.int32)
     kind = "float32" if dtype == torch.float32 else "bfloat16"

@@ -85,6 +85,48 @@ def repeats_for(nbytes):
     return max(5, min(50, int(2e9 / max(nbytes, 1))))
 
 
+def rounded(x, dtype):
+    """float32 x rounded to a cache dtype's values ("bfloat16": as uint16 bits)."""
+    if dtype == "bfloat16":
+        return bf16_bits(from_float(x, BF16))
+    return x if dtype in ("float32", "int8") else from_float(x, np.dtype(dtype))
+
+
+def filled_caches(rng, B, L, dtypes):
+    """q (B, HQ, 1, D) float32 and a KVCache per dtype holding the same L random tokens
+    (values: the keys reversed along the token axis), rounded to each cache's dtype."""
+    kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
+    q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
+    caches = []
+    for dt in dtypes:
+        c = af.KVCache(B, HKV, D, capacity=L + 1, dtype=dt)
+        x = rounded(kv, dt)
+        c.append(x, x[:, :, ::-1])
+        caches.append(c)
+    return q, caches
+
+
+def torch_step(torch, q, K, V, tol=1e-3):
+    """torch's SDPA on the same arrays (16-bit ones as torch tensors of that dtype; uint16 bits
+    as bfloat16), checked against the oracle: a function of no argument to time."""
+
+    def tensor(x):
+        x = np.ascontiguousarray(np.asarray(x).view(np.ndarray))
+        if x.dtype == np.uint16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    F = torch.nn.functional.scaled_dot_product_attention
+    tq, tk, tv = tensor(q), tensor(K), tensor(V)
+
+    def step():
+        with torch.no_grad():
+            return F(tq, tk, tv, enable_gqa=True)
+
+    check(step(), q, K, V, causal=False, tol=tol)
+    return step
+
+
 def setup(args):
     """Threads for attn_fast and torch (torch None when absent or --no-torch), the header line
     printed; returns (threads, torch module or None, the ISA / threads / CPU tag)."""
@@ -164,19 +206,7 @@ def main(argv=None):
                 f"{100 * gbs / bwn:6.0f}% | "
             )
             if torch is not None:
-                tq, tk, tv = (
-                    torch.from_numpy(np.ascontiguousarray(x))
-                    if not x.flags.c_contiguous
-                    else torch.from_numpy(x)
-                    for x in (q, K, V)
-                )
-                F = torch.nn.functional.scaled_dot_product_attention
-                with torch.no_grad():
-                    check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
-                    tt = best_time(
-                        lambda F=F, tq=tq, tk=tk, tv=tv: F(tq, tk, tv, enable_gqa=True),
-                        max(3, reps // 3),
-                    )
+                tt = best_time(torch_step(torch, q, K, V), max(3, reps // 3))
                 line += f"{tt * 1e3:9.3f} {nbytes / tt / 1e9:6.1f} {tt / t:5.1f}x"
             else:
                 line += f"{'-':>9} {'-':>6} {'-':>6}"
@@ -265,18 +295,10 @@ def main_16bit(args):
     print("-" * len(hdr))
     rng = np.random.default_rng(0)
     tag16 = bf16_bits if half == "bfloat16" else (lambda x: x)
-    dt16 = BF16 if half == "bfloat16" else np.dtype(np.float16)
     for B in args.batches:
         for L in args.lengths:
-            kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
-            q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
-            c32 = af.KVCache(B, HKV, D, capacity=L + 1)
-            c32.append(kv, kv[:, :, ::-1])
-            c16 = af.KVCache(B, HKV, D, capacity=L + 1, dtype=half)
-            kv16 = tag16(from_float(kv, dt16))
-            c16.append(kv16, kv16[:, :, ::-1])
-            del kv, kv16
-            q16 = tag16(from_float(q, dt16))
+            q, (c32, c16) = filled_caches(rng, B, L, ("float32", half))
+            q16 = rounded(q, half)
             K, V = c32._k[:, :, :L], c32._v[:, :, :L]
             K16, V16 = tag16(c16._k[:, :, :L]), tag16(c16._v[:, :, :L])
             check(c32.attend(q), q, K, V)
@@ -292,24 +314,7 @@ def main_16bit(args):
                 f"{100 * g16 / bwn:6.0f}% {t32 / t16:6.2f}x | "
             )
             if torch is not None:
-                tt16 = torch.bfloat16 if half == "bfloat16" else torch.float16
-
-                def tv(x, tt16=tt16):
-                    x = np.ascontiguousarray(np.asarray(x).view(np.ndarray))
-                    return (
-                        torch.from_numpy(x.view(np.int16)).view(tt16)
-                        if x.dtype == np.uint16
-                        else torch.from_numpy(x)
-                    )
-
-                tq, tk, tvv = tv(q16), tv(K16), tv(V16)
-                F = torch.nn.functional.scaled_dot_product_attention
-                with torch.no_grad():
-                    check(F(tq, tk, tvv, enable_gqa=True), q16, K16, V16, causal=False, tol=5e-2)
-                    tt = best_time(
-                        lambda F=F, tq=tq, tk=tk, tvv=tvv: F(tq, tk, tvv, enable_gqa=True),
-                        max(3, reps // 3),
-                    )
+                tt = best_time(torch_step(torch, q16, K16, V16, tol=5e-2), max(3, reps // 3))
                 line += f"{tt * 1e3:13.3f} {tt / t16:5.1f}x"
             else:
                 line += f"{'-':>13} {'-':>6}"
@@ -352,17 +357,8 @@ def main_int8(args):
     med = np.median
     for B in args.batches:
         for L in args.lengths:
-            kv = rng.standard_normal((B, HKV, L, D), dtype=np.float32)
-            q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
-            c32 = af.KVCache(B, HKV, D, capacity=L + 1)
-            c32.append(kv, kv[:, :, ::-1])
-            c16 = af.KVCache(B, HKV, D, capacity=L + 1, dtype="bfloat16")
-            kv16 = bf16_bits(from_float(kv, BF16))
-            c16.append(kv16, kv16[:, :, ::-1])
-            c8 = af.KVCache(B, HKV, D, capacity=L + 1, dtype="int8")
-            c8.append(kv, kv[:, :, ::-1])
-            del kv, kv16
-            q16 = bf16_bits(from_float(q, BF16))
+            q, (c32, c16, c8) = filled_caches(rng, B, L, ("float32", "bfloat16", "int8"))
+            q16 = rounded(q, "bfloat16")
             K, V = c32._k[:, :, :L], c32._v[:, :, :L]
             check(c32.attend(q), q, K, V)
             check(c16.attend(q16), q16, bf16_bits(c16._k[:, :, :L]), bf16_bits(c16._v[:, :, :L]),
@@ -374,16 +370,8 @@ def main_int8(args):
             reps = repeats_for(nb32)
             steps = {"32": (c32.attend, q), "16": (c16.attend, q16), "8": (c8.attend, q)}
             if torch is not None:
-                F = torch.nn.functional.scaled_dot_product_attention
-                tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q, K, V))
-                with torch.no_grad():
-                    check(F(tq, tk, tv, enable_gqa=True).numpy(), q, K, V, causal=False)
-
-                def torch_step(_, F=F, tq=tq, tk=tk, tv=tv):
-                    with torch.no_grad():
-                        return F(tq, tk, tv, enable_gqa=True)
-
-                steps["t"] = (torch_step, None)
+                step = torch_step(torch, q, K, V)
+                steps["t"] = (lambda _, step=step: step(), None)
             ts = {key: [] for key in steps}
             bw = []
             for _ in range(args.rounds):

@@ -92,13 +92,16 @@ def prefill(dtype, B, L, H, Hkv, d, reps):
     return interleaved(fns, reps)
 
 
+def decode_inputs(seed, dtype, B, Lc, H, Hkv, d):
+    """One decode step's tensors in flash-attn's layout: the caches k_cache, v_cache
+    (B, Lc, H_kv, d), the query (B, 1, H, d) and the new key and value (B, 1, H_kv, d)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, Lc, Hkv, d), (B, Lc, Hkv, d), (B, 1, H, d), (B, 1, Hkv, d), (B, 1, Hkv, d))
+    return tuple(torch.randn(*s, generator=g).to(dtype) for s in shapes)
+
+
 def decode(dtype, B, Lc, n, H, Hkv, d, reps, append):
-    g = torch.Generator().manual_seed(1)
-    kc = torch.randn(B, Lc, Hkv, d, generator=g).to(dtype)
-    vc = torch.randn(B, Lc, Hkv, d, generator=g).to(dtype)
-    q = torch.randn(B, 1, H, d, generator=g).to(dtype)
-    k1 = torch.randn(B, 1, Hkv, d, generator=g).to(dtype)
-    v1 = torch.randn(B, 1, Hkv, d, generator=g).to(dtype)
+    kc, vc, q, k1, v1 = decode_inputs(1, dtype, B, Lc, H, Hkv, d)
     seqlens = torch.full((B,), n - 1 if append else n, dtype=torch.int32)
     kw = dict(cache_seqlens=seqlens, causal=True)
     if append:
