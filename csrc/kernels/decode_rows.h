@@ -414,12 +414,16 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     constexpr int N = decltype(R)::value;
     // 4 rows on AVX-512 (32 registers): 4 vectors per pass, 16 accumulators
     // (half the P broadcasts and passes of 3); the same sums in the same order.
+    // 3 rows on AVX-512: 4 vectors per pass too (12 accumulators: half the
+    // passes and P broadcasts of 2; bench/NOTES.md#decode-kernel).
     // 4 rows of int8 on AVX2 (16 registers): 2 vectors per pass, because with
     // 3 the accumulators, widened V vectors and the P broadcast need all 16
     // registers and one accumulator spills (bench/NOTES.md#decode-kernel).
     // The same sums in the same order (E only groups the columns).
     constexpr bool i8_on_8 = Vec<T>::W == 8 && sizeof(SV) == 1;
-    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && i8_on_8 ? 2 : decltype(U)::value;
+    constexpr int E = (N == 4 || N == 3) && Vec<T>::W == 16 ? 4
+                      : N == 4 && i8_on_8                   ? 2
+                                                            : decltype(U)::value;
     pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }
