@@ -8,7 +8,9 @@
 // ratios to the first library (1 thread or more: ratios taken in the same
 // round see the same machine). Every version's output is compared bit for bit
 // with the first's. One token of 32 query heads against 8 kv heads of L keys,
-// d = dv = 128, K/V on transparent huge pages. The AVX2 object, or with
+// d = dv = 128 (AB_SHAPE="Hq,Hkv,d" another shape), K/V on transparent huge
+// pages; wall time (AB_CLOCK=cpu: the thread's CPU time, for 1 thread on a
+// loaded machine). The AVX2 object, or with
 // -DATTN_ISA_AVX512 and the AVX-512 flags the AVX-512 one (the wheel's avx512
 // build: the amx ISAs decode with it too), or with -DATTN_ISA_AVX512_BF16 and
 // -mavx512bf16 added the avx512_bf16 one (mode 1 only: its bf16 decode, QK by
