@@ -128,8 +128,16 @@ __attribute__((always_inline)) inline void pf_step(Pf* p) {
 // tree, Vec::hsum16, a summation order of its own; bench/NOTES.md#decode-kernel).
 // flatten: everything inlined (GCC's inliner may otherwise leave Vec::hsum4 a
 // call in the key loop).
+// Whether the 3-row, 4-key pass has its reduction (Vec<float>::hsum_3x4, the
+// trees of two 2-key passes): without it a 4-key pass would sum differently.
+#if defined(ATTN_ISA_AVX512)
+constexpr bool kHsum3x4 = true;
+#else
+constexpr bool kHsum3x4 = false;
+#endif
 // The NK dot-product accumulators of a key pass reduced to NK sums: 16 of 16
-// lanes (4 rows x 4 keys on AVX-512) in one tree, else four at a time.
+// lanes (4 rows x 4 keys on AVX-512) in one tree, 3 rows x 4 keys by
+// hsum_3x4, else four at a time.
 template <typename T, int NK, int N = 0>
 __attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R* acc, T* sums) {
   using V = Vec<T>;
@@ -139,6 +147,8 @@ __attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R*
   } else if constexpr (N == 3 && NK == 12 && std::is_same<T, float>::value) {
     V::hsum_3x4(acc, sums);
 #endif
+  } else if constexpr (N == 3 && NK == 12) {
+    static_assert(N != 3, "a 3-row 4-key pass needs Vec::hsum_3x4 (kHsum3x4)");
   } else {
     int i = 0;
     for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
@@ -391,7 +401,8 @@ void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t 
     // 3 rows on AVX-512 (a GQA group of 3): 4 keys per pass (12 chains), the
     // twelve dot products reduced at once by the trees of 2-key passes
     // (Vec::hsum_3x4): the sums of qk_rows<3, 2>, half its reduction work.
-    constexpr int KC = (N == 4 || N == 3) && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    constexpr bool k3x4 = N == 3 && kHsum3x4 && std::is_same<T, float>::value;
+    constexpr int KC = (N == 4 && Vec<T>::W == 16) || k3x4 ? 4 : decltype(U)::value;
     qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
 }
@@ -401,7 +412,7 @@ inline void qk_dispatch_dot(int nr, const uint16_t* Qw, int64_t ldq, const bf16_
                             int64_t cols, int64_t d, float scale, float* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
     constexpr int N = decltype(R)::value;
-    constexpr int KC = N == 4 || N == 3 ? 4 : decltype(U)::value;  // as qk_dispatch on 16 lanes
+    constexpr int KC = N == 4 || (N == 3 && kHsum3x4) ? 4 : decltype(U)::value;  // as qk_dispatch
     qk_rows_dot<N, KC>(Qw, ldq, kp, cols, d, scale, S, lds, pf);
   });
 }
