@@ -38,6 +38,8 @@ SHAPES = [
     (1, 3, 1, 7, 70, 3, 3),  # 21 rows: several row blocks
     (1, 2, 1, 20, 20, 8, 8),  # Lq == Lk
     (1, 8, 2, 1, 333, 40, 24),  # G = 4: 4-row kernels, dv = one 3-vector pass
+    (1, 9, 3, 1, 203, 64, 64),  # G = 3: 3-row kernels, 4-key passes then a pair and a key
+    (2, 3, 1, 1, 130, 37, 20),  # G = 3 with a d tail
 ]
 
 

@@ -8,7 +8,9 @@
 // ratios to the first library (1 thread or more: ratios taken in the same
 // round see the same machine). Every version's output is compared bit for bit
 // with the first's. One token of 32 query heads against 8 kv heads of L keys,
-// d = dv = 128, K/V on transparent huge pages. The AVX2 object, or with
+// d = dv = 128 (AB_SHAPE="Hq,Hkv,d" another shape), K/V on transparent huge
+// pages; wall time (AB_CLOCK=cpu: the thread's CPU time, for 1 thread on a
+// loaded machine). The AVX2 object, or with
 // -DATTN_ISA_AVX512 and the AVX-512 flags the AVX-512 one (the wheel's avx512
 // build: the amx ISAs decode with it too), or with -DATTN_ISA_AVX512_BF16 and
 // -mavx512bf16 added the avx512_bf16 one (mode 1 only: its bf16 decode, QK by
@@ -35,11 +37,18 @@
 //   variant's output is compared bit for bit with the first's as well.
 //   A library built with -DAB_L2 runs the l2 prefetch policy
 //   (DecodeArgs::prefetch_l2), without it the l1 policy, whatever the CPU.
+#include <cstdio>
 #include <cstdlib>
 // Slots per page of the paged runs: AB_PAGE, else 64 (the driver checks it).
 static long ab_page() {
   const char* e = std::getenv("AB_PAGE");
   return e && *e ? std::atol(e) : 64;
+}
+// The shape: AB_SHAPE="Hq,Hkv,d" in the environment (d = dv), else 32,8,128.
+static void ab_shape(long* hq, long* hkv, long* d) {
+  *hq = 32, *hkv = 8, *d = 128;
+  const char* e = std::getenv("AB_SHAPE");
+  if (e && *e) std::sscanf(e, "%ld,%ld,%ld", hq, hkv, d);
 }
 #if defined(AB_LIB)
 #if !defined(ATTN_ISA_AVX512)
@@ -64,7 +73,8 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
                                                               const void* k, const void* v, void* o,
                                                               float* lse, const float* const* sc,
                                                               long L, int nt, const long* table) {
-  const int64_t Hq = 32, Hkv = 8, d = 128;
+  long Hq, Hkv, d;
+  ab_shape(&Hq, &Hkv, &d);
   // mode + 16: paged, but the pages of a kv head lie one after the other as
   // in the contiguous cache (table in order; only the codes, the scales are
   // in the pool's layout): the paged code path over contiguous memory.
@@ -77,7 +87,7 @@ extern "C" __attribute__((visibility("default"))) int dec_run(int mode, const vo
     a.sk = {Hkv * L * d, L * d, d, 1};
     a.sv = a.sk;
     a.so = a.sq;
-    a.scale = 1 / std::sqrt(128.0);
+    a.scale = 1 / std::sqrt(static_cast<double>(d));
     a.num_threads = nt;
 #if defined(AB_L2)  // the l2 prefetch policy (decode.cpp, DecodeArgs::prefetch_l2)
     a.prefetch_l2 = true;
@@ -180,9 +190,12 @@ static void* huge_alloc(size_t bytes) {
   return p;
 }
 
+// Wall time, or with AB_CLOCK=cpu this thread's CPU time (one thread on a
+// loaded machine: what the call itself costs).
 static double now() {
+  static const bool cpu = std::getenv("AB_CLOCK") && std::string(std::getenv("AB_CLOCK")) == "cpu";
   timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
+  clock_gettime(cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &t);
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
@@ -245,7 +258,9 @@ int main(int argc, char** argv) {
     const char* tail = len > 2 ? argv[i] + len - 2 : "";
     paged.push_back(!std::strcmp(tail, "@p") ? 1 : !std::strcmp(tail, "@c") ? 2 : 0);
   }
-  const long Hq = 32, Hkv = 8, d = 128, n = Hkv * L * d;
+  long Hq, Hkv, d;
+  ab_shape(&Hq, &Hkv, &d);
+  const long n = Hkv * L * d;
   const size_t es = mode == 0 ? 4 : mode == 2 ? 1 : 2;
   char* k = static_cast<char*>(huge_alloc(n * es));
   char* v = static_cast<char*>(huge_alloc(n * es));

@@ -133,18 +133,44 @@ __attribute__((always_inline)) inline void pf_step(Pf* p) {
 // tree, Vec::hsum16, a summation order of its own; bench/NOTES.md#decode-kernel).
 // flatten: everything inlined (GCC's inliner may otherwise leave Vec::hsum4 a
 // call in the key loop).
+// Whether the 3-row, 4-key pass has its reduction (Vec<float>::hsum_3x4, the
+// trees of two 2-key passes): without it a 4-key pass would sum differently.
+#if defined(ATTN_ISA_AVX512)
+constexpr bool kHsum3x4 = true;
+#else
+constexpr bool kHsum3x4 = false;
+#endif
 // The NK dot-product accumulators of a key pass reduced to NK sums: 16 of 16
-// lanes (4 rows x 4 keys on AVX-512) in one tree, else four at a time.
-template <typename T, int NK>
+// lanes (4 rows x 4 keys on AVX-512) in one tree, 3 rows x 4 keys by
+// hsum_3x4, else four at a time.
+template <typename T, int NK, int N = 0>
 __attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R* acc, T* sums) {
   using V = Vec<T>;
   if constexpr (NK == 16 && V::W == 16) {
     V::store(sums, V::hsum16(acc));
+#if defined(ATTN_ISA_AVX512)
+  } else if constexpr (N == 3 && NK == 12 && std::is_same<T, float>::value) {
+    V::hsum_3x4(acc, sums);
+#endif
+  } else if constexpr (N == 3 && NK == 12) {
+    static_assert(N != 3, "a 3-row 4-key pass needs Vec::hsum_3x4 (kHsum3x4)");
   } else {
     int i = 0;
     for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
     for (; i < NK; ++i) sums[i] = V::hsum(acc[i]);
   }
+}
+
+// A loaded vector kept in its register (AVX-512): for 3 rows GCC otherwise
+// folds a K row's load into each row's FMA (3 loads instead of one per K
+// vector; the loads, not the FMAs, then bound the loop). Elsewhere the loads
+// stay as GCC schedules them (pinning measured no better there).
+template <int N, typename R>
+__attribute__((always_inline)) inline void in_register(R& x) {
+#if defined(ATTN_ISA_AVX512)
+  if constexpr (N == 3) __asm__("" : "+v"(x));
+#endif
+  (void)x;
 }
 
 template <typename T, typename SK, int N, int KC>
@@ -153,6 +179,7 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
   using V = Vec<T>;
   constexpr int W = V::W, NK = N * KC;
   const int64_t dvec = d / W * W;
+  Pf p = *pf;  // the walk in registers, not stored back at every prefetch
   int64_t c = 0;
   for (; c + KC <= cols; c += KC) {
     const SK* kr[KC];
@@ -160,16 +187,20 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     for (int64_t e = 0; e < dvec; e += W) {
-      if constexpr (!PrefetchPolicy<T, SK>::kPvOnly) pf_step(pf);
+      if constexpr (!PrefetchPolicy<T, SK>::kPvOnly) pf_step(&p);
       typename V::R kx[KC];
-      for (int j = 0; j < KC; ++j) kx[j] = ldv(kr[j] + e);
+      for (int j = 0; j < KC; ++j) {
+        kx[j] = ldv(kr[j] + e);
+        in_register<N>(kx[j]);
+      }
       for (int r = 0; r < N; ++r) {
-        const typename V::R qv = V::load(Qs + r * ldq + e);
+        typename V::R qv = V::load(Qs + r * ldq + e);
+        in_register<N>(qv);
         for (int j = 0; j < KC; ++j) acc[r * KC + j] = V::fma(qv, kx[j], acc[r * KC + j]);
       }
     }
     alignas(64) T sums[NK];
-    reduce_dots<T, NK>(acc, sums);
+    reduce_dots<T, NK, N>(acc, sums);
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) {
         T x = sums[r * KC + j];
@@ -177,7 +208,10 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
         S[r * lds + c + j] = x;
       }
   }
-  if constexpr (KC > 1) {
+  *pf = p;
+  if constexpr (N == 3 && KC == 4) {  // the tail as qk_rows<3, 2> would take it
+    if (c < cols) qk_rows<T, SK, N, 2>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
+  } else if constexpr (KC > 1) {
     if (c < cols) qk_rows<T, SK, N, 1>(Qs, ldq, kp + c, cols - c, d, S + c, lds, pf);
   }
 }
@@ -230,11 +264,13 @@ __attribute__((flatten)) inline void qk_rows_dot(const uint16_t* Qw, int64_t ldq
       }
     }
     alignas(64) float sums[NK];
-    reduce_dots<float, NK>(acc, sums);
+    reduce_dots<float, NK, N>(acc, sums);
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < KC; ++j) S[r * lds + c + j] = sums[r * KC + j] * scale;
   }
-  if constexpr (KC > 1) {
+  if constexpr (N == 3 && KC == 4) {  // the tail as qk_rows_dot<3, 2> would take it
+    if (c < cols) qk_rows_dot<N, 2>(Qw, ldq, kp + c, cols - c, d, scale, S + c, lds, pf);
+  } else if constexpr (KC > 1) {
     if (c < cols) qk_rows_dot<N, 1>(Qw, ldq, kp + c, cols - c, d, scale, S + c, lds, pf);
   }
 }
@@ -367,7 +403,11 @@ void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t 
     constexpr int N = decltype(R)::value;
     // 4 rows on AVX-512: 4 keys per pass (16 chains; 64-key blocks without a
     // 1-key tail); the same dot products, each reduced by the same tree.
-    constexpr int KC = N == 4 && Vec<T>::W == 16 ? 4 : decltype(U)::value;
+    // 3 rows on AVX-512 (a GQA group of 3): 4 keys per pass (12 chains), the
+    // twelve dot products reduced at once by the trees of 2-key passes
+    // (Vec::hsum_3x4): the sums of qk_rows<3, 2>, half its reduction work.
+    constexpr bool k3x4 = N == 3 && kHsum3x4 && std::is_same<T, float>::value;
+    constexpr int KC = (N == 4 && Vec<T>::W == 16) || k3x4 ? 4 : decltype(U)::value;
     qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
 }
@@ -377,7 +417,7 @@ inline void qk_dispatch_dot(int nr, const uint16_t* Qw, int64_t ldq, const bf16_
                             int64_t cols, int64_t d, float scale, float* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
     constexpr int N = decltype(R)::value;
-    constexpr int KC = N == 4 ? 4 : decltype(U)::value;  // as qk_dispatch on 16 lanes
+    constexpr int KC = N == 4 || (N == 3 && kHsum3x4) ? 4 : decltype(U)::value;  // as qk_dispatch
     qk_rows_dot<N, KC>(Qw, ldq, kp, cols, d, scale, S, lds, pf);
   });
 }
@@ -390,12 +430,16 @@ void pv_dispatch(int nr, const T* P, int64_t ldp, const SV* const* vp, int64_t c
     constexpr int N = decltype(R)::value;
     // 4 rows on AVX-512 (32 registers): 4 vectors per pass, 16 accumulators
     // (half the P broadcasts and passes of 3); the same sums in the same order.
+    // 3 rows on AVX-512: 4 vectors per pass too (12 accumulators: half the
+    // passes and P broadcasts of 2; bench/NOTES.md#decode-kernel).
     // 4 rows of int8 on AVX2 (16 registers): 2 vectors per pass, because with
     // 3 the accumulators, widened V vectors and the P broadcast need all 16
     // registers and one accumulator spills (bench/NOTES.md#decode-kernel).
     // The same sums in the same order (E only groups the columns).
     constexpr bool i8_on_8 = Vec<T>::W == 8 && sizeof(SV) == 1;
-    constexpr int E = N == 4 && Vec<T>::W == 16 ? 4 : N == 4 && i8_on_8 ? 2 : decltype(U)::value;
+    constexpr int E = (N == 4 || N == 3) && Vec<T>::W == 16 ? 4
+                      : N == 4 && i8_on_8                   ? 2
+                                                            : decltype(U)::value;
     pv_rows<T, SV, N, E>(P, ldp, vp, cols, dv, O, ldo, pf);
   });
 }

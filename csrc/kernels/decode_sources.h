@@ -114,6 +114,12 @@ struct FloatEncoding {
   static void begin(const DecodeArgs<S>&, const Sc&, const Pg&, int64_t, int, int64_t) {}
   static void rows(const DecodeArgs<S>& a, const Sc& sc, const Pg& pg, int64_t slot, int64_t cols,
                    bool kpack, bool vpack, Blk*) {
+    if (!kpack && !vpack && slot + cols <= a.R) {  // in place, no wrap: a pointer walk
+      const S* k = pg.k + slot * a.sk.l;
+      const S* v = pg.v + slot * a.sv.l;
+      for (int64_t c = 0; c < cols; ++c, k += a.sk.l, v += a.sv.l) sc.krow[c] = k, sc.vrow[c] = v;
+      return;
+    }
     const int64_t dp = round_up(a.d, Vec<T>::W), dvp = round_up(a.dv, Vec<T>::W);
     for (int64_t c = 0; c < cols; ++c) {
       sc.krow[c] =

@@ -69,6 +69,39 @@ struct Vec<float> : SimdVec<float>, HalfScalar {
     return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88),
                          _mm512_shuffle_f32x4(v01, v23, 0xDD));
   }
+  // The sums of twelve registers a[4 r + j] (3 rows x 4 keys of a QK pass),
+  // out[4 r + j], each by the tree qk_rows<3, 2>'s passes give it (so the same
+  // bits): rows 0 and 1 by hsum4's (lo + hi halves, then adjacent pairs, then
+  // the two 128-bit lanes), row 2 by hsum's (GCC's _mm512_reduce_add_ps: lo +
+  // hi halves, then the 128-bit lanes, then lanes i and i + 2, then i and i +
+  // 1); the adds of all twelve at full width, 24 shuffles and 15 adds where
+  // the hsum4 / hsum calls take about twice the instructions.
+  static void hsum_3x4(const R* a, float* out) {
+    R x[6];  // x[m]: 128-bit lanes [a.L0 + a.L2, a.L1 + a.L3] of a[2m], then of a[2m + 1]
+    for (int m = 0; m < 6; ++m)
+      x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+    // Rows 0, 1 (x[0..3]): within each 128-bit lane (v0 + v1) + (v2 + v3)...
+    const R s01 =
+        _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+    const R s23 =
+        _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x88), _mm512_shuffle_ps(x[2], x[3], 0xDD));
+    // t: lane 0 the low-half totals of a[0], a[2], a[4], a[6], lane 1 their
+    // high-half totals, lanes 2 and 3 those of a[1], a[3], a[5], a[7]
+    const R t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x88), _mm512_shuffle_ps(s01, s23, 0xDD));
+    // ... then low + high: sums of a[0], a[2], a[4], a[6], a[1], a[3], a[5], a[7]
+    const R u = _mm512_add_ps(_mm512_shuffle_f32x4(t, t, 0x08), _mm512_shuffle_f32x4(t, t, 0x0D));
+    alignas(64) float s[16];
+    _mm512_store_ps(s, u);
+    for (int i = 0; i < 4; ++i) out[2 * i] = s[i], out[2 * i + 1] = s[4 + i];
+    // Row 2 (x[4], x[5]): y = low + high 128-bit lanes, then (y0 + y2) + (y1 + y3).
+    const R y = _mm512_add_ps(_mm512_shuffle_f32x4(x[4], x[5], 0x88),
+                              _mm512_shuffle_f32x4(x[4], x[5], 0xDD));
+    const R z = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+    const R w = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+    _mm512_store_ps(s, w);
+    for (int j = 0; j < 4; ++j) out[8 + j] = s[4 * j];
+  }
   // Six rows of W floats interleaved: out[6 i + r] = rows[r][i] (r < 6, i < W),
   // the k-major layout of a 6-row Q panel (flash_fwd.cpp, pack_q), in 6 stores.
   // Pairs of rows first become 64-bit units (rows[2p][i], rows[2p + 1][i]) of
