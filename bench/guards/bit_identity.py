@@ -180,6 +180,17 @@ def _cases():
 
         yield f"{tag}/decode_ring", ring
 
+        # decode at a GQA group of 3 (the 3-row micro-kernels), every block tail mod 4
+        q9 = rnd(25, 1, 9, 1, 64, dtype=dt)
+        k3, v3 = rnd(26, 1, 3, 203, 64, dtype=dt), rnd(27, 1, 3, 203, 64, dtype=dt)
+        yield (
+            f"{tag}/decode_gqa3",
+            lambda q9=q9, k3=k3, v3=v3: [
+                sdpa(q9, k3[:, :, :n], v3[:, :, :n], enable_gqa=True, backend="decode")
+                for n in (1, 7, 66, 129, 203)
+            ],
+        )
+
         # backward
         qb, kb, vb = (rnd(s, 1, 2, 37, 24, dtype=dt) for s in (18, 19, 20))
         dout = rnd(21, 1, 2, 37, 24, dtype=dt)
@@ -220,6 +231,14 @@ def _cases():
         )
         q1 = rnd(40, 2, 2, 1, 80).astype(dt)
         yield f"{name}/decode", lambda q1=q1, k=k, v=v: [sdpa(q1, k, v, backend="decode")]
+        q9 = rnd(41, 1, 6, 1, 80).astype(dt)  # a GQA group of 3, d 80
+        yield (
+            f"{name}/decode_gqa3",
+            lambda q9=q9, k=k, v=v: [
+                sdpa(q9, k[:1, :, :n], v[:1, :, :n], enable_gqa=True, backend="decode")
+                for n in (5, 66, 129)
+            ],
+        )
         # the tile path's shapes (amx / amx_emu: d a multiple of 32, tails, GQA, masks)
         for dd, LL in ((64, 200), (128, 33)):
             qt, kt, vt = (
