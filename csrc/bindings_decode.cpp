@@ -355,10 +355,12 @@ class DecodeRing {
     if (k_.shape(1) <= 0) throw py::value_error("Hq must be a multiple of Hkv");
   }
 
-  // o (B, Hq, Lq, dv): a new C-contiguous array of q's dtype.
-  py::array call(const py::array& q, double scale, bool causal, int64_t window_left,
-                 const py::object& q_lens, const py::object& kv_lens,
-                 const py::object& kv_start) const {
+  // o (B, Hq, Lq, dv): a new C-contiguous array of q's dtype; None (and no
+  // kernel call) when causal and some q_lens[b] > kv_lens[b]: rows that would
+  // see past the stored keys, for which the caller's checked path raises.
+  py::object call(const py::array& q, double scale, bool causal, int64_t window_left,
+                  const py::object& q_lens, const py::object& kv_lens,
+                  const py::object& kv_start) const {
     switch (type_) {
       case 0:
         return run<float>(q, scale, causal, window_left, q_lens, kv_lens, kv_start);
@@ -380,9 +382,9 @@ class DecodeRing {
   }
 
   template <typename T>
-  py::array run(const py::array& q, double scale, bool causal, int64_t window_left,
-                const py::object& q_lens, const py::object& kv_lens,
-                const py::object& kv_start) const {
+  py::object run(const py::array& q, double scale, bool causal, int64_t window_left,
+                 const py::object& q_lens, const py::object& kv_lens,
+                 const py::object& kv_start) const {
     if (!has_dtype<T>(q)) throw py::type_error("q, k, v, o must share one dtype");
     DecodeArgs<T> a;
     a.sq = strides4(q, "q");
@@ -420,6 +422,9 @@ class DecodeRing {
       for (int64_t b = 0; b < a.B; ++b)
         if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
           throw py::value_error("kv_start entries must lie in [0, R)");
+    if (causal && a.q_lens && a.kv_lens)
+      for (int64_t b = 0; b < a.B; ++b)
+        if (a.q_lens[b] > a.kv_lens[b]) return py::none();
     if (o.size()) {
       py::gil_scoped_release release;
       decode_forward(a);
@@ -521,7 +526,8 @@ void def_decode(py::module_& m) {
       .def("__call__", &DecodeRing::call, py::arg("q"), py::arg("scale"), py::arg("causal"),
            py::arg("window_left"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("kv_start"),
            "decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, "
-           "kv_start) on a new o (B, Hq, Lq, dv) of q's dtype, which it returns.");
+           "kv_start) on a new o (B, Hq, Lq, dv) of q's dtype, which it returns; None (no "
+           "kernel call) when causal and some q_lens[b] > kv_lens[b].");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

@@ -218,6 +218,9 @@ def test_bound_ring_errors():
     q = np.ones((1, 4, 1, 4), dtype=np.float32)
     o = ring(q, 0.5, True, -1, np.array([1]), n, s)
     assert o.shape == (1, 4, 1, 3) and o.dtype == np.float32
+    q4 = np.ones((1, 4, 4, 4), dtype=np.float32)  # 4 rows, 3 stored keys: None if causal
+    assert ring(q4, 0.5, True, -1, np.array([4]), n, s) is None
+    assert ring(q4, 0.5, False, -1, np.array([4]), n, s).shape == (1, 4, 4, 3)
     with pytest.raises(TypeError, match="share one dtype"):
         ring(q.astype(np.float64), 0.5, True, -1, None, n, s)
     with pytest.raises(ValueError, match="inconsistent"):

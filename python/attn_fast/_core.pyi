@@ -85,7 +85,7 @@ class DecodeRing:
         q_lens: np.ndarray | None,
         kv_lens: np.ndarray | None,
         kv_start: np.ndarray | None,
-    ) -> np.ndarray: ...
+    ) -> np.ndarray | None: ...  # None: causal and some q_lens[b] > kv_lens[b]
 
 def kv_quant_append(
     k: np.ndarray,

@@ -179,7 +179,8 @@ def decode_ring(k: np.ndarray, v: np.ndarray) -> Any:
     """A KV cache's ring of slots k (B, H_kv, R, d), v (B, H_kv, R, dv) of one float dtype,
     checked and held (not copied) by a ``_core.DecodeRing``: ``ring(q, scale, causal,
     window_left, q_lens, kv_lens, kv_start)`` is ``decode_step``'s kernel on those arrays
-    (no lse, no right window) and returns a new o (B, H_q, L_new, dv) of q's dtype. For
+    (no lse, no right window) and returns a new o (B, H_q, L_new, dv) of q's dtype, or
+    None without a kernel call when causal and some q_lens[b] > kv_lens[b]. For
     ``KVCache.attend``'s planned path, where a call costs a few microseconds: the call
     parses seven arguments and checks only q, the scale and the lengths. The GIL is
     released while the kernel runs."""

@@ -601,7 +601,8 @@ class KVCache(KVStore):
         if not _decodes(Lq) or (self._aux and self.encoding.quant_args(self._aux)):
             return None
         ql = self._last_new if Lq == self._last_L else _uniform_lens(self.batch, Lq)
-        if self._unseen(ql, self._n, self._pos, causal):
+        # rows past the stored keys (causal): the ring call returns None for them
+        if self.window is not None and self._unseen(ql, self._n, self._pos, causal):
             return None
         ring = self._ring
         if ring is None:
