@@ -333,6 +333,111 @@ void decode(const DecodeCall& c) {
   });
 }
 
+// A KV cache's ring of slots bound once (KVCache.attend's planned decode):
+// k (B, Hkv, R, d), v (B, Hkv, R, dv) of one float storage type, checked and
+// held here, so that a call checks only what can differ between calls (q,
+// the scale, the lengths) and parses eight arguments, not eighteen. The
+// cache builds a new ring whenever it replaces its storage arrays (a resize
+// never happens in place); a call runs decode_forward on the same DecodeArgs
+// that decode() fills for these arrays, so it gives the same bits.
+class DecodeRing {
+ public:
+  DecodeRing(py::array k, py::array v) : k_(std::move(k)), v_(std::move(v)) {
+    type_ = by_dtype(k_, [&](auto t) {
+      using T = typename decltype(t)::type;
+      if (!has_dtype<T>(v_)) throw py::type_error("q, k, v, o must share one dtype");
+      return kind<T>();
+    });
+    sk_ = strides4(k_, "k");
+    sv_ = strides4(v_, "v");
+    if (v_.shape(0) != k_.shape(0) || v_.shape(1) != k_.shape(1) || v_.shape(2) != k_.shape(2))
+      throw py::value_error("k has shape " + shape_of(k_) + " but v has shape " + shape_of(v_));
+    if (k_.shape(1) <= 0) throw py::value_error("Hq must be a multiple of Hkv");
+  }
+
+  // o (B, Hq, Lq, dv): a new C-contiguous array of q's dtype; None (and no
+  // kernel call) when causal and some q_lens[b] > kv_lens[b]: rows that would
+  // see past the stored keys, for which the caller's checked path raises.
+  py::object call(const py::array& q, double scale, bool causal, int64_t window_left,
+                  const py::object& q_lens, const py::object& kv_lens,
+                  const py::object& kv_start) const {
+    switch (type_) {
+      case 0:
+        return run<float>(q, scale, causal, window_left, q_lens, kv_lens, kv_start);
+      case 1:
+        return run<double>(q, scale, causal, window_left, q_lens, kv_lens, kv_start);
+      case 2:
+        return run<fp16_t>(q, scale, causal, window_left, q_lens, kv_lens, kv_start);
+      default:
+        return run<bf16_t>(q, scale, causal, window_left, q_lens, kv_lens, kv_start);
+    }
+  }
+
+ private:
+  template <typename T>
+  static int kind() {
+    if (std::is_same<T, float>::value) return 0;
+    if (std::is_same<T, double>::value) return 1;
+    return std::is_same<T, fp16_t>::value ? 2 : 3;
+  }
+
+  template <typename T>
+  py::object run(const py::array& q, double scale, bool causal, int64_t window_left,
+                 const py::object& q_lens, const py::object& kv_lens,
+                 const py::object& kv_start) const {
+    if (!has_dtype<T>(q)) throw py::type_error("q, k, v, o must share one dtype");
+    DecodeArgs<T> a;
+    a.sq = strides4(q, "q");
+    a.B = q.shape(0);
+    a.Hq = q.shape(1);
+    a.Lq = q.shape(2);
+    a.d = q.shape(3);
+    a.Hkv = k_.shape(1);
+    a.R = k_.shape(2);
+    a.dv = v_.shape(3);
+    if (k_.shape(0) != a.B || k_.shape(3) != a.d)
+      throw py::value_error("inconsistent q/k/v/o shapes");
+    if (a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+    if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
+      throw py::value_error("scale = " + py::str(py::float_(scale)).cast<std::string>() +
+                            " is out of the range of the inputs' dtype");
+    py::array o(q.dtype(), std::vector<py::ssize_t>{a.B, a.Hq, a.Lq, a.dv});
+    a.so = strides4(o, "o");
+    a.q = static_cast<const T*>(q.data());
+    a.o = static_cast<T*>(o.mutable_data());
+    a.k = static_cast<const T*>(k_.data());
+    a.v = static_cast<const T*>(v_.data());
+    a.sk = sk_;
+    a.sv = sv_;
+    a.scale = scale;
+    a.causal = causal;
+    a.window_left = clamp_window(window_left);
+    a.window_right = -1;
+    a.split = 0;
+    a.num_threads = threads_for_call();  // 1 in a forked child of a libgomp process
+    a.q_lens = data_of<int64_t>(q_lens, "q_lens", a.B);
+    a.kv_lens = data_of<int64_t>(kv_lens, "kv_lens", a.B);
+    a.kv_start = data_of<int64_t>(kv_start, "kv_start", a.B);
+    if (a.kv_start)
+      for (int64_t b = 0; b < a.B; ++b)
+        if (a.kv_start[b] < 0 || a.kv_start[b] >= (a.R > 0 ? a.R : 1))
+          throw py::value_error("kv_start entries must lie in [0, R)");
+    if (causal && a.q_lens && a.kv_lens)
+      for (int64_t b = 0; b < a.B; ++b)
+        if (a.q_lens[b] > a.kv_lens[b]) return py::none();
+    if (o.size()) {
+      py::gil_scoped_release release;
+      decode_forward(a);
+    }
+    raise_if_interrupted();
+    return o;
+  }
+
+  py::array k_, v_;
+  Strides4 sk_, sv_;
+  int type_ = 0;  // 0 float, 1 double, 2 fp16, 3 bf16 bits
+};
+
 // Quantise a float32 chunk into an int8 cache (KvQuantArgs, csrc/kv_quant.cpp).
 void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py::object k_scale,
                         py::object k_off, py::object v_scale, py::object v_off, py::object stage,
@@ -414,6 +519,15 @@ void def_decode(py::module_& m) {
       "arrays in the encoding's order (a wrong count names them) and group its key group; each "
       "side array (B, Hkv, ...) or, for a pool, a "
       "list of (chunk_blocks, Hkv, ...) chunks.");
+  py::class_<DecodeRing>(m, "DecodeRing",
+                         "A KV cache's ring of slots k (B, Hkv, R, d), v (B, Hkv, R, dv) "
+                         "bound once for decode calls; held, not copied.")
+      .def(py::init<py::array, py::array>(), py::arg("k"), py::arg("v"))
+      .def("__call__", &DecodeRing::call, py::arg("q"), py::arg("scale"), py::arg("causal"),
+           py::arg("window_left"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("kv_start"),
+           "decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, "
+           "kv_start) on a new o (B, Hq, Lq, dv) of q's dtype, which it returns; None (no "
+           "kernel call) when causal and some q_lens[b] > kv_lens[b].");
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

@@ -144,3 +144,115 @@ def test_repeated_append_same_state_as_checked_path(rng, window, dtype):
         if dtype != "bfloat16":
             q = q.astype(dtype)
             np.testing.assert_array_equal(a.attend(q), b.attend(q))
+
+
+def _decode_steps(cache, rng, Hq, steps, dtype):
+    """Yield (q, fast, checked) over one-token decode steps: chunks of 1 to 3 tokens
+    appended, then a one-row query (the last append's lengths or a uniform Lq = 1)."""
+    Hkv, d, dv = cache.num_kv_heads, cache.head_dim, cache.v_head_dim
+    B = cache.batch
+    for step in range(steps):
+        L = (1, 1, 3, 1, 2)[step % 5]
+        k = rng.standard_normal((B, Hkv, L, d)).astype(dtype)
+        v = rng.standard_normal((B, Hkv, L, dv)).astype(dtype)
+        cache.append(k, v)
+        q = rng.standard_normal((B, Hq, 1, d)).astype(dtype)
+        cache.attend(q)  # checks, then the plan
+        fast = cache.attend(q)
+        yield q, fast, _checked(cache, q, True)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "win5"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16], ids=str)
+def test_bound_ring_same_bits_through_growth_reset_truncate_copy(isa, rng, window, dtype):
+    """The decode plan binds the cache's arrays once (_core.DecodeRing): it gives the
+    checked path's bits while the ring grows (new arrays), wraps, is reset or truncated,
+    and a copy of the cache reads its own arrays, not the original's."""
+    import copy
+
+    cache = af.KVCache(1, 2, 6, capacity=4, v_head_dim=3, dtype=dtype, window=window)
+    for _, fast, checked in _decode_steps(cache, rng, 6, 12, dtype):
+        np.testing.assert_array_equal(fast, checked)
+    cache.reset()
+    for _, fast, checked in _decode_steps(cache, rng, 6, 4, dtype):
+        np.testing.assert_array_equal(fast, checked)
+    if window is None:
+        cache.truncate(2)
+        q = rng.standard_normal((1, 6, 1, 6)).astype(dtype)
+        np.testing.assert_array_equal(cache.attend(q), _checked(cache, q, True))
+    twin = copy.deepcopy(cache)
+    for _, fast, checked in _decode_steps(twin, rng, 6, 6, dtype):  # grows the copy only
+        np.testing.assert_array_equal(fast, checked)
+        assert twin._k is not cache._k
+    q = rng.standard_normal((1, 6, 1, 6)).astype(dtype)
+    cache.attend(q)
+    np.testing.assert_array_equal(cache.attend(q), _checked(cache, q, True))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bound_ring_honours_thread_count(rng, threads):
+    """The bound ring reads the thread count per call: set_num_threads between calls gives
+    the checked path's bits at that count."""
+    old = af.get_num_threads()
+    cache = af.KVCache(2, 2, 16, capacity=600)
+    try:
+        k = rng.standard_normal((2, 2, 520, 16)).astype(np.float32)
+        cache.append(k, k)
+        q = rng.standard_normal((2, 8, 1, 16)).astype(np.float32)
+        cache.attend(q)
+        af.set_num_threads(threads)
+        np.testing.assert_array_equal(cache.attend(q), _checked(cache, q, True))
+    finally:
+        af.set_num_threads(old)
+
+
+def test_bound_ring_errors():
+    """The bound call checks what can change per call: q's dtype, shape and strides, the
+    lengths and the scale, with the binding's messages."""
+    from attn_fast import _dispatch
+
+    k = np.zeros((1, 2, 8, 4), dtype=np.float32)
+    v = np.zeros((1, 2, 8, 3), dtype=np.float32)
+    ring = _dispatch.decode_ring(k, v)
+    n, s = np.array([3]), np.array([0])
+    q = np.ones((1, 4, 1, 4), dtype=np.float32)
+    o = ring(q, 0.5, True, -1, np.array([1]), n, s)
+    assert o.shape == (1, 4, 1, 3) and o.dtype == np.float32
+    q4 = np.ones((1, 4, 4, 4), dtype=np.float32)  # 4 rows, 3 stored keys: None if causal
+    assert ring(q4, 0.5, True, -1, np.array([4]), n, s) is None
+    assert ring(q4, 0.5, False, -1, np.array([4]), n, s).shape == (1, 4, 4, 3)
+    with pytest.raises(TypeError, match="share one dtype"):
+        ring(q.astype(np.float64), 0.5, True, -1, None, n, s)
+    with pytest.raises(ValueError, match="inconsistent"):
+        ring(q[..., :3], 0.5, True, -1, None, n, s)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ring(q[:, :3], 0.5, True, -1, None, n, s)
+    with pytest.raises(ValueError, match="kv_start entries"):
+        ring(q, 0.5, True, -1, None, n, np.array([8]))
+    with pytest.raises(ValueError, match="kv_lens: expected 1 elements"):
+        ring(q, 0.5, True, -1, None, np.array([1, 2]), s)
+    with pytest.raises(ValueError, match="out of the range"):
+        ring(q, 1e300, True, -1, None, n, s)
+    with pytest.raises(TypeError, match="share one dtype"):
+        _dispatch.decode_ring(k, v.astype(np.float64))
+    with pytest.raises(ValueError, match="but v has shape"):
+        _dispatch.decode_ring(k, v[:, :, :5])
+
+
+@pytest.mark.parametrize("Lk", [1, 16, 129])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16], ids=str)
+def test_numpy_api_plan_same_bits_as_checked_call(isa, rng, Lk, dtype):
+    """The NumPy API's plan (a bound kernel call) gives the checked call's bits (return_lse
+    keeps a call off the plan) and its errors."""
+    q, k, v = qkv(rng, 1, 6, 2, 1, Lk, 8, 5, dtype)
+    first = af.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    again = af.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    checked, _ = af.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert type(again) is np.ndarray and again.dtype == dtype
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(again, checked)
+    with pytest.raises(ValueError) as want:
+        af.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True, return_lse=True)
+    with pytest.raises(ValueError) as got:
+        af.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True)
+    assert str(got.value) == str(want.value)

@@ -115,8 +115,11 @@ def to_input_kind(result, like):
     input, else unchanged. Tensors and non-arrays (KernelStats, None) pass
     through; a plain tuple is converted element by element."""
     t = type(result)
-    if t is np.ndarray and type(like) in _TORCH_TYPES and result.dtype in _FAST_NP_DTYPES:
-        return sys.modules["torch"].from_numpy(result)  # the common case, first
+    if t is np.ndarray and result.dtype in _FAST_NP_DTYPES:  # the common cases, first
+        if type(like) in _TORCH_TYPES:
+            return sys.modules["torch"].from_numpy(result)
+        if type(like) is np.ndarray:  # what half_result gives a float32/64/16 array
+            return result
     if type(result) is tuple:
         return tuple(to_input_kind(r, like) for r in result)
     if not isinstance(result, np.ndarray):

@@ -73,6 +73,20 @@ def decode(
     aux: tuple | list | None = ...,  # its side arrays (or lists of pool chunks), in order
     group: int = ...,
 ) -> None: ...
+
+class DecodeRing:
+    def __init__(self, k: np.ndarray, v: np.ndarray) -> None: ...
+    def __call__(
+        self,
+        q: np.ndarray,
+        scale: float,
+        causal: bool,
+        window_left: int,
+        q_lens: np.ndarray | None,
+        kv_lens: np.ndarray | None,
+        kv_start: np.ndarray | None,
+    ) -> np.ndarray | None: ...  # None: causal and some q_lens[b] > kv_lens[b]
+
 def kv_quant_append(
     k: np.ndarray,
     v: np.ndarray,

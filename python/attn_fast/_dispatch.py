@@ -20,6 +20,7 @@ arguments (``_checks``); this module only routes them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -174,22 +175,16 @@ def decode_step(
     )
 
 
-def decode_ring(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    o: np.ndarray,
-    scale: float,
-    causal: bool,
-    window_left: int,
-    q_lens: np.ndarray,
-    kv_lens: np.ndarray,
-    kv_start: np.ndarray,
-) -> None:
-    """``decode_step`` with its arguments by position and no lse or right window: a KV
-    cache's ring of slots read in place (``KVCache.attend``'s planned path, where a call
-    costs a few microseconds and every keyword lookup shows)."""
-    _core.decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, kv_start)
+def decode_ring(k: np.ndarray, v: np.ndarray) -> Any:
+    """A KV cache's ring of slots k (B, H_kv, R, d), v (B, H_kv, R, dv) of one float dtype,
+    checked and held (not copied) by a ``_core.DecodeRing``: ``ring(q, scale, causal,
+    window_left, q_lens, kv_lens, kv_start)`` is ``decode_step``'s kernel on those arrays
+    (no lse, no right window) and returns a new o (B, H_q, L_new, dv) of q's dtype, or
+    None without a kernel call when causal and some q_lens[b] > kv_lens[b]. For
+    ``KVCache.attend``'s planned path, where a call costs a few microseconds: the call
+    parses seven arguments and checks only q, the scale and the lengths. The GIL is
+    released while the kernel runs."""
+    return _core.DecodeRing(k, v)
 
 
 def attend(
@@ -228,6 +223,25 @@ def attend(
         )
     args = _kernel_args(mask, score, cu_q, cu_k, block_q, block_k)
     return tuple(_core.forward(q, k, v, o, lse, scale, *args, kernel == REFERENCE))
+
+
+def bound(kernel: str, mask: MaskArgs) -> Callable[..., None]:
+    """``run(q, k, v, o, scale)``: ``attend(kernel, q, k, v, o, None, scale=scale,
+    mask=mask)`` with the kernel and the record bound once (a plan's call, where attend's
+    keyword lookups and routing show at a few microseconds a call); the same kernel call."""
+    if kernel == DECODE:  # _decode's positional call, its record fields read once
+        m = (mask.causal, mask.top_left, mask.window_left, mask.window_right)
+        ql, kl, decode = mask.q_lens, mask.kv_lens, _core.decode
+
+        def run(q, k, v, o, scale):
+            decode(q, k, v, o, None, scale, *m, ql, kl)
+
+        return run
+
+    def run(q, k, v, o, scale):
+        attend(kernel, q, k, v, o, None, scale=scale, mask=mask)
+
+    return run
 
 
 def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):

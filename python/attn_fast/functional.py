@@ -97,11 +97,11 @@ class KernelStats(NamedTuple):
 # Plans of plain calls (no mask object or options; 4-D arrays; out= or not): the
 # key holds everything the checked path's acceptance and choices depended on (each
 # array's kind, shape and strides via _checks.fast_view, is_causal, enable_gqa,
-# scale), the plan what it decided (kernel, mask record, checked scale, output shape
-# and dtype). A call with a known key runs the same kernel call without the checks
-# (out's writeability and its overlap with the inputs are still looked at, as they
-# depend on more than the key); the first call of a key takes the checked path, so
-# bad input raises there as before.
+# scale), the plan what it decided (the kernel call bound to its mask record, checked
+# scale, output shape and dtype). A call with a known key runs the same kernel call
+# without the checks (out's writeability and its overlap with the inputs are still
+# looked at, as they depend on more than the key); the first call of a key takes the
+# checked path, so bad input raises there as before.
 _PLANS: dict = {}
 _MAX_PLANS = 256
 
@@ -110,14 +110,18 @@ def _plain_key(
     q: Any, k: Any, v: Any, out: Any, is_causal: bool, enable_gqa: bool, scale: Any
 ) -> Any:
     """(key, views) of a plain call, or None when an array is not a fast-path kind."""
-    views, key = [], [is_causal, enable_gqa, scale]
-    for x in (q, k, v) if out is None else (q, k, v, out):
-        f = fast_view(x)
-        if f is None:
-            return None
-        views.append(f[0])
-        key += (f[1], f[0].shape, f[0].strides)
-    return tuple(key), views
+    fq, fk, fv = fast_view(q), fast_view(k), fast_view(v)
+    if fq is None or fk is None or fv is None:
+        return None
+    a, b, c = fq[0], fk[0], fv[0]
+    key = (is_causal, enable_gqa, scale, fq[1], a.shape, a.strides, fk[1], b.shape, b.strides)
+    key += (fv[1], c.shape, c.strides)
+    if out is None:
+        return key, (a, b, c)
+    fo = fast_view(out)
+    if fo is None:
+        return None
+    return key + (fo[1], fo[0].shape, fo[0].strides), (a, b, c, fo[0])
 
 
 def _store_plan(plan_key: Any, plan: tuple) -> None:
@@ -129,7 +133,7 @@ def _store_plan(plan_key: Any, plan: tuple) -> None:
 def _run_plan(plan: tuple, plan_key: Any, like: Any, out: Any, scale: float | None) -> Any:
     """The kernel call a checked call of the same key made, on this call's arrays; None when
     `out` is read-only (the checked path raises)."""
-    kernel, mask, checked_scale, shape, dtype = plan
+    run, checked_scale, shape, dtype = plan
     scale = checked_scale if scale is None else scale
     views = plan_key[1]
     q, k, v = views[:3]
@@ -141,7 +145,7 @@ def _run_plan(plan: tuple, plan_key: Any, like: Any, out: Any, scale: float | No
             return None
         o, target = alias_safe(views[3], q, k, v)
     if o.size:
-        _dispatch.attend(kernel, q, k, v, o, None, scale=scale, mask=mask)
+        run(q, k, v, o, scale)
     if out is None:
         return to_input_kind(o, like)
     if target is not None:
@@ -335,7 +339,8 @@ def scaled_dot_product_attention(
         stats=return_stats,
     )
     if plan_key is not None and q.ndim == 4:
-        _store_plan(plan_key, (kernel, mask, scale, res.array.shape, res.array.dtype))
+        run = _dispatch.bound(kernel, mask)
+        _store_plan(plan_key, (run, scale, res.array.shape, res.array.dtype))
     stats = KernelStats(0, 0, 0, 0)
     if res.array.size or (lse is not None and lse.size):
         stats = KernelStats(

@@ -115,6 +115,15 @@ def _decodes(Lq: int) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _uniform_lens(B: int, Lq: int) -> np.ndarray:
+    """(B,) int64 filled with Lq, read-only and shared: q_lens for the decode kernel, which
+    only reads them (a fresh ``np.full`` per call shows at a few microseconds a call)."""
+    a = np.full(B, Lq, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
 def _write_numpy(buf, x, first, count):
     """The NumPy reference of ``_cyloops.cache_write``.
 
@@ -223,9 +232,15 @@ class KVCache(KVStore):
         specs = [(lead + (cap, d), self.dtype), (lead + (cap, dv), self.dtype)]
         self._k, self._v, *aux = huge_arrays(specs + self.encoding.aux_specs(lead, cap, d, dv))
         self._aux = tuple(aux)
+        self._ring = None  # these arrays bound for the decode kernel (_decode_planned)
 
     def _arrays(self, q):
         return (q, self._k, self._v, *self._aux)
+
+    def __getstate__(self) -> dict:
+        # copy / deepcopy / pickle: the ring binds this cache's arrays, so a copy rebuilds
+        # its own (a _core object neither copies nor pickles).
+        return {**self.__dict__, "_ring": None}
 
     # ---- state -------------------------------------------------------------
     @property
@@ -585,24 +600,22 @@ class KVCache(KVStore):
         Lq = q.shape[2]
         if not _decodes(Lq) or (self._aux and self.encoding.quant_args(self._aux)):
             return None
-        ql = self._last_new if Lq == self._last_L else np.full(self.batch, Lq, dtype=np.int64)
-        if self._unseen(ql, self._n, self._pos, causal):
+        ql = self._last_new if Lq == self._last_L else _uniform_lens(self.batch, Lq)
+        # rows past the stored keys (causal): the ring call returns None for them
+        if self.window is not None and self._unseen(ql, self._n, self._pos, causal):
             return None
-        o = np.empty(q.shape[:3] + (self.v_head_dim,), dtype=self.io_dtype)
-        if o.size:
-            _dispatch.decode_ring(
-                q,
-                self._k,
-                self._v,
-                o,
-                self._plan_scale if scale is None else scale,
-                bool(causal),
-                -1 if self.window is None else self.window - 1,
-                ql,
-                self._n,
-                self._start,
-            )
-        return o
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = _dispatch.decode_ring(self._k, self._v)
+        return ring(
+            q,
+            self._plan_scale if scale is None else scale,
+            bool(causal),
+            -1 if self.window is None else self.window - 1,
+            ql,
+            self._n,
+            self._start,
+        )
 
     def _default_q_lens(self, Lq):
         """attend's q_lens when none is given: the last append's per-sequence lengths if q
