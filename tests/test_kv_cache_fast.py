@@ -189,6 +189,24 @@ def test_bound_ring_same_bits_through_growth_reset_truncate_copy(isa, rng, windo
     np.testing.assert_array_equal(cache.attend(q), _checked(cache, q, True))
 
 
+def test_state_without_a_bound_ring_attends(rng):
+    """A cache pickled before the bound ring existed has no ``_ring`` in its state: it
+    unpickles, attends with the checked path's bits, and binds its own ring."""
+    import pickle
+
+    cache = af.KVCache(1, 2, 8, capacity=16)
+    k = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
+    cache.append(k, k)
+    state = pickle.loads(pickle.dumps(cache)).__dict__
+    del state["_ring"]  # what unpickling an older cache gives: its __dict__, no _ring
+    old = af.KVCache.__new__(af.KVCache)
+    old.__dict__.update(state)
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    np.testing.assert_array_equal(old.attend(q), _checked(old, q, True))
+    np.testing.assert_array_equal(old.attend(q), cache.attend(q))
+    assert old._ring is not None and old._k is not cache._k
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bound_ring_honours_thread_count(rng, threads):
     """The bound ring reads the thread count per call: set_num_threads between calls gives

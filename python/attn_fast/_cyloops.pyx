@@ -3,7 +3,7 @@
 """The Python layer's small numeric loops, in Cython over NumPy buffers.
 
 Each function here replaces a NumPy formula that stays in the calling module
-as the readable reference (``positional._rope_numpy``, ``kv_cache._write_numpy``,
+as the readable reference (``positional._rope_numpy``, ``_kv_store._write_numpy``,
 ``masks._summary_numpy``, ...); the tests compare the two. One pass over the
 data, no temporaries, the GIL released, OpenMP ``prange`` over the independent
 rows when there is enough work to share.

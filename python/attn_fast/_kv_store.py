@@ -45,6 +45,25 @@ KGROUP = 64  # positions per key quantisation group of an int8 cache (the decode
 _HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, Linux)
 
 
+def _write_numpy(buf, x, first, count):
+    """The NumPy reference of ``_cyloops.cache_write``.
+
+    buf[b, :, (first[b] + t) % R] = x[b, :, t], t < count[b].
+
+    buf : (B, H, R, d) storage, x : (B, H, L, d) chunk; first, count : (B,).
+    A chunk that runs past slot R - 1 wraps around to slot 0 (ring buffer).
+    """
+    R = buf.shape[2]
+    for b in range(buf.shape[0]):
+        c, w0 = int(count[b]), int(first[b])
+        if c == 0:
+            continue
+        n1 = min(c, R - w0)
+        buf[b, :, w0 : w0 + n1] = x[b, :, :n1]
+        if n1 < c:  # wrap around (ring only)
+            buf[b, :, : c - n1] = x[b, :, n1:c]
+
+
 def huge_arrays(specs: list[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
     """Zero-filled C-contiguous arrays of the given (shape, dtype) specs, in order, each
     starting on a 64-byte boundary: views of one private anonymous mapping whose start is

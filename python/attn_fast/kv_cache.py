@@ -93,7 +93,7 @@ from ._checks import (
     shape_str,
     to_input_kind,
 )
-from ._kv_store import KGROUP, KVStore, LayerStack, huge_arrays  # noqa: F401 (KGROUP)
+from ._kv_store import KGROUP, KVStore, LayerStack, _write_numpy, huge_arrays  # noqa: F401 (KGROUP)
 from .positional import RoPE
 
 __all__ = ["KVCache", "LayerCaches", "merge_attention_states"]
@@ -122,25 +122,6 @@ def _uniform_lens(B: int, Lq: int) -> np.ndarray:
     a = np.full(B, Lq, dtype=np.int64)
     a.flags.writeable = False
     return a
-
-
-def _write_numpy(buf, x, first, count):
-    """The NumPy reference of ``_cyloops.cache_write``.
-
-    buf[b, :, (first[b] + t) % R] = x[b, :, t], t < count[b].
-
-    buf : (B, H, R, d) storage, x : (B, H, L, d) chunk; first, count : (B,).
-    A chunk that runs past slot R - 1 wraps around to slot 0 (ring buffer).
-    """
-    R = buf.shape[2]
-    for b in range(buf.shape[0]):
-        c, w0 = int(count[b]), int(first[b])
-        if c == 0:
-            continue
-        n1 = min(c, R - w0)
-        buf[b, :, w0 : w0 + n1] = x[b, :, :n1]
-        if n1 < c:  # wrap around (ring only)
-            buf[b, :, : c - n1] = x[b, :, n1:c]
 
 
 class KVCache(KVStore):
@@ -183,6 +164,8 @@ class KVCache(KVStore):
     io_dtype : the dtype of chunks, queries and results (float32 for int8,
         else ``dtype``).
     """
+
+    _ring = None  # the storage bound for the decode kernel (_alloc resets; old pickles lack it)
 
     def __init__(
         self,
