@@ -52,23 +52,26 @@ struct PrefetchPolicy {
     return n <= 16 ? 1 : n / 16;
   }
   static constexpr bool at_pv(int64_t c) { return !kPvOnly || (c & 1) != 0; }
-  // kBurst    8 lanes: the walk is issued in bursts (pf_burst: one end test
-  //           per burst, none in the FMA loop): a QK key pass's lines before
-  //           its d loop, P V's every kBurst keys (kPvLines lines: the rate of
-  //           at_pv); 16 lanes step per iteration (pf_step).
+  // kBurst    8 lanes, 16-bit and int8 rows: the walk is issued in bursts
+  //           (pf_burst: one end test per burst, none in the FMA loop): a QK
+  //           key pass's per * iterations lines before its d loop, P V's
+  //           per * kPvLines lines every kBurst keys (kPvLines: at_pv's rate).
+  //           fp32 rows (twice the lines) and 16 lanes step per iteration
+  //           (pf_step): fp32 bursts measured slower from DRAM.
 #if defined(ATTN_ISA_AVX2)
   static constexpr int kBurst = Vec<T>::W == 8 && sizeof(KV) <= 2 ? 8 : 1;
 #else
   static constexpr int kBurst = 1;
 #endif
-  static constexpr int kPvLines = kPvOnly ? kBurst / 2 : kBurst;  // times per
+  static constexpr int kPvLines = kPvOnly ? kBurst / 2 : kBurst;
 };
 
 // The next block's cache lines, prefetched `per` per inner-loop iteration of
 // the compute loops (so the next block's misses overlap this block's math),
 // walked in registers: its K rows, then its V rows, as runs of bytes, one
 // run per row, or one run for all of them where the rows are packed (a
-// cache's layout): a line address, an end, and a compare per prefetch.
+// cache's layout): a line address, an end, and a compare per prefetch
+// (pf_step) or per burst (pf_burst).
 struct Pf {
   const char* at;   // the next line (64-byte aligned)
   const char* end;  // the end of the current run
