@@ -56,8 +56,9 @@ struct PrefetchPolicy {
   //           (pf_burst: one end test per burst, none in the FMA loop): a QK
   //           key pass's per * iterations lines before its d loop, P V's
   //           per * kPvLines lines every kBurst keys (kPvLines: at_pv's rate).
-  //           fp32 rows (twice the lines) and 16 lanes step per iteration
-  //           (pf_step): fp32 bursts measured slower from DRAM.
+  //           Under the l2 policy only (under l1 they measured slower from
+  //           DRAM). fp32 rows (twice the lines) and 16 lanes step per
+  //           iteration (pf_step): fp32 bursts measured slower from DRAM.
 #if defined(ATTN_ISA_AVX2)
   static constexpr int kBurst = Vec<T>::W == 8 && sizeof(KV) <= 2 ? 8 : 1;
 #else
@@ -215,9 +216,15 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
     using Pol = PrefetchPolicy<T, SK>;
-    if constexpr (!Pol::kPvOnly && Pol::kBurst > 1) pf_burst(&p, p.per * (dvec / W));
+    if constexpr (!Pol::kPvOnly && Pol::kBurst > 1) {
+      if (p.l2) pf_burst(&p, p.per * (dvec / W));
+    }
     for (int64_t e = 0; e < dvec; e += W) {
-      if constexpr (!Pol::kPvOnly && Pol::kBurst == 1) pf_step(&p);
+      if constexpr (!Pol::kPvOnly && Pol::kBurst == 1) {
+        pf_step(&p);
+      } else if constexpr (!Pol::kPvOnly) {
+        if (!p.l2) pf_step(&p);
+      }
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) {
         kx[j] = ldv(kr[j] + e);
@@ -322,7 +329,11 @@ __attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const S
     for (int64_t c = 0; c < cols; ++c) {
       using Pol = PrefetchPolicy<T, SV>;
       if constexpr (Pol::kBurst > 1) {
-        if (c % Pol::kBurst == 0) pf_burst(pf, pf->per * Pol::kPvLines);
+        if (!pf->l2) {
+          if (Pol::at_pv(c)) pf_step(pf);
+        } else if (c % Pol::kBurst == 0) {
+          pf_burst(pf, pf->per * Pol::kPvLines);
+        }
       } else if (Pol::at_pv(c)) {
         pf_step(pf);
       }
