@@ -52,13 +52,27 @@ struct PrefetchPolicy {
     return n <= 16 ? 1 : n / 16;
   }
   static constexpr bool at_pv(int64_t c) { return !kPvOnly || (c & 1) != 0; }
+  // kBurst    8 lanes, 16-bit and int8 rows: the walk is issued in bursts
+  //           (pf_burst: one end test per burst, none in the FMA loop): a QK
+  //           key pass's per * iterations lines before its d loop, P V's
+  //           per * kPvLines lines every kBurst keys (kPvLines: at_pv's rate).
+  //           Under the l2 policy only (under l1 they measured slower from
+  //           DRAM). fp32 rows (twice the lines) and 16 lanes step per
+  //           iteration (pf_step): fp32 bursts measured slower from DRAM.
+#if defined(ATTN_ISA_AVX2)
+  static constexpr int kBurst = Vec<T>::W == 8 && sizeof(KV) <= 2 ? 8 : 1;
+#else
+  static constexpr int kBurst = 1;
+#endif
+  static constexpr int kPvLines = kPvOnly ? kBurst / 2 : kBurst;
 };
 
 // The next block's cache lines, prefetched `per` per inner-loop iteration of
 // the compute loops (so the next block's misses overlap this block's math),
 // walked in registers: its K rows, then its V rows, as runs of bytes, one
 // run per row, or one run for all of them where the rows are packed (a
-// cache's layout): a line address, an end, and a compare per prefetch.
+// cache's layout): a line address, an end, and a compare per prefetch
+// (pf_step) or per burst (pf_burst).
 struct Pf {
   const char* at;   // the next line (64-byte aligned)
   const char* end;  // the end of the current run
@@ -124,6 +138,21 @@ __attribute__((always_inline)) inline void pf_step(Pf* p) {
     p->at += 64;
   }
 }
+// n lines of the walk (n = per * iterations): where the current run holds
+// them, n prefetches and no test; else line by line across runs (pf_step).
+inline void pf_burst(Pf* p, int64_t n) {
+  const char* at = p->at;
+  if (p->end - at >= 64 * n) {
+    if (p->l2)
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(at + 64 * i, 0, 2);
+    else
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(at + 64 * i, 0, 3);
+    p->at = at + 64 * n;
+    return;
+  }
+  const int per = p->per;
+  for (int64_t i = 0; i < n && p->per != 0; i += per) pf_step(p);
+}
 
 // S[r][c] = <Qs[r], K_c> for N rows and `cols` keys (K rows via pointers, in
 // the storage type SK; Qs and S in the compute type T).
@@ -186,8 +215,16 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     for (int j = 0; j < KC; ++j) kr[j] = kp[c + j];
     typename V::R acc[NK];
     for (int i = 0; i < NK; ++i) acc[i] = V::zero();
+    using Pol = PrefetchPolicy<T, SK>;
+    if constexpr (!Pol::kPvOnly && Pol::kBurst > 1) {
+      if (p.l2) pf_burst(&p, p.per * (dvec / W));
+    }
     for (int64_t e = 0; e < dvec; e += W) {
-      if constexpr (!PrefetchPolicy<T, SK>::kPvOnly) pf_step(&p);
+      if constexpr (!Pol::kPvOnly && Pol::kBurst == 1) {
+        pf_step(&p);
+      } else if constexpr (!Pol::kPvOnly) {
+        if (!p.l2) pf_step(&p);
+      }
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) {
         kx[j] = ldv(kr[j] + e);
@@ -290,7 +327,16 @@ __attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const S
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < E; ++j) acc[r * E + j] = V::load(O + r * ldo + e + j * W);
     for (int64_t c = 0; c < cols; ++c) {
-      if (PrefetchPolicy<T, SV>::at_pv(c)) pf_step(pf);
+      using Pol = PrefetchPolicy<T, SV>;
+      if constexpr (Pol::kBurst > 1) {
+        if (!pf->l2) {
+          if (Pol::at_pv(c)) pf_step(pf);
+        } else if (c % Pol::kBurst == 0) {
+          pf_burst(pf, pf->per * Pol::kPvLines);
+        }
+      } else if (Pol::at_pv(c)) {
+        pf_step(pf);
+      }
       const SV* vr = vp[c] + e;
       typename V::R vx[E];
       for (int j = 0; j < E; ++j) vx[j] = ldv(vr + j * W);
