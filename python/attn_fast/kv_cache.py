@@ -366,7 +366,9 @@ class KVCache(KVStore):
         n, s = int(self._n[0]), int(self._start[0])
         room = R - n if self.window is None else R - self.window + 1
         first = (s + n) % R
-        if L > room or first + L > R:
+        # decode-sized chunks only: a longer one takes cache_write, which is parallel and
+        # stops on Ctrl-C inside its loop (a NumPy copy is neither)
+        if L > 64 or L > room or first + L > R:
             return False
         self._k[0, :, first : first + L] = k[0]
         self._v[0, :, first : first + L] = v[0]
