@@ -84,25 +84,31 @@ void bind_group(DecodeArgs<float>& a, const DecodeCall& c, const Coded& cd, int6
 }
 
 // q (B, Hq, Lq, d), o (B, Hq, Lq, dv) of storage type T and the options.
+// q (B, Hq, Lq, d): its strides, data and sizes, and the scale, checked.
+template <typename T>
+void bind_q(DecodeArgs<T>& a, const py::array& q, double scale) {
+  a.sq = strides4(q, "q");
+  a.q = static_cast<const T*>(q.data());
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Lq = q.shape(2);
+  a.d = q.shape(3);
+  // A scale finite as a double but not in the compute type would turn every
+  // score into inf or NaN: refuse it (the Python layer says so first).
+  if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
+    throw py::value_error("scale = " + py::str(py::float_(scale)).cast<std::string>() +
+                          " is out of the range of the inputs' dtype");
+  a.scale = scale;
+}
+
 template <typename T, typename KV>
 void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c, const Coded& cd) {
   if (!has_dtype<T>(c.o))
     throw py::type_error(kCoded<KV> ? coded_dtype_error(cd) : "q, k, v, o must share one dtype");
   if (!c.o.writeable()) throw py::value_error("o is read-only");
-  a.sq = strides4(c.q, "q");
+  bind_q(a, c.q, c.scale);
   a.so = strides4(c.o, "o");
-  a.q = static_cast<const T*>(c.q.data());
   a.o = static_cast<T*>(py::array(c.o).mutable_data());
-  a.B = c.q.shape(0);
-  a.Hq = c.q.shape(1);
-  a.Lq = c.q.shape(2);
-  a.d = c.q.shape(3);
-  // A scale finite as a double but not in the compute type would turn every
-  // score into inf or NaN: refuse it (the Python layer says so first).
-  if (!(std::fabs(c.scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
-    throw py::value_error("scale = " + py::str(py::float_(c.scale)).cast<std::string>() +
-                          " is out of the range of the inputs' dtype");
-  a.scale = c.scale;
   a.causal = c.causal;
   a.top_left = c.top_left;
   a.window_left = clamp_window(c.window_left);
@@ -387,29 +393,20 @@ class DecodeRing {
                  const py::object& kv_start) const {
     if (!has_dtype<T>(q)) throw py::type_error("q, k, v, o must share one dtype");
     DecodeArgs<T> a;
-    a.sq = strides4(q, "q");
-    a.B = q.shape(0);
-    a.Hq = q.shape(1);
-    a.Lq = q.shape(2);
-    a.d = q.shape(3);
+    bind_q(a, q, scale);
     a.Hkv = k_.shape(1);
     a.R = k_.shape(2);
     a.dv = v_.shape(3);
     if (k_.shape(0) != a.B || k_.shape(3) != a.d)
       throw py::value_error("inconsistent q/k/v/o shapes");
     if (a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
-    if (!(std::fabs(scale) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
-      throw py::value_error("scale = " + py::str(py::float_(scale)).cast<std::string>() +
-                            " is out of the range of the inputs' dtype");
     py::array o(q.dtype(), std::vector<py::ssize_t>{a.B, a.Hq, a.Lq, a.dv});
     a.so = strides4(o, "o");
-    a.q = static_cast<const T*>(q.data());
     a.o = static_cast<T*>(o.mutable_data());
     a.k = static_cast<const T*>(k_.data());
     a.v = static_cast<const T*>(v_.data());
     a.sk = sk_;
     a.sv = sv_;
-    a.scale = scale;
     a.causal = causal;
     a.window_left = clamp_window(window_left);
     a.window_right = -1;
