@@ -156,6 +156,37 @@ def test_split_and_thread_invariance(rng):
     np.testing.assert_array_equal(o3, outs[100])
 
 
+@pytest.mark.parametrize(
+    "B, Hkv, Lk, split",
+    [
+        (1, 3, 512, 256),  # three 512-key items: fewer than four, so half-short splits
+        (1, 1, 700, 256),  # two
+        (1, 2, 1024, 512),  # four: short splits
+        (2, 2, 300, 512),  # four (two sequences)
+        (1, 4, 4096, 512),  # 32 items of 512, 8 of 2048: still short
+        (1, 16, 4096, 2048),  # 32 items of 2048: long
+    ],
+)
+def test_default_split_is_a_rule_on_the_shape(isa, rng, B, Hkv, Lk, split):
+    """The kernel's own split (split=0) is the rule's, on every ISA and thread count: the
+    same bits as that split asked for explicitly, and not those of the other candidates
+    (the splits of these shapes merge differently, so a wrong choice shows in the bits)."""
+    Hq, d = 3 * Hkv, 64
+    q, k, v = randn(rng, (B, Hq, 1, d)), randn(rng, (B, Hkv, Lk, d)), randn(rng, (B, Hkv, Lk, d))
+    chosen, _ = decode(q, k, v)
+    want, _ = decode(q, k, v, split=split)
+    np.testing.assert_array_equal(chosen, want)
+    for other in {256, 512, 2048} - {split}:
+        if Lk > min(other, split):
+            assert not np.array_equal(chosen, decode(q, k, v, split=other)[0]), other
+    old = af.get_num_threads()
+    try:
+        af.set_num_threads(3 - min(old, 2))  # the other of one and two (or more) threads
+        np.testing.assert_array_equal(decode(q, k, v)[0], want)
+    finally:
+        af.set_num_threads(old)
+
+
 def test_nan_in_masked_value_does_not_leak(isa, rng):
     B, Hq, Hkv, Lq, Lk, d = 1, 2, 1, 3, 100, 8
     q, k, v = randn(rng, (B, Hq, Lq, d)), randn(rng, (B, Hkv, Lk, d)), randn(rng, (B, Hkv, Lk, d))

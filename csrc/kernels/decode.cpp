@@ -14,9 +14,10 @@
 //      Lq query tokens form G * Lq rows, processed together in row blocks of
 //      up to kRB rows: K/V are read once per group, not once per query head.
 //   2. Split the keys. The visible key range of a row block is cut into
-//      splits of kSplitShort or kSplitLong keys, chosen by the shape (results
-//      never depend on the thread count). Work item = (sequence, row block,
-//      kv head, split), spread over the threads (OpenMP, dynamic).
+//      splits of kSplitShort / 2, kSplitShort or kSplitLong keys, chosen by
+//      the shape (results never depend on the thread count). Work item =
+//      (sequence, row block, kv head, split), spread over the threads
+//      (OpenMP, dynamic).
 //   3. Each item streams its keys in blocks of kBc = 64 (run_split): S = Q K^T
 //      and O_acc += P V by register-blocked micro-kernels (decode_rows.h),
 //      online softmax (m, l) between them; the partial (O_acc, m, l) is
@@ -86,8 +87,11 @@ constexpr int64_t kBc = 64;  // keys per block
 // Keys per split (when the caller does not choose): long splits when there
 // are enough of them to keep 16+ threads busy (a split's first block has no
 // prefetch ahead of it, so longer splits read faster; bench/NOTES.md#decode-kernel),
-// short ones otherwise. Depends on the shape only, never on the thread count.
-constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32;
+// short ones otherwise, and half-short ones when short splits would give a
+// call fewer than kMinShortItems items (three 512-key items on two threads
+// leave one idle a third of the time; bench/NOTES.md#decode-kernel). Depends on
+// the shape only, never on the thread count.
+constexpr int64_t kSplitShort = 512, kSplitLong = 2048, kMinLongItems = 32, kMinShortItems = 4;
 
 // Index helpers, per-sequence geometry and visibility: attn_fast/seq.h.
 #include "storage.h"         // ld / put
@@ -270,10 +274,11 @@ Plan plan_call(const DecodeArgs<ST>& a) {
   using T = compute_t<ST>;
   Plan p;
   p.G = a.Hq / a.Hkv;
-  p.rows = a.Lq * p.G;                    // rows per (sequence, kv head)
-  p.upb = (p.rows + kRB - 1) / kRB;       // row blocks per sequence
-  p.n_groups = a.B * p.upb * a.Hkv;       // group x = (b * upb + row block) * Hkv + hk
-  int64_t long_items = 0, max_range = 0;  // one pass: split length, longest range, work
+  p.rows = a.Lq * p.G;               // rows per (sequence, kv head)
+  p.upb = (p.rows + kRB - 1) / kRB;  // row blocks per sequence
+  p.n_groups = a.B * p.upb * a.Hkv;  // group x = (b * upb + row block) * Hkv + hk
+  // One pass: the items of long and of short splits, the longest range, the work.
+  int64_t long_items = 0, short_items = 0, max_range = 0;
   double work = 0;
   for (int64_t b = 0; b < a.B; ++b) {
     const SeqInfo s = seq_info(a, b);
@@ -284,10 +289,15 @@ Plan plan_call(const DecodeArgs<ST>& a) {
       const int64_t range = imax(0, jhi - jlo);
       max_range = imax(max_range, range);
       if (long_items < kMinLongItems) long_items += (range + kSplitLong - 1) / kSplitLong * a.Hkv;
+      if (short_items < kMinShortItems)
+        short_items += (range + kSplitShort - 1) / kSplitShort * a.Hkv;
       work += static_cast<double>(range) * nr * a.Hkv * static_cast<double>(a.d + a.dv);
     }
   }
-  p.split = a.split > 0 ? a.split : long_items >= kMinLongItems ? kSplitLong : kSplitShort;
+  p.split = a.split > 0                     ? a.split
+            : long_items >= kMinLongItems   ? kSplitLong
+            : short_items >= kMinShortItems ? kSplitShort
+                                            : kSplitShort / 2;
   const int64_t dvp = round_up(a.dv, Vec<T>::W);
   const int64_t item_bytes = kRB * (dvp + 2) * static_cast<int64_t>(sizeof(T));
   const int64_t max_items = imax(kMinSliceItems, kPartBytes / item_bytes);
