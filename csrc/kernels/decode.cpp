@@ -165,7 +165,7 @@ void run_split(const DecodeArgs<ST>& a, const Group& g, int64_t c0, int64_t c1,
     mp[r] = NEG_INF<T>;
     lp[r] = T(0);
   }
-  std::memset(Op, 0, sizeof(T) * kRB * dvp);
+  std::memset(Op, 0, sizeof(T) * nr * dvp);  // rows nr .. kRB - 1 are never read
 
   const Src src(a, g.b, g.hk, s.k0);
   int64_t cols = 0;
@@ -218,9 +218,14 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
       m = ms > m ? ms : m;
       nan = nan || ms != ms;
     }
+    // One split: its m, its l and its O_acc / l, exactly (exp(0) = 1 in the general
+    // sums below), so a short call pays no exp and no copy through Ob.
+    const bool one = g.nsplit == 1;
     T l = T(0);
     if (nan) {
       l = NaN;
+    } else if (one) {
+      l = lpart[g.item0 * kRB + r];
     } else if (m != NEG_INF<T>) {
       for (int64_t sp = 0; sp < g.nsplit; ++sp) {
         const int64_t it = (g.item0 + sp) * kRB + r;
@@ -233,6 +238,15 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
       continue;
     }
     const T inv = T(1) / l;
+    if (one) {
+      const T* src = Opart + (g.item0 * kRB + r) * dvp;
+      if (a.so.d == 1)
+        for (int64_t e = 0; e < a.dv; ++e) put(dst + e, src[e] * inv);
+      else
+        for (int64_t e = 0; e < a.dv; ++e) put(dst + e * a.so.d, src[e] * inv);
+      if (lse) *lse = m + std::log(l);
+      continue;
+    }
     // First split writes, later ones accumulate (in order).
     bool first = true;
     for (int64_t sp = 0; sp < g.nsplit; ++sp) {
