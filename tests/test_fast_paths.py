@@ -162,6 +162,70 @@ def test_sdpa_plan_same_errors(rng, which):
     assert str(fast.value) == str(checked.value), name
 
 
+def _layouts(rng):
+    """Arrays of one shape in several dtypes and layouts, and ones the C key refuses."""
+    base = randn(rng, (1, 2, 5, 8))
+    keyed = [
+        base,
+        base.copy(),  # equal fields, other memory: the same key
+        base.astype(np.float64),
+        base.astype(np.float16),
+        np.asfortranarray(base),
+        randn(rng, (1, 5, 2, 8)).transpose(0, 2, 1, 3),
+        randn(rng, (1, 2, 5, 16))[..., ::2],
+        randn(rng, (1, 2, 6, 8))[:, :, :5],
+        randn(rng, (2, 5, 8)),
+    ]
+    raw = np.zeros(base.nbytes + 1, np.uint8)
+    refused = [
+        base.astype(">f4"),  # not native byte order
+        raw[1:].view(np.float32).reshape(base.shape),  # not aligned
+        base.astype(np.int32),
+        base.view(np.recarray),  # a subclass
+        torch.from_numpy(base),
+        base.tolist(),
+    ]
+    return keyed, refused
+
+
+def test_sdpa_plan_c_key_matches_the_python_key(rng):
+    """_core.plan_key's bytes are equal exactly when the Python key's fields are (every flag,
+    scale, dtype, shape and stride), and None for what fast_view refuses or is not an
+    exact, aligned, native float ndarray (those keep the Python key)."""
+    keyed, refused = _layouts(rng)
+    opts = [(False, False, None), (True, False, None), (False, True, None), (False, False, 0.5)]
+    opts.append((False, False, -0.0))  # C: its own bits; Python: -0.0 == 0.0 (both checked)
+    calls = [(a, b, o, f) for a in keyed for b in keyed[:3] for o in (None, keyed[0]) for f in opts]
+    c_keys = [af._core.plan_key(a, b, b, o, *f) for a, b, o, f in calls]
+    py_keys = [F._view_key(a, b, b, o, *f)[0] for a, b, o, f in calls]
+    assert all(type(c) is bytes for c in c_keys)
+    for i in range(len(calls)):
+        for j in range(len(calls)):
+            same_scale_bits = np.signbit(calls[i][3][2] or 0) == np.signbit(calls[j][3][2] or 0)
+            assert (c_keys[i] == c_keys[j]) == (py_keys[i] == py_keys[j] and same_scale_bits)
+    for x in refused:
+        assert af._core.plan_key(x, keyed[0], keyed[0], None, False, False, None) is None
+        assert af._core.plan_key(keyed[0], keyed[0], keyed[0], x, False, False, None) is None
+    assert af._core.plan_key(keyed[0], keyed[0], keyed[0], None, False, False, 1) is None
+    deep = np.zeros((1,) * 9, np.float32)
+    assert af._core.plan_key(deep, deep, deep, None, False, False, None) is None
+
+
+def test_sdpa_plan_refused_layouts_take_the_checked_path(rng, monkeypatch):
+    """Arrays the C key refuses are computed by the checked path every time (or by the
+    Python key's plan, for torch tensors), with the same bits as a fresh checked call."""
+    _, refused = _layouts(rng)
+    k = randn(rng, (1, 2, 5, 8))
+    for x in refused[:2]:
+        ref = _checked(af.scaled_dot_product_attention, x, k, k)
+        calls = _count_checks(monkeypatch)
+        got = [af.scaled_dot_product_attention(x, k, k) for _ in range(2)]
+        assert len(calls) == 2
+        monkeypatch.undo()
+        for g in got:
+            assert np.array_equal(g, ref)
+
+
 def test_sdpa_plan_bounded():
     F._PLANS.clear()
     q = np.zeros((1, 1, 1, 4), np.float32)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _dispatch, masks
+from . import _core, _dispatch, masks
 from ._args import (
     block_size,
     check_backend,
@@ -109,7 +109,21 @@ _MAX_PLANS = 256
 def _plain_key(
     q: Any, k: Any, v: Any, out: Any, is_causal: bool, enable_gqa: bool, scale: Any
 ) -> Any:
-    """(key, views) of a plain call, or None when an array is not a fast-path kind."""
+    """(key, views) of a plain call, or None when an array is not a fast-path kind.
+
+    NumPy arrays: ``_core.plan_key``'s bytes, and the arrays are their own views. Other
+    inputs (torch tensors): a tuple of the same fields from _checks.fast_view's views (a
+    tuple never equals bytes, so the two kinds of key never meet)."""
+    key = _core.plan_key(q, k, v, out, is_causal, enable_gqa, scale)
+    if key is not None:
+        return key, ((q, k, v) if out is None else (q, k, v, out))
+    return _view_key(q, k, v, out, is_causal, enable_gqa, scale)
+
+
+def _view_key(
+    q: Any, k: Any, v: Any, out: Any, is_causal: bool, enable_gqa: bool, scale: Any
+) -> Any:
+    """_plain_key's Python key, from _checks.fast_view's views: (key, views) or None."""
     fq, fk, fv = fast_view(q), fast_view(k), fast_view(v)
     if fq is None or fk is None or fv is None:
         return None
@@ -146,8 +160,8 @@ def _run_plan(plan: tuple, plan_key: Any, like: Any, out: Any, scale: float | No
         o, target = alias_safe(views[3], q, k, v)
     if o.size:
         run(q, k, v, o, scale)
-    if out is None:
-        return to_input_kind(o, like)
+    if out is None:  # a NumPy input's result is its own kind (to_input_kind's first case)
+        return o if type(like) is np.ndarray else to_input_kind(o, like)
     if target is not None:
         target[...] = o
     return out
