@@ -15,6 +15,11 @@ namespace {
 // longest work item in flight), and the check (which takes the GIL) runs at
 // most 40 times a second.
 constexpr int64_t kPollIntervalNs = 25'000'000;
+// The owner reads the clock at every 8th poll only: poll sites sit between key
+// blocks and work items (microseconds or more apart), where a clock read per poll
+// was 2 % of a 16-key decode step (bench/NOTES.md#decode-call-cost), while 8 polls
+// delay a check by microseconds to milliseconds.
+constexpr uint32_t kClockEvery = 8;
 
 std::atomic<InterruptCheck> g_check{nullptr};
 
@@ -37,15 +42,17 @@ int64_t now_ns() {
 
 void set_interrupt_check(InterruptCheck fn) { g_check.store(fn); }
 
-CancelToken::CancelToken()
-    : check_(g_check.load()),
-      owner_(std::this_thread::get_id()),
-      next_ns_(now_ns() + kPollIntervalNs) {}
+CancelToken::CancelToken() : check_(g_check.load()), owner_(std::this_thread::get_id()) {}
 
 bool CancelToken::poll() {
   if (stop_.load(std::memory_order_relaxed)) return true;
   if (check_ == nullptr || std::this_thread::get_id() != owner_) return false;
+  if (++polls_ % kClockEvery != 0) return false;
   const int64_t t = now_ns();
+  if (next_ns_ == 0) {  // the first read starts the interval: a short call never checks
+    next_ns_ = t + kPollIntervalNs;
+    return false;
+  }
   if (t < next_ns_) return false;
   if (check_()) {
     stop_.store(true, std::memory_order_relaxed);

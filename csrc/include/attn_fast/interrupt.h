@@ -4,9 +4,9 @@
 // its parallel region, and calls poll() between work items and between key
 // blocks (never inside a micro-kernel). poll() is one relaxed atomic load on
 // every thread; on the thread that created the token it also reads
-// steady_clock and, at most every kPollInterval (the first time
-// kPollInterval after the start, so short calls never do it), asks the
-// interrupt check installed by the bindings whether the call should stop.
+// steady_clock at every few polls and, at most every kPollInterval (the first
+// time kPollInterval after the first read, so short calls never do it), asks
+// the interrupt check installed by the bindings whether the call should stop.
 // The Python bindings install a check that takes the GIL and calls
 // PyErr_CheckSignals(): when a signal handler raised (KeyboardInterrupt for
 // SIGINT) the check returns true and leaves the Python error set; the kernel
@@ -57,7 +57,8 @@ class CancelToken {
   std::atomic<int> finished_{0};
   InterruptCheck check_ = nullptr;
   std::thread::id owner_;
-  int64_t next_ns_ = 0;  // steady_clock time of the next check (owner only)
+  int64_t next_ns_ = 0;  // steady_clock time of the next check; 0: not yet read (owner only)
+  uint32_t polls_ = 0;   // the owner's polls (it reads the clock at every kClockEvery-th)
 };
 
 }  // namespace attn_fast
