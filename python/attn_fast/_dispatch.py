@@ -230,11 +230,10 @@ def bound(kernel: str, mask: MaskArgs) -> Callable[..., None]:
     mask=mask)`` with the kernel and the record bound once (a plan's call, where attend's
     keyword lookups and routing show at a few microseconds a call); the same kernel call."""
     if kernel == DECODE:  # _decode's positional call, its record fields read once
-        m = (mask.causal, mask.top_left, mask.window_left, mask.window_right)
-        ql, kl, decode = mask.q_lens, mask.kv_lens, _core.decode
+        m, decode = _decode_fields(mask), _core.decode
 
         def run(q, k, v, o, scale):
-            decode(q, k, v, o, None, scale, *m, ql, kl)
+            decode(q, k, v, o, None, scale, *m)
 
         return run
 
@@ -269,29 +268,26 @@ def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):
     )
 
 
-def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant=None):
-    """``_core.decode`` on a decode-only record (causal, alignment, window, lengths): its
-    arguments by position, in the binding's order; k / v arrays, or lists of pool chunks with
-    block_table; quant (a QuantArgs) a coded encoding's side arrays."""
-    qa = (quant.encoding, quant.aux, quant.group) if quant else ()
-    _core.decode(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        scale,
+def _decode_fields(mask: MaskArgs) -> tuple:
+    """A decode-only record's fields as ``_core.decode`` takes them after the scale, by
+    position in the binding's order: causal, top_left, window_left, window_right, q_lens,
+    kv_lens."""
+    return (
         mask.causal,
         mask.top_left,
         mask.window_left,
         mask.window_right,
         mask.q_lens,
         mask.kv_lens,
-        kv_start,
-        0,
-        block_table,
-        *qa,
     )
+
+
+def _decode(q, k, v, o, lse, scale, mask, kv_start=None, block_table=None, quant=None):
+    """``_core.decode`` on a decode-only record (causal, alignment, window, lengths): its
+    arguments by position, in the binding's order; k / v arrays, or lists of pool chunks with
+    block_table; quant (a QuantArgs) a coded encoding's side arrays."""
+    qa = (quant.encoding, quant.aux, quant.group) if quant else ()
+    _core.decode(q, k, v, o, lse, scale, *_decode_fields(mask), kv_start, 0, block_table, *qa)
 
 
 def backward(
