@@ -115,6 +115,20 @@ void bind_q_o(DecodeArgs<T>& a, const DecodeCall& c, const Coded& cd) {
   a.window_right = clamp_window(c.window_right);
 }
 
+// The slots' sizes against q's (bound in a): k (B, Hkv, R, d), v (B, Hkv, R,
+// dv), Hq a multiple of Hkv; sets Hkv, R and dv. The checked call's and the
+// bound ring's (per call: q differs between calls).
+template <typename T>
+void bind_slot_sizes(DecodeArgs<T>& a, const py::array& k, const py::array& v) {
+  a.Hkv = k.shape(1);
+  a.R = k.shape(2);
+  a.dv = v.shape(3);
+  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
+      v.shape(1) != a.Hkv)
+    throw py::value_error("inconsistent q/k/v/o shapes");
+  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+}
+
 // Slots: k (B, Hkv, R, d), v (B, Hkv, R, dv), any strides (codes: element
 // stride 1, and the side arrays contiguous (B, Hkv, R / group, d) or (B, Hkv,
 // R) as the encoding declares).
@@ -125,14 +139,10 @@ void bind_slots(DecodeArgs<T>& a, const DecodeCall& c, const py::array& k, const
     throw py::type_error(kCoded<KV> ? coded_dtype_error(cd) : "q, k, v, o must share one dtype");
   a.sk = strides4(k, "k");
   a.sv = strides4(v, "v");
-  a.Hkv = k.shape(1);
-  a.R = k.shape(2);
-  a.dv = v.shape(3);
-  if (k.shape(0) != a.B || v.shape(0) != a.B || k.shape(3) != a.d || v.shape(2) != a.R ||
-      v.shape(1) != a.Hkv || c.o.ndim() != 4 || c.o.shape(0) != a.B || c.o.shape(1) != a.Hq ||
-      c.o.shape(2) != a.Lq || c.o.shape(3) != a.dv)
+  if (c.o.ndim() != 4 || c.o.shape(0) != a.B || c.o.shape(1) != a.Hq || c.o.shape(2) != a.Lq ||
+      c.o.shape(3) != v.shape(3))
     throw py::value_error("inconsistent q/k/v/o shapes");
-  if (a.Hkv <= 0 || a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+  bind_slot_sizes(a, k, v);
   if constexpr (kCoded<KV>) {
     if (a.sk.d != 1 || a.sv.d != 1)
       throw py::value_error(std::string(cd.desc->name) + " k and v need element stride 1 along d");
@@ -394,12 +404,7 @@ class DecodeRing {
     if (!has_dtype<T>(q)) throw py::type_error("q, k, v, o must share one dtype");
     DecodeArgs<T> a;
     bind_q(a, q, scale);
-    a.Hkv = k_.shape(1);
-    a.R = k_.shape(2);
-    a.dv = v_.shape(3);
-    if (k_.shape(0) != a.B || k_.shape(3) != a.d)
-      throw py::value_error("inconsistent q/k/v/o shapes");
-    if (a.Hq % a.Hkv != 0) throw py::value_error("Hq must be a multiple of Hkv");
+    bind_slot_sizes(a, k_, v_);
     py::array o(q.dtype(), std::vector<py::ssize_t>{a.B, a.Hq, a.Lq, a.dv});
     a.so = strides4(o, "o");
     a.o = static_cast<T*>(o.mutable_data());
