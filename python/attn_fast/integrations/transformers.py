@@ -431,9 +431,11 @@ def _new_output(B, H, dv, dtype):
     query row both orders are one memory layout, so the kernel writes the output in place."""
     if dtype is torch.bfloat16:  # NumPy has no bfloat16: its bits
         o = np.empty((B, H, 1, dv), dtype=np.uint16)
-        return torch.from_numpy(o).view(torch.bfloat16).view(B, 1, H, dv), o
-    o = np.empty((B, H, 1, dv), dtype=_NP_OF[dtype])  # cheaper than torch.empty + .numpy()
-    return torch.from_numpy(o).view(B, 1, H, dv), o
+        return torch.from_numpy(o.reshape(B, 1, H, dv)).view(torch.bfloat16), o
+    # np.empty + from_numpy: cheaper than torch.empty + .numpy(); NumPy's reshape (a view):
+    # cheaper than the tensor's .view
+    o = np.empty((B, H, 1, dv), dtype=_NP_OF[dtype])
+    return torch.from_numpy(o.reshape(B, 1, H, dv)), o
 
 
 def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1)):
