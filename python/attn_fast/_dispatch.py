@@ -150,8 +150,7 @@ def decode_step(
     k: np.ndarray,
     v: np.ndarray,
     o: np.ndarray,
-    lse: np.ndarray | None = None,
-    *,
+    lse: np.ndarray | None,
     scale: float,
     causal: bool = False,
     window: tuple[int, int] = (-1, -1),
@@ -168,7 +167,8 @@ def decode_step(
     (``_core.decode``'s order: no keyword lookups), the values
     ``attend(DECODE, ...)`` passes for the same record, so the results are
     the same bits. Shapes, strides, dtypes and the scale are checked by the
-    binding.
+    binding. Positional or keyword arguments (a per-layer caller passes them by
+    position: no keyword parsing).
     """
     _core.decode(
         q, k, v, o, lse, scale, causal, False, window[0], window[1], q_lens, kv_lens, kv_start

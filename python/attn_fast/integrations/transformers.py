@@ -405,15 +405,15 @@ def _one_token(query, key, value, scaling):
     that call is not a one-row decode of one kernel dtype (the generic path takes it then).
     The module's causal flag does not matter for one query row (it sees every key), and is
     passed as False, as _attention passes it for such a call."""
-    dt = query.dtype
+    dt, qs, ks = query.dtype, query.shape, key.shape  # each a new torch.Size: read once
     if (
-        query.ndim != 4
-        or query.shape[2] != 1
+        len(qs) != 4
+        or qs[2] != 1
         or dt not in _KERNEL_DTYPES
         or key.dtype is not dt
         or value.dtype is not dt
-        or not _decode_shapes_fit(query.shape, key.shape, value.shape)
-        or not _one_token_decodes(key.shape[2])
+        or not _decode_shapes_fit(qs, ks, value.shape)
+        or not _one_token_decodes(ks[2])
     ):
         return None
     return _decode_step(query, key, value, scaling, False)
@@ -458,20 +458,11 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     """
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    out, o = _new_output(B, Hq, value.shape[-1], query.dtype)
     q, k, v = _view(query, "query"), _view(key, "key"), _view(value, "value")
+    out, o = _new_output(B, Hq, v.shape[-1], query.dtype)
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
-    _dispatch.decode_step(
-        q,
-        k,
-        v,
-        o,
-        scale=scale,
-        causal=bool(causal),
-        window=window,
-        kv_start=None if runs is None else runs[0],
-        kv_lens=None if runs is None else runs[1],
-    )
+    kv_start, kv_lens = (None, None) if runs is None else runs
+    _dispatch.decode_step(q, k, v, o, None, scale, bool(causal), window, None, kv_lens, kv_start)
     return out
 
 
