@@ -231,7 +231,7 @@ def as_array(x, name):
     if _is_torch_tensor(x):
         t = x.detach() if x.requires_grad else x
         if t.dtype is _torch_attr(t, "bfloat16"):  # NumPy has no bfloat16: its bits, same memory
-            return t.view(_torch_int16()).numpy().view(np.uint16)
+            return (_TORCH_FAST or _torch_fast_kinds())["bits"](t)
         try:
             return t.numpy()  # shares memory, keeps strides
         except (TypeError, RuntimeError) as e:
@@ -286,7 +286,7 @@ def fast_view(x):
             if bits is None:
                 return None
             if bits:
-                a = x.view(kinds["int16"]).numpy().view(np.uint16)
+                a = kinds["bits"](x)
             else:
                 a = x.numpy()  # raises for grad, non-CPU, sparse, conj / neg bits
         except (TypeError, RuntimeError):
@@ -295,24 +295,30 @@ def fast_view(x):
     return None
 
 
-# fast_view's torch dtypes: {torch dtype: read as bits}, and "int16" (torch.int16).
+# fast_view's torch dtypes: {torch dtype: read as bits}, and "bits": a bfloat16 tensor's
+# memory as a NumPy uint16 array.
 _TORCH_FAST: dict = {}
 
 
 def _torch_fast_kinds():
     import torch
 
+    def as_uint16(t):  # torch >= 2.3 converts its uint16 to NumPy: one view fewer
+        return t.view(torch.uint16).numpy()
+
+    def as_int16(t):
+        return t.view(torch.int16).numpy().view(np.uint16)
+
+    try:
+        probe = as_uint16(torch.zeros(1, dtype=torch.bfloat16))
+        bits = as_uint16 if probe.dtype == np.uint16 else None
+    except (AttributeError, TypeError, RuntimeError):
+        bits = None
     _TORCH_FAST.update(
         {torch.float32: False, torch.float64: False, torch.float16: False, torch.bfloat16: True}
     )
-    _TORCH_FAST["int16"] = torch.int16
+    _TORCH_FAST["bits"] = bits or as_int16
     return _TORCH_FAST
-
-
-def _torch_int16():
-    import torch
-
-    return torch.int16
 
 
 def _is_bf16_input(x, arr):
