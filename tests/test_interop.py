@@ -214,3 +214,25 @@ def test_as_array_shares_memory_for_torch():
     assert a.ctypes.data == t.data_ptr() and a.strides == tuple(s * 4 for s in t.stride())
     t[0, 0, 0] = -1.0  # one memory: a change through torch is seen through the view
     assert a[0, 0, 0] == -1.0
+
+
+@pytest.mark.parametrize("uint16", [True, False])
+def test_bfloat16_tensor_bits_either_way(rng, monkeypatch, uint16):
+    """A bfloat16 tensor is read as its uint16 bits, zero-copy, through torch.uint16 where
+    this torch converts it to NumPy and through the int16 view where it does not."""
+    monkeypatch.setattr(_checks, "_TORCH_FAST", {})
+    if not uint16:
+        monkeypatch.delattr(torch, "uint16", raising=False)
+    t = torch.from_numpy(randn(rng, (2, 3, 5, 8))).bfloat16()
+    want = t.view(torch.int16).numpy().view(np.uint16)
+    assert _checks._is_torch_tensor(t)  # fast_view reads the tensor types seen so far
+    for a in (_checks.fast_view(t)[0], _checks.as_array(t, "q")):
+        assert a.dtype == np.uint16 and np.array_equal(a, want)
+        assert np.shares_memory(a, want)
+    if not uint16:  # the fallback was taken
+        assert _checks._TORCH_FAST["bits"].__name__ == "as_int16"
+    q, k, v = (torch.from_numpy(randn(rng, (1, 2, n, 8))).bfloat16() for n in (3, 9, 9))
+    got = af.scaled_dot_product_attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    O = ref.sdpa(*(x.float().numpy().astype(np.float64) for x in (q, k, v)))
+    assert_close(got.float().numpy(), O, np.float32, rtol=2e-2, atol=2e-2)
