@@ -472,15 +472,15 @@ void def_machine(py::module_& m) {
       "c += a . b by one TDPBF16PS of the amx / amx_emu object (c updated in place).");
 }
 
-// functional._PLANS's key of a plain call on NumPy arrays: the bytes of is_causal,
-// enable_gqa, scale (None or a float) and each array's dtype number, shape and strides
-// (out's too when given); None when q, k, v or out is not an exact numpy.ndarray of
-// float32 / float64 / float16, aligned, in native byte order, of at most 8 dimensions
-// (those take _plain_key's Python key, built from _checks.fast_view). The same fields
-// as that key, read in one call instead of ~30 Python operations: a decode step pays
-// it once per layer per token (issue 38).
+// functional._PLANS's key of a plain call: the bytes of is_causal, enable_gqa, scale
+// (None or a float) and each array's dtype number, shape and strides (out's too when
+// given); None when q, k, v or out is not an exact numpy.ndarray of float32 / float64 /
+// float16 (or, with bits16, uint16: bfloat16 bits read from a tensor), aligned, in
+// native byte order, of at most 8 dimensions. Everything the checked path's acceptance
+// and choices depended on, read in one call instead of ~30 Python operations: a decode
+// step pays it once per layer per token (issue 38).
 py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bool is_causal,
-                    bool enable_gqa, py::handle scale) {
+                    bool enable_gqa, py::handle scale, bool bits16) {
   namespace npd = py::detail;
   constexpr int kMaxNd = 8;
   constexpr int kNpyHalf = 23;  // NPY_HALF in NumPy's ABI (pybind11 names no half type)
@@ -502,7 +502,8 @@ py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bo
     const auto* a = npd::array_proxy(x);
     const auto* d = npd::array_descriptor_proxy(a->descr);
     const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
-                      d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf;
+                      d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf ||
+                      (bits16 && d->type_num == npd::npy_api::NPY_USHORT_);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     const bool native = d->byteorder != '<';
 #else
@@ -566,7 +567,8 @@ PYBIND11_MODULE(_core, m) {
       "lse, bias, alibi, sinks and dsinks are float32 for them.");
   def_machine(m);  // ISA, threads, machine probes, AMX checks
   m.def("plan_key", &plan_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
+        py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"), py::arg("bits16") = false,
         "The plan key (bytes) of a plain scaled_dot_product_attention call on exact, aligned "
-        "float32 / float64 / float16 numpy.ndarrays, or None for any other input.");
+        "float32 / float64 / float16 (with bits16 also uint16) numpy.ndarrays, or None for any "
+        "other input.");
 }

@@ -119,6 +119,29 @@ def test_sdpa_plan_key_separates_layouts(rng, monkeypatch):
     assert len(calls) == 4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_sdpa_plan_torch_tensors(rng, monkeypatch, dtype):
+    """Torch tensors take plans of their own (keys from their NumPy views, bfloat16 as its
+    bits): the same bits as the checked path, a tensor of the input's dtype back, and a
+    NumPy call of the same layout does not take a tensor's plan."""
+    dt = getattr(torch, dtype)
+    q, k, v = (
+        torch.from_numpy(randn(rng, s)).to(dt)
+        for s in ((1, 6, 1, 16), (1, 2, 90, 16), (1, 2, 90, 16))
+    )
+    ref = _checked(af.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    calls = _count_checks(monkeypatch)
+    F._PLANS.clear()
+    af.scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), enable_gqa=True)
+    got = af.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(calls) == 1, "the second call of the same key should take the plan"
+    assert type(got) is torch.Tensor and got.dtype == dt
+    assert torch.equal(got, ref)
+    if dtype != "bfloat16":
+        af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True)
+        assert len(calls) == 2
+
+
 def _bad_inputs(rng):
     """(name, q, k, v, kwargs) calls that must raise, each close to a planned plain call."""
     q, k, v = randn(rng, (1, 4, 1, 8)), randn(rng, (1, 2, 100, 8)), randn(rng, (1, 2, 100, 8))
@@ -188,16 +211,23 @@ def _layouts(rng):
     return keyed, refused
 
 
-def test_sdpa_plan_c_key_matches_the_python_key(rng):
-    """_core.plan_key's bytes are equal exactly when the Python key's fields are (every flag,
-    scale, dtype, shape and stride), and None for what fast_view refuses or is not an
-    exact, aligned, native float ndarray (those keep the Python key)."""
+def _fields(q, k, v, out, is_causal, enable_gqa, scale):
+    """What a plan key must tell apart: the flags, the scale and each array's dtype, shape
+    and strides."""
+    arrays = (q, k, v) if out is None else (q, k, v, out)
+    return (is_causal, enable_gqa, scale) + tuple((a.dtype, a.shape, a.strides) for a in arrays)
+
+
+def test_sdpa_plan_c_key_matches_the_fields(rng):
+    """_core.plan_key's bytes are equal exactly when the fields are (every flag, scale,
+    dtype, shape and stride), and None for what is not an exact, aligned, native float
+    ndarray (those take fast_view's views, or the checked path)."""
     keyed, refused = _layouts(rng)
     opts = [(False, False, None), (True, False, None), (False, True, None), (False, False, 0.5)]
     opts.append((False, False, -0.0))  # C: its own bits; Python: -0.0 == 0.0 (both checked)
     calls = [(a, b, o, f) for a in keyed for b in keyed[:3] for o in (None, keyed[0]) for f in opts]
     c_keys = [af._core.plan_key(a, b, b, o, *f) for a, b, o, f in calls]
-    py_keys = [F._view_key(a, b, b, o, *f)[0] for a, b, o, f in calls]
+    py_keys = [_fields(a, b, b, o, *f) for a, b, o, f in calls]
     assert all(type(c) is bytes for c in c_keys)
     for i in range(len(calls)):
         for j in range(len(calls)):

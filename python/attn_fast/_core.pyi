@@ -114,6 +114,7 @@ def plan_key(
     is_causal: bool,
     enable_gqa: bool,
     scale: float | None,
+    bits16: bool = ...,
 ) -> bytes | None: ...
 def read_bandwidth_gbs(threads: int, bytes: int = ..., seconds: float = ...) -> float: ...
 def backward(

@@ -111,31 +111,22 @@ def _plain_key(
 ) -> Any:
     """(key, views) of a plain call, or None when an array is not a fast-path kind.
 
-    NumPy arrays: ``_core.plan_key``'s bytes, and the arrays are their own views. Other
-    inputs (torch tensors): a tuple of the same fields from _checks.fast_view's views (a
-    tuple never equals bytes, so the two kinds of key never meet)."""
+    The key: ``_core.plan_key``'s bytes of the flags, the scale and each array's dtype,
+    shape and strides. NumPy arrays are their own views; other inputs (torch tensors) are
+    read by _checks.fast_view and their key starts with b"t" (a plan serves one kind of
+    input: its result goes back to that kind)."""
     key = _core.plan_key(q, k, v, out, is_causal, enable_gqa, scale)
     if key is not None:
         return key, ((q, k, v) if out is None else (q, k, v, out))
-    return _view_key(q, k, v, out, is_causal, enable_gqa, scale)
-
-
-def _view_key(
-    q: Any, k: Any, v: Any, out: Any, is_causal: bool, enable_gqa: bool, scale: Any
-) -> Any:
-    """_plain_key's Python key, from _checks.fast_view's views: (key, views) or None."""
     fq, fk, fv = fast_view(q), fast_view(k), fast_view(v)
-    if fq is None or fk is None or fv is None:
+    fo = None if out is None else fast_view(out)
+    if fq is None or fk is None or fv is None or (out is not None and fo is None):
         return None
-    a, b, c = fq[0], fk[0], fv[0]
-    key = (is_causal, enable_gqa, scale, fq[1], a.shape, a.strides, fk[1], b.shape, b.strides)
-    key += (fv[1], c.shape, c.strides)
-    if out is None:
-        return key, (a, b, c)
-    fo = fast_view(out)
-    if fo is None:
-        return None
-    return key + (fo[1], fo[0].shape, fo[0].strides), (a, b, c, fo[0])
+    views = (fq[0], fk[0], fv[0]) if fo is None else (fq[0], fk[0], fv[0], fo[0])
+    # bits16: fast_view reads a bfloat16 tensor as its uint16 bits
+    o = None if fo is None else fo[0]
+    key = _core.plan_key(fq[0], fk[0], fv[0], o, is_causal, enable_gqa, scale, True)
+    return None if key is None else (b"t" + key, views)
 
 
 def _store_plan(plan_key: Any, plan: tuple) -> None:
