@@ -117,6 +117,19 @@ inline void block_range(const DecodeArgs<T>& a, const SeqInfo& s, int64_t G, int
   *jhi = hi;
 }
 
+// The query token i and group member m of a row block's rows r0, r0 + 1, ...
+// (row = i * G + m), walked with one division per block instead of two per row.
+struct RowCursor {
+  int64_t i, m, G;
+  RowCursor(int64_t r0, int64_t g) : i(r0 / g), m(r0 % g), G(g) {}
+  void next() {
+    if (++m == G) {
+      m = 0;
+      ++i;
+    }
+  }
+};
+
 // One (row block, kv head) of a sequence: a "group", whose visible keys
 // [jlo, jhi) are cut into `nsplit` splits (work items item0 .. item0+nsplit-1
 // of the current slice).
@@ -158,8 +171,9 @@ void run_split(const DecodeArgs<ST>& a, const Group& g, int64_t c0, int64_t c1,
   const SeqInfo s = seq_info(a, g.b);
   const int nr = static_cast<int>(g.nr);
   const T scale = static_cast<T>(a.scale);
-  for (int r = 0; r < nr; ++r) {  // the rows' Q, visible ranges and (m, l)
-    const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
+  RowCursor rc(g.r0, G);
+  for (int r = 0; r < nr; ++r, rc.next()) {  // the rows' Q, visible ranges and (m, l)
+    const int64_t i = rc.i, h = g.hk * G + rc.m;
     Enc::load_q(a.q + g.b * a.sq.b + h * a.sq.h + i * a.sq.l, a.sq.d, d, dp, scale, sc.Qs + r * dp);
     row_range(a, s, i, &sc.lo[r], &sc.hi[r]);
     mp[r] = NEG_INF<T>;
@@ -207,8 +221,9 @@ void merge_group(const DecodeArgs<S>& a, const Group& g, const T* Opart, const T
   constexpr int W = Vec<T>::W;
   const T NaN = std::numeric_limits<T>::quiet_NaN();
   const int64_t G = a.Hq / a.Hkv, dvp = round_up(a.dv, W);
-  for (int64_t r = 0; r < g.nr; ++r) {
-    const int64_t row = g.r0 + r, i = row / G, h = g.hk * G + row % G;
+  RowCursor rc(g.r0, G);
+  for (int64_t r = 0; r < g.nr; ++r, rc.next()) {
+    const int64_t i = rc.i, h = g.hk * G + rc.m;
     S* dst = a.o + g.b * a.so.b + h * a.so.h + i * a.so.l;
     T* lse = a.lse ? a.lse + (g.b * a.Hq + h) * a.Lq + i : nullptr;
     T m = NEG_INF<T>;
