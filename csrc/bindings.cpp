@@ -498,7 +498,7 @@ py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bo
   const py::handle arrays[4] = {q, k, v, out};
   for (int i = 0; i < (out.is_none() ? 3 : 4); ++i) {
     PyObject* x = arrays[i].ptr();
-    if (Py_TYPE(x) != api.PyArray_Type_) return py::none();  // subclasses take the Python key
+    if (Py_TYPE(x) != api.PyArray_Type_) return py::none();  // subclasses: fast_view decides
     const auto* a = npd::array_proxy(x);
     const auto* d = npd::array_descriptor_proxy(a->descr);
     const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
