@@ -7,7 +7,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -28,6 +27,7 @@ using namespace attn_fast::bindings;
 namespace attn_fast {
 namespace bindings {
 void def_decode(py::module_& m);  // bindings_decode.cpp
+void def_plans(py::module_& m);   // bindings_plans.cpp
 }  // namespace bindings
 }  // namespace attn_fast
 
@@ -472,53 +472,6 @@ void def_machine(py::module_& m) {
       "c += a . b by one TDPBF16PS of the amx / amx_emu object (c updated in place).");
 }
 
-// functional._PLANS's key of a plain call: the bytes of is_causal, enable_gqa, scale
-// (None or a float) and each array's dtype number, shape and strides (out's too when
-// given); None when q, k, v or out is not an exact numpy.ndarray of float32 / float64 /
-// float16 (or, with bits16, uint16: bfloat16 bits read from a tensor), aligned, in
-// native byte order, of at most 8 dimensions. Everything the checked path's acceptance
-// and choices depended on, read in one call instead of ~30 Python operations: a decode
-// step pays it once per layer per token (issue 38).
-py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bool is_causal,
-                    bool enable_gqa, py::handle scale, bool bits16) {
-  namespace npd = py::detail;
-  constexpr int kMaxNd = 8;
-  constexpr int kNpyHalf = 23;  // NPY_HALF in NumPy's ABI (pybind11 names no half type)
-  const auto& api = npd::npy_api::get();
-  int64_t buf[3 + 4 * (1 + 2 * kMaxNd)];
-  int n = 0;
-  double s = 0;
-  if (!scale.is_none()) {
-    if (!PyFloat_CheckExact(scale.ptr())) return py::none();
-    s = PyFloat_AS_DOUBLE(scale.ptr());
-  }
-  buf[n++] = int64_t(is_causal) | int64_t(enable_gqa) << 1 | int64_t(!out.is_none()) << 2 |
-             int64_t(!scale.is_none()) << 3;
-  std::memcpy(&buf[n++], &s, sizeof s);  // the bits: -0.0 and 0.0 are two plans, both checked
-  const py::handle arrays[4] = {q, k, v, out};
-  for (int i = 0; i < (out.is_none() ? 3 : 4); ++i) {
-    PyObject* x = arrays[i].ptr();
-    if (Py_TYPE(x) != api.PyArray_Type_) return py::none();  // subclasses: fast_view decides
-    const auto* a = npd::array_proxy(x);
-    const auto* d = npd::array_descriptor_proxy(a->descr);
-    const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
-                      d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf ||
-                      (bits16 && d->type_num == npd::npy_api::NPY_USHORT_);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    const bool native = d->byteorder != '<';
-#else
-    const bool native = d->byteorder != '>';
-#endif
-    if (!fast || !native || !(a->flags & npd::npy_api::NPY_ARRAY_ALIGNED_) || a->nd > kMaxNd)
-      return py::none();
-    buf[n++] = int64_t(d->type_num) | int64_t(a->nd) << 16;
-    for (int j = 0; j < a->nd; ++j) buf[n++] = a->dimensions[j];
-    for (int j = 0; j < a->nd; ++j) buf[n++] = a->strides[j];
-  }
-  return py::reinterpret_steal<py::object>(
-      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * int64_t(sizeof(int64_t))));
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -566,9 +519,5 @@ PYBIND11_MODULE(_core, m) {
       "float16 arrays are fp16, uint16 ones bfloat16 bits (dq, dk, dv, dout, o of q's dtype); "
       "lse, bias, alibi, sinks and dsinks are float32 for them.");
   def_machine(m);  // ISA, threads, machine probes, AMX checks
-  m.def("plan_key", &plan_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"), py::arg("bits16") = false,
-        "The plan key (bytes) of a plain scaled_dot_product_attention call on exact, aligned "
-        "float32 / float64 / float16 (with bits16 also uint16) numpy.ndarrays, or None for any "
-        "other input.");
+  def_plans(m);    // plan_key, set_torch, run_tensor_plan
 }

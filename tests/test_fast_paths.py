@@ -18,6 +18,7 @@ from helpers import randn, tol
 from oracle import causal_mask, sdpa, window_mask
 
 import attn_fast as af
+from attn_fast import _checks
 from attn_fast import functional as F
 
 torch = pytest.importorskip("torch")
@@ -140,6 +141,116 @@ def test_sdpa_plan_torch_tensors(rng, monkeypatch, dtype):
     if dtype != "bfloat16":
         af.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True)
         assert len(calls) == 2
+
+
+TENSOR_LAYOUTS = {
+    # name: (q, k, v) from contiguous q (1, 6, 3, 16) and k, v (1, 2, 40, 16)
+    "contiguous": lambda q, k, v: (q, k, v),
+    "transposed_k": lambda q, k, v: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v),
+    "sliced": lambda q, k, v: (q[..., :2, :], k[:, :, 3:], v[:, :, 3:]),
+    "broadcast_kv": lambda q, k, v: (q, k[:, :, :1].expand(k.shape), v[:, :, :1].expand(v.shape)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TENSOR_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_tensor_plan_in_c_same_bits(isa, rng, layout, dtype):
+    """_core.run_tensor_plan runs the plan a checked call on tensors stored (found by the
+    same key) and returns what that call returns: the same bits, a new tensor of q's
+    dtype and shape, C-contiguous; None until a plan exists."""
+    dt = getattr(torch, dtype)
+    base = [
+        torch.from_numpy(randn(rng, s)).to(dt)
+        for s in ((1, 6, 3, 16), (1, 2, 40, 16), (1, 2, 40, 16))
+    ]
+    q, k, v = TENSOR_LAYOUTS[layout](*base)
+    for is_causal, scale in ((False, None), (True, 0.3)):
+        F._PLANS.clear()
+        assert F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, scale) is None
+        _checks._is_torch_tensor(q)  # the tensor type known (a first call only learns it)
+        ref = F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, enable_gqa=True, scale=scale
+        )
+        got = F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, scale)
+        assert got is not None, "the checked call's plan should be found by the C key"
+        assert type(got) is torch.Tensor and got.dtype == dt and got.shape == ref.shape
+        assert got.is_contiguous() and got.data_ptr() != ref.data_ptr()
+        assert torch.equal(got, ref)
+        other = 0.5 if scale is None else None  # another scale: another key
+        assert F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, other) is None
+        assert F._core.run_tensor_plan(F._PLANS, q, k, v, not is_causal, True, scale) is None
+    want = sdpa(
+        *(t.double().numpy() for t in (q, k, v)),
+        scale=0.3,
+        mask=causal_mask(q.shape[2], k.shape[2]),
+    )
+    t = 2e-4 if dtype == "float32" else 1e-9 if dtype == "float64" else 3e-2
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=t, atol=t)
+
+
+def _tensor_refusals():
+    """(name, q, k, v transform, context) the C plan must refuse (None) once a plan of the
+    same layout exists: each differs from a planned call only in what the key does not
+    hold."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class FunctionPass(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    import contextlib
+
+    none = contextlib.nullcontext
+    return {
+        "k_requires_grad": (lambda q, k, v: (q, k.clone().requires_grad_(), v), none),
+        "q_negative_bit": (lambda q, k, v: (torch._neg_view(q), k, v), none),
+        "v_parameter": (lambda q, k, v: (q, k, torch.nn.Parameter(v.clone())), none),
+        "k_meta": (lambda q, k, v: (q, k.to("meta"), v), none),
+        "k_sparse": (lambda q, k, v: (q, k.to_sparse(), v), none),
+        "dispatch_mode": (lambda q, k, v: (q, k, v), Passthrough),
+        "function_mode": (lambda q, k, v: (q, k, v), FunctionPass),
+    }
+
+
+@pytest.mark.parametrize("which", sorted(_tensor_refusals()))
+def test_tensor_plan_in_c_refuses(rng, which):
+    """What the key does not hold (grad, the negative bit, subclasses, devices, layouts,
+    torch's modes) is read per call: such tensors never take a plan in C, and the public
+    call takes the checked path (which refuses a negative-bit view)."""
+    make, ctx = _tensor_refusals()[which]
+    q, k, v = (
+        torch.from_numpy(randn(rng, s)) for s in ((1, 6, 1, 16), (1, 2, 40, 16), (1, 2, 40, 16))
+    )
+    F._PLANS.clear()
+    for _ in range(2):  # a process's first tensor call may only learn the tensor type
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert F._core.run_tensor_plan(F._PLANS, q, k, v, False, True, None) is not None
+    bq, bk, bv = make(q, k, v)
+    with ctx():
+        assert F._core.run_tensor_plan(F._PLANS, bq, bk, bv, False, True, None) is None
+    if which == "q_negative_bit":  # the checked path's error, not the plan's unnegated read
+        with pytest.raises(TypeError, match="negative bit"):
+            F.scaled_dot_product_attention(bq, k, v, enable_gqa=True)
+
+
+def test_tensor_plan_in_c_other_inputs(rng):
+    """Anything but torch tensors, and arguments the key cannot hold, give None."""
+    q, k, v = randn(rng, (1, 2, 1, 8)), randn(rng, (1, 2, 9, 8)), randn(rng, (1, 2, 9, 8))
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    F._PLANS.clear()
+    for _ in range(2):  # a process's first tensor call may only learn the tensor type
+        F.scaled_dot_product_attention(tq, tk, tv)
+    run = F._core.run_tensor_plan
+    assert run(F._PLANS, tq, tk, tv, False, False, None) is not None
+    assert run(F._PLANS, q, k, v, False, False, None) is None  # NumPy: plan_key's plans
+    assert run(F._PLANS, tq, tk, [1.0], False, False, None) is None
+    assert run(F._PLANS, tq, tk, tv, False, False, 1) is None  # an int scale: not a key
+    assert run(F._PLANS, tq, tk, tv.int(), False, False, None) is None
 
 
 def _bad_inputs(rng):
@@ -423,12 +534,15 @@ def test_torch_direct_same_bits(isa, rng, monkeypatch, shape, dtype):
     for causal in (False, True):
         with torch.no_grad():
             assert aft._direct_ok((q, k, v))
+            aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             got = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            monkeypatch.setattr(aft, "_run_tensor_plan", lambda *a: None)
+            direct = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             monkeypatch.setattr(aft, "_direct_ok", lambda ts: False)
             ref = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             monkeypatch.undo()
-        assert got.dtype == ref.dtype == dt
-        assert torch.equal(got, ref)
+        assert got.dtype == direct.dtype == ref.dtype == dt
+        assert torch.equal(got, ref) and torch.equal(direct, ref)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True
         )
@@ -474,6 +588,9 @@ def test_torch_direct_same_errors(rng, monkeypatch, bad):
     q = torch.from_numpy(randn(rng, (1, 2, 1, 4)))
     args = bad(q)
     errs = []
+    good = (q, torch.cat([q, q], 2), torch.cat([q, q], 2))
+    aft.scaled_dot_product_attention(*good)  # a plan: the C path is tried first
+    assert aft._run_tensor_plan(F._PLANS, *good, False, False, None) is not None
     for direct in (True, False):
         monkeypatch.setattr(aft, "_direct_ok", lambda ts, d=direct: d)
         with torch.no_grad(), pytest.raises(Exception) as e:

@@ -318,6 +318,21 @@ def _torch_fast_kinds():
         {torch.float32: False, torch.float64: False, torch.float16: False, torch.bfloat16: True}
     )
     _TORCH_FAST["bits"] = bits or as_int16
+    from . import _core
+
+    # _core.run_tensor_plan reads the same kinds of tensors (a planned call's views) in C.
+    _core.set_torch(
+        torch.Tensor,
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.strided,
+        torch.from_numpy,
+        torch._C._are_functorch_transforms_active,
+        torch._C._len_torch_dispatch_stack,
+        torch._C._is_torch_function_mode_enabled,
+    )
     return _TORCH_FAST
 
 

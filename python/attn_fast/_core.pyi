@@ -116,6 +116,27 @@ def plan_key(
     scale: float | None,
     bits16: bool = ...,
 ) -> bytes | None: ...
+def set_torch(
+    tensor: type,
+    f32: object,
+    f64: object,
+    f16: object,
+    bf16: object,
+    strided: object,
+    from_numpy: object,
+    functorch_active: object,
+    dispatch_stack_len: object,
+    function_mode_on: object,
+) -> None: ...
+def run_tensor_plan(
+    plans: dict,
+    q: object,
+    k: object,
+    v: object,
+    is_causal: bool,
+    enable_gqa: bool,
+    scale: float | None,
+) -> object | None: ...
 def read_bandwidth_gbs(threads: int, bytes: int = ..., seconds: float = ...) -> float: ...
 def backward(
     dout: np.ndarray,

@@ -35,14 +35,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _core
 from . import masks as _masks
 from .backward import scaled_dot_product_attention_backward as _np_backward
+from .functional import _PLANS
 from .functional import scaled_dot_product_attention as _np_sdpa
 
 __all__ = ["scaled_dot_product_attention"]
 
 _OPTIONS = ("window_size", "softcap", "alibi_slopes", "sinks")
 
+
+_run_tensor_plan = _core.run_tensor_plan  # a name of its own: tests switch it off
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float64) + _HALF
@@ -263,19 +267,28 @@ def scaled_dot_product_attention(
         and not attn_fast_options
         and is_causal is False
         and dropout_p == 0.0
-        and type(query) is torch.Tensor
-        and type(key) is torch.Tensor
-        and type(value) is torch.Tensor
-        and query.dtype in _FLOATS
-        and key.dtype in _FLOATS
-        and value.dtype in _FLOATS
-        and _direct_ok((query, key, value))
+        and not torch.compiler.is_compiling()  # the C call below is opaque to tracing
     ):
         # The plain inference call (a decode step's): the direct call below without the
-        # option handling; the NumPy layer checks the tensors (and keeps a plan of them).
-        d = query.shape[-1]
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        return _np_sdpa(query, key, value, scale=scale, enable_gqa=bool(enable_gqa))
+        # option handling. The NumPy layer checks the tensors and keeps a plan of them;
+        # once it has one, the planned call runs in C (the same views, kernel call and
+        # result; None when the tensors or torch's modes need the checks).
+        if scale is not None and type(scale) is not float:
+            scale = float(scale)
+        enable_gqa = bool(enable_gqa)
+        out = _run_tensor_plan(_PLANS, query, key, value, False, enable_gqa, scale)
+        if out is not None:
+            return out
+        if (
+            type(query) is torch.Tensor
+            and type(key) is torch.Tensor
+            and type(value) is torch.Tensor
+            and query.dtype in _FLOATS
+            and key.dtype in _FLOATS
+            and value.dtype in _FLOATS
+            and _direct_ok((query, key, value))
+        ):
+            return _np_sdpa(query, key, value, scale=scale, enable_gqa=enable_gqa)
     unknown = set(attn_fast_options) - set(_OPTIONS)
     if unknown:
         raise TypeError(

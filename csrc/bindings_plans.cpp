@@ -1,0 +1,317 @@
+// The plain call's plans (functional._PLANS) seen from C: the plan key of
+// NumPy arrays, and the whole planned call on torch tensors. A decode step
+// pays its entry point's fixed cost once per layer per token (issue 38): at
+// a few hundred keys the Python reading of three tensors (Tensor.numpy(),
+// 0.7 µs each) and of their metadata costs more than the kernel. Torch is
+// optional: nothing here links or includes it. Tensors are read through their
+// Python attributes, and only exact torch.Tensor objects of the kinds that
+// Tensor.numpy() would read (CPU, strided, no grad, no negative bit); anything
+// else gives None and takes the checked path, which raises for bad input.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace py = pybind11;
+
+namespace attn_fast {
+namespace bindings {
+
+namespace {
+
+namespace npd = py::detail;
+
+constexpr int kMaxNd = 8;
+constexpr int kNpyHalf = 23;  // NPY_HALF in NumPy's ABI (pybind11 names no half type)
+
+// A plan key's int64 words: flags, the scale's bits, then per array its
+// dtype number and rank, its sizes and its strides in bytes.
+struct KeyWords {
+  int64_t w[2 + 4 * (1 + 2 * kMaxNd)];
+  int n = 0;
+
+  // Returns false (no plan key) for a scale that is neither None nor a float.
+  bool header(bool is_causal, bool enable_gqa, bool has_out, PyObject* scale) {
+    double s = 0;
+    const bool given = scale != Py_None;
+    if (given) {
+      if (!PyFloat_CheckExact(scale)) return false;
+      s = PyFloat_AS_DOUBLE(scale);
+    }
+    w[n++] =
+        int64_t(is_causal) | int64_t(enable_gqa) << 1 | int64_t(has_out) << 2 | int64_t(given) << 3;
+    std::memcpy(&w[n++], &s, sizeof s);  // the bits: -0.0 and 0.0 are two plans, both checked
+    return true;
+  }
+  void array(int type_num, int nd, const int64_t* dims, const int64_t* strides) {
+    w[n++] = int64_t(type_num) | int64_t(nd) << 16;
+    for (int j = 0; j < nd; ++j) w[n++] = dims[j];
+    for (int j = 0; j < nd; ++j) w[n++] = strides[j];
+  }
+  // The key's bytes, after `prefix` (b"t" for tensors: a plan serves one input kind).
+  py::object bytes(const char* prefix = "") const {
+    const size_t np = std::strlen(prefix), nb = size_t(n) * sizeof(int64_t);
+    PyObject* b = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(np + nb));
+    if (!b) throw py::error_already_set();
+    std::memcpy(PyBytes_AS_STRING(b), prefix, np);
+    std::memcpy(PyBytes_AS_STRING(b) + np, w, nb);
+    return py::reinterpret_steal<py::object>(b);
+  }
+};
+
+// functional._PLANS's key of a plain call: the bytes of is_causal, enable_gqa, scale
+// (None or a float) and each array's dtype number, shape and strides (out's too when
+// given); None when q, k, v or out is not an exact numpy.ndarray of float32 / float64 /
+// float16 (or, with bits16, uint16: bfloat16 bits read from a tensor), aligned, in
+// native byte order, of at most 8 dimensions. Everything the checked path's acceptance
+// and choices depended on, read in one call instead of ~30 Python operations.
+py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bool is_causal,
+                    bool enable_gqa, py::handle scale, bool bits16) {
+  const auto& api = npd::npy_api::get();
+  KeyWords key;
+  if (!key.header(is_causal, enable_gqa, !out.is_none(), scale.ptr())) return py::none();
+  const py::handle arrays[4] = {q, k, v, out};
+  for (int i = 0; i < (out.is_none() ? 3 : 4); ++i) {
+    PyObject* x = arrays[i].ptr();
+    if (Py_TYPE(x) != api.PyArray_Type_) return py::none();  // subclasses: fast_view decides
+    const auto* a = npd::array_proxy(x);
+    const auto* d = npd::array_descriptor_proxy(a->descr);
+    const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
+                      d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf ||
+                      (bits16 && d->type_num == npd::npy_api::NPY_USHORT_);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    const bool native = d->byteorder != '<';
+#else
+    const bool native = d->byteorder != '>';
+#endif
+    if (!fast || !native || !(a->flags & npd::npy_api::NPY_ARRAY_ALIGNED_) || a->nd > kMaxNd)
+      return py::none();
+    static_assert(sizeof(*a->dimensions) == sizeof(int64_t), "npy_intp is 64-bit here");
+    key.array(d->type_num, a->nd, reinterpret_cast<const int64_t*>(a->dimensions),
+              reinterpret_cast<const int64_t*>(a->strides));
+  }
+  return key.bytes();
+}
+
+// What run_tensor_plan needs of torch, handed over by set_torch once torch is
+// imported (attn_fast._checks): the tensor type, the float dtypes, the strided
+// layout, from_numpy, and the three states under which a call must go through
+// torch's dispatcher (functorch transforms, dispatch modes, torch-function modes).
+struct TorchKinds {
+  py::object tensor, f32, f64, f16, bf16, strided, from_numpy;
+  py::object functorch_active, dispatch_stack_len, function_mode_on;
+  bool set = false;
+};
+
+TorchKinds& torch_kinds() {
+  static TorchKinds* k = new TorchKinds;  // never destroyed: no Python calls at exit
+  return *k;
+}
+
+// One tensor as a NumPy view would see it (the fields of its plan key, and its memory).
+struct TensorRead {
+  int type_num = 0, itemsize = 0, nd = 0;
+  int64_t dims[kMaxNd], strides[kMaxNd];  // strides in bytes
+  void* data = nullptr;
+};
+
+// A Python attribute (call = false) or no-argument method result (call = true) that must
+// be one of `want` objects by identity; -1 on error (cleared), else its index.
+int attr_is(PyObject* x, PyObject* name, bool call, PyObject* const* want, int nwant) {
+  PyObject* r = call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
+  if (!r) {
+    PyErr_Clear();
+    return -1;
+  }
+  int found = -1;
+  for (int i = 0; i < nwant && found < 0; ++i)
+    if (r == want[i]) found = i;
+  Py_DECREF(r);
+  return found;
+}
+
+// The int64 items of a tuple (torch.Size or stride()'s tuple) into out; false unless it
+// is a tuple of at most kMaxNd ints.
+bool tuple_ints(PyObject* t, int64_t* out, int* nd) {
+  if (!t || !PyTuple_Check(t) || PyTuple_GET_SIZE(t) > kMaxNd) return false;
+  *nd = int(PyTuple_GET_SIZE(t));
+  for (int j = 0; j < *nd; ++j) {
+    out[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, j));
+    if (out[j] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// Reads `x` as Tensor.numpy() would (bfloat16 as its uint16 bits); false, with no
+// Python error set, for anything that is not an exact CPU strided float tensor without
+// grad or negative bit, with aligned data.
+bool read_tensor(const TorchKinds& tk, PyObject* x, TensorRead& r) {
+  static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
+  static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  static PyObject* s_layout = PyUnicode_InternFromString("layout");
+  static PyObject* s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  static PyObject* s_is_neg = PyUnicode_InternFromString("is_neg");
+  static PyObject* s_shape = PyUnicode_InternFromString("shape");
+  static PyObject* s_stride = PyUnicode_InternFromString("stride");
+  static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(tk.tensor.ptr())) return false;
+  PyObject* const dtypes[4] = {tk.f32.ptr(), tk.f64.ptr(), tk.f16.ptr(), tk.bf16.ptr()};
+  static const int nums[4] = {npd::npy_api::NPY_FLOAT_, npd::npy_api::NPY_DOUBLE_, kNpyHalf,
+                              npd::npy_api::NPY_USHORT_};
+  static const int sizes[4] = {4, 8, 2, 2};
+  const int kind = attr_is(x, s_dtype, false, dtypes, 4);
+  PyObject* const yes = Py_True;
+  PyObject* const no = Py_False;
+  PyObject* const strided = tk.strided.ptr();
+  if (kind < 0 || attr_is(x, s_is_cpu, false, &yes, 1) < 0 ||
+      attr_is(x, s_layout, false, &strided, 1) < 0 ||
+      attr_is(x, s_requires_grad, false, &no, 1) < 0 || attr_is(x, s_is_neg, true, &no, 1) < 0)
+    return false;
+  r.type_num = nums[kind];
+  r.itemsize = sizes[kind];
+  PyObject* shape = PyObject_GetAttr(x, s_shape);
+  PyObject* strides = shape ? PyObject_CallMethodNoArgs(x, s_stride) : nullptr;
+  PyObject* ptr = strides ? PyObject_CallMethodNoArgs(x, s_data_ptr) : nullptr;
+  int nd_s = -1;
+  bool ok = tuple_ints(shape, r.dims, &r.nd) && tuple_ints(strides, r.strides, &nd_s) &&
+            nd_s == r.nd && ptr && PyLong_Check(ptr);
+  if (ok) {
+    r.data = PyLong_AsVoidPtr(ptr);
+    ok = !PyErr_Occurred() && reinterpret_cast<uintptr_t>(r.data) % uintptr_t(r.itemsize) == 0;
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(ptr);
+  if (!ok) {
+    PyErr_Clear();
+    return false;
+  }
+  for (int j = 0; j < r.nd; ++j) r.strides[j] *= r.itemsize;
+  return true;
+}
+
+// True when a torch call must go through its dispatcher (the states of _direct_ok).
+bool torch_modes_on(const TorchKinds& tk) {
+  for (const py::object* f : {&tk.functorch_active, &tk.dispatch_stack_len, &tk.function_mode_on}) {
+    PyObject* r = PyObject_CallNoArgs(f->ptr());
+    const int on = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    if (on != 0) {
+      PyErr_Clear();
+      return true;
+    }
+  }
+  return false;
+}
+
+// A NumPy array over memory the caller keeps alive (base: `owner`, or none for a
+// fresh array when data is null).
+py::object numpy_view(int type_num, int nd, const int64_t* dims, const int64_t* strides, void* data,
+                      PyObject* owner) {
+  const auto& api = npd::npy_api::get();
+  PyObject* descr = api.PyArray_DescrFromType_(type_num);  // stolen by NewFromDescr
+  if (!descr) throw py::error_already_set();
+  const int flags =
+      data ? npd::npy_api::NPY_ARRAY_ALIGNED_ | npd::npy_api::NPY_ARRAY_WRITEABLE_ : 0;
+  PyObject* a = api.PyArray_NewFromDescr_(
+      api.PyArray_Type_, descr, nd, reinterpret_cast<const Py_intptr_t*>(dims),
+      reinterpret_cast<const Py_intptr_t*>(strides), data, flags, nullptr);
+  if (!a) throw py::error_already_set();
+  auto arr = py::reinterpret_steal<py::object>(a);
+  if (owner) {
+    Py_INCREF(owner);  // stolen by SetBaseObject
+    if (api.PyArray_SetBaseObject_(a, owner) < 0) throw py::error_already_set();
+  }
+  return arr;
+}
+
+// The planned plain call on torch tensors q, k, v (no out=): what
+// functional.scaled_dot_product_attention returns for them once a checked call of the
+// same key stored its plan (run, checked scale, output shape, output dtype) in `plans`,
+// bit for bit; None when the tensors are not fast-path kinds, torch's modes are on, or
+// there is no plan yet (the caller then takes the checked path, which stores it).
+py::object run_tensor_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bool is_causal,
+                           bool enable_gqa, py::handle scale) {
+  const TorchKinds& tk = torch_kinds();
+  if (!tk.set) return py::none();
+  TensorRead r[3];
+  KeyWords key;
+  if (!key.header(is_causal, enable_gqa, false, scale.ptr())) return py::none();
+  const py::handle tensors[3] = {q, k, v};
+  for (int i = 0; i < 3; ++i) {
+    if (!read_tensor(tk, tensors[i].ptr(), r[i])) return py::none();
+    key.array(r[i].type_num, r[i].nd, r[i].dims, r[i].strides);
+  }
+  if (torch_modes_on(tk)) return py::none();
+  PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes("t").ptr());  // borrowed
+  if (!plan) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  // functional._run_plan's steps: the output, the bound kernel call on the views, the
+  // result as a tensor sharing the output's memory.
+  const py::tuple p = py::reinterpret_borrow<py::tuple>(plan);
+  const py::object s =
+      scale.is_none() ? py::object(p[1]) : py::reinterpret_borrow<py::object>(scale);
+  int64_t odims[kMaxNd];
+  int ond = 0;
+  if (!tuple_ints(p[2].ptr(), odims, &ond)) throw py::error_already_set();
+  const int otype = npd::array_descriptor_proxy(p[3].ptr())->type_num;
+  py::object o = numpy_view(otype, ond, odims, nullptr, nullptr, nullptr);
+  int64_t size = 1;
+  for (int j = 0; j < ond; ++j) size *= odims[j];
+  if (size) {
+    py::object views[3];
+    for (int i = 0; i < 3; ++i)
+      views[i] =
+          numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, tensors[i].ptr());
+    p[0](views[0], views[1], views[2], o, s);
+  }
+  if (otype != npd::npy_api::NPY_USHORT_) return tk.from_numpy(o);
+  // bfloat16 bits: torch reads them as int16 (every torch version), then as bfloat16.
+  const auto* oa = npd::array_proxy(o.ptr());  // C order: strides null
+  py::object bits = numpy_view(npd::npy_api::NPY_SHORT_, ond, odims, nullptr, oa->data, o.ptr());
+  return tk.from_numpy(bits).attr("view")(tk.bf16);
+}
+
+}  // namespace
+
+void def_plans(py::module_& m) {
+  m.def("plan_key", &plan_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"), py::arg("bits16") = false,
+        "The plan key (bytes) of a plain scaled_dot_product_attention call on exact, aligned "
+        "float32 / float64 / float16 (with bits16 also uint16) numpy.ndarrays, or None for any "
+        "other input.");
+  m.def(
+      "set_torch",
+      [](py::object tensor, py::object f32, py::object f64, py::object f16, py::object bf16,
+         py::object strided, py::object from_numpy, py::object functorch_active,
+         py::object dispatch_stack_len, py::object function_mode_on) {
+        TorchKinds& tk = torch_kinds();
+        tk = TorchKinds{tensor,
+                        f32,
+                        f64,
+                        f16,
+                        bf16,
+                        strided,
+                        from_numpy,
+                        functorch_active,
+                        dispatch_stack_len,
+                        function_mode_on,
+                        true};
+      },
+      py::arg("tensor"), py::arg("f32"), py::arg("f64"), py::arg("f16"), py::arg("bf16"),
+      py::arg("strided"), py::arg("from_numpy"), py::arg("functorch_active"),
+      py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
+      "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
+      "dispatch-state queries to run_tensor_plan (once, when torch is imported).");
+  m.def("run_tensor_plan", &run_tensor_plan, py::arg("plans"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
+        "The planned plain scaled_dot_product_attention call on torch tensors q, k, v (no "
+        "out=): its result tensor, or None when the call must take the checked path.");
+}
+
+}  // namespace bindings
+}  // namespace attn_fast
