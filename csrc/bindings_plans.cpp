@@ -1,5 +1,5 @@
 // The plain call's plans (functional._PLANS) seen from C: the plan key of
-// NumPy arrays, and the whole planned call on torch tensors. A decode step
+// NumPy arrays, and the whole planned call on NumPy arrays or torch tensors. A decode step
 // pays its entry point's fixed cost once per layer per token (issue 38): at
 // a few hundred keys the Python reading of three tensors (Tensor.numpy(),
 // 0.7 µs each) and of their metadata costs more than the kernel. Torch is
@@ -61,41 +61,45 @@ struct KeyWords {
   }
 };
 
+// One array's words of a plan key; false when `x` is not an exact numpy.ndarray of
+// float32 / float64 / float16 (or, with bits16, uint16: bfloat16 bits read from a
+// tensor), aligned, in native byte order, of at most 8 dimensions.
+bool array_key(PyObject* x, bool bits16, KeyWords& key) {
+  const auto& api = npd::npy_api::get();
+  if (Py_TYPE(x) != api.PyArray_Type_) return false;  // subclasses: fast_view decides
+  const auto* a = npd::array_proxy(x);
+  const auto* d = npd::array_descriptor_proxy(a->descr);
+  const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
+                    d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf ||
+                    (bits16 && d->type_num == npd::npy_api::NPY_USHORT_);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  const bool native = d->byteorder != '<';
+#else
+  const bool native = d->byteorder != '>';
+#endif
+  if (!fast || !native || !(a->flags & npd::npy_api::NPY_ARRAY_ALIGNED_) || a->nd > kMaxNd)
+    return false;
+  static_assert(sizeof(*a->dimensions) == sizeof(int64_t), "npy_intp is 64-bit here");
+  key.array(d->type_num, a->nd, reinterpret_cast<const int64_t*>(a->dimensions),
+            reinterpret_cast<const int64_t*>(a->strides));
+  return true;
+}
+
 // functional._PLANS's key of a plain call: the bytes of is_causal, enable_gqa, scale
 // (None or a float) and each array's dtype number, shape and strides (out's too when
-// given); None when q, k, v or out is not an exact numpy.ndarray of float32 / float64 /
-// float16 (or, with bits16, uint16: bfloat16 bits read from a tensor), aligned, in
-// native byte order, of at most 8 dimensions. Everything the checked path's acceptance
-// and choices depended on, read in one call instead of ~30 Python operations.
+// given); None when an array is not what array_key reads. Everything the checked path's
+// acceptance and choices depended on, read in one call instead of ~30 Python operations.
 py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bool is_causal,
                     bool enable_gqa, py::handle scale, bool bits16) {
-  const auto& api = npd::npy_api::get();
   KeyWords key;
   if (!key.header(is_causal, enable_gqa, !out.is_none(), scale.ptr())) return py::none();
   const py::handle arrays[4] = {q, k, v, out};
-  for (int i = 0; i < (out.is_none() ? 3 : 4); ++i) {
-    PyObject* x = arrays[i].ptr();
-    if (Py_TYPE(x) != api.PyArray_Type_) return py::none();  // subclasses: fast_view decides
-    const auto* a = npd::array_proxy(x);
-    const auto* d = npd::array_descriptor_proxy(a->descr);
-    const bool fast = d->type_num == npd::npy_api::NPY_FLOAT_ ||
-                      d->type_num == npd::npy_api::NPY_DOUBLE_ || d->type_num == kNpyHalf ||
-                      (bits16 && d->type_num == npd::npy_api::NPY_USHORT_);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    const bool native = d->byteorder != '<';
-#else
-    const bool native = d->byteorder != '>';
-#endif
-    if (!fast || !native || !(a->flags & npd::npy_api::NPY_ARRAY_ALIGNED_) || a->nd > kMaxNd)
-      return py::none();
-    static_assert(sizeof(*a->dimensions) == sizeof(int64_t), "npy_intp is 64-bit here");
-    key.array(d->type_num, a->nd, reinterpret_cast<const int64_t*>(a->dimensions),
-              reinterpret_cast<const int64_t*>(a->strides));
-  }
+  for (int i = 0; i < (out.is_none() ? 3 : 4); ++i)
+    if (!array_key(arrays[i].ptr(), bits16, key)) return py::none();
   return key.bytes();
 }
 
-// What run_tensor_plan needs of torch, handed over by set_torch once torch is
+// What run_plan needs of torch, handed over by set_torch once torch is
 // imported (attn_fast._checks): the tensor type, the float dtypes, the strided
 // layout, from_numpy, and the three states under which a call must go through
 // torch's dispatcher (functorch transforms, dispatch modes, torch-function modes).
@@ -206,8 +210,8 @@ bool torch_modes_on(const TorchKinds& tk) {
   return false;
 }
 
-// A NumPy array over memory the caller keeps alive (base: `owner`, or none for a
-// fresh array when data is null).
+// A NumPy array over memory the caller keeps alive (base: `owner`), or a new
+// C-contiguous one (data null).
 py::object numpy_view(int type_num, int nd, const int64_t* dims, const int64_t* strides, void* data,
                       PyObject* owner) {
   const auto& api = npd::npy_api::get();
@@ -227,31 +231,11 @@ py::object numpy_view(int type_num, int nd, const int64_t* dims, const int64_t* 
   return arr;
 }
 
-// The planned plain call on torch tensors q, k, v (no out=): what
-// functional.scaled_dot_product_attention returns for them once a checked call of the
-// same key stored its plan (run, checked scale, output shape, output dtype) in `plans`,
-// bit for bit; None when the tensors are not fast-path kinds, torch's modes are on, or
-// there is no plan yet (the caller then takes the checked path, which stores it).
-py::object run_tensor_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bool is_causal,
-                           bool enable_gqa, py::handle scale) {
-  const TorchKinds& tk = torch_kinds();
-  if (!tk.set) return py::none();
-  TensorRead r[3];
-  KeyWords key;
-  if (!key.header(is_causal, enable_gqa, false, scale.ptr())) return py::none();
-  const py::handle tensors[3] = {q, k, v};
-  for (int i = 0; i < 3; ++i) {
-    if (!read_tensor(tk, tensors[i].ptr(), r[i])) return py::none();
-    key.array(r[i].type_num, r[i].nd, r[i].dims, r[i].strides);
-  }
-  if (torch_modes_on(tk)) return py::none();
-  PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes("t").ptr());  // borrowed
-  if (!plan) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return py::none();
-  }
-  // functional._run_plan's steps: the output, the bound kernel call on the views, the
-  // result as a tensor sharing the output's memory.
+// functional._run_plan's steps for a call without out=: a new output of the plan's
+// shape and dtype, and the plan's bound kernel call (run, checked scale, shape, dtype)
+// on q, k, v's views (made by `views` only when the output is not empty).
+template <typename Views>
+py::object call_plan(PyObject* plan, py::handle scale, Views&& views) {
   const py::tuple p = py::reinterpret_borrow<py::tuple>(plan);
   const py::object s =
       scale.is_none() ? py::object(p[1]) : py::reinterpret_borrow<py::object>(scale);
@@ -263,17 +247,65 @@ py::object run_tensor_plan(py::dict plans, py::handle q, py::handle k, py::handl
   int64_t size = 1;
   for (int j = 0; j < ond; ++j) size *= odims[j];
   if (size) {
-    py::object views[3];
-    for (int i = 0; i < 3; ++i)
-      views[i] =
-          numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, tensors[i].ptr());
-    p[0](views[0], views[1], views[2], o, s);
+    py::object v[3];
+    views(v);
+    p[0](v[0], v[1], v[2], o, s);
   }
-  if (otype != npd::npy_api::NPY_USHORT_) return tk.from_numpy(o);
+  return o;
+}
+
+// A NumPy result as the tensor _checks.to_input_kind makes of it (sharing its memory).
+py::object as_tensor(const TorchKinds& tk, py::object o) {
+  const auto* oa = npd::array_proxy(o.ptr());
+  if (npd::array_descriptor_proxy(oa->descr)->type_num != npd::npy_api::NPY_USHORT_)
+    return tk.from_numpy(o);
   // bfloat16 bits: torch reads them as int16 (every torch version), then as bfloat16.
-  const auto* oa = npd::array_proxy(o.ptr());  // C order: strides null
-  py::object bits = numpy_view(npd::npy_api::NPY_SHORT_, ond, odims, nullptr, oa->data, o.ptr());
+  py::object bits =
+      numpy_view(npd::npy_api::NPY_SHORT_, oa->nd, reinterpret_cast<const int64_t*>(oa->dimensions),
+                 nullptr, oa->data, o.ptr());  // o is C-contiguous: strides null
   return tk.from_numpy(bits).attr("view")(tk.bf16);
+}
+
+// The planned plain call (no out=) on NumPy arrays or torch tensors q, k, v: what
+// functional.scaled_dot_product_attention returns for them once a checked call of the
+// same key stored its plan in `plans`, bit for bit; None when an input is not a
+// fast-path kind, torch's modes are on, or there is no plan yet (the caller then takes
+// the checked path, which stores it). Tensors are keyed as their NumPy views, after b"t".
+py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bool is_causal,
+                    bool enable_gqa, py::handle scale) {
+  KeyWords key;
+  if (!key.header(is_causal, enable_gqa, false, scale.ptr())) return py::none();
+  const py::handle in[3] = {q, k, v};
+  if (Py_TYPE(q.ptr()) == npd::npy_api::get().PyArray_Type_) {
+    for (const py::handle& x : in)
+      if (!array_key(x.ptr(), false, key)) return py::none();
+    PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes().ptr());  // borrowed
+    if (!plan) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return py::none();
+    }
+    return call_plan(plan, scale, [&](py::object* views) {
+      for (int i = 0; i < 3; ++i) views[i] = py::reinterpret_borrow<py::object>(in[i]);
+    });
+  }
+  const TorchKinds& tk = torch_kinds();
+  if (!tk.set) return py::none();
+  TensorRead r[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
+    key.array(r[i].type_num, r[i].nd, r[i].dims, r[i].strides);
+  }
+  if (torch_modes_on(tk)) return py::none();
+  PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes("t").ptr());  // borrowed
+  if (!plan) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  return as_tensor(tk, call_plan(plan, scale, [&](py::object* views) {
+                     for (int i = 0; i < 3; ++i)
+                       views[i] = numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides,
+                                             r[i].data, in[i].ptr());
+                   }));
 }
 
 }  // namespace
@@ -306,11 +338,11 @@ void def_plans(py::module_& m) {
       py::arg("strided"), py::arg("from_numpy"), py::arg("functorch_active"),
       py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
       "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
-      "dispatch-state queries to run_tensor_plan (once, when torch is imported).");
-  m.def("run_tensor_plan", &run_tensor_plan, py::arg("plans"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
-        "The planned plain scaled_dot_product_attention call on torch tensors q, k, v (no "
-        "out=): its result tensor, or None when the call must take the checked path.");
+      "dispatch-state queries to run_plan (once, when torch is imported).");
+  m.def("run_plan", &run_plan, py::arg("plans"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
+        "The planned plain scaled_dot_product_attention call (no out=) on NumPy arrays or "
+        "torch tensors q, k, v: its result, or None when the call must take the checked path.");
 }
 
 }  // namespace bindings

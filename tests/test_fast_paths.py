@@ -155,7 +155,7 @@ TENSOR_LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(TENSOR_LAYOUTS))
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_tensor_plan_in_c_same_bits(isa, rng, layout, dtype):
-    """_core.run_tensor_plan runs the plan a checked call on tensors stored (found by the
+    """_core.run_plan runs the plan a checked call on tensors stored (found by the
     same key) and returns what that call returns: the same bits, a new tensor of q's
     dtype and shape, C-contiguous; None until a plan exists."""
     dt = getattr(torch, dtype)
@@ -166,19 +166,19 @@ def test_tensor_plan_in_c_same_bits(isa, rng, layout, dtype):
     q, k, v = TENSOR_LAYOUTS[layout](*base)
     for is_causal, scale in ((False, None), (True, 0.3)):
         F._PLANS.clear()
-        assert F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, scale) is None
+        assert F._core.run_plan(F._PLANS, q, k, v, is_causal, True, scale) is None
         _checks._is_torch_tensor(q)  # the tensor type known (a first call only learns it)
         ref = F.scaled_dot_product_attention(
             q, k, v, is_causal=is_causal, enable_gqa=True, scale=scale
         )
-        got = F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, scale)
+        got = F._core.run_plan(F._PLANS, q, k, v, is_causal, True, scale)
         assert got is not None, "the checked call's plan should be found by the C key"
         assert type(got) is torch.Tensor and got.dtype == dt and got.shape == ref.shape
         assert got.is_contiguous() and got.data_ptr() != ref.data_ptr()
         assert torch.equal(got, ref)
         other = 0.5 if scale is None else None  # another scale: another key
-        assert F._core.run_tensor_plan(F._PLANS, q, k, v, is_causal, True, other) is None
-        assert F._core.run_tensor_plan(F._PLANS, q, k, v, not is_causal, True, scale) is None
+        assert F._core.run_plan(F._PLANS, q, k, v, is_causal, True, other) is None
+        assert F._core.run_plan(F._PLANS, q, k, v, not is_causal, True, scale) is None
     want = sdpa(
         *(t.double().numpy() for t in (q, k, v)),
         scale=0.3,
@@ -229,25 +229,74 @@ def test_tensor_plan_in_c_refuses(rng, which):
     F._PLANS.clear()
     for _ in range(2):  # a process's first tensor call may only learn the tensor type
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    assert F._core.run_tensor_plan(F._PLANS, q, k, v, False, True, None) is not None
+    assert F._core.run_plan(F._PLANS, q, k, v, False, True, None) is not None
     bq, bk, bv = make(q, k, v)
     with ctx():
-        assert F._core.run_tensor_plan(F._PLANS, bq, bk, bv, False, True, None) is None
+        assert F._core.run_plan(F._PLANS, bq, bk, bv, False, True, None) is None
     if which == "q_negative_bit":  # the checked path's error, not the plan's unnegated read
         with pytest.raises(TypeError, match="negative bit"):
             F.scaled_dot_product_attention(bq, k, v, enable_gqa=True)
 
 
+NUMPY_LAYOUTS = {
+    "contiguous": lambda q, k, v: (q, k, v),
+    "fortran_k": lambda q, k, v: (q, np.asfortranarray(k), v),
+    "sliced": lambda q, k, v: (q[..., :2, :], k[:, :, 3:], v[:, :, 3:]),
+    "broadcast_kv": lambda q, k, v: (
+        q,
+        np.broadcast_to(k[:, :, :1], k.shape),
+        np.broadcast_to(v[:, :, :1], v.shape),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(NUMPY_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_numpy_plan_in_c_same_bits(isa, rng, layout, dtype):
+    """The same for NumPy arrays: _core.run_plan finds the checked call's plan by
+    plan_key's bytes and returns a new array with its bits; refused arrays give None."""
+    base = [randn(rng, s).astype(dtype) for s in ((1, 6, 3, 16), (1, 2, 40, 16), (1, 2, 40, 16))]
+    q, k, v = NUMPY_LAYOUTS[layout](*base)
+    run = F._core.run_plan
+    for is_causal, scale in ((False, None), (True, 0.3)):
+        F._PLANS.clear()
+        assert run(F._PLANS, q, k, v, is_causal, True, scale) is None
+        ref = F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, enable_gqa=True, scale=scale
+        )
+        got = run(F._PLANS, q, k, v, is_causal, True, scale)
+        assert type(got) is np.ndarray and got.dtype == ref.dtype == q.dtype
+        assert got.flags.c_contiguous and not np.shares_memory(got, ref)
+        np.testing.assert_array_equal(got, ref)
+        assert run(F._PLANS, q, k, v, not is_causal, True, scale) is None
+    big = q.astype(q.dtype.newbyteorder(">"))  # the same values, another byte order
+    assert run(F._PLANS, big, k, v, True, True, 0.3) is None
+    raw = np.ndarray(q.shape, q.dtype, buffer=np.empty(q.nbytes + 1, np.uint8), offset=1)
+    raw[...] = q
+    assert not raw.flags.aligned
+    assert run(F._PLANS, raw, k, v, True, True, 0.3) is None
+    sub = q.view(type("Sub", (np.ndarray,), {}))
+    assert run(F._PLANS, sub, k, v, True, True, 0.3) is None
+    want = sdpa(
+        *(x.astype(np.float64) for x in (q, k, v)),
+        scale=0.3,
+        mask=causal_mask(q.shape[2], k.shape[2]),
+    )
+    t = 2e-4 if dtype == "float32" else 1e-9 if dtype == "float64" else 3e-2
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=t, atol=t)
+
+
 def test_tensor_plan_in_c_other_inputs(rng):
-    """Anything but torch tensors, and arguments the key cannot hold, give None."""
+    """A tensor's plan serves tensors only; other inputs and arguments the key cannot hold
+    give None."""
     q, k, v = randn(rng, (1, 2, 1, 8)), randn(rng, (1, 2, 9, 8)), randn(rng, (1, 2, 9, 8))
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     F._PLANS.clear()
     for _ in range(2):  # a process's first tensor call may only learn the tensor type
         F.scaled_dot_product_attention(tq, tk, tv)
-    run = F._core.run_tensor_plan
+    run = F._core.run_plan
     assert run(F._PLANS, tq, tk, tv, False, False, None) is not None
-    assert run(F._PLANS, q, k, v, False, False, None) is None  # NumPy: plan_key's plans
+    assert run(F._PLANS, q, k, v, False, False, None) is None  # NumPy: plans of their own
     assert run(F._PLANS, tq, tk, [1.0], False, False, None) is None
     assert run(F._PLANS, tq, tk, tv, False, False, 1) is None  # an int scale: not a key
     assert run(F._PLANS, tq, tk, tv.int(), False, False, None) is None
@@ -536,7 +585,7 @@ def test_torch_direct_same_bits(isa, rng, monkeypatch, shape, dtype):
             assert aft._direct_ok((q, k, v))
             aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             got = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-            monkeypatch.setattr(aft, "_run_tensor_plan", lambda *a: None)
+            monkeypatch.setattr(aft, "_planned_call", lambda *a: None)
             direct = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             monkeypatch.setattr(aft, "_direct_ok", lambda ts: False)
             ref = aft.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
@@ -590,7 +639,7 @@ def test_torch_direct_same_errors(rng, monkeypatch, bad):
     errs = []
     good = (q, torch.cat([q, q], 2), torch.cat([q, q], 2))
     aft.scaled_dot_product_attention(*good)  # a plan: the C path is tried first
-    assert aft._run_tensor_plan(F._PLANS, *good, False, False, None) is not None
+    assert aft._planned_call(F._PLANS, *good, False, False, None) is not None
     for direct in (True, False):
         monkeypatch.setattr(aft, "_direct_ok", lambda ts, d=direct: d)
         with torch.no_grad(), pytest.raises(Exception) as e:

@@ -320,7 +320,7 @@ def _torch_fast_kinds():
     _TORCH_FAST["bits"] = bits or as_int16
     from . import _core
 
-    # _core.run_tensor_plan reads the same kinds of tensors (a planned call's views) in C.
+    # _core.run_plan reads the same kinds of tensors (a planned call's views) in C.
     _core.set_torch(
         torch.Tensor,
         torch.float32,

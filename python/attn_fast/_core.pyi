@@ -128,7 +128,7 @@ def set_torch(
     dispatch_stack_len: object,
     function_mode_on: object,
 ) -> None: ...
-def run_tensor_plan(
+def run_plan(
     plans: dict,
     q: object,
     k: object,

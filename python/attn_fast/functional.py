@@ -101,9 +101,9 @@ class KernelStats(NamedTuple):
 # scale, output shape and dtype). A call with a known key runs the same kernel call
 # without the checks (out's writeability and its overlap with the inputs are still
 # looked at, as they depend on more than the key); the first call of a key takes the
-# checked path, so bad input raises there as before. A call on torch tensors without
-# out= runs its plan in C (_core.run_tensor_plan: the same key, views and result, without
-# Tensor.numpy()).
+# checked path, so bad input raises there as before. A call without out= runs its plan
+# in C (_core.run_plan: the same key, views and result; tensors read without
+# Tensor.numpy()); _plain_key and _run_plan serve calls with out=.
 _PLANS: dict = {}
 _MAX_PLANS = 256
 
@@ -303,8 +303,8 @@ def scaled_dot_product_attention(
         and block_q == 0
         and block_k == 0
     ):
-        if out is None and type(q) is not np.ndarray:  # torch tensors: the plan's call in C
-            res = _core.run_tensor_plan(_PLANS, q, k, v, is_causal, enable_gqa, scale)
+        if out is None:  # the planned call in C
+            res = _core.run_plan(_PLANS, q, k, v, is_causal, enable_gqa, scale)
             if res is not None:
                 return res
         plan_key = _plain_key(q, k, v, out, is_causal, enable_gqa, scale)

@@ -46,7 +46,7 @@ __all__ = ["scaled_dot_product_attention"]
 _OPTIONS = ("window_size", "softcap", "alibi_slopes", "sinks")
 
 
-_run_tensor_plan = _core.run_tensor_plan  # a name of its own: tests switch it off
+_planned_call = _core.run_plan  # a name of its own: tests switch it off
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float64) + _HALF
@@ -276,7 +276,7 @@ def scaled_dot_product_attention(
         if scale is not None and type(scale) is not float:
             scale = float(scale)
         enable_gqa = bool(enable_gqa)
-        out = _run_tensor_plan(_PLANS, query, key, value, False, enable_gqa, scale)
+        out = _planned_call(_PLANS, query, key, value, False, enable_gqa, scale)
         if out is not None:
             return out
         if (
