@@ -440,6 +440,23 @@ class DecodeRing {
   int type_ = 0;  // 0 float, 1 double, 2 fp16, 3 bf16 bits
 };
 
+// A plan's decode call (_dispatch.bound, functional._PLANS): a decode-only
+// record's fields bound once, called with the arrays and the scale; the same
+// DecodeCall as _core.decode with those fields, without parsing 18 arguments
+// per call (run_plan calls it from C, bindings_plans.cpp).
+struct BoundDecode {
+  bool causal, top_left;
+  int64_t window_left, window_right;
+  py::object q_lens, kv_lens;
+
+  void operator()(py::array q, py::object k, py::object v, py::array o, double scale) const {
+    decode(DecodeCall{q, o, k, v, py::none(), scale, causal, top_left, window_left, window_right,
+                      q_lens, kv_lens, py::none(), 0, py::none(), std::string(), py::none(), 0});
+  }
+};
+
+PyTypeObject* bound_decode_type = nullptr;  // set by def_decode
+
 // Quantise a float32 chunk into an int8 cache (KvQuantArgs, csrc/kv_quant.cpp).
 void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py::object k_scale,
                         py::object k_off, py::object v_scale, py::object v_off, py::object stage,
@@ -497,6 +514,17 @@ void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py
 
 }  // namespace
 
+bool call_bound_decode(py::handle run, py::handle q, py::handle k, py::handle v, py::handle o,
+                       py::handle scale) {
+  if (!bound_decode_type || Py_TYPE(run.ptr()) != bound_decode_type) return false;
+  const double s = PyFloat_AsDouble(scale.ptr());
+  if (s == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  run.cast<const BoundDecode&>()(
+      py::reinterpret_borrow<py::array>(q), py::reinterpret_borrow<py::object>(k),
+      py::reinterpret_borrow<py::object>(v), py::reinterpret_borrow<py::array>(o), s);
+  return true;
+}
+
 void def_decode(py::module_& m) {
   m.def(
       "decode",
@@ -530,6 +558,20 @@ void def_decode(py::module_& m) {
            "decode(q, k, v, o, None, scale, causal, False, window_left, -1, q_lens, kv_lens, "
            "kv_start) on a new o (B, Hq, Lq, dv) of q's dtype, which it returns; None (no "
            "kernel call) when causal and some q_lens[b] > kv_lens[b].");
+  auto bound =
+      py::class_<BoundDecode>(
+          m, "BoundDecode",
+          "decode(q, k, v, o, None, scale, causal, top_left, window_left, window_right, q_lens, "
+          "kv_lens) with the record's fields bound once (a plan's kernel call).")
+          .def(py::init([](bool causal, bool top_left, int64_t window_left, int64_t window_right,
+                           py::object q_lens, py::object kv_lens) {
+                 return BoundDecode{causal, top_left, window_left, window_right, q_lens, kv_lens};
+               }),
+               py::arg("causal"), py::arg("top_left"), py::arg("window_left"),
+               py::arg("window_right"), py::arg("q_lens"), py::arg("kv_lens"))
+          .def("__call__", &BoundDecode::operator(), py::arg("q"), py::arg("k"), py::arg("v"),
+               py::arg("o"), py::arg("scale"));
+  bound_decode_type = reinterpret_cast<PyTypeObject*>(bound.ptr());
   m.def("kv_quant_append", &kv_quant_append_py, py::arg("k"), py::arg("v"), py::arg("k8"),
         py::arg("v8"), py::arg("k_scale"), py::arg("k_off"), py::arg("v_scale"), py::arg("v_off"),
         py::arg("stage"), py::arg("stage_grp"), py::arg("pos0"), py::arg("count"),

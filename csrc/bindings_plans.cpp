@@ -19,6 +19,11 @@ namespace py = pybind11;
 namespace attn_fast {
 namespace bindings {
 
+// run(q, k, v, o, scale) when `run` is a _core.BoundDecode (bindings_decode.cpp);
+// false, calling nothing, for any other callable.
+bool call_bound_decode(py::handle run, py::handle q, py::handle k, py::handle v, py::handle o,
+                       py::handle scale);
+
 namespace {
 
 namespace npd = py::detail;
@@ -249,7 +254,7 @@ py::object call_plan(PyObject* plan, py::handle scale, Views&& views) {
   if (size) {
     py::object v[3];
     views(v);
-    p[0](v[0], v[1], v[2], o, s);
+    if (!call_bound_decode(p[0], v[0], v[1], v[2], o, s)) p[0](v[0], v[1], v[2], o, s);
   }
   return o;
 }

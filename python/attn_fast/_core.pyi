@@ -87,6 +87,20 @@ class DecodeRing:
         kv_start: np.ndarray | None,
     ) -> np.ndarray | None: ...  # None: causal and some q_lens[b] > kv_lens[b]
 
+class BoundDecode:
+    def __init__(
+        self,
+        causal: bool,
+        top_left: bool,
+        window_left: int,
+        window_right: int,
+        q_lens: np.ndarray | None,
+        kv_lens: np.ndarray | None,
+    ) -> None: ...
+    def __call__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, scale: float
+    ) -> None: ...
+
 def kv_quant_append(
     k: np.ndarray,
     v: np.ndarray,

@@ -229,13 +229,8 @@ def bound(kernel: str, mask: MaskArgs) -> Callable[..., None]:
     """``run(q, k, v, o, scale)``: ``attend(kernel, q, k, v, o, None, scale=scale,
     mask=mask)`` with the kernel and the record bound once (a plan's call, where attend's
     keyword lookups and routing show at a few microseconds a call); the same kernel call."""
-    if kernel == DECODE:  # _decode's positional call, its record fields read once
-        m, decode = _decode_fields(mask), _core.decode
-
-        def run(q, k, v, o, scale):
-            decode(q, k, v, o, None, scale, *m)
-
-        return run
+    if kernel == DECODE:  # _decode's call, its record fields bound once in C
+        return _core.BoundDecode(*_decode_fields(mask))
 
     def run(q, k, v, o, scale):
         attend(kernel, q, k, v, o, None, scale=scale, mask=mask)
