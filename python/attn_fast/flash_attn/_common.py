@@ -76,20 +76,18 @@ def check_call(
     names: tuple[str, str, str],
     qkv: tuple[Any, Any, Any],
     whats: tuple[str, str],
-    dropout_p: Any,
-    softmax_scale: Any,
-    causal: Any,
-    window_size: Any,
-    softcap: Any,
-    alibi_slopes: Any,
+    flash: tuple[Any, Any, Any, Any, Any, Any],
     batch: Any,
     return_attn_probs: Any,
 ) -> tuple[Opts, torch.Tensor | None, bool]:
     """What every flash-attn attention function checks first: no dropout; q, k, v CPU
     tensors of the layout strings `whats` (q's, then k's and v's, as in ``unpack``) and one
     dtype, named `names` in errors; q's heads a multiple of k's, matching head dims; the
-    options; ALiBi slopes (H,) or (batch(), H), batch() called once the tensors are known
-    good. Returns (options, slopes, whether lse is needed: asked for, or a gradient)."""
+    options `flash`, flash-attn's (dropout_p, softmax_scale, causal, window_size, softcap,
+    alibi_slopes) as the caller got them; ALiBi slopes (H,) or (batch(), H), batch() called
+    once the tensors are known good. Returns (options, slopes, whether lse is needed: asked
+    for, or a gradient)."""
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes = flash
     check_dropout(dropout_p)
     for name, t, what in zip(names, qkv, (whats[0], whats[1], whats[1])):
         check_tensor(t, name, what.count(",") + 1, what)

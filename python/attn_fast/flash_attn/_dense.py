@@ -145,24 +145,14 @@ def _(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap
 register_backward(_forward_op, _backward_op, n_forward_only=1)
 
 
-def _attn_dense(
-    q,
-    k,
-    v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    return_attn_probs,
-    names=("q", "k", "v"),
-):
+def _attn_dense(q, k, v, flash, return_attn_probs, names=("q", "k", "v")):
+    """The flash-attn dense call on (B, L, H, d) q, k, v; flash: the public function's
+    (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)."""
     opts, alibi, need_lse = check_call(
         names,
         (q, k, v),
         ("(batch_size, seqlen, nheads, headdim)",) * 2,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        flash,
         lambda: q.shape[0],
         return_attn_probs,
     )
@@ -214,7 +204,7 @@ def flash_attn_func(
         q,
         k,
         v,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
     )
 
@@ -239,7 +229,7 @@ def flash_attn_kvpacked_func(
         q,
         k,
         v,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
@@ -261,7 +251,7 @@ def flash_attn_qkvpacked_func(
     from dq, dk, dv."""
     return _attn_dense(
         *unpack(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)"),
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )

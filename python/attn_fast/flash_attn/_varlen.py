@@ -225,16 +225,13 @@ def _attn_varlen(
     cu_seqlens_k,
     max_seqlen_q,
     max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
+    flash,
     return_attn_probs,
     block_table=None,
     names=("q", "k", "v"),
 ):
+    """The flash-attn varlen call; flash: the public function's (dropout_p, softmax_scale,
+    causal, window_size, softcap, alibi_slopes)."""
     kv_what = (
         "(total_k, nheads_k, headdim)"
         if block_table is None
@@ -244,7 +241,7 @@ def _attn_varlen(
         names,
         (q, k, v),
         ("(total_q, nheads, headdim)", kv_what),
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        flash,
         lambda: _num_seqs(cu_seqlens_q),
         return_attn_probs,
     )
@@ -319,7 +316,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         block_table,
     )
@@ -351,7 +348,7 @@ def flash_attn_varlen_kvpacked_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("q", "kv[:, 0]", "kv[:, 1]"),
     )
@@ -378,7 +375,7 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens,
         max_seqlen,
         max_seqlen,
-        *(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
+        (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes),
         return_attn_probs,
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
     )
