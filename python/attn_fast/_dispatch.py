@@ -241,13 +241,7 @@ def bound(kernel: str, mask: MaskArgs) -> Callable[..., None]:
 def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):
     """The mask and score arguments of ``_core.forward`` / ``_core.backward`` (C++ MaskCall),
     by position in the bindings' order: one record, gathered once, with no keyword lookups."""
-    return (
-        mask.causal,
-        mask.top_left,
-        mask.window_left,
-        mask.window_right,
-        mask.q_lens,
-        mask.kv_lens,
+    return _decode_fields(mask) + (
         cu_q,
         cu_k,
         mask.layout,
@@ -264,9 +258,10 @@ def _kernel_args(mask, score, cu_q, cu_k, block_q, block_k):
 
 
 def _decode_fields(mask: MaskArgs) -> tuple:
-    """A decode-only record's fields as ``_core.decode`` takes them after the scale, by
-    position in the binding's order: causal, top_left, window_left, window_right, q_lens,
-    kv_lens."""
+    """A decode-only record's fields as ``_core.decode`` (and ``_core.BoundDecode``) take
+    them after the scale, by position in the binding's order: causal, top_left,
+    window_left, window_right, q_lens, kv_lens; also the head of ``_kernel_args`` (the
+    same six fields lead ``MaskCall``)."""
     return (
         mask.causal,
         mask.top_left,
