@@ -26,6 +26,32 @@ inline Vec<float>::R ldv(const fp16_t* p) { return Storage<fp16_t>::load(p); }
 inline Vec<float>::R ldv(const int8_t* p) { return Vec<float>::load_i8(p); }
 inline float ld(const int8_t* p) { return static_cast<float>(*p); }
 
+// ---- the micro-loops' per-ISA choices, each measured on the ISA it is on
+// (bench/NOTES.md#decode-kernel, #decode-16bit); the loops below branch on
+// these, never on the ISA macros. None changes a bit within its ISA.
+//   kHsum3x4   Vec<float>::hsum_3x4 exists: a 3-row QK pass takes 4 keys, its
+//              twelve dot products reduced in one call (AVX-512).
+//   kPin3Rows  3-row passes keep their K and Q vectors in registers (Vec::pin):
+//              GCC otherwise folds a K load into each row's FMA, and the
+//              loads bound the loop (AVX-512; no better elsewhere).
+//   kBf16EvenOdd  bf16 P V by even / odd lanes (pv_cols_eo: Vec<float>::
+//              load_bf16_eo, load_eo, store_eo; AVX-512; slower on AVX2).
+//   kPfBurst   the prefetch walk of 8-lane 16-bit / int8 rows in bursts (AVX2).
+//   kPfStop    a finished walk sets its rate to 0, so later steps test nothing
+//              (AVX2; 1-9 % slower on the AVX-512 objects).
+struct DecodeIsa {
+#if defined(ATTN_ISA_AVX512)
+  static constexpr bool kHsum3x4 = true, kPin3Rows = true, kBf16EvenOdd = true;
+  static constexpr bool kPfBurst = false, kPfStop = false;
+#elif defined(ATTN_ISA_AVX2)
+  static constexpr bool kHsum3x4 = false, kPin3Rows = false, kBf16EvenOdd = false;
+  static constexpr bool kPfBurst = true, kPfStop = true;
+#else
+  static constexpr bool kHsum3x4 = false, kPin3Rows = false, kBf16EvenOdd = false;
+  static constexpr bool kPfBurst = false, kPfStop = false;
+#endif
+};
+
 // ---- the prefetch policy of rows of element type KV read into compute type
 // T (the policy, its counts and their measurements: bench/NOTES.md#decode-kernel).
 // Invariants: per * (inner iterations of QK + PV) covers the next block's
@@ -59,11 +85,7 @@ struct PrefetchPolicy {
   //           Under the l2 policy only (under l1 they measured slower from
   //           DRAM). fp32 rows (twice the lines) and 16 lanes step per
   //           iteration (pf_step): fp32 bursts measured slower from DRAM.
-#if defined(ATTN_ISA_AVX2)
-  static constexpr int kBurst = Vec<T>::W == 8 && sizeof(KV) <= 2 ? 8 : 1;
-#else
-  static constexpr int kBurst = 1;
-#endif
+  static constexpr int kBurst = DecodeIsa::kPfBurst && Vec<T>::W == 8 && sizeof(KV) <= 2 ? 8 : 1;
   static constexpr int kPvLines = kPvOnly ? kBurst / 2 : kBurst;
 };
 
@@ -126,9 +148,7 @@ inline bool pf_next_run(Pf* p) {
 __attribute__((always_inline)) inline void pf_step(Pf* p) {
   for (int k = 0; k < p->per; ++k) {
     if (p->at >= p->end && !pf_next_run(p)) {
-#if defined(ATTN_ISA_AVX2)
-      p->per = 0;  // the walk is done: later steps test nothing (bench/NOTES.md#decode-16bit)
-#endif
+      if constexpr (DecodeIsa::kPfStop) p->per = 0;  // the walk is done: later steps test nothing
       return;
     }
     if (p->l2)
@@ -162,13 +182,6 @@ inline void pf_burst(Pf* p, int64_t n) {
 // tree, Vec::hsum16, a summation order of its own; bench/NOTES.md#decode-kernel).
 // flatten: everything inlined (GCC's inliner may otherwise leave Vec::hsum4 a
 // call in the key loop).
-// Whether the 3-row, 4-key pass has its reduction (Vec<float>::hsum_3x4, the
-// trees of two 2-key passes): without it a 4-key pass would sum differently.
-#if defined(ATTN_ISA_AVX512)
-constexpr bool kHsum3x4 = true;
-#else
-constexpr bool kHsum3x4 = false;
-#endif
 // The NK dot-product accumulators of a key pass reduced to NK sums: 16 of 16
 // lanes (4 rows x 4 keys on AVX-512) in one tree, 3 rows x 4 keys by
 // hsum_3x4, else four at a time.
@@ -177,12 +190,10 @@ __attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R*
   using V = Vec<T>;
   if constexpr (NK == 16 && V::W == 16) {
     V::store(sums, V::hsum16(acc));
-#if defined(ATTN_ISA_AVX512)
-  } else if constexpr (N == 3 && NK == 12 && std::is_same<T, float>::value) {
-    V::hsum_3x4(acc, sums);
-#endif
+  } else if constexpr (N == 3 && NK == 12 && DecodeIsa::kHsum3x4 && std::is_same<T, float>::value) {
+    V::hsum_3x4(acc, sums);  // the trees of two 2-key passes: a 4-key pass would sum otherwise
   } else if constexpr (N == 3 && NK == 12) {
-    static_assert(N != 3, "a 3-row 4-key pass needs Vec::hsum_3x4 (kHsum3x4)");
+    static_assert(N != 3, "a 3-row 4-key pass needs Vec::hsum_3x4 (DecodeIsa::kHsum3x4)");
   } else {
     int i = 0;
     for (; i + 4 <= NK; i += 4) V::hsum4(acc + i, sums + i);
@@ -190,15 +201,10 @@ __attribute__((always_inline)) inline void reduce_dots(const typename Vec<T>::R*
   }
 }
 
-// A loaded vector kept in its register (AVX-512): for 3 rows GCC otherwise
-// folds a K row's load into each row's FMA (3 loads instead of one per K
-// vector; the loads, not the FMAs, then bound the loop). Elsewhere the loads
-// stay as GCC schedules them (pinning measured no better there).
-template <int N, typename R>
-__attribute__((always_inline)) inline void in_register(R& x) {
-#if defined(ATTN_ISA_AVX512)
-  if constexpr (N == 3) __asm__("" : "+v"(x));
-#endif
+// A loaded vector of a 3-row pass kept in its register (DecodeIsa::kPin3Rows).
+template <typename V, int N>
+__attribute__((always_inline)) inline void in_register(typename V::R& x) {
+  if constexpr (N == 3 && DecodeIsa::kPin3Rows) V::pin(x);
   (void)x;
 }
 
@@ -228,11 +234,11 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
       typename V::R kx[KC];
       for (int j = 0; j < KC; ++j) {
         kx[j] = ldv(kr[j] + e);
-        in_register<N>(kx[j]);
+        in_register<V, N>(kx[j]);
       }
       for (int r = 0; r < N; ++r) {
         typename V::R qv = V::load(Qs + r * ldq + e);
-        in_register<N>(qv);
+        in_register<V, N>(qv);
         for (int j = 0; j < KC; ++j) acc[r * KC + j] = V::fma(qv, kx[j], acc[r * KC + j]);
       }
     }
@@ -358,14 +364,12 @@ __attribute__((flatten)) inline int64_t pv_cols(const T* P, int64_t ldp, const S
 // The same products summed in the same order per column: bit-identical to
 // pv_cols. EP pairs (2 EP vectors of dv) per pass, the passes of pv_cols<E =
 // 2 EP>, so the prefetch walk sees the same calls. Returns the first column
-// not done.
-#if defined(ATTN_ISA_AVX512)
-template <int N, int EP>
-__attribute__((flatten)) inline int64_t pv_cols_eo(const float* P, int64_t ldp,
-                                                   const bf16_t* const* vp, int64_t cols,
-                                                   int64_t e0, int64_t e1, float* O, int64_t ldo,
-                                                   Pf* pf) {
-  using V = Vec<float>;
+// not done. (DecodeIsa::kBf16EvenOdd; T = float.)
+template <typename T, int N, int EP>
+__attribute__((flatten)) inline int64_t pv_cols_eo(const T* P, int64_t ldp, const bf16_t* const* vp,
+                                                   int64_t cols, int64_t e0, int64_t e1, T* O,
+                                                   int64_t ldo, Pf* pf) {
+  using V = Vec<T>;
   constexpr int W = V::W, NE = N * EP;
   int64_t e = e0;
   for (; e + 2 * EP * W <= e1; e += 2 * EP * W) {
@@ -392,7 +396,6 @@ __attribute__((flatten)) inline int64_t pv_cols_eo(const float* P, int64_t ldp,
   }
   return e;
 }
-#endif
 
 // O[r][:dv] += sum_c P[r][c] V_c for N rows (O row stride ldo, padded to W).
 template <typename T, typename SV, int N, int E>
@@ -401,10 +404,9 @@ inline void pv_rows(const T* P, int64_t ldp, const SV* const* vp, int64_t cols, 
   constexpr int W = Vec<T>::W;
   const int64_t dvec = dv / W * W;
   int64_t e = 0;
-#if defined(ATTN_ISA_AVX512)
-  if constexpr (std::is_same<SV, bf16_t>::value && std::is_same<T, float>::value && E % 2 == 0)
-    e = pv_cols_eo<N, E / 2>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
-#endif
+  if constexpr (DecodeIsa::kBf16EvenOdd && std::is_same<SV, bf16_t>::value &&
+                std::is_same<T, float>::value && E % 2 == 0)
+    e = pv_cols_eo<T, N, E / 2>(P, ldp, vp, cols, 0, dvec, O, ldo, pf);
   e = pv_cols<T, SV, N, E>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   if constexpr (E > 1) e = pv_cols<T, SV, N, 1>(P, ldp, vp, cols, e, dvec, O, ldo, pf);
   for (; e < dv; ++e)
@@ -452,7 +454,7 @@ void qk_dispatch(int nr, const T* Qs, int64_t ldq, const SK* const* kp, int64_t 
     // 3 rows on AVX-512 (a GQA group of 3): 4 keys per pass (12 chains), the
     // twelve dot products reduced at once by the trees of 2-key passes
     // (Vec::hsum_3x4): the sums of qk_rows<3, 2>, half its reduction work.
-    constexpr bool k3x4 = N == 3 && kHsum3x4 && std::is_same<T, float>::value;
+    constexpr bool k3x4 = N == 3 && DecodeIsa::kHsum3x4 && std::is_same<T, float>::value;
     constexpr int KC = (N == 4 && Vec<T>::W == 16) || k3x4 ? 4 : decltype(U)::value;
     qk_rows<T, SK, N, KC>(Qs, ldq, kp, cols, d, S, lds, pf);
   });
@@ -463,7 +465,7 @@ inline void qk_dispatch_dot(int nr, const uint16_t* Qw, int64_t ldq, const bf16_
                             int64_t cols, int64_t d, float scale, float* S, int64_t lds, Pf* pf) {
   by_rows(nr, [&](auto R, auto U) {
     constexpr int N = decltype(R)::value;
-    constexpr int KC = N == 4 || (N == 3 && kHsum3x4) ? 4 : decltype(U)::value;  // as qk_dispatch
+    constexpr int KC = N == 4 || (N == 3 && DecodeIsa::kHsum3x4) ? 4 : decltype(U)::value;
     qk_rows_dot<N, KC>(Qw, ldq, kp, cols, d, scale, S, lds, pf);
   });
 }

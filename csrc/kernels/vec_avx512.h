@@ -16,6 +16,8 @@ constexpr int kSimdBytes = 64;
 template <>
 struct Vec<float> : SimdVec<float>, HalfScalar {
   using R = __m512;
+  // x kept in its register: GCC may not fold a later use into a memory operand.
+  static void pin(R& x) { __asm__("" : "+v"(x)); }
   static R set1(float x) { return _mm512_set1_ps(x); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R max(R a, R b) { return _mm512_max_ps(a, b); }
@@ -216,6 +218,7 @@ struct Vec<float> : SimdVec<float>, HalfScalar {
 template <>
 struct Vec<double> : SimdVec<double> {
   using R = __m512d;
+  static void pin(R& x) { __asm__("" : "+v"(x)); }  // as Vec<float>::pin
   static R set1(double x) { return _mm512_set1_pd(x); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_pd(a, b, c); }
   static R max(R a, R b) { return _mm512_max_pd(a, b); }
