@@ -313,6 +313,23 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
                    }));
 }
 
+// q, k, v (torch tensors) as the NumPy views Tensor.numpy() would give (bfloat16 as
+// its uint16 bits), or None when one is not a kind read_tensor reads; torch's modes
+// are not looked at (a caller that must respect them asks first).
+py::object tensor_views(py::handle q, py::handle k, py::handle v) {
+  const TorchKinds& tk = torch_kinds();
+  if (!tk.set) return py::none();
+  const py::handle in[3] = {q, k, v};
+  TensorRead r[3];
+  for (int i = 0; i < 3; ++i)
+    if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
+  py::tuple views(3);
+  for (int i = 0; i < 3; ++i)
+    views[i] =
+        numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
+  return std::move(views);
+}
+
 }  // namespace
 
 void def_plans(py::module_& m) {
@@ -344,6 +361,9 @@ void def_plans(py::module_& m) {
       py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
       "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
       "dispatch-state queries to run_plan (once, when torch is imported).");
+  m.def("tensor_views", &tensor_views, py::arg("q"), py::arg("k"), py::arg("v"),
+        "NumPy views of torch tensors q, k, v (bfloat16 as uint16 bits), or None when one "
+        "is not an exact CPU strided float tensor without grad or negative bit.");
   m.def("run_plan", &run_plan, py::arg("plans"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
         "The planned plain scaled_dot_product_attention call (no out=) on NumPy arrays or "

@@ -286,6 +286,28 @@ def test_numpy_plan_in_c_same_bits(isa, rng, layout, dtype):
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=t, atol=t)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_tensor_views_are_the_numpy_views(rng, dtype):
+    """_core.tensor_views gives what fast_view gives: the tensors' memory (no copy), their
+    shapes and byte strides, bfloat16 as uint16 bits, each view keeping its tensor alive;
+    None for what the key of a plan could not tell apart."""
+    dt = getattr(torch, dtype)
+    base = torch.from_numpy(randn(rng, (2, 3, 9, 8))).to(dt)
+    ts = (base, base[:, :, 2:7].transpose(2, 3), base[:, :1].expand(2, 3, 9, 8))
+    _checks._is_torch_tensor(base)  # torch's kinds handed to _core
+    views = F._core.tensor_views(*ts)
+    for t, got in zip(ts, views):
+        want = _checks.fast_view(t)[0]
+        assert type(got) is np.ndarray and got.dtype == want.dtype
+        assert got.shape == want.shape and got.strides == want.strides
+        assert got.ctypes.data == t.data_ptr() and got.base is t
+        np.testing.assert_array_equal(got, want)
+    for name, (make, _ctx) in _tensor_refusals().items():
+        if name in ("dispatch_mode", "function_mode"):  # modes: the caller's question
+            continue
+        assert F._core.tensor_views(*make(*ts)) is None, name
+
+
 def test_tensor_plan_in_c_other_inputs(rng):
     """A tensor's plan serves tensors only; other inputs and arguments the key cannot hold
     give None."""

@@ -27,6 +27,7 @@ transformers = pytest.importorskip(
 
 import attn_fast.functional as F  # noqa: E402
 import attn_fast.integrations.transformers as af_hf  # noqa: E402
+from attn_fast import _checks  # noqa: E402
 
 TOL = dict(rtol=2e-4, atol=2e-5)
 
@@ -620,14 +621,22 @@ def test_no_mask_matches_transformers_sdpa_backend(calls, Lq, Lk, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Lk", [64, 301])
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_token_fast_path_same_bits_as_the_entry_point(calls, dtype, Lk, causal):
+@pytest.mark.parametrize("views", ["c", "python"])
+def test_one_token_fast_path_same_bits_as_the_entry_point(
+    calls, monkeypatch, dtype, Lk, causal, views
+):
     """A decode step without a mask takes _decode_step (the decode kernel on the tensors'
     memory): the same bits as attn_fast.scaled_dot_product_attention, which picks the decode
-    kernel for it too, here on strided key/value views as transformers' caches hold them."""
+    kernel for it too, here on strided key/value views as transformers' caches hold them;
+    the tensors read by _core.tensor_views or, where it declines, by fast_view."""
+    if views == "python":
+        monkeypatch.setattr(af_hf._core, "tensor_views", lambda *a: None)
     g = torch.Generator().manual_seed(Lk + 7 * causal)
     q = torch.randn(2, 8, 1, 64, generator=g).to(dtype)
     kbuf, vbuf = (torch.randn(2, 2, Lk + 5, 64, generator=g).to(dtype) for _ in range(2))
     k, v = kbuf[:, :, :Lk], vbuf[:, :, :Lk]  # views with a longer row stride per head
+    _checks._is_torch_tensor(q)  # torch's kinds handed to _core (a first call does it)
+    assert (af_hf._core.tensor_views(q, k, v) is None) == (views == "python")
     got, _ = af_hf.attention_forward(_Module(is_causal=causal), q, k, v, None, scaling=0.125)
     assert [c.get("fast") for c in calls] == [True]
     want = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)

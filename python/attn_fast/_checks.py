@@ -147,6 +147,8 @@ def _is_torch_tensor(x):
         return True
     if any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in t.__mro__):
         _TORCH_TYPES.add(t)
+        if not _TORCH_FAST:  # the fast paths' torch kinds (and _core's), once
+            _torch_fast_kinds()
         return True
     return False
 

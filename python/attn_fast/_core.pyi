@@ -142,6 +142,7 @@ def set_torch(
     dispatch_stack_len: object,
     function_mode_on: object,
 ) -> None: ...
+def tensor_views(q: object, k: object, v: object) -> tuple[np.ndarray, ...] | None: ...
 def run_plan(
     plans: dict,
     q: object,

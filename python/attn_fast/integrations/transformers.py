@@ -87,7 +87,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'attn_fast[transformers]'"
     ) from e
 
-from .. import _dispatch
+from .. import _core, _dispatch
 from .. import functional as _functional
 from .._checks import as_array, fast_view
 from ._hf_shared import BACKEND_ATTR, SPEC_ATTR, CallArgs, MaskSpec, cache_layer, mask_spec
@@ -458,7 +458,10 @@ def _decode_step(query, key, value, scaling, causal, runs=None, window=(-1, -1))
     """
     B, Hq, _, d = query.shape
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    q, k, v = _view(query, "query"), _view(key, "key"), _view(value, "value")
+    views = _core.tensor_views(query, key, value)  # one C call: the common kinds
+    if views is None:
+        views = _view(query, "query"), _view(key, "key"), _view(value, "value")
+    q, k, v = views
     out, o = _new_output(B, Hq, v.shape[-1], query.dtype)
     # causal: one query row, bottom-right aligned: every (valid) key is visible all the same
     kv_start, kv_lens = (None, None) if runs is None else runs
