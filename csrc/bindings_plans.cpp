@@ -215,13 +215,20 @@ bool torch_modes_on(const TorchKinds& tk) {
   return false;
 }
 
-// A NumPy array over memory the caller keeps alive (base: `owner`), or a new
-// C-contiguous one (data null).
+// A NumPy array over memory that `owner` (its base) keeps alive, or, with no owner,
+// a new C-contiguous one (data and strides ignored).
 py::object numpy_view(int type_num, int nd, const int64_t* dims, const int64_t* strides, void* data,
                       PyObject* owner) {
   const auto& api = npd::npy_api::get();
   PyObject* descr = api.PyArray_DescrFromType_(type_num);  // stolen by NewFromDescr
   if (!descr) throw py::error_already_set();
+  // An empty tensor may have no memory (data_ptr() 0): a view must not allocate, and
+  // NumPy never reads an empty array's data.
+  alignas(64) static char no_elements[64];
+  if (!owner)
+    data = nullptr, strides = nullptr;
+  else if (!data)
+    data = no_elements;
   const int flags =
       data ? npd::npy_api::NPY_ARRAY_ALIGNED_ | npd::npy_api::NPY_ARRAY_WRITEABLE_ : 0;
   PyObject* a = api.PyArray_NewFromDescr_(
@@ -325,8 +332,7 @@ py::object tensor_views(py::handle q, py::handle k, py::handle v) {
     if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
   py::tuple views(3);
   for (int i = 0; i < 3; ++i)
-    views[i] =
-        numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
+    views[i] = numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
   return std::move(views);
 }
 

@@ -302,6 +302,9 @@ def test_tensor_views_are_the_numpy_views(rng, dtype):
         assert got.shape == want.shape and got.strides == want.strides
         assert got.ctypes.data == t.data_ptr() and got.base is t
         np.testing.assert_array_equal(got, want)
+    empty = torch.zeros((1, 2, 0, 8), dtype=dt)  # no memory at all (data_ptr() 0)
+    for got in F._core.tensor_views(empty, empty, empty):
+        assert got.shape == (1, 2, 0, 8) and not got.flags.owndata and got.base is empty
     for name, (make, _ctx) in _tensor_refusals().items():
         if name in ("dispatch_mode", "function_mode"):  # modes: the caller's question
             continue
