@@ -155,7 +155,7 @@ bool tuple_ints(PyObject* t, int64_t* out, int* nd) {
 
 // Reads `x` as Tensor.numpy() would (bfloat16 as its uint16 bits); false, with no
 // Python error set, for anything that is not an exact CPU strided float tensor without
-// grad or negative bit, with aligned data.
+// grad or negative bit, with aligned data (and memory, if it has elements).
 bool read_tensor(const TorchKinds& tk, PyObject* x, TensorRead& r) {
   static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
   static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -188,7 +188,11 @@ bool read_tensor(const TorchKinds& tk, PyObject* x, TensorRead& r) {
             nd_s == r.nd && ptr && PyLong_Check(ptr);
   if (ok) {
     r.data = PyLong_AsVoidPtr(ptr);
-    ok = !PyErr_Occurred() && reinterpret_cast<uintptr_t>(r.data) % uintptr_t(r.itemsize) == 0;
+    int64_t numel = 1;
+    for (int j = 0; j < r.nd; ++j) numel *= r.dims[j];
+    // no memory behind elements (a ZeroTensor: data_ptr() 0): Tensor.numpy() refuses it
+    ok = !PyErr_Occurred() && reinterpret_cast<uintptr_t>(r.data) % uintptr_t(r.itemsize) == 0 &&
+         (r.data || numel == 0);
   }
   Py_XDECREF(shape);
   Py_XDECREF(strides);

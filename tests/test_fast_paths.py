@@ -212,6 +212,7 @@ def _tensor_refusals():
         "v_parameter": (lambda q, k, v: (q, k, torch.nn.Parameter(v.clone())), none),
         "k_meta": (lambda q, k, v: (q, k.to("meta"), v), none),
         "k_sparse": (lambda q, k, v: (q, k.to_sparse(), v), none),
+        "k_zero_tensor": (lambda q, k, v: (q, torch._efficientzerotensor(k.shape), v), none),
         "dispatch_mode": (lambda q, k, v: (q, k, v), Passthrough),
         "function_mode": (lambda q, k, v: (q, k, v), FunctionPass),
     }
