@@ -316,10 +316,8 @@ def scaled_dot_product_attention(
     q, k, v = qkv_names(q, k, v, query, key, value)
     check_dropout(dropout_p)
     is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    return_lse, return_weights = (
-        check_bool(return_lse, "return_lse"),
-        check_bool(return_weights, "return_weights"),
-    )
+    return_lse = check_bool(return_lse, "return_lse")
+    return_weights = check_bool(return_weights, "return_weights")
     return_stats = check_bool(return_stats, "return_stats")
     like = q
     q, k, v, q4, k4, v4, (B, Hq, Hkv, Lq, Lk, d, dv) = check_qkv(
