@@ -10,6 +10,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -397,6 +399,100 @@ class DecodeRing {
     return std::is_same<T, fp16_t>::value ? 2 : 3;
   }
 
+ public:
+  // KVCache._step: append() of one row per sequence (k (B, Hkv, 1, d), v (B, Hkv, 1, dv))
+  // into this ring, then attend() of q (B, Hq, 1, d), causal, in one call: the same rows,
+  // counters and kernel call (`run` with q_lens 1) as that pair, so the same bits. n,
+  // start, pos, last_new: the cache's (B,) int64 counters, updated in place. scale: None
+  // (1/sqrt(d)) or a float. None, with nothing changed, where the pair takes another path
+  // (its checks raise there): a dtype, shape or scale the checked calls refuse, or a ring
+  // without window that must grow for the row.
+  py::object append_step(const py::array& q, const py::array& k, const py::array& v,
+                         py::handle scale, int64_t window_left, const py::array& n,
+                         const py::array& start, const py::array& pos, const py::array& last_new) {
+    switch (type_) {
+      case 0:
+        return step<float>(q, k, v, scale, window_left, n, start, pos, last_new);
+      case 1:
+        return step<double>(q, k, v, scale, window_left, n, start, pos, last_new);
+      case 2:
+        return step<fp16_t>(q, k, v, scale, window_left, n, start, pos, last_new);
+      default:
+        return step<bf16_t>(q, k, v, scale, window_left, n, start, pos, last_new);
+    }
+  }
+
+ private:
+  // A (B,) C-contiguous writeable int64 counter array's data, or null.
+  static int64_t* counter(const py::array& x, int64_t B) {
+    if (!py::isinstance<py::array_t<int64_t>>(x) || x.ndim() != 1 || x.shape(0) != B ||
+        !(x.flags() & py::array::c_style) || !x.writeable() ||
+        reinterpret_cast<uintptr_t>(x.data()) % alignof(int64_t) != 0)
+      return nullptr;
+    return static_cast<int64_t*>(py::array(x).mutable_data());
+  }
+
+  template <typename T>
+  py::object step(const py::array& q, const py::array& k, const py::array& v, py::handle scale,
+                  int64_t window_left, const py::array& n, const py::array& start,
+                  const py::array& pos, const py::array& last_new) {
+    const int64_t B = k_.shape(0), Hkv = k_.shape(1), R = k_.shape(2), d = k_.shape(3),
+                  dv = v_.shape(3);
+    for (const py::array* x : {&q, &k, &v})
+      if (!has_dtype<T>(*x) || x->ndim() != 4) return py::none();
+    const int64_t Hq = q.shape(1);
+    if (q.shape(0) != B || q.shape(2) != 1 || q.shape(3) != d || Hq <= 0 || Hq % Hkv != 0 ||
+        k.shape(0) != B || k.shape(1) != Hkv || k.shape(2) != 1 || k.shape(3) != d ||
+        v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != 1 || v.shape(3) != dv)
+      return py::none();
+    double s = 1.0 / std::sqrt(static_cast<double>(d));  // check_scale's default
+    if (!scale.is_none()) {
+      if (!PyFloat_CheckExact(scale.ptr())) return py::none();
+      s = PyFloat_AS_DOUBLE(scale.ptr());
+      if (!(std::fabs(s) <= static_cast<double>(std::numeric_limits<compute_t<T>>::max())))
+        return py::none();
+    }
+    int64_t* cn = counter(n, B);
+    int64_t* cs = counter(start, B);
+    int64_t* cp = counter(pos, B);
+    int64_t* cl = counter(last_new, B);
+    if (!cn || !cs || !cp || !cl || R <= 0) return py::none();
+    Strides4 sk, sv;
+    try {
+      strides4(q, "q");
+      sk = strides4(k, "k");
+      sv = strides4(v, "v");
+    } catch (const py::value_error&) {
+      return py::none();
+    }
+    for (int64_t b = 0; b < B; ++b)
+      if (cn[b] < 0 || cn[b] > R || cs[b] < 0 || cs[b] >= R || (window_left < 0 && cn[b] == R))
+        return py::none();
+    // The row of sequence b goes to slot (start + n) mod R; a full window ring lets its
+    // oldest row go (KVCache._advance's counters).
+    const T* kr = static_cast<const T*>(k.data());
+    const T* vr = static_cast<const T*>(v.data());
+    T* K = static_cast<T*>(k_.mutable_data());
+    T* V = static_cast<T*>(v_.mutable_data());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = (cs[b] + cn[b]) % R;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        T* dk = K + b * sk_.b + h * sk_.h + slot * sk_.l;
+        T* dvv = V + b * sv_.b + h * sv_.h + slot * sv_.l;
+        const T* srck = kr + b * sk.b + h * sk.h;
+        const T* srcv = vr + b * sv.b + h * sv.h;
+        for (int64_t j = 0; j < d; ++j) dk[j * sk_.d] = srck[j * sk.d];
+        for (int64_t j = 0; j < dv; ++j) dvv[j * sv_.d] = srcv[j * sv.d];
+      }
+      const int64_t n_new = std::min(R, cn[b] + 1);
+      cs[b] = (cs[b] + cn[b] + 1 - n_new) % R;
+      cn[b] = n_new;
+      cp[b] += 1;
+      cl[b] = 1;
+    }
+    return run<T>(q, s, true, window_left, last_new, n, start);
+  }
+
   template <typename T>
   py::object run(const py::array& q, double scale, bool causal, int64_t window_left,
                  const py::object& q_lens, const py::object& kv_lens,
@@ -513,6 +609,13 @@ void kv_quant_append_py(py::array k, py::array v, py::array k8, py::array v8, py
 }
 
 }  // namespace
+
+py::object ring_append_step(py::handle ring, const py::array& q, const py::array& k,
+                            const py::array& v, py::handle scale, int64_t window_left,
+                            const py::array& n, const py::array& start, const py::array& pos,
+                            const py::array& last_new) {
+  return ring.cast<DecodeRing&>().append_step(q, k, v, scale, window_left, n, start, pos, last_new);
+}
 
 bool call_bound_decode(py::handle run, py::handle q, py::handle k, py::handle v, py::handle o,
                        py::handle scale) {

@@ -24,6 +24,12 @@ namespace bindings {
 bool call_bound_decode(py::handle run, py::handle q, py::handle k, py::handle v, py::handle o,
                        py::handle scale);
 
+// DecodeRing::append_step on `ring` (a _core.DecodeRing; bindings_decode.cpp).
+py::object ring_append_step(py::handle ring, const py::array& q, const py::array& k,
+                            const py::array& v, py::handle scale, int64_t window_left,
+                            const py::array& n, const py::array& start, const py::array& pos,
+                            const py::array& last_new);
+
 namespace {
 
 namespace npd = py::detail;
@@ -340,6 +346,45 @@ py::object tensor_views(py::handle q, py::handle k, py::handle v) {
   return std::move(views);
 }
 
+// KVCache._step in one call: the three inputs' views (exact NumPy arrays, or tensors
+// read_tensor reads; anything else gives None), then ring_append_step. With heads_last the
+// result (B, Hq, 1, dv) is returned as (B, 1, Hq, dv), the same memory for one row (the
+// transformers backend's output order); a tensor for tensor inputs.
+py::object cache_step(py::handle ring, py::handle q, py::handle k, py::handle v, py::handle scale,
+                      int64_t window_left, const py::array& n, const py::array& start,
+                      const py::array& pos, const py::array& last_new, bool heads_last) {
+  const py::handle in[3] = {q, k, v};
+  py::object views[3];
+  const auto ndarray = npd::npy_api::get().PyArray_Type_;
+  const bool tensors = Py_TYPE(q.ptr()) != ndarray;
+  const TorchKinds& tk = torch_kinds();
+  if (tensors) {
+    if (!tk.set) return py::none();
+    TensorRead r[3];
+    for (int i = 0; i < 3; ++i)
+      if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
+    for (int i = 0; i < 3; ++i)
+      views[i] =
+          numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
+  } else {
+    for (int i = 0; i < 3; ++i) {
+      if (Py_TYPE(in[i].ptr()) != ndarray) return py::none();
+      views[i] = py::reinterpret_borrow<py::object>(in[i]);
+    }
+  }
+  py::object o = ring_append_step(ring, views[0], views[1], views[2], scale, window_left, n, start,
+                                  pos, last_new);
+  if (o.is_none()) return o;
+  if (heads_last) {
+    const auto* oa = npd::array_proxy(o.ptr());
+    const int64_t* od = reinterpret_cast<const int64_t*>(oa->dimensions);
+    const int64_t dims[4] = {od[0], od[2], od[1], od[3]};  // od[2] == 1
+    o = numpy_view(npd::array_descriptor_proxy(oa->descr)->type_num, 4, dims, nullptr, oa->data,
+                   o.ptr());
+  }
+  return tensors ? as_tensor(tk, o) : o;
+}
+
 }  // namespace
 
 void def_plans(py::module_& m) {
@@ -374,6 +419,13 @@ void def_plans(py::module_& m) {
   m.def("tensor_views", &tensor_views, py::arg("q"), py::arg("k"), py::arg("v"),
         "NumPy views of torch tensors q, k, v (bfloat16 as uint16 bits), or None when one "
         "is not an exact CPU strided float tensor without grad or negative bit.");
+  m.def("cache_step", &cache_step, py::arg("ring"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("scale"), py::arg("window_left"), py::arg("n"), py::arg("start"), py::arg("pos"),
+        py::arg("last_new"), py::arg("heads_last"),
+        "KVCache._step: append one row per sequence (k, v) to a DecodeRing and attend q to "
+        "it, updating the cache's counters n, start, pos, last_new in place; the (B, Hq, 1, "
+        "dv) result (heads_last: (B, 1, Hq, dv)) in the inputs' kind (NumPy arrays or torch "
+        "tensors), or None, with nothing changed, where the pair takes the checked path.");
   m.def("run_plan", &run_plan, py::arg("plans"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("is_causal"), py::arg("enable_gqa"), py::arg("scale"),
         "The planned plain scaled_dot_product_attention call (no out=) on NumPy arrays or "

@@ -274,3 +274,143 @@ def test_numpy_api_plan_same_bits_as_checked_call(isa, rng, Lk, dtype):
     with pytest.raises(ValueError) as got:
         af.scaled_dot_product_attention(q, k[..., :-1], v, enable_gqa=True)
     assert str(got.value) == str(want.value)
+
+
+# ---- KVCache._step: append + attend of one row per sequence in one C call -------------
+
+
+def _rows(rng, dtype, *shape):
+    """Random rows of a cache dtype (bfloat16: torch tensors, which the cache reads as bits)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "bfloat16":
+        return torch.from_numpy(x).bfloat16()
+    return x.astype(dtype)
+
+
+def _same_state(a, b):
+    """a and b hold the same counters and the same stored rows in the same slots."""
+    assert a.capacity == b.capacity and a._last_L == b._last_L
+    for name in ("_n", "_pos", "_start", "_last_new"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert a._k.tobytes() == b._k.tobytes() and a._v.tobytes() == b._v.tobytes()
+
+
+def _bits(x):
+    return x.view(torch.int16).numpy() if torch is not None and torch.is_tensor(x) else x
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "win5"])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, "bfloat16"], ids=str)
+def test_step_same_bits_and_state_as_append_attend(isa, rng, window, B, dtype):
+    """_step gives append() + attend()'s result bit for bit and leaves the same storage and
+    counters, through growth (a full ring without window: None, then the pair grows it),
+    wrap-around of a window ring, longer chunks in between, reset and truncate."""
+    if dtype == "bfloat16" and torch is None:
+        pytest.skip("torch not installed (bfloat16 input)")
+    Hq, Hkv, d, dv = 6, 2, 5, 3
+    kw = dict(capacity=4, v_head_dim=dv, dtype=dtype, window=window)
+    a, b = af.KVCache(B, Hkv, d, **kw), af.KVCache(B, Hkv, d, **kw)
+    fast = fell_back = 0
+    for t in range(30):
+        if t == 20:
+            a.reset(), b.reset()
+        if t == 25 and window is None:
+            a.truncate(1), b.truncate(1)
+        L = 3 if t % 7 == 3 else 1
+        k, v, q = (_rows(rng, dtype, B, h, L, e) for h, e in ((Hkv, d), (Hkv, dv), (Hq, d)))
+        scale = None if t % 2 else 0.37
+        o = a._step(q, k, v, scale)
+        if o is None:  # the pair on the same cache, as the transformers backend does
+            fell_back += 1
+            a.append(k, v)
+            o = a.attend(q, scale=scale)
+        else:
+            fast += 1
+            assert L == 1 and type(o) is type(q) and tuple(o.shape) == (B, Hq, 1, dv)
+        b.append(k, v)
+        np.testing.assert_array_equal(_bits(o), _bits(b.attend(q, scale=scale)))
+        _same_state(a, b)
+        # the next plain attend reads the last append's lengths as q_lens in both
+        np.testing.assert_array_equal(_bits(a.attend(q)), _bits(b.attend(q)))
+    assert fast >= 15
+    # longer chunks always fall back; without window so does a step into a full ring
+    assert fell_back >= (5 if window is None else 4)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_step_tensors_and_heads_last(rng, dtype):
+    """Tensor rows give a tensor of their dtype; heads_last gives (B, 1, H_q, dv) with the
+    same bits; the NumPy views of the same rows give the same bits as an array."""
+    tdt = getattr(torch, dtype)
+    B, Hq, Hkv, d = 2, 4, 2, 8
+    caches = [af.KVCache(B, Hkv, d, dtype=dtype) for _ in range(3)]
+    for _ in range(5):
+        k, v, q = (torch.randn(B, h, 1, d, dtype=tdt) for h in (Hkv, Hkv, Hq))
+        o1 = caches[0]._step(q, k, v, None)
+        o2 = caches[1]._step(q, k, v, None, heads_last=True)
+        assert torch.is_tensor(o1) and o1.dtype == tdt and tuple(o1.shape) == (B, Hq, 1, d)
+        assert tuple(o2.shape) == (B, 1, Hq, d) and o2.is_contiguous()
+        assert torch.equal(o1.reshape(B, 1, Hq, d), o2)
+        if dtype != "bfloat16":
+            o3 = caches[2]._step(q.numpy(), k.numpy(), v.numpy(), None)
+            assert isinstance(o3, np.ndarray)
+            np.testing.assert_array_equal(o3, o1.numpy())
+
+
+def _declines(cache, q, k, v, scale=None):
+    """_step returns None and changes nothing."""
+    before = {n: getattr(cache, n).copy() for n in ("_n", "_pos", "_start", "_last_new")}
+    kb, vb = cache._k.tobytes(), cache._v.tobytes()
+    assert cache._step(q, k, v, scale) is None
+    for n, x in before.items():
+        np.testing.assert_array_equal(getattr(cache, n), x, err_msg=n)
+    assert cache._k.tobytes() == kb and cache._v.tobytes() == vb
+
+
+def test_step_declines_what_the_pair_takes_elsewhere(rng):
+    """Anything but one float row per sequence of the cache's dtype and shapes, with a
+    float scale in range, leaves the cache untouched and returns None (append / attend then
+    raise for what is wrong, or take their general paths)."""
+    B, Hq, Hkv, d = 2, 4, 2, 8
+    cache = af.KVCache(B, Hkv, d, capacity=8)
+    f = np.float32
+
+    def rows(*shape, dt=f):
+        return rng.standard_normal(shape).astype(dt)
+
+    k, v, q = rows(B, Hkv, 1, d), rows(B, Hkv, 1, d), rows(B, Hq, 1, d)
+    assert cache._step(q, k, v, None) is not None  # the rows fit
+    for bad in (
+        (rows(B, Hq, 2, d), rows(B, Hkv, 2, d), rows(B, Hkv, 2, d)),  # two rows
+        (q, rows(B, Hkv, 1, d, dt=np.float64), v),  # dtype
+        (q.astype(np.float64), k, v),
+        (rows(B, 3, 1, d), k, v),  # H_q not a multiple of H_kv
+        (q, rows(B, Hkv + 1, 1, d), v),
+        (q, k, rows(B, Hkv, 1, d + 1)),  # dv of another cache
+        (rows(B + 1, Hq, 1, d), k, v),
+        (q[..., :-1], k, v),  # d
+        (q, k[:, :, :, None], v),  # rank
+        (q, np.ma.masked_array(k), v),  # an ndarray subclass
+        (q, k.tolist(), v),
+    ):
+        _declines(cache, *bad)
+    for scale in (1, np.float32(0.5), float("nan"), float("inf"), 1e300):
+        _declines(cache, q, k, v, scale)
+    if torch is not None:
+        t = [torch.from_numpy(x) for x in (q, k, v)]
+        _declines(cache, t[0], t[1].requires_grad_(), t[2])
+        _declines(cache, q, *t[1:])  # mixed kinds
+    for _ in range(7):  # fill it: without window a full ring must grow
+        assert cache._step(q, k, v, None) is not None
+    assert cache.lengths.tolist() == [8, 8]
+    _declines(cache, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3"])
+def test_step_declines_a_coded_cache(rng, dtype):
+    """Quantised storage is written by its encoding: _step leaves it to append / attend."""
+    cache = af.KVCache(1, 2, 8, dtype=dtype)
+    k, q = rng.standard_normal((1, 2, 1, 8)).astype(np.float32), np.ones((1, 2, 1, 8), np.float32)
+    assert cache._step(q, k, k, None) is None and cache.lengths.tolist() == [0]

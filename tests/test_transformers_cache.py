@@ -81,11 +81,27 @@ def install_call_counters(monkeypatch, cache_cls, seen, on_attend, kernels):
         on_attend(*a)
         return real_attend(self, *a, **kw)
 
+    real_step = getattr(cache_cls, "_step", None)  # KVCache: append + attend in one call
+
+    def step(self, q, *a, **kw):
+        o = real_step(self, q, *a, **kw)
+        if o is not None:  # None: append and attend follow
+            on_attend(q)
+        return o
+
     class Core:
         def __getattr__(self, name):
             fn = getattr(real_core, name)
             if name == "DecodeRing" and "decode" in kernels:  # each call of a bound ring
                 return lambda *a: counted_ring(fn(*a))  # is one decode kernel call
+            if name == "cache_step" and "decode" in kernels:  # so is each step on one
+
+                def counted_step(ring, *a):
+                    o = fn(ring.ring, *a)
+                    seen[kernels["decode"]] += o is not None
+                    return o
+
+                return counted_step
             if name not in kernels:
                 return fn
 
@@ -100,6 +116,7 @@ def install_call_counters(monkeypatch, cache_cls, seen, on_attend, kernels):
             seen[kernels["decode"]] += 1
             return ring(*a)
 
+        call.ring = ring  # what cache_step takes
         return call
 
     real_sdpa = F.scaled_dot_product_attention
@@ -109,6 +126,8 @@ def install_call_counters(monkeypatch, cache_cls, seen, on_attend, kernels):
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(cache_cls, "attend", attend)
+    if real_step is not None:
+        monkeypatch.setattr(cache_cls, "_step", step)
     monkeypatch.setattr(_dispatch, "_core", Core())
     monkeypatch.setattr(F, "scaled_dot_product_attention", dense)
     return seen
@@ -547,3 +566,29 @@ def test_cache_module_does_not_import_the_backend_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "False"], out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pads", [[0], [0, 0], [0, 4]], ids=["B1", "B2", "B2pad"])
+def test_one_call_step_same_bits_as_store_and_attend(monkeypatch, kind, dtype, pads):
+    """A generated token without mask takes AttnFastLayer.step (store and attend in one C
+    call); its logits are attend_cached's bit for bit (step switched off). A padded batch
+    and a sliding-window model have a mask: attend_cached, both times."""
+    model = make(kind, dtype=dtype)
+    ids, am = left_padded(len(pads), 11, pads)
+    new, layers = 6, model.config.num_hidden_layers
+    real, taken = af_cache.AttnFastLayer.step, []
+
+    def step(self, *a):
+        o = real(self, *a)
+        taken.append(o is not None)
+        return o
+
+    monkeypatch.setattr(af_cache.AttnFastLayer, "step", step)
+    got = generate(model, "attn_fast", ids, am, new, cache=af_hf.AttnFastCache(model.config))
+    masked = any(pads) or kind == "mistral_window"
+    assert sum(taken) == (0 if masked else layers * (new - 1)), taken
+    monkeypatch.setattr(af_cache.AttnFastLayer, "step", lambda self, *a: None)
+    ref = generate(model, "attn_fast", ids, am, new, cache=af_hf.AttnFastCache(model.config))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -143,6 +143,19 @@ def set_torch(
     function_mode_on: object,
 ) -> None: ...
 def tensor_views(q: object, k: object, v: object) -> tuple[np.ndarray, ...] | None: ...
+def cache_step(
+    ring: DecodeRing,
+    q: object,
+    k: object,
+    v: object,
+    scale: float | None,
+    window_left: int,
+    n: np.ndarray,
+    start: np.ndarray,
+    pos: np.ndarray,
+    last_new: np.ndarray,
+    heads_last: bool,
+) -> object: ...
 def run_plan(
     plans: dict,
     q: object,

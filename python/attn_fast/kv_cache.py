@@ -602,6 +602,21 @@ class KVCache(KVStore):
             self._start,
         )
 
+    def _step(self, q, k, v, scale, heads_last=False):
+        """``append(k, v)``, ``attend(q, scale=scale)`` of one row per sequence in one C call
+        (``_core.cache_step``): the same storage, counters and bits, or None (nothing changed)
+        where that pair takes its checked paths. heads_last: (B, 1, H_q, dv) for (B, H_q, 1, dv)."""
+        if self.encoding.quantised or not _decodes(1):
+            return None
+        if self._ring is None:
+            self._ring = _dispatch.decode_ring(self._k, self._v)
+        wl = -1 if self.window is None else self.window - 1
+        counters = (wl, self._n, self._start, self._pos, self._last_new, heads_last)
+        o = _dispatch.cache_step(self._ring, q, k, v, scale, *counters)
+        if o is not None:
+            self._last_L = 1
+        return o
+
     def _default_q_lens(self, Lq):
         """attend's q_lens when none is given: the last append's per-sequence lengths if q
         has its chunk length, else Lq for every sequence; (B,) int64, a fresh array."""
@@ -627,30 +642,15 @@ class KVCache(KVStore):
                 keys=_dispatch.KEYS_RING if ring else _dispatch.KEYS_CACHE,
             )
             if kernel == _dispatch.DECODE:
-                # Split-KV decode kernel: reads the ring in place (logical key j of
-                # sequence b is slot (start[b] + j) mod capacity); the keywords
-                # MaskArgs(...).kernel_kwargs() would give, without the record. The
-                # counters go uncopied: the kernel reads them only during the call.
+                # Split-KV decode kernel on the ring in place (key j of sequence b in slot
+                # (start[b] + j) mod capacity) with what MaskArgs(...).kernel_kwargs() would
+                # give, no record; the counters uncopied (read during the call only).
                 _dispatch.decode_step(
-                    q,
-                    self._k,
-                    self._v,
-                    o,
-                    lse,
-                    scale=scale,
-                    causal=bool(causal),
-                    window=(wl, -1),
-                    q_lens=ql,
-                    kv_lens=n,
-                    kv_start=start,
+                    q, self._k, self._v, o, lse, scale, bool(causal), (wl, -1), ql, n, start
                 )
                 return
-        mask = _dispatch.MaskArgs(
-            causal=bool(causal),
-            q_lens=ql,
-            kv_lens=self._n.copy(),
-            window_left=wl,
-        )
+        kv_lens = self._n.copy()
+        mask = _dispatch.MaskArgs(causal=bool(causal), q_lens=ql, kv_lens=kv_lens, window_left=wl)
         if quant:  # every chunk length: the split-KV kernel reads the codes in place
             kernel = _dispatch.choose_kernel(
                 Lq=q.shape[2], Lk=int(self._n.max()), mask=mask, keys=_dispatch.KEYS_CODES

@@ -348,12 +348,17 @@ def attention_forward(
         or (isinstance(s_aux, torch.Tensor) and s_aux.requires_grad)
     )
     layer = cache_layer(key)
-    if layer is None and not grad and attention_mask is None:
-        # A generated token against transformers' own cache: checked in O(1), no record built.
-        if s_aux is None and position_bias is None and not softcap:
+    if not grad and attention_mask is None and s_aux is None and position_bias is None:
+        # A generated token, checked in O(1) with no record built: against transformers' own
+        # cache, or stored and attended in one call by an AttnFastCache layer.
+        if softcap:
+            out = None
+        elif layer is None:
             out = _one_token(query, key, value, scaling)
-            if out is not None:
-                return out, None
+        else:
+            out = layer.step(query, key, value, scaling) if is_causal else None
+        if out is not None:
+            return out, None
     a = CallArgs(attention_mask, scaling, bool(is_causal), softcap, s_aux, position_bias)
     if layer is not None:  # an AttnFastCache layer: store the chunk and attend in the cache
         if grad:

@@ -207,6 +207,23 @@ class AttnFastLayer(CacheLayerMixin):
         self.seen += key_states.shape[2]
         return k, v
 
+    def step(self, query, key, value, scaling):
+        """``attend_cached``'s output for a one-token chunk without mask, bias, sinks or
+        softcap, causal: the chunk stored and attended in one C call (``KVCache._step``), or
+        None where ``attend_cached`` must run (its checks raise for what is wrong)."""
+        p = self.pending
+        if p is None or p[0] is not key or p[1] is not value:
+            return None
+        try:
+            o = self.kv._step(query, key, value, scaling, heads_last=True)
+        except BaseException:  # Ctrl-C in the kernel: stored, as in attend_cached
+            self.pending = None
+            raise
+        if o is not None:
+            self.pending = None
+            self.valid += 1
+        return o
+
     def get_mask_sizes(self, query_length):
         # Called before update(): the mask covers the past and the new chunk, padding included.
         return self.seen + query_length, 0
@@ -488,6 +505,10 @@ class AttnFastPagedLayer(AttnFastLayer):
         self.device = torch.device("cpu")
         self.valid = np.zeros(B, dtype=np.int64)
         self.is_initialized = True
+
+    def step(self, query, key, value, scaling):
+        """None: a token of a paged layer takes ``attend_cached`` (the pool's own fast paths)."""
+        return None
 
     def _select(self, idx):
         if idx.size and (idx.min() < 0 or idx.max() >= self.kv.batch):
