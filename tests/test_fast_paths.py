@@ -234,9 +234,31 @@ def test_tensor_plan_in_c_refuses(rng, which):
     bq, bk, bv = make(q, k, v)
     with ctx():
         assert F._core.run_plan(F._PLANS, bq, bk, bv, False, True, None) is None
-    if which == "q_negative_bit":  # the checked path's error, not the plan's unnegated read
-        with pytest.raises(TypeError, match="negative bit"):
-            F.scaled_dot_product_attention(bq, k, v, enable_gqa=True)
+    if which == "q_negative_bit":  # the checked path reads its values, not the memory
+        got = F.scaled_dot_product_attention(bq, k, v, enable_gqa=True)
+        assert torch.equal(got, F.scaled_dot_product_attention(-q, k, v, enable_gqa=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_negative_bit_views_are_read_as_their_values(rng, dtype):
+    """torch._neg_view / conj views hold their values lazily: every entry point reads the
+    values (a copy), as for -x; an out= with the bit is refused (its memory is not its
+    values, so results written there would be lost)."""
+    import attn_fast.torch as aft
+
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(s, dtype=dt) for s in ((1, 6, 1, 16), (1, 2, 40, 16), (1, 2, 40, 16)))
+    nq, nk = torch._neg_view(q), torch._neg_view(k)
+    for _ in range(3):  # the checked call, then the plans
+        want = F.scaled_dot_product_attention(-q, -k, v, enable_gqa=True)
+        assert torch.equal(F.scaled_dot_product_attention(nq, nk, v, enable_gqa=True), want)
+        assert torch.equal(aft.scaled_dot_product_attention(nq, nk, v, enable_gqa=True), want)
+    a, b = (af.KVCache(1, 2, 16, dtype=dtype) for _ in range(2))
+    a.append(nk, v)
+    b.append(-k, v)
+    assert torch.equal(a.attend(nq), b.attend(-q))
+    with pytest.raises(TypeError, match="out is a torch view with a lazy negation"):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True, out=torch._neg_view(-q))
 
 
 NUMPY_LAYOUTS = {

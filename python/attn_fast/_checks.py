@@ -220,7 +220,8 @@ def as_array(x, name):
 
     Accepts NumPy arrays, CPU torch tensors (a tensor that requires grad is
     read through ``detach()``: the result is a NumPy array and carries no
-    gradient), and objects exposing ``__array_interface__``, the buffer protocol
+    gradient; a view with torch's lazy negation or conjugation bit is read as its
+    values, a copy), and objects exposing ``__array_interface__``, the buffer protocol
     or ``__dlpack__`` on the CPU. Other sequences (lists) are converted by
     ``np.asarray`` (a copy). Any dtype; read-only inputs stay read-only.
     Raises TypeError for GPU / non-CPU memory and for unreadable objects.
@@ -232,6 +233,8 @@ def as_array(x, name):
     _check_on_cpu(x, name)
     if _is_torch_tensor(x):
         t = x.detach() if x.requires_grad else x
+        if t.is_neg() or t.is_conj():  # Tensor.numpy() and a dtype view refuse the lazy bits
+            t = t.resolve_conj().resolve_neg()
         if t.dtype is _torch_attr(t, "bfloat16"):  # NumPy has no bfloat16: its bits, same memory
             return (_TORCH_FAST or _torch_fast_kinds())["bits"](t)
         try:
@@ -396,6 +399,11 @@ def as_out_array(out, name="out"):
             f"{name} is a torch tensor that requires grad; attn_fast writes results without "
             "autograd, "
             "pass a tensor that does not require grad"
+        )
+    if _is_torch_tensor(out) and (out.is_neg() or out.is_conj()):  # as_array would copy it
+        raise TypeError(
+            f"{name} is a torch view with a lazy negation / conjugation bit (its memory does "
+            "not hold its values): pass a tensor without it (out.resolve_neg())"
         )
     o = as_array(out, name)
     if _np_is_bf16(o.dtype):  # ml_dtypes: its bits, the same memory
