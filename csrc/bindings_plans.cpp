@@ -61,6 +61,12 @@ struct KeyWords {
     for (int j = 0; j < nd; ++j) w[n++] = dims[j];
     for (int j = 0; j < nd; ++j) w[n++] = strides[j];
   }
+  // A 4-D k or v of a one-row decode key: its dtype and sizes without the key count
+  // (axis 2) or the strides, which a one-row decode plan does not depend on (lk_free).
+  void free_kv(int type_num, const int64_t* dims) {
+    w[n++] = int64_t(type_num) | int64_t(4) << 16 | int64_t(1) << 32;
+    w[n++] = dims[0], w[n++] = dims[1], w[n++] = dims[3];
+  }
   // The key's bytes, after `prefix` (b"t" for tensors: a plan serves one input kind).
   py::object bytes(const char* prefix = "") const {
     const size_t np = std::strlen(prefix), nb = size_t(n) * sizeof(int64_t);
@@ -75,7 +81,14 @@ struct KeyWords {
 // One array's words of a plan key; false when `x` is not an exact numpy.ndarray of
 // float32 / float64 / float16 (or, with bits16, uint16: bfloat16 bits read from a
 // tensor), aligned, in native byte order, of at most 8 dimensions.
-bool array_key(PyObject* x, bool bits16, KeyWords& key) {
+// What a plan key reads of one input: dtype number, rank, sizes, strides in bytes.
+struct KeyedArray {
+  int type_num = 0, nd = 0;
+  const int64_t* dims = nullptr;
+  const int64_t* strides = nullptr;
+};
+
+bool read_array(PyObject* x, bool bits16, KeyedArray& r) {
   const auto& api = npd::npy_api::get();
   if (Py_TYPE(x) != api.PyArray_Type_) return false;  // subclasses: fast_view decides
   const auto* a = npd::array_proxy(x);
@@ -91,9 +104,39 @@ bool array_key(PyObject* x, bool bits16, KeyWords& key) {
   if (!fast || !native || !(a->flags & npd::npy_api::NPY_ARRAY_ALIGNED_) || a->nd > kMaxNd)
     return false;
   static_assert(sizeof(*a->dimensions) == sizeof(int64_t), "npy_intp is 64-bit here");
-  key.array(d->type_num, a->nd, reinterpret_cast<const int64_t*>(a->dimensions),
-            reinterpret_cast<const int64_t*>(a->strides));
+  r = KeyedArray{d->type_num, a->nd, reinterpret_cast<const int64_t*>(a->dimensions),
+                 reinterpret_cast<const int64_t*>(a->strides)};
   return true;
+}
+
+bool array_key(PyObject* x, bool bits16, KeyWords& key) {
+  KeyedArray r;
+  if (!read_array(x, bits16, r)) return false;
+  key.array(r.type_num, r.nd, r.dims, r.strides);
+  return true;
+}
+
+// A one-row call (q (B, Hq, 1, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv), Lk >= 1, no
+// out=) whose plan is a decode plan serves every Lk and any k / v strides: choose_kernel
+// picks the decode kernel for one query row whatever Lk, the plain call's record does
+// not depend on Lk, and the kernel reads k / v through their strides as the checked path
+// passes them. Its second key (lk_free_key): the header, q's words, and k / v without
+// the key count or strides (KeyWords::free_kv).
+bool one_row(const KeyedArray* r) {
+  return r[0].nd == 4 && r[0].dims[2] == 1 && r[1].nd == 4 && r[2].nd == 4 &&
+         r[1].dims[2] == r[2].dims[2] && r[1].dims[2] >= 1;
+}
+void one_row_key(KeyWords& key, const KeyedArray* r) {
+  key.array(r[0].type_num, 4, r[0].dims, r[0].strides);
+  key.free_kv(r[1].type_num, r[1].dims);
+  key.free_kv(r[2].type_num, r[2].dims);
+}
+
+// plans[key], borrowed, or null (no plan).
+PyObject* find_plan(const py::dict& plans, const KeyWords& key, const char* prefix) {
+  PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes(prefix).ptr());
+  if (!plan && PyErr_Occurred()) throw py::error_already_set();
+  return plan;
 }
 
 // functional._PLANS's key of a plain call: the bytes of is_causal, enable_gqa, scale
@@ -108,6 +151,31 @@ py::object plan_key(py::handle q, py::handle k, py::handle v, py::handle out, bo
   for (int i = 0; i < (out.is_none() ? 3 : 4); ++i)
     if (!array_key(arrays[i].ptr(), bits16, key)) return py::none();
   return key.bytes();
+}
+
+// The second key of a one-row decode plan (one_row) from its exact key (plan_key's
+// bytes, after b"t" for tensors), or None when the call is not one_row's.
+py::object lk_free_key(py::bytes exact) {
+  const char* p = PyBytes_AS_STRING(exact.ptr());
+  Py_ssize_t nb = PyBytes_GET_SIZE(exact.ptr());
+  const bool tensor = nb % Py_ssize_t(sizeof(int64_t)) == 1 && p[0] == 't';
+  p += tensor, nb -= tensor;
+  const int64_t n = nb / int64_t(sizeof(int64_t));
+  if (nb % Py_ssize_t(sizeof(int64_t)) || n != 2 + 3 * 9) return py::none();  // 3 arrays, 4-D
+  int64_t w[2 + 3 * 9];
+  std::memcpy(w, p, size_t(nb));
+  if (w[0] & 4) return py::none();  // has out=
+  KeyedArray r[3];
+  for (int i = 0; i < 3; ++i) {
+    const int64_t* a = w + 2 + 9 * i;
+    if ((a[0] >> 16) != 4) return py::none();
+    r[i] = KeyedArray{int(a[0] & 0xffff), 4, a + 1, a + 5};
+  }
+  if (!one_row(r)) return py::none();
+  KeyWords key;
+  key.w[key.n++] = w[0], key.w[key.n++] = w[1];
+  one_row_key(key, r);
+  return key.bytes(tensor ? "t" : "");
 }
 
 // What run_plan needs of torch, handed over by set_torch once torch is
@@ -297,15 +365,17 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
                     bool enable_gqa, py::handle scale) {
   KeyWords key;
   if (!key.header(is_causal, enable_gqa, false, scale.ptr())) return py::none();
+  KeyWords free = key;  // the one-row decode key, if the exact one has no plan
   const py::handle in[3] = {q, k, v};
+  KeyedArray a[3];
   if (Py_TYPE(q.ptr()) == npd::npy_api::get().PyArray_Type_) {
-    for (const py::handle& x : in)
-      if (!array_key(x.ptr(), false, key)) return py::none();
-    PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes().ptr());  // borrowed
-    if (!plan) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      return py::none();
+    for (int i = 0; i < 3; ++i) {
+      if (!read_array(in[i].ptr(), false, a[i])) return py::none();
+      key.array(a[i].type_num, a[i].nd, a[i].dims, a[i].strides);
     }
+    PyObject* plan = find_plan(plans, key, "");
+    if (!plan && one_row(a)) one_row_key(free, a), plan = find_plan(plans, free, "");
+    if (!plan) return py::none();
     return call_plan(plan, scale, [&](py::object* views) {
       for (int i = 0; i < 3; ++i) views[i] = py::reinterpret_borrow<py::object>(in[i]);
     });
@@ -315,14 +385,13 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
   TensorRead r[3];
   for (int i = 0; i < 3; ++i) {
     if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
-    key.array(r[i].type_num, r[i].nd, r[i].dims, r[i].strides);
+    a[i] = KeyedArray{r[i].type_num, r[i].nd, r[i].dims, r[i].strides};
+    key.array(a[i].type_num, a[i].nd, a[i].dims, a[i].strides);
   }
   if (torch_modes_on(tk)) return py::none();
-  PyObject* plan = PyDict_GetItemWithError(plans.ptr(), key.bytes("t").ptr());  // borrowed
-  if (!plan) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return py::none();
-  }
+  PyObject* plan = find_plan(plans, key, "t");
+  if (!plan && one_row(a)) one_row_key(free, a), plan = find_plan(plans, free, "t");
+  if (!plan) return py::none();
   return as_tensor(tk, call_plan(plan, scale, [&](py::object* views) {
                      for (int i = 0; i < 3; ++i)
                        views[i] = numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides,
@@ -416,6 +485,10 @@ void def_plans(py::module_& m) {
       py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
       "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
       "dispatch-state queries to run_plan (once, when torch is imported).");
+  m.def("lk_free_key", &lk_free_key, py::arg("key"),
+        "The second key of a one-row decode plan, which serves every key count and k / v "
+        "strides, from its exact plan key (bytes); None when the call is not one row against "
+        "4-D k, v without out=.");
   m.def("tensor_views", &tensor_views, py::arg("q"), py::arg("k"), py::arg("v"),
         "NumPy views of torch tensors q, k, v (bfloat16 as uint16 bits), or None when one "
         "is not an exact CPU strided float tensor without grad or negative bit.");

@@ -108,8 +108,9 @@ def test_sdpa_plan_non_contiguous(rng, monkeypatch, layout):
 
 
 def test_sdpa_plan_key_separates_layouts(rng, monkeypatch):
-    """A plan of one layout is not used for another (the key holds the strides and kinds)."""
-    q, k, v = randn(rng, (1, 4, 1, 8)), randn(rng, (1, 4, 100, 8)), randn(rng, (1, 4, 100, 8))
+    """A plan of one layout is not used for another (the key holds the strides and kinds).
+    Two query rows: a one-row decode plan serves every k / v layout (its own test below)."""
+    q, k, v = randn(rng, (1, 4, 2, 8)), randn(rng, (1, 4, 100, 8)), randn(rng, (1, 4, 100, 8))
     F._PLANS.clear()
     af.scaled_dot_product_attention(q, k, v)
     calls = _count_checks(monkeypatch)
@@ -793,3 +794,104 @@ def test_kv_cache_append_fast_same_state_and_errors(rng):
                 c.append(bad_k, bad_v)
             errs.append((type(e.value), str(e.value)))
         assert errs[0] == errs[1]
+
+
+def _one_row_inputs(rng, kind, dtype):
+    """q (1, 6, 1, 16) and a (1, 2, 300, 16) K / V buffer, as NumPy arrays or tensors."""
+    q, kb, vb = (randn(rng, s) for s in ((1, 6, 1, 16), (1, 2, 300, 16), (1, 2, 300, 16)))
+    if kind == "numpy":
+        return tuple(x.astype(dtype) for x in (q, kb, vb))
+    return tuple(torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, kb, vb))
+
+
+ONE_ROW_KV = {  # (k, v) of Lk keys in other layouts than the planning call's
+    "prefix": lambda kb, vb, L: (kb[:, :, :L], vb[:, :, :L]),
+    "contiguous": lambda kb, vb, L: (
+        (kb[:, :, :L].copy(), vb[:, :, :L].copy())
+        if isinstance(kb, np.ndarray)
+        else (kb[:, :, :L].clone(), vb[:, :, :L].clone())
+    ),
+    "reversed": lambda kb, vb, L: (
+        (kb[:, :, L - 1 :: -1], vb[:, :, L - 1 :: -1])
+        if isinstance(kb, np.ndarray)
+        else (kb[:, :, :L].flip(2), vb[:, :, :L].flip(2))
+    ),
+    "broadcast": lambda kb, vb, L: (
+        (kb[:, :, :1].expand(-1, -1, L, -1), vb[:, :, :L])
+        if not isinstance(kb, np.ndarray)
+        else (np.broadcast_to(kb[:, :, :1], (1, 2, L, 16)), vb[:, :, :L])
+    ),
+}
+
+
+@pytest.mark.parametrize("kind,dtype", [("numpy", "float32"), ("numpy", "float64"),
+                                        ("numpy", "float16"), ("torch", "float32"),
+                                        ("torch", "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_one_row_plan_serves_every_lk(isa, rng, kind, dtype, is_causal):
+    """A one-row decode call's plan serves later calls with another key count and other
+    k / v strides (a cache grown by a token): run_plan's result is the checked path's bits
+    (out= keeps a call on the checked path) at every Lk and layout."""
+    q, kb, vb = _one_row_inputs(rng, kind, dtype)
+    F._PLANS.clear()
+    for _ in range(2):  # the checked call stores the plan (a first tensor call may only learn)
+        F.scaled_dot_product_attention(q, kb[:, :, :7], vb[:, :, :7], is_causal=is_causal,
+                                       enable_gqa=True)  # fmt: skip
+    run = F._core.run_plan
+    for L in (1, 2, 63, 64, 65, 129, 300):
+        for layout, make in ONE_ROW_KV.items():
+            k, v = make(kb, vb, L)
+            got = run(F._PLANS, q, k, v, is_causal, True, None)
+            assert got is not None, (L, layout)
+            out = np.empty_like(got) if kind == "numpy" else torch.empty_like(got)
+            F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True, out=out)
+            if kind == "numpy":
+                np.testing.assert_array_equal(got, out)
+            else:
+                assert torch.equal(got, out), (L, layout)
+
+
+def test_one_row_plan_declines(rng):
+    """What the one-row key does not cover takes the checked path: two query rows (whose
+    kernel depends on Lk), k / v of different key counts (the checked path's ValueError),
+    no key, another flag, scale, dtype or head count."""
+    q, kb, vb = _one_row_inputs(rng, "numpy", "float32")
+    F._PLANS.clear()
+    F.scaled_dot_product_attention(q, kb[:, :, :9], vb[:, :, :9], enable_gqa=True)
+    run = F._core.run_plan
+    assert run(F._PLANS, q, kb[:, :, :20], vb[:, :, :20], False, True, None) is not None
+    q2 = np.concatenate([q, q], axis=2)
+    F.scaled_dot_product_attention(q2, kb[:, :, :9], vb[:, :, :9], enable_gqa=True)
+    assert run(F._PLANS, q2, kb[:, :, :9], vb[:, :, :9], False, True, None) is not None
+    assert run(F._PLANS, q2, kb[:, :, :90], vb[:, :, :90], False, True, None) is None
+    for k, v, flags in (
+        (kb[:, :, :20], vb[:, :, :21], (False, True, None)),
+        (kb[:, :, :0], vb[:, :, :0], (False, True, None)),
+        (kb[:, :, :20], vb[:, :, :20], (True, True, None)),
+        (kb[:, :, :20], vb[:, :, :20], (False, True, 0.5)),
+        (kb[:, :, :20].astype(np.float64), vb[:, :, :20], (False, True, None)),
+        (kb[:, :1, :20], vb[:, :1, :20], (False, True, None)),
+    ):
+        assert run(F._PLANS, q, k, v, *flags) is None
+    with pytest.raises(ValueError):
+        F.scaled_dot_product_attention(q, kb[:, :, :20], vb[:, :, :21], enable_gqa=True)
+
+
+def test_lk_free_key_covers_one_row_calls_only(rng):
+    """lk_free_key: equal for one-row calls that differ only in Lk and k / v strides (and
+    b"t" kept for tensor keys); None for out=, two rows, other ranks, or no key count."""
+    q, kb, vb = _one_row_inputs(rng, "numpy", "float32")
+
+    def key(q, k, v, out=None, bits16=False):
+        return F._core.plan_key(q, k, v, out, False, True, None, bits16)
+
+    free = F._core.lk_free_key
+    a = free(key(q, kb[:, :, :5], vb[:, :, :5]))
+    assert a is not None and a == free(key(q, kb[:, :, :200].copy(), vb[:, :, 7:207]))
+    assert a != free(key(q, kb[:, :, :5].astype(np.float64), vb[:, :, :5]))
+    assert free(b"t" + key(q, kb[:, :, :5], vb[:, :, :5])) == b"t" + a
+    assert free(key(q, kb[:, :, :5], vb[:, :, :5], out=np.empty_like(q))) is None
+    assert free(key(np.concatenate([q, q], 2), kb[:, :, :5], vb[:, :, :5])) is None
+    assert free(key(q[0], kb[0, :, :5], vb[0, :, :5])) is None
+    assert free(key(q, kb[:, :, :0], vb[:, :, :0])) is None
+    assert free(b"") is None and free(b"x" * 17) is None

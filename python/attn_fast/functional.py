@@ -132,9 +132,16 @@ def _plain_key(
 
 
 def _store_plan(plan_key: Any, plan: tuple) -> None:
-    if len(_PLANS) >= _MAX_PLANS:
+    """Store a plan under its key; a one-row decode plan also under _core.lk_free_key's,
+    which run_plan looks up when the exact key has no plan: a decode step whose cache grew
+    by a token (another Lk, other k / v strides) then runs without the checks."""
+    if len(_PLANS) >= _MAX_PLANS - 1:
         _PLANS.clear()  # bounded: a workload of many shapes rebuilds its plans
     _PLANS[plan_key[0]] = plan
+    if type(plan[0]) is _core.BoundDecode:
+        free = _core.lk_free_key(plan_key[0])
+        if free is not None:
+            _PLANS[free] = plan
 
 
 def _run_plan(plan: tuple, plan_key: Any, like: Any, out: Any, scale: float | None) -> Any:
