@@ -3,6 +3,7 @@
     python bench/benchmarks/bench_latency.py  # both shapes, L = 16, 512, 4096, 2 threads
     python bench/benchmarks/bench_latency.py --threads 1 --rounds 21
     python bench/benchmarks/bench_latency.py --profile  # + cProfile of one call of each entry point
+    python bench/benchmarks/bench_latency.py --grow 64  # one key more per call (a growing cache)
 
 Entry points, each on the same tensors (B = 1, fp32):
 
@@ -15,6 +16,11 @@ Entry points, each on the same tensors (B = 1, fp32):
     hf_sdpa    transformers' own sdpa attention function (sdpa_attention_forward) on the same
                call: what "hf" replaces in a model (the last column is hf / hf_sdpa)
     torch      torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)
+
+``--grow N``: the calls of each entry point cycle through key counts L, L + 1, ..., L + N - 1
+(prefix views of one (1, H_kv, L + N, d) buffer, made once), as a decode loop over a cache
+that grows by a token per step does: plans keyed by exact shapes miss at every call there.
+``kvcache`` keeps its L keys (its plan does not depend on them).
 
 Each result is first checked against the float64 oracle. Timing:
 ``--rounds`` rounds; in each round every entry point runs a burst of calls (enough for about
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import statistics
 import time
@@ -61,49 +68,74 @@ class _Module:
         self.num_key_value_groups = groups  # read by transformers' sdpa function
 
 
-def entry_points(Hq, Hkv, d, L, seed=0):
-    """{name: zero-argument callable} for one shape, all on the same data."""
+def entry_points(Hq, Hkv, d, L, seed=0, grow=0):
+    """{name: zero-argument callable} for one shape, all on the same data (with grow > 0
+    the key count of each entry point's calls cycles through L .. L + grow - 1)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, Hq, 1, d)).astype(np.float32)
-    k = rng.standard_normal((1, Hkv, L, d)).astype(np.float32)
-    v = rng.standard_normal((1, Hkv, L, d)).astype(np.float32)
-    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    kb = rng.standard_normal((1, Hkv, L + grow, d)).astype(np.float32)
+    vb = rng.standard_normal((1, Hkv, L + grow, d)).astype(np.float32)
+    k, v = kb[:, :, :L], vb[:, :, :L]
+    qt = torch.from_numpy(q)
     cache = af.KVCache(1, Hkv, d, capacity=L + 64)
     cache.append(k, v)
     mod = _Module(Hq // Hkv)
     scale = d**-0.5  # a Python float, as transformers passes module.scaling
 
-    def hf():
+    def hf(kt, vt):
         with torch.no_grad():
             return af_hf.attention_forward(mod, qt, kt, vt, None, scaling=scale, is_causal=True)[0]
 
-    def hf_sdpa():
+    def hf_sdpa(kt, vt):
         with torch.no_grad():
             return sdpa_attention_forward(mod, qt, kt, vt, None, scaling=scale, is_causal=True)[0]
 
-    calls = {
-        "numpy": lambda: af.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-        "kvcache": lambda: cache.attend(q),
-        "torch_op": lambda: aft.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
-        "hf": hf,
-        "hf_sdpa": hf_sdpa,
-        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
-            qt, kt, vt, enable_gqa=True
+    on_keys = {  # name: (call on (k, v), whether it takes tensors)
+        "numpy": (lambda k, v: af.scaled_dot_product_attention(q, k, v, enable_gqa=True), False),
+        "torch_op": (
+            lambda k, v: aft.scaled_dot_product_attention(qt, k, v, enable_gqa=True),
+            True,
+        ),
+        "hf": (hf, True),
+        "hf_sdpa": (hf_sdpa, True),
+        "torch": (
+            lambda k, v: torch.nn.functional.scaled_dot_product_attention(
+                qt, k, v, enable_gqa=True
+            ),
+            True,
         ),
     }
-    # Validate: every entry point against the float64 oracle.
+    # The key / value arguments of successive calls: one pair, or prefixes growing by a key.
+    np_kv = [(kb[:, :, :n], vb[:, :, :n]) for n in range(L, L + max(grow, 1))]
+    t_kv = [tuple(torch.from_numpy(x) for x in pair) for pair in np_kv]
+
+    def call(f, kv):
+        if len(kv) == 1:
+            return lambda: f(*kv[0])
+        steps = itertools.cycle(kv)
+        return lambda: f(*next(steps))
+
+    calls = {"kvcache": lambda: cache.attend(q)}
+    for name, (f, tensors) in on_keys.items():
+        calls[name] = call(f, t_kv if tensors else np_kv)
+    # Validate: every entry point against the float64 oracle, at L keys.
     g = Hq // Hkv
     kr, vr = np.repeat(k, g, axis=1).astype(np.float64), np.repeat(v, g, axis=1).astype(np.float64)
     s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), kr) * scale
     p = np.exp(s - s.max(-1, keepdims=True))
     ref = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vr)
-    for name, f in calls.items():
-        got = np.asarray(f(), dtype=np.float64)
+    for name in calls:
+        if name == "kvcache":
+            got = cache.attend(q)
+        else:
+            f, tensors = on_keys[name]
+            got = f(*(t_kv if tensors else np_kv)[0])
+        got = np.asarray(got, dtype=np.float64)
         if name in ("hf", "hf_sdpa"):
             got = got.transpose(0, 2, 1, 3)  # (B, Lq, H, dv) -> (B, H, Lq, dv)
         err = float(np.max(np.abs(got - ref)))
         assert err < 1e-4, f"{name} differs from the oracle by {err} at {(Hq, Hkv, d, L)}"
-    return calls
+    return {n: calls[n] for n in ("numpy", "kvcache", "torch_op", "hf", "hf_sdpa", "torch")}
 
 
 def time_calls(calls, rounds, burst_s=0.002, clock=time.perf_counter):
@@ -160,6 +192,12 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each (L = 512)")
     ap.add_argument(
+        "--grow",
+        type=int,
+        default=0,
+        help="N > 0: each entry point's calls cycle through L .. L + N - 1 keys (kvcache: L)",
+    )
+    ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
@@ -179,6 +217,7 @@ def main(argv=None):
     print(
         f"attn_fast decode latency | isa {c['isa']} | threads {c['num_threads']} | cpu {c['cpu']}"
         f" | torch {torch.__version__} | fp32 B=1 Lq=1 | {args.clock} clock | load {load}"
+        + (f" | keys L .. L + {args.grow - 1}, one more per call" if args.grow else "")
     )
     names = ("torch", "numpy", "kvcache", "torch_op", "hf", "hf_sdpa")
     print(
@@ -189,7 +228,7 @@ def main(argv=None):
     )
     for Hq, Hkv, d in SHAPES:
         for L in args.lengths:
-            calls = entry_points(Hq, Hkv, d, L)
+            calls = entry_points(Hq, Hkv, d, L, grow=args.grow)
             med = time_calls(calls, args.rounds, clock=clock)
             t = med["torch"]
             print(
@@ -203,7 +242,7 @@ def main(argv=None):
         for Hq, Hkv, d in SHAPES:
             print(f"\ncProfile, (Hq, Hkv, d) = {(Hq, Hkv, d)}, L = 512")
             timer = time.thread_time if args.clock == "cpu" else None
-            print(profile_one(entry_points(Hq, Hkv, d, 512), timer=timer))
+            print(profile_one(entry_points(Hq, Hkv, d, 512, grow=args.grow), timer=timer))
     return 0
 
 
