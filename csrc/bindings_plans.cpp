@@ -402,17 +402,24 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
 // q, k, v (torch tensors) as the NumPy views Tensor.numpy() would give (bfloat16 as
 // its uint16 bits), or None when one is not a kind read_tensor reads; torch's modes
 // are not looked at (a caller that must respect them asks first).
-py::object tensor_views(py::handle q, py::handle k, py::handle v) {
+// The three tensors' views into views[]; false (views untouched) when torch is not handed
+// over yet or one tensor is not a kind read_tensor reads.
+bool read_views(const py::handle* in, py::object* views) {
   const TorchKinds& tk = torch_kinds();
-  if (!tk.set) return py::none();
-  const py::handle in[3] = {q, k, v};
+  if (!tk.set) return false;
   TensorRead r[3];
   for (int i = 0; i < 3; ++i)
-    if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
-  py::tuple views(3);
+    if (!read_tensor(tk, in[i].ptr(), r[i])) return false;
   for (int i = 0; i < 3; ++i)
     views[i] = numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
-  return std::move(views);
+  return true;
+}
+
+py::object tensor_views(py::handle q, py::handle k, py::handle v) {
+  const py::handle in[3] = {q, k, v};
+  py::object views[3];
+  if (!read_views(in, views)) return py::none();
+  return py::make_tuple(views[0], views[1], views[2]);
 }
 
 // KVCache._step in one call: the three inputs' views (exact NumPy arrays, or tensors
@@ -426,15 +433,8 @@ py::object cache_step(py::handle ring, py::handle q, py::handle k, py::handle v,
   py::object views[3];
   const auto ndarray = npd::npy_api::get().PyArray_Type_;
   const bool tensors = Py_TYPE(q.ptr()) != ndarray;
-  const TorchKinds& tk = torch_kinds();
   if (tensors) {
-    if (!tk.set) return py::none();
-    TensorRead r[3];
-    for (int i = 0; i < 3; ++i)
-      if (!read_tensor(tk, in[i].ptr(), r[i])) return py::none();
-    for (int i = 0; i < 3; ++i)
-      views[i] =
-          numpy_view(r[i].type_num, r[i].nd, r[i].dims, r[i].strides, r[i].data, in[i].ptr());
+    if (!read_views(in, views)) return py::none();
   } else {
     for (int i = 0; i < 3; ++i) {
       if (Py_TYPE(in[i].ptr()) != ndarray) return py::none();
@@ -451,7 +451,7 @@ py::object cache_step(py::handle ring, py::handle q, py::handle k, py::handle v,
     o = numpy_view(npd::array_descriptor_proxy(oa->descr)->type_num, 4, dims, nullptr, oa->data,
                    o.ptr());
   }
-  return tensors ? as_tensor(tk, o) : o;
+  return tensors ? as_tensor(torch_kinds(), o) : o;
 }
 
 }  // namespace
