@@ -126,10 +126,13 @@ bool one_row(const KeyedArray* r) {
   return r[0].nd == 4 && r[0].dims[2] == 1 && r[1].nd == 4 && r[2].nd == 4 &&
          r[1].dims[2] == r[2].dims[2] && r[1].dims[2] >= 1;
 }
-void one_row_key(KeyWords& key, const KeyedArray* r) {
+KeyWords one_row_key(const int64_t* header, const KeyedArray* r) {
+  KeyWords key;
+  key.w[key.n++] = header[0], key.w[key.n++] = header[1];
   key.array(r[0].type_num, 4, r[0].dims, r[0].strides);
   key.free_kv(r[1].type_num, r[1].dims);
   key.free_kv(r[2].type_num, r[2].dims);
+  return key;
 }
 
 // plans[key], borrowed, or null (no plan).
@@ -172,10 +175,7 @@ py::object lk_free_key(py::bytes exact) {
     r[i] = KeyedArray{int(a[0] & 0xffff), 4, a + 1, a + 5};
   }
   if (!one_row(r)) return py::none();
-  KeyWords key;
-  key.w[key.n++] = w[0], key.w[key.n++] = w[1];
-  one_row_key(key, r);
-  return key.bytes(tensor ? "t" : "");
+  return one_row_key(w, r).bytes(tensor ? "t" : "");
 }
 
 // What run_plan needs of torch, handed over by set_torch once torch is
@@ -365,7 +365,6 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
                     bool enable_gqa, py::handle scale) {
   KeyWords key;
   if (!key.header(is_causal, enable_gqa, false, scale.ptr())) return py::none();
-  KeyWords free = key;  // the one-row decode key, if the exact one has no plan
   const py::handle in[3] = {q, k, v};
   KeyedArray a[3];
   if (Py_TYPE(q.ptr()) == npd::npy_api::get().PyArray_Type_) {
@@ -374,7 +373,7 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
       key.array(a[i].type_num, a[i].nd, a[i].dims, a[i].strides);
     }
     PyObject* plan = find_plan(plans, key, "");
-    if (!plan && one_row(a)) one_row_key(free, a), plan = find_plan(plans, free, "");
+    if (!plan && one_row(a)) plan = find_plan(plans, one_row_key(key.w, a), "");
     if (!plan) return py::none();
     return call_plan(plan, scale, [&](py::object* views) {
       for (int i = 0; i < 3; ++i) views[i] = py::reinterpret_borrow<py::object>(in[i]);
@@ -390,7 +389,7 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
   }
   if (torch_modes_on(tk)) return py::none();
   PyObject* plan = find_plan(plans, key, "t");
-  if (!plan && one_row(a)) one_row_key(free, a), plan = find_plan(plans, free, "t");
+  if (!plan && one_row(a)) plan = find_plan(plans, one_row_key(key.w, a), "t");
   if (!plan) return py::none();
   return as_tensor(tk, call_plan(plan, scale, [&](py::object* views) {
                      for (int i = 0; i < 3; ++i)
