@@ -294,7 +294,9 @@ bool torch_modes_on(const TorchKinds& tk) {
 }
 
 // A NumPy array over memory that `owner` (its base) keeps alive, or, with no owner,
-// a new C-contiguous one (data and strides ignored).
+// a new C-contiguous one (data and strides ignored). NumPy's C API directly: pybind11's
+// py::array constructor builds a std::vector and a dtype object per array, on a path that
+// runs once per layer per token.
 py::object numpy_view(int type_num, int nd, const int64_t* dims, const int64_t* strides, void* data,
                       PyObject* owner) {
   const auto& api = npd::npy_api::get();
