@@ -187,12 +187,12 @@ def decode_ring(k: np.ndarray, v: np.ndarray) -> Any:
     return _core.DecodeRing(k, v)
 
 
-def cache_step(ring: Any, q: Any, k: Any, v: Any, scale: float | None, *counters: Any) -> Any:
+def cache_step(ring: Any, q: Any, k: Any, v: Any, scale: float | None, *args: Any) -> Any:
     """``KVCache._step``'s kernel call: ``_core.cache_step(ring, q, k, v, scale, window_left,
-    n, start, pos, last_new, heads_last)`` (counters in that order) on a ``decode_ring``:
+    n, start, pos, last_new, heads_last)`` (args in that order) on a ``decode_ring``:
     one row per sequence stored in the ring and attended (the decode kernel), the
     counters updated in place; the result, or None with nothing changed."""
-    return _core.cache_step(ring, q, k, v, scale, *counters)
+    return _core.cache_step(ring, q, k, v, scale, *args)
 
 
 def attend(

@@ -604,15 +604,15 @@ class KVCache(KVStore):
 
     def _step(self, q, k, v, scale, heads_last=False):
         """``append(k, v)``, ``attend(q, scale=scale)`` of one row per sequence in one C call
-        (``_core.cache_step``): the same storage, counters and bits, or None (nothing changed)
+        (``_dispatch.cache_step``): the same storage, counters and bits, or None (nothing changed)
         where that pair takes its checked paths. heads_last: (B, 1, H_q, dv) for (B, H_q, 1, dv)."""
         if self.encoding.quantised or not _decodes(1):
             return None
         if self._ring is None:
             self._ring = _dispatch.decode_ring(self._k, self._v)
         wl = -1 if self.window is None else self.window - 1
-        counters = (wl, self._n, self._start, self._pos, self._last_new, heads_last)
-        o = _dispatch.cache_step(self._ring, q, k, v, scale, *counters)
+        args = (wl, self._n, self._start, self._pos, self._last_new, heads_last)
+        o = _dispatch.cache_step(self._ring, q, k, v, scale, *args)
         if o is not None:
             self._last_L = 1
         return o

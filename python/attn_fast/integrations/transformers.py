@@ -348,12 +348,11 @@ def attention_forward(
         or (isinstance(s_aux, torch.Tensor) and s_aux.requires_grad)
     )
     layer = cache_layer(key)
-    if not grad and attention_mask is None and s_aux is None and position_bias is None:
+    plain = s_aux is None and position_bias is None and not softcap
+    if plain and not grad and attention_mask is None:
         # A generated token, checked in O(1) with no record built: against transformers' own
         # cache, or stored and attended in one call by an AttnFastCache layer.
-        if softcap:
-            out = None
-        elif layer is None:
+        if layer is None:
             out = _one_token(query, key, value, scaling)
         else:
             out = layer.step(query, key, value, scaling) if is_causal else None
