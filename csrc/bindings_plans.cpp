@@ -3,8 +3,9 @@
 // pays its entry point's fixed cost once per layer per token (issue 38): at
 // a few hundred keys the Python reading of three tensors (Tensor.numpy(),
 // 0.7 µs each) and of their metadata costs more than the kernel. Torch is
-// optional: nothing here links or includes it. Tensors are read through their
-// Python attributes, and only exact torch.Tensor objects of the kinds that
+// optional: nothing here links or includes it. Tensors are read through torch's
+// DLPack exchange table (a C ABI) where it has one, else through their Python
+// attributes, and only exact torch.Tensor objects of the kinds that
 // Tensor.numpy() would read (CPU, strided, no grad, no negative bit); anything
 // else gives None and takes the checked path, which raises for bad input.
 #include <pybind11/numpy.h>
@@ -178,6 +179,32 @@ py::object lk_free_key(py::bytes exact) {
   return one_row_key(w, r).bytes(tensor ? "t" : "");
 }
 
+// DLPack's C exchange table (DLPack 1.2+: the capsule "dlpack_exchange_api" that a
+// framework sets on its tensor type as __dlpack_c_exchange_api__), declared here in the
+// layout of DLPack's major version 1 so that nothing includes a framework's header. Its
+// dltensor_from_py_object_no_sync fills a caller-owned DLTensor (no allocation, no
+// reference taken): a tensor's dtype, device, sizes, strides (in elements) and data in
+// one C call, where reading them as Python attributes takes six.
+struct DlTensor {
+  void* data;
+  int32_t device_type, device_id;
+  int32_t ndim;
+  uint8_t code, bits;
+  uint16_t lanes;
+  int64_t* shape;
+  int64_t* strides;  // in elements
+  uint64_t byte_offset;
+};
+struct DlExchangeApi {
+  uint32_t major, minor;  // the table's DLPack version
+  void* prev_api;
+  void *allocator, *managed_from_py, *managed_to_py;        // not used here
+  int (*dltensor_from_py)(void* py_object, DlTensor* out);  // may be null
+  void* current_work_stream;
+};
+constexpr int32_t kDlCpu = 1;
+constexpr uint8_t kDlFloat = 2, kDlBfloat = 4;
+
 // What run_plan needs of torch, handed over by set_torch once torch is
 // imported (attn_fast._checks): the tensor type, the float dtypes, the strided
 // layout, from_numpy, and the three states under which a call must go through
@@ -186,11 +213,22 @@ struct TorchKinds {
   py::object tensor, f32, f64, f16, bf16, strided, from_numpy;
   py::object functorch_active, dispatch_stack_len, function_mode_on;
   bool set = false;
+  const DlExchangeApi* dlpack = nullptr;  // the tensor type's C exchange table, if usable
 };
 
 TorchKinds& torch_kinds() {
   static TorchKinds* k = new TorchKinds;  // never destroyed: no Python calls at exit
   return *k;
+}
+
+// The exchange table in `capsule` (torch.Tensor.__dlpack_c_exchange_api__), or null (the
+// attribute reader) for None, another object, another major version or a table without
+// the non-owning reader.
+const DlExchangeApi* exchange_table(py::handle capsule) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dlpack_exchange_api")) return nullptr;
+  const auto* api =
+      static_cast<const DlExchangeApi*>(PyCapsule_GetPointer(capsule.ptr(), "dlpack_exchange_api"));
+  return api && api->major == 1 && api->dltensor_from_py ? api : nullptr;
 }
 
 // One tensor as a NumPy view would see it (the fields of its plan key, and its memory).
@@ -227,9 +265,36 @@ bool tuple_ints(PyObject* t, int64_t* out, int* nd) {
   return true;
 }
 
+// x's dtype (kind: index into TorchKinds' float dtypes), sizes, strides (in elements)
+// and data by the DLPack exchange table; false, with no Python error set, unless x is a
+// CPU float tensor of at most kMaxNd dimensions the table describes. Tensors without
+// strides (sparse, mkldnn, nested layouts) are refused by the table itself.
+bool read_dlpack(const DlExchangeApi& api, PyObject* x, TensorRead& r, int* kind) {
+  DlTensor t;
+  if (api.dltensor_from_py(x, &t) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  if (t.device_type != kDlCpu || t.lanes != 1 || t.ndim < 0 || t.ndim > kMaxNd ||
+      (t.ndim > 0 && (!t.shape || !t.strides)))
+    return false;
+  if (t.code == kDlFloat && (t.bits == 32 || t.bits == 64 || t.bits == 16))
+    *kind = t.bits == 32 ? 0 : t.bits == 64 ? 1 : 2;
+  else if (t.code == kDlBfloat && t.bits == 16)
+    *kind = 3;
+  else
+    return false;
+  r.nd = t.ndim;
+  for (int j = 0; j < r.nd; ++j) r.dims[j] = t.shape[j], r.strides[j] = t.strides[j];
+  r.data = static_cast<char*>(t.data) + t.byte_offset;
+  return true;
+}
+
 // Reads `x` as Tensor.numpy() would (bfloat16 as its uint16 bits); false, with no
 // Python error set, for anything that is not an exact CPU strided float tensor without
-// grad or negative bit, with aligned data (and memory, if it has elements).
+// grad or negative bit, with aligned data (and memory, if it has elements). Through the
+// DLPack exchange table where torch has one (the grad and negative bits are not DLPack's:
+// two attributes), else through six attributes more.
 bool read_tensor(const TorchKinds& tk, PyObject* x, TensorRead& r) {
   static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
   static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -240,41 +305,46 @@ bool read_tensor(const TorchKinds& tk, PyObject* x, TensorRead& r) {
   static PyObject* s_stride = PyUnicode_InternFromString("stride");
   static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
   if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(tk.tensor.ptr())) return false;
-  PyObject* const dtypes[4] = {tk.f32.ptr(), tk.f64.ptr(), tk.f16.ptr(), tk.bf16.ptr()};
   static const int nums[4] = {npd::npy_api::NPY_FLOAT_, npd::npy_api::NPY_DOUBLE_, kNpyHalf,
                               npd::npy_api::NPY_USHORT_};
   static const int sizes[4] = {4, 8, 2, 2};
-  const int kind = attr_is(x, s_dtype, false, dtypes, 4);
-  PyObject* const yes = Py_True;
   PyObject* const no = Py_False;
-  PyObject* const strided = tk.strided.ptr();
-  if (kind < 0 || attr_is(x, s_is_cpu, false, &yes, 1) < 0 ||
-      attr_is(x, s_layout, false, &strided, 1) < 0 ||
-      attr_is(x, s_requires_grad, false, &no, 1) < 0 || attr_is(x, s_is_neg, true, &no, 1) < 0)
-    return false;
+  int kind = -1;
+  if (tk.dlpack) {
+    if (!read_dlpack(*tk.dlpack, x, r, &kind) || attr_is(x, s_requires_grad, false, &no, 1) < 0 ||
+        attr_is(x, s_is_neg, true, &no, 1) < 0)
+      return false;
+  } else {
+    PyObject* const dtypes[4] = {tk.f32.ptr(), tk.f64.ptr(), tk.f16.ptr(), tk.bf16.ptr()};
+    PyObject* const yes = Py_True;
+    PyObject* const strided = tk.strided.ptr();
+    kind = attr_is(x, s_dtype, false, dtypes, 4);
+    if (kind < 0 || attr_is(x, s_is_cpu, false, &yes, 1) < 0 ||
+        attr_is(x, s_layout, false, &strided, 1) < 0 ||
+        attr_is(x, s_requires_grad, false, &no, 1) < 0 || attr_is(x, s_is_neg, true, &no, 1) < 0)
+      return false;
+    PyObject* shape = PyObject_GetAttr(x, s_shape);
+    PyObject* strides = shape ? PyObject_CallMethodNoArgs(x, s_stride) : nullptr;
+    PyObject* ptr = strides ? PyObject_CallMethodNoArgs(x, s_data_ptr) : nullptr;
+    int nd_s = -1;
+    const bool ok = tuple_ints(shape, r.dims, &r.nd) && tuple_ints(strides, r.strides, &nd_s) &&
+                    nd_s == r.nd && ptr && PyLong_Check(ptr);
+    if (ok) r.data = PyLong_AsVoidPtr(ptr);
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(ptr);
+    if (!ok || PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
   r.type_num = nums[kind];
   r.itemsize = sizes[kind];
-  PyObject* shape = PyObject_GetAttr(x, s_shape);
-  PyObject* strides = shape ? PyObject_CallMethodNoArgs(x, s_stride) : nullptr;
-  PyObject* ptr = strides ? PyObject_CallMethodNoArgs(x, s_data_ptr) : nullptr;
-  int nd_s = -1;
-  bool ok = tuple_ints(shape, r.dims, &r.nd) && tuple_ints(strides, r.strides, &nd_s) &&
-            nd_s == r.nd && ptr && PyLong_Check(ptr);
-  if (ok) {
-    r.data = PyLong_AsVoidPtr(ptr);
-    int64_t numel = 1;
-    for (int j = 0; j < r.nd; ++j) numel *= r.dims[j];
-    // no memory behind elements (a ZeroTensor: data_ptr() 0): Tensor.numpy() refuses it
-    ok = !PyErr_Occurred() && reinterpret_cast<uintptr_t>(r.data) % uintptr_t(r.itemsize) == 0 &&
-         (r.data || numel == 0);
-  }
-  Py_XDECREF(shape);
-  Py_XDECREF(strides);
-  Py_XDECREF(ptr);
-  if (!ok) {
-    PyErr_Clear();
+  int64_t numel = 1;
+  for (int j = 0; j < r.nd; ++j) numel *= r.dims[j];
+  // no memory behind elements (a ZeroTensor: data_ptr() 0): Tensor.numpy() refuses it
+  if (reinterpret_cast<uintptr_t>(r.data) % uintptr_t(r.itemsize) != 0 || (!r.data && numel))
     return false;
-  }
   for (int j = 0; j < r.nd; ++j) r.strides[j] *= r.itemsize;
   return true;
 }
@@ -467,7 +537,7 @@ void def_plans(py::module_& m) {
       "set_torch",
       [](py::object tensor, py::object f32, py::object f64, py::object f16, py::object bf16,
          py::object strided, py::object from_numpy, py::object functorch_active,
-         py::object dispatch_stack_len, py::object function_mode_on) {
+         py::object dispatch_stack_len, py::object function_mode_on, py::object dlpack_api) {
         TorchKinds& tk = torch_kinds();
         tk = TorchKinds{tensor,
                         f32,
@@ -480,10 +550,12 @@ void def_plans(py::module_& m) {
                         dispatch_stack_len,
                         function_mode_on,
                         true};
+        tk.dlpack = exchange_table(dlpack_api);
       },
       py::arg("tensor"), py::arg("f32"), py::arg("f64"), py::arg("f16"), py::arg("bf16"),
       py::arg("strided"), py::arg("from_numpy"), py::arg("functorch_active"),
       py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
+      py::arg("dlpack_api") = py::none(),
       "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
       "dispatch-state queries to run_plan (once, when torch is imported).");
   m.def("lk_free_key", &lk_free_key, py::arg("key"),

@@ -12,6 +12,8 @@ exists. Every result is also checked against the float64 oracle.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import randn, tol
@@ -144,6 +146,20 @@ def test_sdpa_plan_torch_tensors(rng, monkeypatch, dtype):
         assert len(calls) == 2
 
 
+@pytest.fixture(params=["dlpack", "attributes"])
+def tensor_reader(request):
+    """How _core reads a tensor in C: by torch's DLPack exchange table (one C call) or by
+    its Python attributes (a torch without the table); both give the same views and
+    refuse the same tensors."""
+    _checks._is_torch_tensor(torch.zeros(1))  # torch's kinds handed over (once per process)
+    table = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if request.param == "dlpack" and table is None:
+        pytest.skip("this torch has no DLPack exchange table (__dlpack_c_exchange_api__)")
+    _checks._hand_torch_to_core(dlpack=request.param == "dlpack")
+    yield request.param
+    _checks._hand_torch_to_core()
+
+
 TENSOR_LAYOUTS = {
     # name: (q, k, v) from contiguous q (1, 6, 3, 16) and k, v (1, 2, 40, 16)
     "contiguous": lambda q, k, v: (q, k, v),
@@ -155,7 +171,7 @@ TENSOR_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(TENSOR_LAYOUTS))
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-def test_tensor_plan_in_c_same_bits(isa, rng, layout, dtype):
+def test_tensor_plan_in_c_same_bits(isa, rng, tensor_reader, layout, dtype):
     """_core.run_plan runs the plan a checked call on tensors stored (found by the
     same key) and returns what that call returns: the same bits, a new tensor of q's
     dtype and shape, C-contiguous; None until a plan exists."""
@@ -189,6 +205,13 @@ def test_tensor_plan_in_c_same_bits(isa, rng, layout, dtype):
     np.testing.assert_allclose(got.double().numpy(), want, rtol=t, atol=t)
 
 
+def _strided_nested(k):
+    """k's heads as a nested tensor of torch's strided layout (an exact torch.Tensor)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "prototype stage"
+        return torch.nested.nested_tensor(list(k[0]))
+
+
 def _tensor_refusals():
     """(name, q, k, v transform, context) the C plan must refuse (None) once a plan of the
     same layout exists: each differs from a planned call only in what the key does not
@@ -207,20 +230,28 @@ def _tensor_refusals():
     import contextlib
 
     none = contextlib.nullcontext
-    return {
+    refusals = {
         "k_requires_grad": (lambda q, k, v: (q, k.clone().requires_grad_(), v), none),
         "q_negative_bit": (lambda q, k, v: (torch._neg_view(q), k, v), none),
         "v_parameter": (lambda q, k, v: (q, k, torch.nn.Parameter(v.clone())), none),
         "k_meta": (lambda q, k, v: (q, k.to("meta"), v), none),
         "k_sparse": (lambda q, k, v: (q, k.to_sparse(), v), none),
         "k_zero_tensor": (lambda q, k, v: (q, torch._efficientzerotensor(k.shape), v), none),
+        "k_nested": (lambda q, k, v: (q, _strided_nested(k), v), none),
+        "k_int32": (lambda q, k, v: (q, k.to(torch.int32), v), none),
+        "k_complex": (lambda q, k, v: (q, k.to(torch.complex64), v), none),
+        "k_float8": (lambda q, k, v: (q, k.to(torch.float8_e4m3fn), v), none),
+        "k_bool": (lambda q, k, v: (q, k > 0, v), none),
         "dispatch_mode": (lambda q, k, v: (q, k, v), Passthrough),
         "function_mode": (lambda q, k, v: (q, k, v), FunctionPass),
     }
+    if torch.backends.mkldnn.is_available():
+        refusals["k_mkldnn"] = (lambda q, k, v: (q, k.float().to_mkldnn(), v), none)
+    return refusals
 
 
 @pytest.mark.parametrize("which", sorted(_tensor_refusals()))
-def test_tensor_plan_in_c_refuses(rng, which):
+def test_tensor_plan_in_c_refuses(rng, tensor_reader, which):
     """What the key does not hold (grad, the negative bit, subclasses, devices, layouts,
     torch's modes) is read per call: such tensors never take a plan in C, and the public
     call takes the checked path (which refuses a negative-bit view)."""
@@ -311,7 +342,7 @@ def test_numpy_plan_in_c_same_bits(isa, rng, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-def test_tensor_views_are_the_numpy_views(rng, dtype):
+def test_tensor_views_are_the_numpy_views(rng, tensor_reader, dtype):
     """_core.tensor_views gives what fast_view gives: the tensors' memory (no copy), their
     shapes and byte strides, bfloat16 as uint16 bits, each view keeping its tensor alive;
     None for what the key of a plan could not tell apart."""

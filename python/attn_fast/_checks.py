@@ -323,9 +323,20 @@ def _torch_fast_kinds():
         {torch.float32: False, torch.float64: False, torch.float16: False, torch.bfloat16: True}
     )
     _TORCH_FAST["bits"] = bits or as_int16
+    _hand_torch_to_core()
+    return _TORCH_FAST
+
+
+def _hand_torch_to_core(dlpack=True):
+    """Hand torch's kinds to _core, whose planned calls read tensors in C (the same kinds
+    fast_view reads). With ``dlpack`` a tensor's dtype, sizes, strides and data come from
+    torch's DLPack exchange table (torch.Tensor.__dlpack_c_exchange_api__, DLPack 1.2+) in
+    one C call; without it, or on a torch without the table, from its Python attributes
+    (tests run both readers)."""
+    import torch
+
     from . import _core
 
-    # _core.run_plan reads the same kinds of tensors (a planned call's views) in C.
     _core.set_torch(
         torch.Tensor,
         torch.float32,
@@ -337,8 +348,8 @@ def _torch_fast_kinds():
         torch._C._are_functorch_transforms_active,
         torch._C._len_torch_dispatch_stack,
         torch._C._is_torch_function_mode_enabled,
+        getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) if dlpack else None,
     )
-    return _TORCH_FAST
 
 
 def _is_bf16_input(x, arr):
