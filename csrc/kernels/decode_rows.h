@@ -244,12 +244,17 @@ __attribute__((flatten)) inline void qk_rows(const T* Qs, int64_t ldq, const SK*
     }
     alignas(64) T sums[NK];
     reduce_dots<T, NK, N>(acc, sums);
-    for (int r = 0; r < N; ++r)
-      for (int j = 0; j < KC; ++j) {
-        T x = sums[r * KC + j];
-        for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * ld(kr[j] + e);
-        S[r * lds + c + j] = x;
-      }
+    if (dvec == d) {  // no tail: the N x KC stores unrolled (a loop per score otherwise)
+      for (int r = 0; r < N; ++r)
+        for (int j = 0; j < KC; ++j) S[r * lds + c + j] = sums[r * KC + j];
+    } else {
+      for (int r = 0; r < N; ++r)
+        for (int j = 0; j < KC; ++j) {
+          T x = sums[r * KC + j];
+          for (int64_t e = dvec; e < d; ++e) x += Qs[r * ldq + e] * ld(kr[j] + e);
+          S[r * lds + c + j] = x;
+        }
+    }
   }
   *pf = p;
   if constexpr (N == 3 && KC == 4) {  // the tail as qk_rows<3, 2> would take it
