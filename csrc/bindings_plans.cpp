@@ -470,9 +470,6 @@ py::object run_plan(py::dict plans, py::handle q, py::handle k, py::handle v, bo
                    }));
 }
 
-// q, k, v (torch tensors) as the NumPy views Tensor.numpy() would give (bfloat16 as
-// its uint16 bits), or None when one is not a kind read_tensor reads; torch's modes
-// are not looked at (a caller that must respect them asks first).
 // The three tensors' views into views[]; false (views untouched) when torch is not handed
 // over yet or one tensor is not a kind read_tensor reads.
 bool read_views(const py::handle* in, py::object* views) {
@@ -486,6 +483,9 @@ bool read_views(const py::handle* in, py::object* views) {
   return true;
 }
 
+// q, k, v (torch tensors) as the NumPy views Tensor.numpy() would give (bfloat16 as
+// its uint16 bits), or None when one is not a kind read_tensor reads; torch's modes
+// are not looked at (a caller that must respect them asks first).
 py::object tensor_views(py::handle q, py::handle k, py::handle v) {
   const py::handle in[3] = {q, k, v};
   py::object views[3];
@@ -556,8 +556,9 @@ void def_plans(py::module_& m) {
       py::arg("strided"), py::arg("from_numpy"), py::arg("functorch_active"),
       py::arg("dispatch_stack_len"), py::arg("function_mode_on"),
       py::arg("dlpack_api") = py::none(),
-      "Hand torch's tensor type, float dtypes, strided layout, from_numpy and its three "
-      "dispatch-state queries to run_plan (once, when torch is imported).");
+      "Hand torch's tensor type, float dtypes, strided layout, from_numpy, its three "
+      "dispatch-state queries and its DLPack exchange table (None: read tensors by their "
+      "attributes) to run_plan (when torch is imported).");
   m.def("lk_free_key", &lk_free_key, py::arg("key"),
         "The second key of a one-row decode plan, which serves every key count and k / v "
         "strides, from its exact plan key (bytes); None when the call is not one row against "
